@@ -1,0 +1,1 @@
+"""Thin adapters around the core: Envoy codec, gRPC server, etcd store."""

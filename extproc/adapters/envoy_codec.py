@@ -1,0 +1,122 @@
+"""Translation between Envoy's ext_proc messages and plain Python values.
+
+Only this module (and the server) touch the generated protobuf classes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from google.protobuf import struct_pb2
+from google.protobuf.duration_pb2 import Duration
+
+from ..core.errors import GatewayError
+from ..gen.envoy.config.core.v3 import base_pb2 as core
+from ..gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from ..gen.envoy.type.v3 import http_status_pb2 as hs
+
+ProcessingRequest = ep.ProcessingRequest
+ProcessingResponse = ep.ProcessingResponse
+
+_OVERWRITE = core.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+
+
+def headers_dict(hm: core.HeaderMap) -> dict[str, str]:
+    """Envoy sends values in raw_value (bytes); older versions in value."""
+    out: dict[str, str] = {}
+    for h in hm.headers:
+        out[h.key] = h.raw_value.decode("latin-1") if h.raw_value else h.value
+    return out
+
+
+def attributes(req: ep.ProcessingRequest) -> dict[str, Any]:
+    """The request_attributes Envoy attached, flattened (e.g. 'upstream.address')."""
+    out: dict[str, Any] = {}
+    for _, st in req.attributes.items():
+        for k, v in st.fields.items():
+            kind = v.WhichOneof("kind")
+            out[k] = getattr(v, kind) if kind else None
+    return out
+
+
+def _mutation(set_headers: Mapping[str, str] | None,
+              remove: Iterable[str] = ()) -> ep.HeaderMutation:
+    hm = ep.HeaderMutation(remove_headers=list(remove))
+    for k, v in (set_headers or {}).items():
+        hm.set_headers.append(core.HeaderValueOption(
+            header=core.HeaderValue(key=k, raw_value=v.encode("latin-1")),
+            append_action=_OVERWRITE))
+    return hm
+
+
+def continue_request_headers(set_headers: Mapping[str, str] | None = None,
+                             remove: Iterable[str] = ()) -> ep.ProcessingResponse:
+    return ep.ProcessingResponse(request_headers=ep.HeadersResponse(
+        response=ep.CommonResponse(header_mutation=_mutation(set_headers, remove))))
+
+
+def continue_response_headers(set_headers: Mapping[str, str] | None = None,
+                              remove: Iterable[str] = ()) -> ep.ProcessingResponse:
+    return ep.ProcessingResponse(response_headers=ep.HeadersResponse(
+        response=ep.CommonResponse(header_mutation=_mutation(set_headers, remove))))
+
+
+def continue_request_body() -> ep.ProcessingResponse:
+    return ep.ProcessingResponse(request_body=ep.BodyResponse(response=ep.CommonResponse()))
+
+
+def continue_response_body() -> ep.ProcessingResponse:
+    return ep.ProcessingResponse(response_body=ep.BodyResponse(response=ep.CommonResponse()))
+
+
+def replace_response_body(data: bytes) -> ep.ProcessingResponse:
+    """STREAMED mode: this chunk's bytes become `data` (empty clears it)."""
+    mut = ep.BodyMutation(body=data) if data else ep.BodyMutation(clear_body=True)
+    return ep.ProcessingResponse(response_body=ep.BodyResponse(
+        response=ep.CommonResponse(body_mutation=mut)))
+
+
+def streamed_response_body(data: bytes, end_of_stream: bool) -> ep.ProcessingResponse:
+    """FULL_DUPLEX_STREAMED mode: the processor owns the body and sends what it wants."""
+    return ep.ProcessingResponse(response_body=ep.BodyResponse(response=ep.CommonResponse(
+        body_mutation=ep.BodyMutation(streamed_response=ep.StreamedBodyResponse(
+            body=data, end_of_stream=end_of_stream)))))
+
+
+def trailers_response() -> ep.ProcessingResponse:
+    return ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
+
+
+def fail_attempt_headers(request_id: str) -> ep.ProcessingResponse:
+    """Answer held response headers as a 503 so the router retries on another host."""
+    return continue_response_headers(
+        {":status": "503", "content-type": "application/json",
+         "x-gateway-request-id": request_id},
+        remove=("content-length",))
+
+
+def immediate(err: GatewayError, extra_headers: Mapping[str, str] | None = None
+              ) -> ep.ProcessingResponse:
+    return immediate_json(err.http_status, err.json_bytes(), extra_headers, str(err.code))
+
+
+def immediate_json(status: int, body: bytes, extra_headers: Mapping[str, str] | None = None,
+                   details: str = "extproc") -> ep.ProcessingResponse:
+    hdrs = {"content-type": "application/json"}
+    hdrs.update(extra_headers or {})
+    return ep.ProcessingResponse(immediate_response=ep.ImmediateResponse(
+        status=hs.HttpStatus(code=status),  # type: ignore[arg-type]
+        headers=_mutation(hdrs), body=body, details=details))
+
+
+def message_timeout(seconds: float) -> Duration:
+    d = Duration()
+    d.FromNanoseconds(int(seconds * 1e9))
+    return d
+
+
+def struct(d: Mapping[str, Any]) -> struct_pb2.Struct:
+    s = struct_pb2.Struct()
+    s.update(dict(d))
+    return s

@@ -1,0 +1,358 @@
+"""One validated configuration, the failover policy included.
+
+Pure: it takes an already-parsed mapping (the CLI parses YAML and env overrides) so the
+rules can be tested without files. Every error names the field by its dotted path, because
+an operator reading a crash loop at 3 a.m. needs to know which line to fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message starts with the field's dotted path."""
+
+    def __init__(self, path: str, problem: str) -> None:
+        super().__init__(f"{path}: {problem}")
+        self.path = path
+        self.problem = problem
+
+
+# --- the mission's policy -------------------------------------------------------------
+
+BEFORE_REQUIRES = frozenset({"source_attempt_fenced", "retry_budget_available"})
+
+
+@dataclass(frozen=True, slots=True)
+class BeforeFirstDelta:
+    require: tuple[str, ...] = ("source_attempt_fenced", "retry_budget_available")
+    action: str = "retry_prefill_on_healthy_replica"
+    max_attempts: int = 2
+
+
+@dataclass(frozen=True, slots=True)
+class AfterFirstDelta:
+    action: str = "terminate_stream"
+    client_error: str = "upstream_decode_interrupted"
+    automatic_retry: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class UncertainSourceLiveness:
+    action: str = "fence_source_attempt"
+    wait_for: str = "cancel_ack_or_lease_expiry"
+    then: str = "retry_only_if_no_delta_was_sent"
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    before_first_delta: BeforeFirstDelta = field(default_factory=BeforeFirstDelta)
+    after_first_delta: AfterFirstDelta = field(default_factory=AfterFirstDelta)
+    uncertain_source_liveness: UncertainSourceLiveness = field(
+        default_factory=UncertainSourceLiveness
+    )
+
+    @property
+    def max_attempts(self) -> int:
+        return self.before_first_delta.max_attempts
+
+
+# --- the rest of the configuration ------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class EtcdConfig:
+    endpoints: tuple[str, ...] = ("127.0.0.1:2379",)
+    # Every etcd call carries this deadline: a frozen etcd must never hang a stream.
+    timeout_s: float = 1.0
+    prefix: str = "/llmgw/v1"
+    attempt_lease_ttl_s: int = 10
+    journal_retention_s: int = 86400
+
+
+@dataclass(frozen=True, slots=True)
+class TimeoutsConfig:
+    # Hard limit on time to the first content delta, per attempt (Envoy's per_try_timeout).
+    # Deliberately not short: a slow replica is not a dead one.
+    first_delta_s: float = 30.0
+    # After the first delta, silence longer than this ends the stream with the terminal
+    # error event (the guard's watchdog).
+    stall_after_first_delta_s: float = 15.0
+    # How long the journal waits for Envoy's access-log entry naming the termination cause.
+    access_log_wait_s: float = 0.5
+    # Upper bound on waiting for an old attempt's lease to go before admitting a retry.
+    fence_wait_s: float = 12.0
+
+
+@dataclass(frozen=True, slots=True)
+class LimitsConfig:
+    max_request_body_bytes: int = 1_048_576
+    max_idempotency_key_length: int = 128
+    max_buffered_response_bytes: int = 4_194_304
+
+
+@dataclass(frozen=True, slots=True)
+class IdempotencyConfig:
+    required: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class TenancyConfig:
+    # Request header naming the tenant; None means one tenant ("default").
+    header: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    # "host:port" for TCP, or "unix:/path" for a Unix domain socket.
+    listen: str = "127.0.0.1:50051"
+    gateway_id: str = "gw-1"
+    log_level: str = "INFO"
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    etcd: EtcdConfig = field(default_factory=EtcdConfig)
+    timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+    idempotency: IdempotencyConfig = field(default_factory=IdempotencyConfig)
+    tenancy: TenancyConfig = field(default_factory=TenancyConfig)
+    policy: Policy = field(default_factory=Policy)
+
+
+# --- validation -----------------------------------------------------------------------
+
+
+class _Reader:
+    """Reads one mapping section, remembering which keys were consumed."""
+
+    def __init__(self, raw: object, path: str) -> None:
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, Mapping):
+            raise ConfigError(path or "<root>", f"must be a mapping, got {type(raw).__name__}")
+        self.raw: Mapping[str, Any] = raw
+        self.path = path
+        self.used: set[str] = set()
+
+    def _p(self, key: str) -> str:
+        return f"{self.path}.{key}" if self.path else key
+
+    def section(self, key: str) -> _Reader:
+        self.used.add(key)
+        return _Reader(self.raw.get(key), self._p(key))
+
+    def str_(self, key: str, default: str, choices: frozenset[str] | None = None) -> str:
+        self.used.add(key)
+        v = self.raw.get(key, default)
+        if not isinstance(v, str) or not v:
+            raise ConfigError(self._p(key), f"must be a non-empty string, got {v!r}")
+        if choices is not None and v not in choices:
+            raise ConfigError(self._p(key), f"must be one of {sorted(choices)}, got {v!r}")
+        return v
+
+    def opt_str(self, key: str, default: str | None) -> str | None:
+        self.used.add(key)
+        v = self.raw.get(key, default)
+        if v is None:
+            return None
+        if not isinstance(v, str) or not v:
+            raise ConfigError(self._p(key), f"must be a non-empty string or null, got {v!r}")
+        return v
+
+    def bool_(self, key: str, default: bool) -> bool:
+        self.used.add(key)
+        v = self.raw.get(key, default)
+        if not isinstance(v, bool):
+            raise ConfigError(self._p(key), f"must be true or false, got {v!r}")
+        return v
+
+    def int_(self, key: str, default: int, lo: int, hi: int) -> int:
+        self.used.add(key)
+        v = self.raw.get(key, default)
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ConfigError(self._p(key), f"must be an integer, got {v!r}")
+        if not lo <= v <= hi:
+            raise ConfigError(self._p(key), f"must be between {lo} and {hi}, got {v}")
+        return v
+
+    def float_(self, key: str, default: float, lo: float, hi: float) -> float:
+        self.used.add(key)
+        v = self.raw.get(key, default)
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            raise ConfigError(self._p(key), f"must be a number, got {v!r}")
+        if not lo <= float(v) <= hi:
+            raise ConfigError(self._p(key), f"must be between {lo} and {hi}, got {v}")
+        return float(v)
+
+    def str_list(self, key: str, default: tuple[str, ...]) -> tuple[str, ...]:
+        self.used.add(key)
+        v = self.raw.get(key, list(default))
+        if isinstance(v, str):
+            v = [s.strip() for s in v.split(",") if s.strip()]
+        if not isinstance(v, list | tuple) or not v:
+            raise ConfigError(self._p(key), f"must be a non-empty list of strings, got {v!r}")
+        for i, item in enumerate(v):
+            if not isinstance(item, str) or not item:
+                raise ConfigError(f"{self._p(key)}[{i}]", f"must be a non-empty string, got {item!r}")
+        return tuple(v)
+
+    def done(self) -> None:
+        unknown = sorted(set(self.raw) - self.used)
+        if unknown:
+            raise ConfigError(self._p(unknown[0]), "unknown field")
+
+
+def _policy(outer: _Reader) -> Policy:
+    # The mission's YAML verbatim: policy.on_upstream_failure.{before,after,uncertain...}.
+    r = outer.section("on_upstream_failure")
+    b = r.section("before_first_delta")
+    require = b.str_list("require", BeforeFirstDelta.require)
+    for i, item in enumerate(require):
+        if item not in BEFORE_REQUIRES:
+            raise ConfigError(
+                f"{b.path}.require[{i}]", f"must be one of {sorted(BEFORE_REQUIRES)}, got {item!r}"
+            )
+    if "source_attempt_fenced" not in require:
+        # Retrying without a fence is exactly how two live attempts happen.
+        raise ConfigError(f"{b.path}.require", "must include source_attempt_fenced")
+    before = BeforeFirstDelta(
+        require=require,
+        action=b.str_("action", "retry_prefill_on_healthy_replica",
+                      frozenset({"retry_prefill_on_healthy_replica", "terminate_request"})),
+        max_attempts=b.int_("max_attempts", 2, 1, 10),
+    )
+    b.done()
+    a = r.section("after_first_delta")
+    after = AfterFirstDelta(
+        action=a.str_("action", "terminate_stream", frozenset({"terminate_stream"})),
+        client_error=a.str_("client_error", "upstream_decode_interrupted",
+                            frozenset({"upstream_decode_interrupted"})),
+        automatic_retry=a.bool_("automatic_retry", False),
+    )
+    if after.automatic_retry:
+        # No verified decode-state transfer exists: a retry here would stitch two runs.
+        raise ConfigError(f"{a.path}.automatic_retry",
+                          "must be false: a re-run after delivery would stitch two generations")
+    a.done()
+    u = r.section("uncertain_source_liveness")
+    unc = UncertainSourceLiveness(
+        action=u.str_("action", "fence_source_attempt", frozenset({"fence_source_attempt"})),
+        wait_for=u.str_("wait_for", "cancel_ack_or_lease_expiry",
+                        frozenset({"cancel_ack_or_lease_expiry", "lease_expiry"})),
+        then=u.str_("then", "retry_only_if_no_delta_was_sent",
+                    frozenset({"retry_only_if_no_delta_was_sent", "terminate_request"})),
+    )
+    u.done()
+    r.done()
+    outer.done()
+    return Policy(before_first_delta=before, after_first_delta=after,
+                  uncertain_source_liveness=unc)
+
+
+def load_config(raw: Mapping[str, Any] | None) -> Config:
+    """Validate a parsed configuration mapping; raise ConfigError naming the field."""
+    root = _Reader(raw or {}, "")
+    s = root.section("server")
+    server = ServerConfig(
+        listen=s.str_("listen", ServerConfig.listen),
+        gateway_id=s.str_("gateway_id", ServerConfig.gateway_id),
+        log_level=s.str_("log_level", "INFO",
+                         frozenset({"DEBUG", "INFO", "WARNING", "ERROR"})),
+    )
+    s.done()
+    e = root.section("etcd")
+    etcd = EtcdConfig(
+        endpoints=e.str_list("endpoints", EtcdConfig.endpoints),
+        timeout_s=e.float_("timeout_s", EtcdConfig.timeout_s, 0.05, 30.0),
+        prefix=e.str_("prefix", EtcdConfig.prefix),
+        attempt_lease_ttl_s=e.int_("attempt_lease_ttl_s", EtcdConfig.attempt_lease_ttl_s, 2, 600),
+        journal_retention_s=e.int_("journal_retention_s", EtcdConfig.journal_retention_s,
+                                   60, 30 * 86400),
+    )
+    if not etcd.prefix.startswith("/") or etcd.prefix.endswith("/"):
+        raise ConfigError("etcd.prefix", f"must start with '/' and not end with '/', got {etcd.prefix!r}")
+    for i, ep in enumerate(etcd.endpoints):
+        host, sep, port = ep.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ConfigError(f"etcd.endpoints[{i}]", f"must be host:port, got {ep!r}")
+    e.done()
+    t = root.section("timeouts")
+    timeouts = TimeoutsConfig(
+        first_delta_s=t.float_("first_delta_s", TimeoutsConfig.first_delta_s, 0.5, 3600.0),
+        stall_after_first_delta_s=t.float_("stall_after_first_delta_s",
+                                           TimeoutsConfig.stall_after_first_delta_s, 0.2, 3600.0),
+        access_log_wait_s=t.float_("access_log_wait_s", TimeoutsConfig.access_log_wait_s,
+                                   0.0, 10.0),
+        fence_wait_s=t.float_("fence_wait_s", TimeoutsConfig.fence_wait_s, 0.0, 600.0),
+    )
+    t.done()
+    lim = root.section("limits")
+    limits = LimitsConfig(
+        max_request_body_bytes=lim.int_("max_request_body_bytes",
+                                        LimitsConfig.max_request_body_bytes, 1024, 64 << 20),
+        max_idempotency_key_length=lim.int_("max_idempotency_key_length",
+                                            LimitsConfig.max_idempotency_key_length, 8, 1024),
+        max_buffered_response_bytes=lim.int_("max_buffered_response_bytes",
+                                             LimitsConfig.max_buffered_response_bytes,
+                                             4096, 256 << 20),
+    )
+    lim.done()
+    i = root.section("idempotency")
+    idem = IdempotencyConfig(required=i.bool_("required", False))
+    i.done()
+    ten = root.section("tenancy")
+    tenancy = TenancyConfig(header=ten.opt_str("header", None))
+    if tenancy.header is not None:
+        tenancy = TenancyConfig(header=tenancy.header.lower())
+    ten.done()
+    policy = _policy(root.section("policy"))
+    root.done()
+    if etcd.attempt_lease_ttl_s > timeouts.fence_wait_s and timeouts.fence_wait_s > 0:
+        # A retry may have to wait out the old lease; waiting less than its TTL would refuse
+        # retries that are perfectly safe a moment later.
+        raise ConfigError("timeouts.fence_wait_s",
+                          f"must be >= etcd.attempt_lease_ttl_s ({etcd.attempt_lease_ttl_s})")
+    return Config(server=server, etcd=etcd, timeouts=timeouts, limits=limits,
+                  idempotency=idem, tenancy=tenancy, policy=policy)
+
+
+def apply_env_overrides(raw: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
+    """Overlay EXTPROC_<SECTION>__<FIELD>=value variables onto a parsed config.
+
+    Values are parsed as YAML scalars by the caller-provided parser-free rule: ints, floats,
+    true/false and null are recognised; anything else stays a string. Lists are comma-separated.
+    """
+    out: dict[str, Any] = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in raw.items()}
+    for name, value in sorted(env.items()):
+        if not name.startswith("EXTPROC_") or "__" not in name:
+            continue
+        parts = [p.lower() for p in name[len("EXTPROC_"):].split("__")]
+        if len(parts) != 2 or not all(parts):
+            raise ConfigError(name, "environment override must look like EXTPROC_SECTION__FIELD")
+        section, key = parts
+        target = out.setdefault(section, {})
+        if not isinstance(target, dict):
+            raise ConfigError(section, "cannot override a field of a non-mapping section")
+        target[key] = _scalar(value)
+    return out
+
+
+def _scalar(text: str) -> object:
+    low = text.strip().lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low in ("null", "none", "~"):
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        return float(text)
+    except ValueError:
+        return text

@@ -1,0 +1,147 @@
+"""What the guard decides about an incoming request before anything runs.
+
+Pure functions over headers and body bytes, so every bad-input rule is testable without
+Envoy: a malformed body, an oversized one, a bad Idempotency-Key, a bad request id.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .config import Config
+from .errors import ErrorCode, GatewayError, bad_request
+from .journal import new_request_id, request_id_for_key, validate_request_id
+
+GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+STATUS_PREFIX = "/v1/requests/"
+DEFAULT_TENANT = "default"
+
+
+@dataclass(frozen=True, slots=True)
+class StatusLookup:
+    request_id: str
+    tenant: str
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    request_id: str
+    tenant: str
+    idempotency_key: str | None
+    path: str
+
+
+@dataclass(frozen=True, slots=True)
+class PassThrough:
+    """Not ours to journal (e.g. GET /v1/models): forwarded untouched."""
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    error: GatewayError
+
+
+Intake = StatusLookup | Generation | PassThrough | Rejected
+
+
+def _valid_key(key: str, max_len: int) -> bool:
+    return 0 < len(key) <= max_len and all(0x21 <= ord(c) <= 0x7E for c in key)
+
+
+def classify_request(headers: Mapping[str, str], cfg: Config) -> Intake:
+    """Decide from the request headers alone (lower-case names)."""
+    method = headers.get(":method", "")
+    path = headers.get(":path", "").split("?", 1)[0]
+    tenant = DEFAULT_TENANT
+    if cfg.tenancy.header is not None:
+        t = headers.get(cfg.tenancy.header)
+        if t is None or not _valid_key(t, 256):
+            return Rejected(bad_request(ErrorCode.INVALID_HEADER,
+                                        f"header {cfg.tenancy.header} is missing or invalid",
+                                        status=401))
+        tenant = t
+    if path.startswith(STATUS_PREFIX):
+        if method != "GET":
+            return Rejected(bad_request(ErrorCode.INVALID_HEADER,
+                                        "the request status endpoint only accepts GET",
+                                        status=405))
+        rid = path[len(STATUS_PREFIX):]
+        err = validate_request_id(rid)
+        if err is not None:
+            return Rejected(err)
+        return StatusLookup(request_id=rid, tenant=tenant)
+    if path not in GENERATION_PATHS:
+        return PassThrough()
+    if method != "POST":
+        return Rejected(bad_request(ErrorCode.INVALID_HEADER,
+                                    f"{path} only accepts POST", status=405))
+    key = headers.get("idempotency-key")
+    if key is None:
+        if cfg.idempotency.required:
+            return Rejected(bad_request(ErrorCode.MISSING_IDEMPOTENCY_KEY,
+                                        "this gateway requires an Idempotency-Key header"))
+        return Generation(request_id=new_request_id(), tenant=tenant,
+                          idempotency_key=None, path=path)
+    if not _valid_key(key, cfg.limits.max_idempotency_key_length):
+        return Rejected(bad_request(
+            ErrorCode.INVALID_IDEMPOTENCY_KEY,
+            f"Idempotency-Key must be 1-{cfg.limits.max_idempotency_key_length} visible "
+            "ASCII characters"))
+    return Generation(request_id=request_id_for_key(tenant, key), tenant=tenant,
+                      idempotency_key=key, path=path)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestMeta:
+    """What the journal keeps about the input: enough to replay, never the prompt itself."""
+
+    model: str | None
+    stream: bool
+    seed: int | None
+    max_tokens: int | None
+    input_digest: str
+    body_bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "stream": self.stream, "seed": self.seed,
+                "max_tokens": self.max_tokens, "input_digest": self.input_digest,
+                "body_bytes": self.body_bytes}
+
+
+def parse_body(body: bytes, cfg: Config, request_id: str) -> RequestMeta | GatewayError:
+    if len(body) > cfg.limits.max_request_body_bytes:
+        return bad_request(ErrorCode.REQUEST_BODY_TOO_LARGE,
+                           f"request body is {len(body)} bytes; the limit is "
+                           f"{cfg.limits.max_request_body_bytes}", request_id, status=413)
+    try:
+        obj = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        return bad_request(ErrorCode.INVALID_REQUEST_BODY,
+                           f"request body is not valid JSON: {e}", request_id)
+    if not isinstance(obj, dict):
+        return bad_request(ErrorCode.INVALID_REQUEST_BODY,
+                           "request body must be a JSON object", request_id)
+    stream = obj.get("stream", False)
+    if not isinstance(stream, bool):
+        return bad_request(ErrorCode.INVALID_REQUEST_BODY, "'stream' must be a boolean",
+                           request_id)
+    model = obj.get("model")
+    if model is not None and not isinstance(model, str):
+        return bad_request(ErrorCode.INVALID_REQUEST_BODY, "'model' must be a string",
+                           request_id)
+    seed = obj.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        return bad_request(ErrorCode.INVALID_REQUEST_BODY, "'seed' must be an integer",
+                           request_id)
+    max_tokens = obj.get("max_tokens", obj.get("max_completion_tokens"))
+    if max_tokens is not None and (isinstance(max_tokens, bool)
+                                   or not isinstance(max_tokens, int)):
+        return bad_request(ErrorCode.INVALID_REQUEST_BODY, "'max_tokens' must be an integer",
+                           request_id)
+    return RequestMeta(model=model, stream=stream, seed=seed, max_tokens=max_tokens,
+                       input_digest="sha256:" + hashlib.sha256(body).hexdigest(),
+                       body_bytes=len(body))

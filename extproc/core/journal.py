@@ -1,0 +1,189 @@
+"""The per-logical-request journal: what it holds, and how a record is assembled.
+
+The record lives in etcd as a few keys, each written by exactly one party at one moment
+(no read-modify-write, so no lost updates between the guard and the gates):
+
+  meta            written once by the guard when the request is accepted
+  attempts/<n>    written by the gate that admitted attempt n (and again when it ends)
+  live            the current attempt id, attached to that attempt's lease: the fence
+  delivery        created by the fence transaction when the first delta is released
+  outcome         written by the guard when the downstream stream ends
+
+`first_delta_sent` is the existence of `delivery`: it is recorded before the bytes leave.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import re
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from .errors import ErrorCode, GatewayError, bad_request, decode_interrupted
+
+
+class Phase(StrEnum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    DONE = "done"
+
+
+class Outcome(StrEnum):
+    COMPLETED = "completed"
+    UPSTREAM_DECODE_INTERRUPTED = "upstream_decode_interrupted"
+    CLIENT_DISCONNECTED = "client_disconnected"
+    UPSTREAM_FAILED = "upstream_failed"  # nothing delivered and no attempt succeeded
+    REFUSED = "refused"  # a managed error before any delta
+    INTERRUPTED_UNKNOWN_CAUSE = "interrupted_unknown_cause"
+
+
+REQUEST_ID_RE = re.compile(r"^req_[0-9a-z]{26}$")
+_B32 = "0123456789abcdefghjkmnpqrstvwxyz"  # Crockford alphabet, lower case
+
+
+def _b32(data: bytes, n: int) -> str:
+    bits = int.from_bytes(data, "big")
+    total = len(data) * 8
+    out = []
+    for i in range(n):
+        shift = total - 5 * (i + 1)
+        out.append(_B32[(bits >> shift) & 31] if shift >= 0 else _B32[0])
+    return "".join(out)
+
+
+def request_id_for_key(tenant: str, idempotency_key: str) -> str:
+    """A repeat with the same key (same tenant) lands on the same journal record."""
+    digest = hashlib.sha256(tenant.encode() + b"\0" + idempotency_key.encode()).digest()
+    return "req_" + _b32(digest, 26)
+
+
+def new_request_id(now_ms: int | None = None, rand: bytes | None = None) -> str:
+    """A time-ordered id (ULID layout) for requests without an Idempotency-Key."""
+    ms = int(time.time() * 1000) if now_ms is None else now_ms
+    rnd = os.urandom(10) if rand is None else rand
+    return "req_" + _b32(ms.to_bytes(6, "big") + rnd, 26)
+
+
+def tenant_digest(tenant: str) -> str:
+    return hashlib.sha256(tenant.encode()).hexdigest()[:16]
+
+
+def key_digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+@dataclass(frozen=True, slots=True)
+class JournalView:
+    """The assembled record, as operators and the status endpoint see it."""
+
+    request_id: str
+    meta: Mapping[str, Any]
+    attempts: tuple[Mapping[str, Any], ...] = ()
+    live_attempt_id: str | None = None
+    delivery: Mapping[str, Any] | None = None
+    outcome: Mapping[str, Any] | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def first_delta_sent(self) -> bool:
+        return self.delivery is not None
+
+    @property
+    def phase(self) -> Phase:
+        if self.outcome is not None:
+            return Phase.DONE
+        return Phase.DECODE if self.first_delta_sent else Phase.PREFILL
+
+    @property
+    def outcome_value(self) -> Outcome | None:
+        if self.outcome is None:
+            return None
+        return Outcome(self.outcome["outcome"])
+
+    @property
+    def delivered_output_tokens(self) -> int:
+        if self.outcome is not None:
+            return int(self.outcome.get("delivered_output_tokens", 0))
+        return 0
+
+    def to_dict(self) -> dict[str, Any]:
+        last = self.attempts[-1] if self.attempts else None
+        max_attempts = int(self.meta.get("max_attempts", 1))
+        d: dict[str, Any] = {
+            "request_id": self.request_id,
+            "phase": str(self.phase),
+            "attempt": int(last["attempt"]) if last else 0,
+            "attempt_id": last["attempt_id"] if last else None,
+            "first_delta_sent": self.first_delta_sent,
+            "delivered_output_tokens": self.delivered_output_tokens,
+            "model": self.meta.get("model"),
+            "model_revision": (self.delivery or {}).get("model_revision")
+            or (last or {}).get("model_revision"),
+            "retry_budget": max(0, max_attempts - len(self.attempts)),
+            "outcome": self.outcome["outcome"] if self.outcome else None,
+            "cause": self.outcome.get("cause") if self.outcome else None,
+            "stream": self.meta.get("stream"),
+            "created_at": self.meta.get("created_at"),
+            "first_delta_at": (self.delivery or {}).get("at"),
+            "finished_at": self.outcome.get("finished_at") if self.outcome else None,
+            "attempts": [dict(a) for a in self.attempts],
+        }
+        err = self.client_error()
+        if err is not None and self.outcome_value is Outcome.UPSTREAM_DECODE_INTERRUPTED:
+            d["error"] = err.body()["error"]
+        return d
+
+    def client_error(self) -> GatewayError | None:
+        """The structured error the client is owed for this record, if any."""
+        if self.outcome_value is Outcome.UPSTREAM_DECODE_INTERRUPTED:
+            return decode_interrupted(self.request_id, self.delivered_output_tokens)
+        return None
+
+
+def repeat_answer(view: JournalView) -> GatewayError:
+    """What a repeat of a request (same Idempotency-Key) gets: never a second run."""
+    rid = view.request_id
+    oc = view.outcome_value
+    if oc is None:
+        return GatewayError(
+            code=ErrorCode.REQUEST_IN_PROGRESS,
+            message="A request with this Idempotency-Key is still in progress; "
+            "poll GET /v1/requests/{request_id}",
+            http_status=409, request_id=rid, retryable=True,
+            extra=(("phase", str(view.phase)),),
+        )
+    if oc is Outcome.UPSTREAM_DECODE_INTERRUPTED:
+        err = decode_interrupted(rid, view.delivered_output_tokens)
+        return GatewayError(code=err.code, message=err.message, http_status=409,
+                            request_id=rid, retryable=False, partial_output=True,
+                            delivered_output_tokens=err.delivered_output_tokens)
+    if oc is Outcome.COMPLETED:
+        return GatewayError(
+            code=ErrorCode.REQUEST_ALREADY_COMPLETED,
+            message="A request with this Idempotency-Key already completed; "
+            "send a new key for a new request",
+            http_status=409, request_id=rid, retryable=False,
+            extra=(("outcome", str(oc)),
+                   ("delivered_output_tokens", view.delivered_output_tokens)),
+        )
+    return GatewayError(
+        code=ErrorCode.REQUEST_ALREADY_FINISHED,
+        message=f"A request with this Idempotency-Key already ended ({oc}); "
+        "send a new key for a new request",
+        http_status=409, request_id=rid, retryable=False,
+        partial_output=view.delivered_output_tokens > 0,
+        extra=(("outcome", str(oc)),
+               ("delivered_output_tokens", view.delivered_output_tokens)),
+    )
+
+
+def validate_request_id(rid: str) -> GatewayError | None:
+    if not REQUEST_ID_RE.match(rid):
+        return bad_request(ErrorCode.INVALID_REQUEST_ID,
+                           "request id must look like req_ followed by 26 base32 characters")
+    return None

@@ -1,0 +1,274 @@
+"""Incremental Server-Sent-Events decoding and exact classification of OpenAI-style chunks.
+
+The first content delta is the delivery boundary: before it a failed upstream can be re-run
+invisibly, after it only a clean terminal error is honest. So the decoder must find every event
+exactly however Envoy splits the body, and the classifier must never mistake output for
+non-output.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "DONE_EVENT",
+    "EventKind",
+    "SseDecoder",
+    "SseEvent",
+    "classify",
+    "encode_event",
+]
+
+DONE_EVENT = b"data: [DONE]\n\n"
+
+_DONE = b"[DONE]"
+_BOM = b"\xef\xbb\xbf"
+_CR = 0x0D
+# Any SSE line ending; a lone CR at the very end of a chunk is decided by the caller.
+_EOL = re.compile(rb"\r\n?|\n")
+
+# Fields that carry model output, in a streaming `delta` or a non-streaming `message`.
+# `audio` is not in the brief of most servers, but it is output, and counting too much
+# only moves the boundary earlier (safe), while counting too little duplicates output.
+_OUTPUT_FIELDS = (
+    "content",
+    "tool_calls",
+    "function_call",
+    "reasoning_content",
+    "reasoning",
+    "refusal",
+    "audio",
+)
+
+
+class EventKind(enum.Enum):
+    CONTENT = "content"
+    NON_CONTENT = "non_content"
+    ERROR = "error"
+    DONE = "done"
+    MALFORMED = "malformed"
+
+
+@dataclass(frozen=True, slots=True)
+class SseEvent:
+    kind: EventKind
+    data: bytes
+    raw: bytes
+    content_units: int
+    event: str | None = None
+
+
+def _reject_constant(name: str) -> Any:
+    """NaN/Infinity are not JSON; a client's strict parser would choke on them."""
+    raise ValueError(f"non-standard JSON constant {name}")
+
+
+# One decoder instance: `json.loads(..., parse_constant=...)` would build a new one per call.
+_JSON_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
+_JSON_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+_JSON_ENCODER_ASCII = json.JSONEncoder(separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+
+
+def _carries(value: object) -> bool:
+    """Unknown shapes count as output: over-counting is safe, under-counting duplicates text."""
+    if value is None:
+        return False
+    if isinstance(value, str | list | dict):
+        return len(value) > 0
+    return True
+
+
+def _choice_units(choice: object) -> int:
+    if not isinstance(choice, dict):
+        return 0
+    if _carries(choice.get("text")):
+        return 1
+    for key in ("delta", "message"):
+        part = choice.get(key)
+        if isinstance(part, dict):
+            for field in _OUTPUT_FIELDS:
+                if _carries(part.get(field)):
+                    return 1
+    return 0
+
+
+def classify(data: bytes) -> tuple[EventKind, int]:
+    """Classify one event's data field; returns the kind and its content units."""
+    if data == _DONE or data.strip() == _DONE:
+        return EventKind.DONE, 0
+    try:
+        obj = _JSON_DECODER.decode(data.decode("utf-8"))
+    except (ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError included
+        return EventKind.MALFORMED, 0
+    if not isinstance(obj, dict):
+        return EventKind.MALFORMED, 0
+    # `"error": null` is not an error report; treating it as one could hide delivered output.
+    if obj.get("error") is not None:
+        return EventKind.ERROR, 0
+    choices = obj.get("choices")
+    units = 0
+    if isinstance(choices, list):
+        for choice in choices:
+            units += _choice_units(choice)
+    if units:
+        return EventKind.CONTENT, units
+    return EventKind.NON_CONTENT, 0
+
+
+def encode_event(obj: object) -> bytes:
+    """Serialize as one SSE event; compact JSON never contains a raw newline."""
+    try:
+        body = _JSON_ENCODER.encode(obj).encode("utf-8")
+    except UnicodeEncodeError:  # lone surrogates: escape them rather than emit invalid UTF-8
+        body = _JSON_ENCODER_ASCII.encode(obj).encode("ascii")
+    return b"data: " + body + b"\n\n"
+
+
+class SseDecoder:
+    """Splits a byte stream into SSE events per the WHATWG rules, whatever the chunking.
+
+    Bytes of the event being built are kept as a list of pieces, so an event that arrives in
+    many small chunks costs linear, not quadratic, copying.
+    """
+
+    __slots__ = ("_bom_pending", "_data", "_event", "_head", "_tail")
+
+    def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        self._head: list[bytes] = []  # complete lines of the unfinished event (already parsed)
+        self._tail: list[bytes] = []  # the unfinished line (may end in a CR awaiting its LF)
+        self._data: list[bytes] = []
+        self._event: str | None = None
+        self._bom_pending = True
+
+    def pending(self) -> bytes:
+        """Bytes fed but not yet part of a returned event."""
+        return b"".join(self._head) + b"".join(self._tail)
+
+    def feed(self, chunk: bytes) -> list[SseEvent]:
+        if not chunk:
+            return []
+        if self._bom_pending:
+            buf = b"".join(self._tail) + chunk
+            self._tail = []
+            if len(buf) < len(_BOM) and _BOM.startswith(buf):
+                self._tail.append(buf)
+                return []
+            self._bom_pending = False
+            if buf.startswith(_BOM):
+                # The spec strips a leading BOM; keep it in `raw` but out of the first line.
+                self._head.append(_BOM)
+                buf = buf[len(_BOM) :]
+                if not buf:
+                    return []
+        elif self._tail:
+            tail = self._tail
+            if tail[-1][-1] != _CR and b"\n" not in chunk and b"\r" not in chunk:
+                tail.append(chunk)
+                return []
+            tail.append(chunk)
+            buf = b"".join(tail)
+            self._tail = []
+        else:
+            buf = chunk
+        return self._scan(buf, final=False)
+
+    def finish(self) -> list[SseEvent]:
+        """End of stream: an unterminated trailing event with data still counts."""
+        buf = b"".join(self._tail)
+        self._tail = []
+        if self._bom_pending:
+            buf = b""  # only a prefix of a BOM was ever fed
+        events = self._scan(buf, final=True) if buf else []
+        if self._data:
+            events.append(self._dispatch(b"".join(self._head)))
+        self._reset()
+        return events
+
+    def _dispatch(self, raw: bytes) -> SseEvent:
+        lines = self._data
+        if lines:
+            data = lines[0] if len(lines) == 1 else b"\n".join(lines)
+            kind, units = classify(data)
+            self._data = []
+        else:
+            data, kind, units = b"", EventKind.NON_CONTENT, 0
+        event = SseEvent(kind, data, raw, units, self._event)
+        self._event = None
+        return event
+
+    def _field(self, line: bytes) -> None:
+        if line[0] == 0x3A:  # ":" comment
+            return
+        colon = line.find(b":")
+        if colon < 0:
+            name, value = line, b""
+        else:
+            name, value = line[:colon], line[colon + 1 :]
+            if value[:1] == b" ":
+                value = value[1:]
+        if name == b"data":
+            self._data.append(value)
+        elif name == b"event":
+            self._event = value.decode("utf-8", "replace")
+        # `id`, `retry` and unknown fields do not affect classification.
+
+    def _emit(self, buf: bytes, start: int, end: int) -> SseEvent:
+        if self._head:
+            self._head.append(buf[start:end])
+            raw = b"".join(self._head)
+            self._head = []
+        else:
+            raw = buf[start:end]
+        return self._dispatch(raw)
+
+    def _scan(self, buf: bytes, *, final: bool) -> list[SseEvent]:
+        events: list[SseEvent] = []
+        start = 0  # first byte of the unfinished event within buf
+        pos = 0  # first byte of the next line
+        n = len(buf)
+        if b"\r" not in buf:
+            # Common case: LF-only lines, found by C-level find.
+            data = self._data
+            while True:
+                eol = buf.find(b"\n", pos)
+                if eol < 0:
+                    break
+                if eol == pos:
+                    pos += 1
+                    events.append(self._emit(buf, start, pos))
+                    start = pos
+                    data = self._data
+                    continue
+                if buf.startswith(b"data:", pos):
+                    vstart = pos + 6 if buf[pos + 5 : pos + 6] == b" " else pos + 5
+                    data.append(buf[vstart:eol])
+                else:
+                    self._field(buf[pos:eol])
+                pos = eol + 1
+        else:
+            for match in _EOL.finditer(buf):
+                eol, nxt = match.span()
+                if nxt == n and buf[eol] == _CR and nxt - eol == 1 and not final:
+                    break  # a CR at the end may be the first half of CRLF
+                if eol == pos:
+                    events.append(self._emit(buf, start, nxt))
+                    start = nxt
+                else:
+                    self._field(buf[pos:eol])
+                pos = nxt
+        if final:
+            if pos < n:
+                self._field(buf[pos:])
+            pos = n
+        if pos > start:
+            self._head.append(buf[start:pos])
+        if pos < n:
+            self._tail.append(buf[pos:])
+        return events

@@ -1,0 +1,1 @@
+"""Demo OpenAI-compatible replica with per-request fault hooks."""

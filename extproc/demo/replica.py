@@ -1,0 +1,644 @@
+"""Demo OpenAI-compatible streaming model replica with per-request fault hooks.
+
+It exists so that failover behaviour can be reproduced with nothing but curl: the
+output is deterministic (see ``extproc.demo.tokens``), the wire format mirrors
+vLLM's, and each request can ask the replica to die, stall or fail at an exact
+point of the stream via ``x-replica-fault`` headers. Every attempt leaves one JSON
+line in ``--log-file`` so tests can check what the replica actually saw and sent.
+
+Run: ``python -m extproc.demo.replica --host 127.0.0.1 --port PORT --name r1
+--log-file PATH [--token-delay-ms 0] [--model demo-model]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import functools
+import json
+import math
+import os
+import signal
+import sys
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final, Literal, NoReturn
+
+from aiohttp import web
+
+from extproc.demo.tokens import (
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_SEED,
+    MAX_TOKENS_CAP,
+    chat_prompt,
+    count_prompt_tokens,
+    generate_tokens,
+)
+
+FAULT_HEADER: Final = "x-replica-fault"
+FAULT_ATTEMPT_HEADER: Final = "x-replica-fault-attempt"
+ATTEMPT_HEADER: Final = "x-envoy-attempt-count"
+GATEWAY_ID_HEADER: Final = "x-gateway-request-id"
+REQUEST_ID_HEADER: Final = "x-request-id"
+
+STALL_LIMIT_S: Final = 600.0
+PEER_POLL_S: Final = 0.02
+# Time for the last written bytes to leave the socket before the process is killed.
+PRE_KILL_SETTLE_S: Final = 0.02
+
+FAULT_MESSAGE: Final = "demo replica fault"
+
+Kind = Literal["chat", "completion"]
+Outcome = Literal[
+    "completed",
+    "killed",
+    "stalled_peer_closed",
+    "stalled_timeout",
+    "error_injected",
+    "peer_closed",
+    "bad_request",
+]
+
+NO_ARG_FAULTS: Final = frozenset({"kill-before-headers", "kill-after-headers"})
+COUNT_FAULTS: Final = frozenset(
+    {"kill-after-compute", "kill-after-deltas", "stall-after-deltas", "error-after-deltas"}
+)
+SECONDS_FAULTS: Final = frozenset({"slow-first-delta"})
+
+
+class BadRequest(Exception):
+    """A client mistake answered with 400; carries the OpenAI-style message."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    """A parsed ``x-replica-fault`` value that applies to the current attempt."""
+
+    kind: str
+    count: int = 0
+    seconds: float = 0.0
+    spec: str = ""
+
+
+@dataclass
+class Attempt:
+    """What one attempt did; becomes the single log line written when it ends."""
+
+    request_id: str | None
+    attempt: int
+    path: str
+    stream: bool = False
+    fault: str | None = None
+    tokens_computed: int = 0
+    tokens_written: int = 0
+    peer_closed: bool = False
+    outcome: Outcome = "completed"
+    tool_calls: list[Any] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class GenRequest:
+    """The validated generation parameters the replica honours."""
+
+    kind: Kind
+    prompt: str
+    seed: int
+    max_tokens: int
+    stream: bool
+    include_usage: bool
+
+
+def parse_fault(value: str) -> Fault:
+    """Parse ``kind`` or ``kind:ARG``; reject anything unknown so typos are loud."""
+    kind, sep, arg = value.strip().partition(":")
+    kind = kind.strip().lower()
+    arg = arg.strip()
+    if kind in NO_ARG_FAULTS:
+        if sep:
+            raise BadRequest(f"{FAULT_HEADER}: fault {kind!r} takes no argument, got {value!r}")
+        return Fault(kind=kind, spec=kind)
+    if kind in COUNT_FAULTS:
+        try:
+            count = int(arg)
+        except ValueError:
+            count = -1
+        if count < 0:
+            raise BadRequest(
+                f"{FAULT_HEADER}: fault {kind!r} needs a non-negative integer, "
+                f"as in '{kind}:3', got {value!r}"
+            )
+        return Fault(kind=kind, count=count, spec=f"{kind}:{count}")
+    if kind in SECONDS_FAULTS:
+        try:
+            seconds = float(arg)
+        except ValueError:
+            seconds = -1.0
+        if not math.isfinite(seconds) or seconds < 0 or seconds > STALL_LIMIT_S:
+            raise BadRequest(
+                f"{FAULT_HEADER}: fault {kind!r} needs seconds between 0 and "
+                f"{STALL_LIMIT_S:g}, as in '{kind}:1.5', got {value!r}"
+            )
+        return Fault(kind=kind, seconds=seconds, spec=f"{kind}:{arg}")
+    known = sorted(NO_ARG_FAULTS | COUNT_FAULTS | SECONDS_FAULTS)
+    raise BadRequest(f"{FAULT_HEADER}: unknown fault {value!r}; known kinds: {', '.join(known)}")
+
+
+def _positive_int_header(headers: Mapping[str, str], name: str) -> int:
+    """Parse an attempt-number header; missing means 1, garbage is the client's error."""
+    raw = headers.get(name)
+    if raw is None or raw.strip() == "":
+        return 1
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise BadRequest(f"{name}: expected a positive integer, got {raw!r}")
+    return value
+
+
+def _int_field(body: Mapping[str, Any], name: str, default: int) -> int:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadRequest(f"'{name}' must be an integer")
+    return value
+
+
+def parse_gen_request(kind: Kind, body: Any) -> GenRequest:
+    """Validate the request body; only the fields that shape the output matter."""
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    if kind == "chat":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise BadRequest("'messages' must be a non-empty list")
+        if not all(isinstance(m, dict) for m in messages):
+            raise BadRequest("every entry of 'messages' must be an object")
+        try:
+            prompt = chat_prompt(messages)
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from exc
+        token_field = (
+            "max_completion_tokens"
+            if body.get("max_completion_tokens") is not None
+            else "max_tokens"
+        )
+    else:
+        raw_prompt = body.get("prompt")
+        if isinstance(raw_prompt, list) and len(raw_prompt) == 1:
+            raw_prompt = raw_prompt[0]
+        if not isinstance(raw_prompt, str):
+            raise BadRequest("'prompt' must be a string (or a list holding one string)")
+        prompt = raw_prompt
+        token_field = "max_tokens"
+    max_tokens = _int_field(body, token_field, DEFAULT_MAX_TOKENS)
+    if not 1 <= max_tokens <= MAX_TOKENS_CAP:
+        raise BadRequest(
+            f"'{token_field}' must be between 1 and {MAX_TOKENS_CAP}, got {max_tokens}"
+        )
+    seed = _int_field(body, "seed", DEFAULT_SEED)
+    if _int_field(body, "n", 1) != 1:
+        raise BadRequest("only n=1 is supported")
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise BadRequest("'stream' must be a boolean")
+    options = body.get("stream_options")
+    include_usage = False
+    if options is not None:
+        if not isinstance(options, dict):
+            raise BadRequest("'stream_options' must be an object")
+        include_usage = options.get("include_usage") is True
+    return GenRequest(kind, prompt, seed, max_tokens, stream, include_usage)
+
+
+_compact_dumps = functools.partial(json.dumps, separators=(",", ":"))
+
+
+def _json(payload: Mapping[str, Any], status: int = 200) -> web.Response:
+    return web.json_response(payload, status=status, dumps=_compact_dumps)
+
+
+def _error_body(message: str, err_type: str, code: int) -> dict[str, Any]:
+    return {"error": {"message": message, "type": err_type, "param": None, "code": code}}
+
+
+def _sse(payload: Mapping[str, Any] | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+def _peer_gone(request: web.BaseRequest) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+async def _sleep_watching(request: web.BaseRequest, seconds: float) -> bool:
+    """Sleep, but notice a closed peer within ``PEER_POLL_S``; True if the peer left."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    while True:
+        if _peer_gone(request):
+            return True
+        remaining = deadline - loop.time()
+        if remaining <= 0:
+            return False
+        await asyncio.sleep(min(PEER_POLL_S, remaining))
+
+
+class Replica:
+    """Request handlers plus the attempt log of one replica process."""
+
+    def __init__(self, name: str, model: str, log_file: str, token_delay_s: float) -> None:
+        self.name = name
+        self.model = model
+        self.log_file = log_file
+        self.token_delay_s = token_delay_s
+        self.port = 0
+
+    # ----- logging -------------------------------------------------------------------
+
+    def log_attempt(self, att: Attempt, *, fsync: bool = False) -> None:
+        """Append one JSON line with a single write so concurrent writers never interleave."""
+        record = {
+            "ts": time.time(),
+            "replica": self.name,
+            "port": self.port,
+            "request_id": att.request_id,
+            "attempt": att.attempt,
+            "path": att.path,
+            "stream": att.stream,
+            "fault": att.fault,
+            "tokens_computed": att.tokens_computed,
+            "tokens_written": att.tokens_written,
+            "peer_closed": att.peer_closed,
+            "outcome": att.outcome,
+            "tool_calls": att.tool_calls,
+        }
+        line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
+        fd = os.open(self.log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line)
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    async def die(self, att: Attempt, *, wrote: bool) -> NoReturn:
+        """Really die (SIGKILL), after the log line is durable and written bytes left."""
+        if wrote:
+            await asyncio.sleep(PRE_KILL_SETTLE_S)
+        att.outcome = "killed"
+        self.log_attempt(att, fsync=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+        raise AssertionError("unreachable: SIGKILL did not stop the process")
+
+    def finish(self, att: Attempt, outcome: Outcome) -> None:
+        att.outcome = outcome
+        if outcome in ("peer_closed", "stalled_peer_closed"):
+            att.peer_closed = True
+        self.log_attempt(att)
+
+    # ----- small endpoints -----------------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.Response:
+        return _json({"status": "ok", "name": self.name})
+
+    async def models(self, request: web.Request) -> web.Response:
+        return _json(
+            {
+                "object": "list",
+                "data": [{"id": self.model, "object": "model", "created": 0, "owned_by": "demo"}],
+            }
+        )
+
+    # ----- generation ----------------------------------------------------------------
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "chat")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "completion")
+
+    async def _generate(self, request: web.Request, kind: Kind) -> web.StreamResponse:
+        headers = request.headers
+        request_id = headers.get(GATEWAY_ID_HEADER) or headers.get(REQUEST_ID_HEADER) or None
+        att = Attempt(request_id=request_id, attempt=1, path=request.path)
+        try:
+            att.attempt = _positive_int_header(headers, ATTEMPT_HEADER)
+            fault_value = headers.get(FAULT_HEADER)
+            fault = parse_fault(fault_value) if fault_value else None
+            fault_attempt = _positive_int_header(headers, FAULT_ATTEMPT_HEADER)
+            raw = await request.read()
+            try:
+                body = json.loads(raw)
+            except (ValueError, UnicodeDecodeError) as exc:
+                raise BadRequest(f"request body is not valid JSON: {exc}") from exc
+            gen = parse_gen_request(kind, body)
+        except BadRequest as exc:
+            self.finish(att, "bad_request")
+            return _json(_error_body(str(exc), "BadRequestError", 400), status=400)
+
+        att.stream = gen.stream
+        if fault is not None and fault_attempt != att.attempt:
+            fault = None  # gated to another attempt: this one runs clean
+        att.fault = fault.spec if fault else None
+
+        prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
+        response_id = prefix + (request_id or uuid.uuid4().hex)
+        tokens = generate_tokens(gen.prompt, gen.seed, gen.max_tokens)
+
+        if fault is not None and fault.kind == "kill-before-headers":
+            await self.die(att, wrote=False)
+        if fault is not None and fault.kind == "kill-after-compute":
+            if await self._compute(request, att, min(fault.count, len(tokens))):
+                self.finish(att, "peer_closed")
+                return web.Response(status=499)
+            await self.die(att, wrote=False)
+        if gen.stream:
+            return await self._stream(request, att, gen, fault, response_id, tokens)
+        return await self._unary(request, att, gen, fault, response_id, tokens)
+
+    async def _compute(self, request: web.BaseRequest, att: Attempt, upto: int) -> bool:
+        """Advance ``tokens_computed`` to ``upto`` with the configured per-token delay.
+
+        Returns True when the peer went away meanwhile.
+        """
+        while att.tokens_computed < upto:
+            if (
+                att.tokens_computed > 0
+                and self.token_delay_s > 0
+                and await _sleep_watching(request, self.token_delay_s)
+            ):
+                return True
+            att.tokens_computed += 1
+        return False
+
+    def _usage(self, gen: GenRequest) -> dict[str, int]:
+        prompt_tokens = count_prompt_tokens(gen.prompt)
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": gen.max_tokens,
+            "total_tokens": prompt_tokens + gen.max_tokens,
+        }
+
+    async def _unary(
+        self,
+        request: web.Request,
+        att: Attempt,
+        gen: GenRequest,
+        fault: Fault | None,
+        response_id: str,
+        tokens: list[str],
+    ) -> web.StreamResponse:
+        """Non-streaming: count-based faults fire after computing N tokens, body unwritten."""
+        if fault is not None and fault.kind == "kill-after-headers":
+            resp = web.StreamResponse(status=200, headers={"Content-Type": "application/json"})
+            await resp.prepare(request)
+            await self.die(att, wrote=True)
+        if (
+            fault is not None
+            and fault.kind == "slow-first-delta"
+            and await _sleep_watching(request, fault.seconds)
+        ):
+            self.finish(att, "peer_closed")
+            return web.Response(status=499)
+        upto = len(tokens)
+        if fault is not None and fault.kind in COUNT_FAULTS:
+            upto = min(fault.count, len(tokens))
+        if await self._compute(request, att, upto):
+            self.finish(att, "peer_closed")
+            return web.Response(status=499)
+        if fault is not None and fault.kind == "kill-after-deltas":
+            await self.die(att, wrote=False)
+        if fault is not None and fault.kind == "stall-after-deltas":
+            return await self._stall(request, att)
+        if fault is not None and fault.kind == "error-after-deltas":
+            self.finish(att, "error_injected")
+            return _json(_error_body(FAULT_MESSAGE, "InternalServerError", 500), status=500)
+        text = "".join(tokens)
+        choice: dict[str, Any]
+        if gen.kind == "chat":
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": "length",
+            }
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}
+        payload = {
+            "id": response_id,
+            "object": "chat.completion" if gen.kind == "chat" else "text_completion",
+            "created": 0,
+            "model": self.model,
+            "choices": [choice],
+            "usage": self._usage(gen),
+        }
+        resp = _json(payload)
+        try:
+            await resp.prepare(request)
+            await resp.write_eof()
+        except ConnectionError:
+            self.finish(att, "peer_closed")
+            return resp
+        att.tokens_written = len(tokens)
+        self.finish(att, "peer_closed" if _peer_gone(request) else "completed")
+        return resp
+
+    async def _stall(self, request: web.BaseRequest, att: Attempt) -> web.StreamResponse:
+        """Hold the connection silently until the peer gives up (or the stall limit)."""
+        if await _sleep_watching(request, STALL_LIMIT_S):
+            self.finish(att, "stalled_peer_closed")
+        else:
+            self.finish(att, "stalled_timeout")
+            transport = request.transport
+            if transport is not None:
+                transport.close()
+        return web.Response(status=499)
+
+    async def _stream(
+        self,
+        request: web.Request,
+        att: Attempt,
+        gen: GenRequest,
+        fault: Fault | None,
+        response_id: str,
+        tokens: list[str],
+    ) -> web.StreamResponse:
+        """Server-sent events shaped like vLLM's, with the fault fired at its exact point."""
+        chat = gen.kind == "chat"
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(choice: dict[str, Any]) -> dict[str, Any]:
+            return {
+                "id": response_id,
+                "object": obj,
+                "created": 0,
+                "model": self.model,
+                "choices": [choice],
+            }
+
+        resp = web.StreamResponse(
+            status=200,
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"},
+        )
+
+        async def send(data: bytes) -> bool:
+            """Write one event; False when the peer is gone."""
+            try:
+                await resp.write(data)
+            except ConnectionError:
+                return False
+            return True
+
+        try:
+            await resp.prepare(request)  # aiohttp sends a StreamResponse's headers right away
+        except ConnectionError:
+            self.finish(att, "peer_closed")
+            return resp
+        if fault is not None and fault.kind == "kill-after-headers":
+            await self.die(att, wrote=True)
+
+        if chat:
+            role = {"role": "assistant", "content": ""}
+            role_event = {"index": 0, "delta": role, "logprobs": None, "finish_reason": None}
+            if not await send(_sse(chunk(role_event))):
+                self.finish(att, "peer_closed")
+                return resp
+
+        if (
+            fault is not None
+            and fault.kind == "slow-first-delta"
+            and await _sleep_watching(request, fault.seconds)
+        ):
+            self.finish(att, "peer_closed")
+            return resp
+
+        limit = len(tokens)
+        if fault is not None and fault.kind in COUNT_FAULTS:
+            limit = min(fault.count, len(tokens))
+        for i in range(limit):
+            if await self._compute(request, att, i + 1):
+                self.finish(att, "peer_closed")
+                return resp
+            if chat:
+                choice = {
+                    "index": 0,
+                    "delta": {"content": tokens[i]},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            else:
+                choice = {"index": 0, "text": tokens[i], "logprobs": None, "finish_reason": None}
+            if not await send(_sse(chunk(choice))):
+                self.finish(att, "peer_closed")
+                return resp
+            att.tokens_written += 1
+
+        if fault is not None:
+            if fault.kind == "kill-after-deltas":
+                await self.die(att, wrote=True)
+            if fault.kind == "stall-after-deltas":
+                return await self._stall(request, att)
+            if fault.kind == "error-after-deltas":
+                error = {
+                    "error": {"message": FAULT_MESSAGE, "type": "InternalServerError", "code": 500}
+                }
+                ok = await send(_sse(error)) and await send(_sse("[DONE]"))
+                if ok:
+                    with contextlib.suppress(ConnectionError):
+                        await resp.write_eof()
+                self.finish(att, "error_injected" if ok else "peer_closed")
+                return resp
+
+        if chat:
+            final = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}
+        else:
+            final = {"index": 0, "text": "", "logprobs": None, "finish_reason": "length"}
+        events = [_sse(chunk(final))]
+        if gen.include_usage:
+            usage_chunk = chunk({})
+            usage_chunk["choices"] = []
+            usage_chunk["usage"] = self._usage(gen)
+            events.append(_sse(usage_chunk))
+        events.append(_sse("[DONE]"))
+        for event in events:
+            if not await send(event):
+                self.finish(att, "peer_closed")
+                return resp
+        try:
+            await resp.write_eof()
+        except ConnectionError:
+            self.finish(att, "peer_closed")
+            return resp
+        self.finish(att, "completed")
+        return resp
+
+
+def build_app(replica: Replica) -> web.Application:
+    """Wire the routes; kept separate so an in-process server can reuse it."""
+    app = web.Application()
+    app.router.add_get("/health", replica.health)
+    app.router.add_get("/v1/models", replica.models)
+    app.router.add_post("/v1/chat/completions", replica.chat)
+    app.router.add_post("/v1/completions", replica.completions)
+    return app
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m extproc.demo.replica",
+        description="Deterministic OpenAI-compatible demo replica with fault hooks.",
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True, help="0 picks a free port")
+    parser.add_argument("--name", required=True, help="replica name, echoed in logs")
+    parser.add_argument("--log-file", required=True, help="JSON-lines attempt log (appended)")
+    parser.add_argument("--token-delay-ms", type=float, default=0.0)
+    parser.add_argument("--model", default="demo-model")
+    args = parser.parse_args(argv)
+    if args.token_delay_ms < 0 or not math.isfinite(args.token_delay_ms):
+        parser.error("--token-delay-ms must be a non-negative number")
+    return args
+
+
+async def serve(args: argparse.Namespace) -> None:
+    """Serve until SIGTERM/SIGINT; a stalled request must not hold shutdown for long."""
+    replica = Replica(args.name, args.model, args.log_file, args.token_delay_ms / 1000.0)
+    runner = web.AppRunner(
+        build_app(replica), access_log=None, handler_cancellation=False, shutdown_timeout=1.0
+    )
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port)
+    await site.start()
+    port = int(runner.addresses[0][1]) if runner.addresses else args.port
+    replica.port = port
+    print(
+        f"demo replica {args.name} serving model {args.model} on http://{args.host}:{port} "
+        f"(log: {args.log_file}, token delay {args.token_delay_ms:g} ms)",
+        file=sys.stderr,
+        flush=True,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> None:
+    asyncio.run(serve(parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,482 @@
+"""The decoder must see the same events however the body is split, and classify them exactly."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from extproc.core.sse import (
+    DONE_EVENT,
+    EventKind,
+    SseDecoder,
+    SseEvent,
+    classify,
+    encode_event,
+)
+
+C, N, E, D, M = (
+    EventKind.CONTENT,
+    EventKind.NON_CONTENT,
+    EventKind.ERROR,
+    EventKind.DONE,
+    EventKind.MALFORMED,
+)
+
+
+def _chunk(delta: dict[str, object], **extra: object) -> dict[str, object]:
+    return {
+        "id": "c1",
+        "object": "chat.completion.chunk",
+        "choices": [{"index": 0, "delta": delta, **extra}],
+    }
+
+
+def _decode_all(stream: bytes, sizes: list[int] | None = None) -> list[SseEvent]:
+    dec = SseDecoder()
+    events: list[SseEvent] = []
+    if sizes is None:
+        events += dec.feed(stream)
+    else:
+        pos = 0
+        for size in sizes:
+            events += dec.feed(stream[pos : pos + size])
+            pos += size
+        events += dec.feed(stream[pos:])
+    return events + dec.finish()
+
+
+# --- classification -------------------------------------------------------------------------
+
+
+def test_vllm_stream_exact() -> None:
+    objs = [
+        _chunk({"role": "assistant", "content": ""}),
+        _chunk({"content": "Hel"}),
+        _chunk({"content": "lo"}),
+        _chunk({}, finish_reason="stop"),
+        {"id": "c1", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}},
+    ]
+    stream = b"".join(encode_event(o) for o in objs) + DONE_EVENT
+    dec = SseDecoder()
+    events = dec.feed(stream)
+    assert [(e.kind, e.content_units) for e in events] == [
+        (N, 0),
+        (C, 1),
+        (C, 1),
+        (N, 0),
+        (N, 0),
+        (D, 0),
+    ]
+    assert [json.loads(e.data) for e in events[:-1]] == objs
+    assert events[-1].data == b"[DONE]"
+    assert b"".join(e.raw for e in events) == stream
+    assert dec.pending() == b""
+    assert dec.finish() == []
+
+
+@pytest.mark.parametrize(
+    "delta",
+    [
+        {"content": "x"},
+        {"content": " "},
+        {"role": "assistant", "content": "hi"},
+        {"tool_calls": [{"index": 0, "id": "call_1", "function": {"name": "f", "arguments": ""}}]},
+        {"tool_calls": [{"index": 0, "function": {"arguments": '{"a"'}}]},
+        {"function_call": {"name": "f"}},
+        {"function_call": {"arguments": "{}"}},
+        {"reasoning_content": "think"},
+        {"reasoning": "think"},
+        {"refusal": "no"},
+        {"content": None, "reasoning_content": "r"},
+        {"content": [{"type": "text", "text": "x"}]},
+    ],
+)
+def test_content_deltas(delta: dict[str, object]) -> None:
+    assert classify(json.dumps(_chunk(delta)).encode()) == (C, 1)
+
+
+def test_other_content_shapes() -> None:
+    completion = {"choices": [{"index": 0, "text": "x", "finish_reason": None}]}
+    assert classify(json.dumps(completion).encode()) == (C, 1)
+    full = {"object": "chat.completion", "choices": [{"index": 0, "message": {"content": "x"}}]}
+    assert classify(json.dumps(full).encode()) == (C, 1)
+    calls = {"choices": [{"message": {"content": None, "tool_calls": [{"id": "c"}]}}]}
+    assert classify(json.dumps(calls).encode()) == (C, 1)
+    multi = {"choices": [{"delta": {"content": "a"}}, {"delta": {"role": "x"}}, {"text": "b"}]}
+    assert classify(json.dumps(multi).encode()) == (C, 2)
+    escaped = b'{"choices":[{"delta":{"\\u0063ontent":"\\u00e9"}}]}'
+    assert classify(escaped) == (C, 1)
+
+
+@pytest.mark.parametrize(
+    "obj",
+    [
+        _chunk({"role": "assistant"}),
+        _chunk({"role": "assistant", "content": ""}),
+        _chunk({"content": None}),
+        _chunk({"tool_calls": []}),
+        _chunk({"tool_calls": None, "reasoning_content": None, "refusal": None}),
+        _chunk({"function_call": {}}),
+        _chunk({"reasoning": ""}),
+        _chunk({}, finish_reason="stop"),
+        _chunk({"content": ""}, finish_reason="length"),
+        {"choices": [{"index": 0, "text": "", "finish_reason": "stop"}]},
+        {"choices": [{"index": 0, "message": {"role": "assistant", "content": ""}}]},
+        {"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 0}},
+        {"choices": ["not a dict", 3, None]},
+        {"choices": {"delta": {"content": "x"}}},
+        {},
+        {"error": None, "choices": []},
+    ],
+)
+def test_non_content(obj: object) -> None:
+    assert classify(json.dumps(obj).encode()) == (N, 0)
+
+
+def test_error_and_done() -> None:
+    err = {"error": {"message": "boom", "type": "internal", "code": 500}}
+    assert classify(json.dumps(err).encode()) == (E, 0)
+    assert classify(b'{"error": "x", "choices": [{"delta": {"content": "y"}}]}') == (E, 0)
+    for done in (b"[DONE]", b" [DONE]", b"[DONE] \t", b"\n[DONE]\n"):
+        assert classify(done) == (D, 0)
+    assert classify(b"[done]") == (M, 0)
+    assert classify(b"[DONE]x") == (M, 0)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"",
+        b" ",
+        b"garbage",
+        b"{",
+        b'{"choices": []',
+        b"[1,2]",
+        b'"str"',
+        b"42",
+        b"null",
+        b"NaN",
+        b'{"x": NaN}',
+        b'{"x": Infinity}',
+        b'{"choices":[{"delta":{"content":"\xff"}}]}',
+        b"\xc3",
+        b"\xef\xbb\xbf{}",
+        b'{"a": "raw\x01control"}',
+        b'{"a": 1} {"b": 2}',
+        b"[" * 100_000 + b"]" * 100_000,
+    ],
+)
+def test_malformed(data: bytes) -> None:
+    assert classify(data) == (M, 0)
+
+
+def test_malformed_in_stream() -> None:
+    stream = b'data: {"choices":[{"delta":{"content":"\xe9"}}]}\n\ndata: [1,2]\n\n'
+    events = SseDecoder().feed(stream)
+    assert [e.kind for e in events] == [M, M]
+
+
+def test_encode_event() -> None:
+    assert encode_event({"a": [1, "é"], "b": None}) == 'data: {"a":[1,"é"],"b":null}\n\n'.encode()
+    assert encode_event({"s": "\ud800"}) == b'data: {"s":"\\ud800"}\n\n'
+    with pytest.raises(ValueError):
+        encode_event({"x": float("nan")})
+    assert DONE_EVENT == b"data: [DONE]\n\n"
+    assert SseDecoder().feed(DONE_EVENT)[0].kind is D
+
+
+# --- framing --------------------------------------------------------------------------------
+
+
+def test_comments_and_fields() -> None:
+    stream = (
+        b": keep-alive\n\n"
+        b'event: message\nid: 7\nretry: 100\n: note\ndata: {"choices":[]}\n\n'
+        b'event: error\ndata:{"error":{"message":"x"}}\n\n'
+        b"id: 8\n\n"
+        b"Data: ignored\nunknown: x\ndata\n\n"
+    )
+    dec = SseDecoder()
+    events = dec.feed(stream)
+    assert [(e.kind, e.data, e.event) for e in events] == [
+        (N, b"", None),
+        (N, b'{"choices":[]}', "message"),
+        (E, b'{"error":{"message":"x"}}', "error"),
+        (N, b"", None),
+        (M, b"", None),
+    ]
+    assert events[0].raw == b": keep-alive\n\n"
+    assert b"".join(e.raw for e in events) == stream
+
+
+@pytest.mark.parametrize("eol", [b"\n", b"\r\n", b"\r"])
+def test_line_endings(eol: bytes) -> None:
+    stream = (
+        b": c"
+        + eol
+        + b'data: {"choices":[{"delta":{"content":"a"}}]}'
+        + eol
+        + eol
+        + b"event: x"
+        + eol
+        + b"data: [DONE]"
+        + eol
+        + eol
+    )
+    for sizes in (None, [1] * len(stream)):
+        events = _decode_all(stream, sizes)
+        assert [(e.kind, e.event) for e in events] == [(C, None), (D, "x")]
+        assert b"".join(e.raw for e in events) == stream
+
+
+def test_multiline_data_and_space_rules() -> None:
+    stream = b'data: {"choices":\ndata:[{"delta":\r\ndata:  {"content": "x"}}]}\r\rdata:  two\n\n'
+    events = SseDecoder().feed(stream)
+    assert events[0].data == b'{"choices":\n[{"delta":\n {"content": "x"}}]}'
+    assert (events[0].kind, events[0].content_units) == (C, 1)
+    assert events[1].data == b" two"
+
+
+def test_cr_at_chunk_end_waits_for_lf() -> None:
+    dec = SseDecoder()
+    assert dec.feed(b"data: [DONE]\r") == []
+    assert dec.feed(b"\n\r") == []  # the CRLF ended the data line; the lone CR is undecided
+    assert dec.pending() == b"data: [DONE]\r\n\r"
+    events = dec.feed(b"\n")
+    assert [e.raw for e in events] == [b"data: [DONE]\r\n\r\n"]
+    assert dec.feed(b"data: x\r") == []
+    events = dec.feed(b"\r")  # a lone CR followed by CR: the first CR ended the line
+    assert events == []
+    assert dec.pending() == b"data: x\r\r"
+    events = dec.finish()  # the final CR is now known to be a line end: a blank line
+    assert [(e.kind, e.raw) for e in events] == [(M, b"data: x\r\r")]
+
+
+def test_finish() -> None:
+    dec = SseDecoder()
+    assert dec.feed(b'data: {"choices":[{"text":"a"}]}') == []
+    events = dec.finish()
+    assert [(e.kind, e.raw) for e in events] == [(C, b'data: {"choices":[{"text":"a"}]}')]
+    dec = SseDecoder()
+    dec.feed(b"data: [DONE]\n")
+    assert [e.kind for e in dec.finish()] == [D]
+    dec = SseDecoder()
+    assert dec.feed(b"data: [DONE]\n\n: trailing comm") != []
+    assert dec.finish() == []  # no data: discarded
+    assert dec.pending() == b""
+    dec = SseDecoder()
+    dec.feed(b"event: e\nid: 1\n")
+    assert dec.finish() == []
+    # The decoder is reusable after finish().
+    assert [e.kind for e in dec.feed(DONE_EVENT)] == [D]
+
+
+def test_bom() -> None:
+    stream = b"\xef\xbb\xbfdata: [DONE]\n\n"
+    for sizes in (None, [1] * len(stream), [2, 2]):
+        events = _decode_all(stream, sizes)
+        assert [(e.kind, e.raw) for e in events] == [(D, stream)]
+    dec = SseDecoder()
+    assert dec.feed(b"\xef\xbb") == []
+    assert dec.pending() == b"\xef\xbb"
+    assert dec.finish() == []
+    # Only at the very start of the stream.
+    events = SseDecoder().feed(b"data: [DONE]\n\n\xef\xbb\xbfdata: [DONE]\n\n")
+    assert [(e.kind, e.data) for e in events] == [(D, b"[DONE]"), (N, b"")]
+
+
+def test_every_two_way_split() -> None:
+    stream = (
+        b': hi\r\ndata: {"choices":[{"delta":{"role":"assistant","content":""}}]}\r\n\r\n'
+        b'data: {"choices":[{"delta":{"content":"\xc3\xa9\xe2\x82\xac"}}]}\r\r'
+        b'event: x\ndata: {"error":{}}\n\ndata: [DONE]\r\n\r\n'
+    )
+    whole = _decode_all(stream)
+    assert [e.kind for e in whole] == [N, C, E, D]
+    for i in range(len(stream) + 1):
+        for j in range(i, len(stream) + 1, 7):
+            assert _decode_all(stream, [i, j - i]) == whole
+
+
+# --- property tests -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Expected:
+    kind: EventKind
+    data: bytes
+    units: int
+    event: str | None
+
+
+_text = st.text(min_size=1, max_size=8)
+_label = st.text(alphabet=st.characters(blacklist_characters="\r\n", codec="utf-8"), max_size=6)
+
+
+@st.composite
+def _payload(draw: st.DrawFn) -> tuple[list[bytes], EventKind, int]:
+    """Data lines plus their expected classification."""
+    choice = draw(st.integers(0, 7))
+    obj: object
+    if choice == 0:
+        field = draw(st.sampled_from(["content", "reasoning_content", "reasoning", "refusal"]))
+        obj, kind, units = _chunk({field: draw(_text)}), C, 1
+    elif choice == 1:
+        flags = draw(st.lists(st.booleans(), min_size=1, max_size=4))
+        choices = [
+            {"index": i, "delta": {"content": draw(_text)} if f else {"role": "assistant"}}
+            for i, f in enumerate(flags)
+        ]
+        obj, units = {"choices": choices}, sum(flags)
+        kind = C if units else N
+    elif choice == 2:
+        obj, kind, units = (
+            draw(
+                st.sampled_from(
+                    [
+                        _chunk({"tool_calls": [{"index": 0, "function": {"arguments": "1"}}]}),
+                        _chunk({"function_call": {"name": "f"}}),
+                        {"choices": [{"index": 0, "text": "t"}]},
+                    ]
+                )
+            ),
+            C,
+            1,
+        )
+    elif choice == 3:
+        obj = draw(
+            st.sampled_from(
+                [
+                    _chunk({"role": "assistant", "content": ""}),
+                    _chunk({"content": None}),
+                    _chunk({"tool_calls": []}),
+                    _chunk({}, finish_reason="stop"),
+                    {"choices": [], "usage": {"total_tokens": 3}},
+                ]
+            )
+        )
+        kind, units = N, 0
+    elif choice == 4:
+        obj, kind, units = {"error": {"message": draw(_text), "code": 500}}, E, 0
+    elif choice == 5:
+        pad = draw(st.sampled_from(["", " ", "\t", "  "]))
+        return [(pad + "[DONE]" + pad).encode()], D, 0
+    elif choice == 6:
+        lines = draw(
+            st.sampled_from(
+                [[b"garbage"], [b"[1,2]"], [b'"str"'], [b"\xff\xfe"], [b""], [b"{", b"}x"]]
+            )
+        )
+        return lines, M, 0
+    else:
+        obj, kind, units = _chunk({"content": draw(_text)}), C, 1
+        # Pretty-printed JSON spread over several data lines, some with leading spaces.
+        text = json.dumps(obj, indent=draw(st.integers(0, 2)), ensure_ascii=draw(st.booleans()))
+        return [line.encode() for line in text.split("\n")], kind, units
+    text = json.dumps(obj, ensure_ascii=draw(st.booleans()))
+    return [text.encode()], kind, units
+
+
+@st.composite
+def _stream(draw: st.DrawFn) -> tuple[bytes, list[_Expected]]:
+    out: list[bytes] = []
+    expected: list[_Expected] = []
+    last_eol = b""
+
+    def line(body: bytes) -> None:
+        nonlocal last_eol
+        eols = [b"\n", b"\r\n", b"\r"]
+        if not body and last_eol == b"\r":
+            eols = [b"\r\n", b"\r"]  # a bare LF here would merge into the previous CR
+        last_eol = draw(st.sampled_from(eols))
+        out.append(body + last_eol)
+
+    for _ in range(draw(st.integers(0, 6))):
+        event: str | None = None
+        if draw(st.integers(0, 4)):
+            data_lines, kind, units = draw(_payload())
+            data = b"\n".join(data_lines)
+        else:
+            data_lines, kind, units, data = [], N, 0, b""
+        merged = []
+        for value in data_lines:
+            sep = b" " if value[:1] == b" " or draw(st.booleans()) else b""
+            merged.append(b"data:" + sep + value)
+        # Comments and non-data fields may sit anywhere among the data lines.
+        extras: list[bytes] = []
+        if draw(st.booleans()):
+            extras.append(b":" + draw(_label).encode())
+        if draw(st.booleans()):
+            event = draw(_label)
+            extras.append(b"event: " + event.encode())
+        if draw(st.booleans()):
+            extras.append(b"id: " + draw(_label).encode())
+        if draw(st.booleans()):
+            extras.append(b"retry: " + str(draw(st.integers(0, 9999))).encode())
+        for ln in extras:
+            merged.insert(draw(st.integers(0, len(merged))), ln)
+        for ln in merged:
+            line(ln)
+        line(b"")
+        expected.append(_Expected(kind, data, units, event))
+    return b"".join(out), expected
+
+
+@st.composite
+def _splits(draw: st.DrawFn, length: int) -> list[int]:
+    if draw(st.integers(0, 4)) == 0:
+        return [1] * length
+    cuts = sorted(draw(st.lists(st.integers(0, length), max_size=20)))
+    return [b - a for a, b in zip([0, *cuts], cuts, strict=False)]
+
+
+@settings(max_examples=400, deadline=None)
+@given(data=st.data())
+def test_any_split_gives_same_events(data: st.DataObject) -> None:
+    stream, expected = data.draw(_stream())
+    sizes = data.draw(_splits(len(stream)))
+
+    whole = SseDecoder()
+    reference = whole.feed(stream)
+    reference += whole.finish()
+    got = [_Expected(e.kind, e.data, e.content_units, e.event) for e in reference]
+    assert got == expected
+    assert b"".join(e.raw for e in reference) == stream
+
+    dec = SseDecoder()
+    events: list[SseEvent] = []
+    fed = 0
+    for size in [*sizes, len(stream) - sum(sizes)]:
+        events += dec.feed(stream[fed : fed + size])
+        fed += size
+        assert b"".join(e.raw for e in events) + dec.pending() == stream[:fed]
+    events += dec.finish()
+    assert events == reference
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_truncated_stream_finish_matches(data: st.DataObject) -> None:
+    stream, _ = data.draw(_stream())
+    cut = data.draw(st.integers(0, len(stream)))
+    prefix = stream[:cut]
+    sizes = data.draw(_splits(len(prefix)))
+    assert _decode_all(prefix, sizes) == _decode_all(prefix)
+
+
+@settings(max_examples=300, deadline=None)
+@given(noise=st.binary(max_size=200), data=st.data())
+def test_arbitrary_bytes_split_invariant(noise: bytes, data: st.DataObject) -> None:
+    sizes = data.draw(_splits(len(noise)))
+    dec = SseDecoder()
+    events: list[SseEvent] = []
+    fed = 0
+    for size in [*sizes, len(noise) - sum(sizes)]:
+        events += dec.feed(noise[fed : fed + size])
+        fed += size
+        assert b"".join(e.raw for e in events) + dec.pending() == noise[:fed]
+    assert events + dec.finish() == _decode_all(noise)
