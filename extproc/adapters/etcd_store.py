@@ -91,9 +91,9 @@ class EtcdStore:
             await self._channel.close(grace=None)
             self._channel = None
 
-    async def _call(self, fn: Any, req: Any, timeout: float | None = None) -> Any:
+    async def _call(self, fn: Any, req: Any, deadline_s: float | None = None) -> Any:
         try:
-            return await fn(req, timeout=timeout or self.timeout)
+            return await fn(req, timeout=deadline_s or self.timeout)
         except grpc.aio.AioRpcError as e:
             raise StoreUnavailable(f"etcd {e.code().name}: {e.details()}") from e
 

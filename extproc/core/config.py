@@ -26,28 +26,28 @@ class ConfigError(ValueError):
 BEFORE_REQUIRES = frozenset({"source_attempt_fenced", "retry_budget_available"})
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class BeforeFirstDelta:
     require: tuple[str, ...] = ("source_attempt_fenced", "retry_budget_available")
     action: str = "retry_prefill_on_healthy_replica"
     max_attempts: int = 2
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class AfterFirstDelta:
     action: str = "terminate_stream"
     client_error: str = "upstream_decode_interrupted"
     automatic_retry: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class UncertainSourceLiveness:
     action: str = "fence_source_attempt"
     wait_for: str = "cancel_ack_or_lease_expiry"
     then: str = "retry_only_if_no_delta_was_sent"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class Policy:
     before_first_delta: BeforeFirstDelta = field(default_factory=BeforeFirstDelta)
     after_first_delta: AfterFirstDelta = field(default_factory=AfterFirstDelta)
@@ -63,7 +63,7 @@ class Policy:
 # --- the rest of the configuration ------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class EtcdConfig:
     endpoints: tuple[str, ...] = ("127.0.0.1:2379",)
     # Every etcd call carries this deadline: a frozen etcd must never hang a stream.
@@ -73,7 +73,7 @@ class EtcdConfig:
     journal_retention_s: int = 86400
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class TimeoutsConfig:
     # Hard limit on time to the first content delta, per attempt (Envoy's per_try_timeout).
     # Deliberately not short: a slow replica is not a dead one.
@@ -87,25 +87,25 @@ class TimeoutsConfig:
     fence_wait_s: float = 12.0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class LimitsConfig:
     max_request_body_bytes: int = 1_048_576
     max_idempotency_key_length: int = 128
     max_buffered_response_bytes: int = 4_194_304
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class IdempotencyConfig:
     required: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class TenancyConfig:
     # Request header naming the tenant; None means one tenant ("default").
     header: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class ServerConfig:
     # "host:port" for TCP, or "unix:/path" for a Unix domain socket.
     listen: str = "127.0.0.1:50051"
@@ -113,7 +113,7 @@ class ServerConfig:
     log_level: str = "INFO"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     etcd: EtcdConfig = field(default_factory=EtcdConfig)
@@ -198,7 +198,8 @@ class _Reader:
             raise ConfigError(self._p(key), f"must be a non-empty list of strings, got {v!r}")
         for i, item in enumerate(v):
             if not isinstance(item, str) or not item:
-                raise ConfigError(f"{self._p(key)}[{i}]", f"must be a non-empty string, got {item!r}")
+                raise ConfigError(f"{self._p(key)}[{i}]",
+                                  f"must be a non-empty string, got {item!r}")
         return tuple(v)
 
     def done(self) -> None:
@@ -275,7 +276,8 @@ def load_config(raw: Mapping[str, Any] | None) -> Config:
                                    60, 30 * 86400),
     )
     if not etcd.prefix.startswith("/") or etcd.prefix.endswith("/"):
-        raise ConfigError("etcd.prefix", f"must start with '/' and not end with '/', got {etcd.prefix!r}")
+        raise ConfigError("etcd.prefix",
+                          f"must start with '/' and not end with '/', got {etcd.prefix!r}")
     for i, ep in enumerate(etcd.endpoints):
         host, sep, port = ep.rpartition(":")
         if not sep or not host or not port.isdigit():
@@ -302,9 +304,9 @@ def load_config(raw: Mapping[str, Any] | None) -> Config:
                                              4096, 256 << 20),
     )
     lim.done()
-    i = root.section("idempotency")
-    idem = IdempotencyConfig(required=i.bool_("required", False))
-    i.done()
+    idr = root.section("idempotency")
+    idem = IdempotencyConfig(required=idr.bool_("required", False))
+    idr.done()
     ten = root.section("tenancy")
     tenancy = TenancyConfig(header=ten.opt_str("header", None))
     if tenancy.header is not None:

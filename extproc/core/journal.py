@@ -14,7 +14,6 @@ The record lives in etcd as a few keys, each written by exactly one party at one
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import os
 import re

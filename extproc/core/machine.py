@@ -223,7 +223,7 @@ Role = Literal["gate", "guard"]
 
 
 def _event_record(ev: Event) -> dict[str, Any]:
-    d = asdict(ev) if not isinstance(ev, AdmitDecided) else {
+    d: dict[str, Any] = asdict(ev) if not isinstance(ev, AdmitDecided) else {
         "admitted": ev.admitted, "error": ev.error.body() if ev.error else None}
     for k, v in list(d.items()):
         if isinstance(v, bytes):

@@ -42,6 +42,8 @@ FAULT_HEADER: Final = "x-replica-fault"
 FAULT_ATTEMPT_HEADER: Final = "x-replica-fault-attempt"
 ATTEMPT_HEADER: Final = "x-envoy-attempt-count"
 GATEWAY_ID_HEADER: Final = "x-gateway-request-id"
+# Per-request override of --token-delay-ms, so one long stream needs no special replica.
+TOKEN_DELAY_HEADER: Final = "x-replica-token-delay-ms"
 REQUEST_ID_HEADER: Final = "x-request-id"
 
 STALL_LIMIT_S: Final = 600.0
@@ -97,6 +99,7 @@ class Attempt:
     peer_closed: bool = False
     outcome: Outcome = "completed"
     tool_calls: list[Any] = field(default_factory=list)
+    token_delay_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -144,6 +147,19 @@ def parse_fault(value: str) -> Fault:
         return Fault(kind=kind, seconds=seconds, spec=f"{kind}:{arg}")
     known = sorted(NO_ARG_FAULTS | COUNT_FAULTS | SECONDS_FAULTS)
     raise BadRequest(f"{FAULT_HEADER}: unknown fault {value!r}; known kinds: {', '.join(known)}")
+
+
+def _delay_header(headers: Mapping[str, str], default_s: float) -> float:
+    raw = headers.get(TOKEN_DELAY_HEADER)
+    if raw is None:
+        return default_s
+    try:
+        ms = float(raw)
+    except ValueError:
+        ms = -1.0
+    if not math.isfinite(ms) or not 0 <= ms <= 10_000:
+        raise BadRequest(f"{TOKEN_DELAY_HEADER}: expected milliseconds 0-10000, got {raw!r}")
+    return ms / 1000.0
 
 
 def _positive_int_header(headers: Mapping[str, str], name: str) -> int:
@@ -335,6 +351,7 @@ class Replica:
             fault_value = headers.get(FAULT_HEADER)
             fault = parse_fault(fault_value) if fault_value else None
             fault_attempt = _positive_int_header(headers, FAULT_ATTEMPT_HEADER)
+            att.token_delay_s = _delay_header(headers, self.token_delay_s)
             raw = await request.read()
             try:
                 body = json.loads(raw)
@@ -373,8 +390,8 @@ class Replica:
         while att.tokens_computed < upto:
             if (
                 att.tokens_computed > 0
-                and self.token_delay_s > 0
-                and await _sleep_watching(request, self.token_delay_s)
+                and att.token_delay_s > 0
+                and await _sleep_watching(request, att.token_delay_s)
             ):
                 return True
             att.tokens_computed += 1

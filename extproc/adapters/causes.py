@@ -1,0 +1,75 @@
+"""Why a stream ended, from Envoy's own gRPC access-log service.
+
+No ext_proc hook exists between an upstream reset and the filter's teardown, and both a
+client disconnect and an upstream death look like "the gRPC stream ended" to us. Envoy
+knows the difference (response flags DC vs UPE/UC/...), and tells it through the access
+log, usually 0-6 ms after our stream ends, sometimes before. Entries are matched on our
+request id header, which the access-log config adds to each entry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+
+from ..core.headers import REQUEST_ID
+from ..gen.envoy.data.accesslog.v3 import accesslog_pb2 as al
+
+_CLIENT_FLAGS = ("downstream_connection_termination", "downstream_remote_reset")
+_TIMEOUT_FLAGS = ("upstream_request_timeout", "stream_idle_timeout", "duration_timeout",
+                  "upstream_max_stream_duration_reached")
+_UPSTREAM_FLAGS = ("upstream_connection_termination", "upstream_remote_reset",
+                   "upstream_connection_failure", "upstream_protocol_error",
+                   "upstream_overflow", "no_healthy_upstream", "upstream_retry_limit_exceeded",
+                   "local_reset")
+
+
+def cause_of(entry: al.HTTPAccessLogEntry) -> str:
+    """Map Envoy's response flags to our coarse cause: client, timeout, upstream, unknown."""
+    f = entry.common_properties.response_flags
+    if any(getattr(f, n) for n in _CLIENT_FLAGS):
+        return "client"
+    if any(getattr(f, n) for n in _TIMEOUT_FLAGS):
+        return "timeout"
+    if any(getattr(f, n) for n in _UPSTREAM_FLAGS):
+        return "upstream"
+    return "unknown"
+
+
+class CauseRegistry:
+    """Meets access-log entries and guard streams halfway, in whichever order they come."""
+
+    def __init__(self, keep: int = 10000, ttl_s: float = 30.0) -> None:
+        self._early: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self._waiting: dict[str, asyncio.Future[str]] = {}
+        self._keep = keep
+        self._ttl = ttl_s
+
+    def offer(self, entry: al.HTTPAccessLogEntry) -> None:
+        rid = entry.request.request_headers.get(REQUEST_ID)
+        if not rid:
+            return
+        cause = cause_of(entry)
+        fut = self._waiting.pop(rid, None)
+        if fut is not None and not fut.done():
+            fut.set_result(cause)
+            return
+        now = time.monotonic()
+        self._early[rid] = (cause, now)
+        while self._early and (len(self._early) > self._keep
+                               or now - next(iter(self._early.values()))[1] > self._ttl):
+            self._early.popitem(last=False)
+
+    async def wait(self, rid: str, timeout_s: float) -> str:
+        early = self._early.pop(rid, None)
+        if early is not None:
+            return early[0]
+        fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._waiting[rid] = fut
+        try:
+            return await asyncio.wait_for(fut, timeout_s)
+        except TimeoutError:
+            return "unknown"
+        finally:
+            self._waiting.pop(rid, None)

@@ -1,0 +1,635 @@
+"""The grpc.aio processor: one process serving Envoy's two ext_proc filters and its access log.
+
+- the **guard** (downstream filter, FULL_DUPLEX_STREAMED responses) owns the logical request:
+  validates it, opens its journal record, counts what reaches the client, and ends a started
+  stream with the terminal error event when the upstream stalls or errs;
+- the **gate** (upstream filter, once per attempt) admits the attempt in etcd, holds the
+  response headers until the first content delta, fences it in etcd, then releases;
+- the **access-log service** tells the guard why a stream ended (client vs upstream).
+
+Each gRPC stream is driven by the pure machines of `extproc.core.machine`; this module only
+moves bytes and carries out their actions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from ..core import headers as H
+from ..core.config import Config
+from ..core.errors import ErrorCode, GatewayError
+from ..core.intake import (
+    Generation,
+    PassThrough,
+    Rejected,
+    StatusLookup,
+    classify_request,
+    parse_body,
+)
+from ..core.journal import key_digest, new_request_id, repeat_answer, tenant_digest
+from ..core.machine import (
+    Action,
+    Admit,
+    AdmitDecided,
+    ArmWatchdog,
+    AwaitCause,
+    CauseLearned,
+    ContinueRequest,
+    DisarmWatchdog,
+    DropChunk,
+    EndAttempt,
+    Event,
+    FailAttempt,
+    Fence,
+    FenceDecided,
+    Finish,
+    GateMachine,
+    GuardMachine,
+    HoldChunk,
+    PassChunk,
+    PassHeaders,
+    Refuse,
+    Release,
+    RequestStarted,
+    ResponseBody,
+    ResponseHeaders,
+    Send,
+    StallTimeout,
+    StreamClosed,
+)
+from ..gen.envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
+from ..gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from ..gen.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from . import envoy_codec as codec
+from .causes import CauseRegistry
+from .etcd_store import AttemptLease, EtcdStore, StoreUnavailable
+from .logs import rlog
+
+log = logging.getLogger("extproc")
+
+
+def _now() -> float:
+    return round(time.time(), 6)
+
+
+class Processor:
+    """Shared state of one processor process."""
+
+    def __init__(self, cfg: Config, store: EtcdStore) -> None:
+        self.cfg = cfg
+        self.store = store
+        self.causes = CauseRegistry()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.open_streams = 0
+
+    def spawn(self, coro: Awaitable[Any], name: str) -> asyncio.Task[Any]:
+        """Run work that must outlive a cancelled gRPC handler (journal writes, revokes)."""
+        t: asyncio.Task[Any] = asyncio.ensure_future(coro)
+        t.set_name(name)
+        self._tasks.add(t)
+        t.add_done_callback(self._done)
+        return t
+
+    def _done(self, t: asyncio.Task[Any]) -> None:
+        self._tasks.discard(t)
+        if not t.cancelled() and t.exception() is not None:
+            log.error("background task failed", exc_info=t.exception(),
+                      extra={"task": t.get_name(), "request_id": None, "attempt_id": None})
+
+    async def drain(self, timeout_s: float = 5.0) -> None:
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=timeout_s)
+
+
+# --- guard ---------------------------------------------------------------------------
+
+
+class GuardSession:
+    def __init__(self, proc: Processor, ctx: grpc.aio.ServicerContext[Any, Any]) -> None:
+        self.p = proc
+        self.cfg = proc.cfg
+        self.ctx = ctx
+        self.lock = asyncio.Lock()
+        self.m: GuardMachine | None = None
+        self.rid: str | None = None
+        self.gen: Generation | None = None
+        self.watchdog: asyncio.TimerHandle | None = None
+        self.finished = False
+        self.closed = False
+
+    async def write(self, resp: ep.ProcessingResponse) -> None:
+        if self.closed:
+            return
+        try:
+            await self.ctx.write(resp)
+        except (grpc.aio.AioRpcError, RuntimeError, asyncio.InvalidStateError):
+            self.closed = True
+
+    async def run(self) -> None:
+        try:
+            while True:
+                msg = await self.ctx.read()
+                if msg is grpc.aio.EOF:
+                    break
+                async with self.lock:
+                    await self.on_message(msg)
+        finally:
+            self.closed = True
+            self._disarm()
+            if self.m is not None:
+                self.p.spawn(self.close_out(), f"guard-close-{self.rid}")
+
+    async def on_message(self, msg: ep.ProcessingRequest) -> None:
+        which = msg.WhichOneof("request")
+        if which == "request_headers":
+            await self.on_request_headers(codec.headers_dict(msg.request_headers.headers),
+                                          msg.request_headers.end_of_stream)
+        elif which == "request_body":
+            await self.on_request_body(msg.request_body.body)
+        elif which == "response_headers":
+            hd = codec.headers_dict(msg.response_headers.headers)
+            if self.m is None:
+                await self.write(codec.continue_response_headers())
+                return
+            status = int(hd.get(":status", "0") or 0)
+            await self.feed(ResponseHeaders(status=status,
+                                            content_type=hd.get("content-type", ""),
+                                            end_of_stream=msg.response_headers.end_of_stream))
+        elif which == "response_body":
+            if self.m is None:
+                await self.write(codec.streamed_response_body(msg.response_body.body,
+                                                              msg.response_body.end_of_stream))
+                return
+            await self.feed(ResponseBody(msg.response_body.body,
+                                         msg.response_body.end_of_stream))
+        elif which == "response_trailers":
+            await self.write(codec.trailers_response())
+        elif which == "request_trailers":
+            await self.write(ep.ProcessingResponse(request_trailers=ep.TrailersResponse()))
+
+    async def on_request_headers(self, hd: dict[str, str], end_of_stream: bool) -> None:
+        intake = classify_request(hd, self.cfg)
+        if isinstance(intake, Rejected):
+            rlog(log, logging.INFO, "request rejected", intake.error.request_id, None,
+                 code=str(intake.error.code))
+            await self.write(codec.immediate(intake.error))
+            return
+        if isinstance(intake, StatusLookup):
+            await self.on_status_lookup(intake)
+            return
+        if isinstance(intake, PassThrough):
+            await self.write(codec.continue_request_headers(remove=H.OWNED))
+            return
+        self.gen = intake
+        self.rid = intake.request_id
+        if end_of_stream:
+            await self.write(codec.immediate(GatewayError(
+                ErrorCode.INVALID_REQUEST_BODY, "a JSON request body is required", 400,
+                request_id=self.rid)))
+            return
+        self.envoy_request_id = hd.get(H.ENVOY_REQUEST_ID)
+        await self.write(codec.continue_request_headers(
+            {H.REQUEST_ID: intake.request_id}, remove=(H.ATTEMPT_ID,)))
+
+    async def on_status_lookup(self, q: StatusLookup) -> None:
+        try:
+            view = await self.p.store.get(q.request_id)
+        except StoreUnavailable as e:
+            await self.write(codec.immediate(self._journal_down(q.request_id, e)))
+            return
+        if view is None or view.meta.get("tenant") != _tenant_tag(q.tenant):
+            # Another tenant's request is indistinguishable from a missing one.
+            await self.write(codec.immediate(GatewayError(
+                ErrorCode.REQUEST_NOT_FOUND, "no request with this id", 404,
+                request_id=q.request_id)))
+            return
+        await self.write(codec.immediate_json(
+            200, json.dumps(view.to_dict(), separators=(",", ":")).encode(),
+            {H.REQUEST_ID: q.request_id}))
+
+    def _journal_down(self, rid: str | None, e: Exception) -> GatewayError:
+        rlog(log, logging.WARNING, "journal unavailable", rid, None, error=str(e))
+        return GatewayError(ErrorCode.JOURNAL_UNAVAILABLE,
+                            "the request journal is unavailable; nothing was run",
+                            503, request_id=rid, retryable=True)
+
+    async def on_request_body(self, body: bytes) -> None:
+        gen, rid = self.gen, self.rid
+        if gen is None or rid is None:
+            await self.write(codec.continue_request_body())
+            return
+        meta = parse_body(body, self.cfg, rid)
+        if isinstance(meta, GatewayError):
+            rlog(log, logging.INFO, "request body rejected", rid, None, code=str(meta.code))
+            await self.write(codec.immediate(meta, {H.REQUEST_ID: rid}))
+            return
+        record = {
+            "request_id": rid,
+            "tenant": _tenant_tag(gen.tenant),
+            "idempotency_key_sha256": _key_tag(gen.idempotency_key),
+            "endpoint": gen.path,
+            "max_attempts": self.cfg.policy.max_attempts,
+            "gateway_id": self.cfg.server.gateway_id,
+            "envoy_request_id": getattr(self, "envoy_request_id", None),
+            "created_at": _now(),
+            **meta.to_dict(),
+        }
+        try:
+            existing = await self.p.store.open_request(rid, record)
+        except StoreUnavailable as e:
+            await self.write(codec.immediate(self._journal_down(rid, e), {H.REQUEST_ID: rid}))
+            return
+        if existing is not None:
+            err = repeat_answer(existing)
+            rlog(log, logging.INFO, "repeat of a known request", rid, None,
+                 code=str(err.code), outcome=existing.outcome_value)
+            await self.write(codec.immediate(err, {H.REQUEST_ID: rid}))
+            return
+        self.m = GuardMachine.new(rid, self.cfg.timeouts.stall_after_first_delta_s,
+                                  self.cfg.limits.max_buffered_response_bytes)
+        rlog(log, logging.INFO, "request accepted", rid, None, stream=meta.stream,
+             model=meta.model)
+        await self.write(codec.continue_request_body())
+
+    async def feed(self, ev: Event) -> None:
+        assert self.m is not None
+        for a in self.m.handle(ev):
+            await self.act(a)
+
+    async def act(self, a: Action) -> None:
+        rid = self.rid or ""
+        if isinstance(a, PassHeaders):
+            await self.write(codec.continue_response_headers({H.REQUEST_ID: rid}))
+        elif isinstance(a, Send):
+            if a.data or a.end_of_stream:
+                await self.write(codec.streamed_response_body(a.data, a.end_of_stream))
+        elif isinstance(a, ArmWatchdog):
+            self._arm(a.seconds)
+        elif isinstance(a, DisarmWatchdog):
+            self._disarm()
+        elif isinstance(a, Finish):
+            self.p.spawn(self.record(a), f"guard-finish-{rid}")
+        elif isinstance(a, AwaitCause):
+            cause = await self.p.causes.wait(rid, self.cfg.timeouts.access_log_wait_s)
+            await self.feed(CauseLearned(cause))
+
+    def _arm(self, seconds: float) -> None:
+        self._disarm()
+        loop = asyncio.get_running_loop()
+        self.watchdog = loop.call_later(
+            seconds, lambda: self.p.spawn(self.on_stall(), f"guard-stall-{self.rid}"))
+
+    def _disarm(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.cancel()
+            self.watchdog = None
+
+    async def on_stall(self) -> None:
+        async with self.lock:
+            if self.closed or self.m is None:
+                return
+            rlog(log, logging.WARNING, "upstream silent after first delta: ending stream",
+                 self.rid, None, delivered_output_tokens=self.m.delivered)
+            await self.feed(StallTimeout())
+
+    async def close_out(self) -> None:
+        async with self.lock:
+            if self.m is not None:
+                await self.feed(StreamClosed())
+
+    async def record(self, f: Finish) -> None:
+        if self.finished or self.rid is None:
+            return
+        self.finished = True
+        body: dict[str, Any] = {
+            "outcome": str(f.outcome),
+            "delivered_output_tokens": f.delivered_output_tokens,
+            "cause": f.cause,
+            "finished_at": _now(),
+            "gateway_id": self.cfg.server.gateway_id,
+        }
+        rlog(log, logging.INFO, "request finished", self.rid, None, outcome=str(f.outcome),
+             delivered_output_tokens=f.delivered_output_tokens, cause=f.cause)
+        try:
+            await self.p.store.finish(self.rid, body)
+        except StoreUnavailable as e:
+            rlog(log, logging.ERROR, "could not record outcome", self.rid, None, error=str(e),
+                 outcome=str(f.outcome))
+
+
+# --- gate ----------------------------------------------------------------------------
+
+
+class GateSession:
+    def __init__(self, proc: Processor, ctx: grpc.aio.ServicerContext[Any, Any]) -> None:
+        self.p = proc
+        self.cfg = proc.cfg
+        self.ctx = ctx
+        self.m: GateMachine | None = None
+        self.rid: str | None = None
+        self.aid: str | None = None
+        self.attempt = 0
+        self.replica: str | None = None
+        self.lease: AttemptLease | None = None
+        self.keepalive: asyncio.Task[None] | None = None
+        self.model_revision: str | None = None
+        self.started_at = 0.0
+        self.closed = False
+
+    async def write(self, resp: ep.ProcessingResponse) -> None:
+        if self.closed:
+            return
+        try:
+            await self.ctx.write(resp)
+        except (grpc.aio.AioRpcError, RuntimeError, asyncio.InvalidStateError):
+            self.closed = True
+
+    async def run(self) -> None:
+        try:
+            while True:
+                msg = await self.ctx.read()
+                if msg is grpc.aio.EOF:
+                    break
+                await self.on_message(msg)
+        finally:
+            self.closed = True
+            if self.keepalive is not None:
+                self.keepalive.cancel()
+            if self.m is not None:
+                for a in self.m.handle(StreamClosed()):
+                    if isinstance(a, EndAttempt):
+                        self.p.spawn(self.end(a), f"gate-end-{self.aid}")
+
+    async def on_message(self, msg: ep.ProcessingRequest) -> None:
+        which = msg.WhichOneof("request")
+        if which == "request_headers":
+            hd = codec.headers_dict(msg.request_headers.headers)
+            rid = hd.get(H.REQUEST_ID)
+            if not rid:
+                # Not a journaled request (e.g. /v1/models): nothing to gate.
+                await self.write(codec.continue_request_headers())
+                return
+            self.rid = rid
+            try:
+                self.attempt = int(hd.get(H.ENVOY_ATTEMPT_COUNT, "1"))
+            except ValueError:
+                self.attempt = 1
+            attrs = codec.attributes(msg)
+            self.replica = str(attrs.get("upstream.address") or "") or None
+            self.m = GateMachine.new(rid, self.cfg.limits.max_buffered_response_bytes)
+            await self.feed(RequestStarted(self.attempt))
+        elif which == "response_headers":
+            hd = codec.headers_dict(msg.response_headers.headers)
+            if self.m is None:
+                await self.write(codec.continue_response_headers())
+                return
+            self.model_revision = hd.get("x-model-revision")
+            await self.feed(ResponseHeaders(int(hd.get(":status", "0") or 0),
+                                            hd.get("content-type", ""),
+                                            msg.response_headers.end_of_stream))
+        elif which == "response_body":
+            if self.m is None:
+                await self.write(codec.continue_response_body())
+                return
+            await self.feed(ResponseBody(msg.response_body.body,
+                                         msg.response_body.end_of_stream))
+        elif which == "request_body":
+            await self.write(codec.continue_request_body())
+        elif which == "response_trailers":
+            await self.write(codec.trailers_response())
+        elif which == "request_trailers":
+            await self.write(ep.ProcessingResponse(request_trailers=ep.TrailersResponse()))
+
+    async def feed(self, ev: Event) -> None:
+        assert self.m is not None
+        queue = [ev]
+        while queue:
+            for a in self.m.handle(queue.pop(0)):
+                nxt = await self.act(a)
+                if nxt is not None:
+                    queue.append(nxt)
+
+    async def act(self, a: Action) -> Event | None:
+        rid = self.rid or ""
+        if isinstance(a, HoldChunk):
+            return None
+        if isinstance(a, PassChunk):
+            if self.lease is not None and not self.lease.valid():
+                # Our lease is gone: publish nothing more. The guard's watchdog ends the
+                # stream for the client with the terminal error.
+                rlog(log, logging.WARNING, "lease lost after release: dropping chunk", rid,
+                     self.aid)
+                await self.write(codec.replace_response_body(b""))
+            else:
+                await self.write(codec.continue_response_body())
+            return None
+        if isinstance(a, PassHeaders):
+            await self.write(codec.continue_response_headers())
+            return None
+        if isinstance(a, DropChunk):
+            await self.write(codec.replace_response_body(b""))
+            return None
+        if isinstance(a, Fence):
+            return FenceDecided(await self.fence())
+        if isinstance(a, Release):
+            rlog(log, logging.INFO, "first delta fenced: released", rid, self.aid,
+                 attempt=self.attempt, replica=self.replica, held_chunks=a.held_chunks,
+                 ttfd_ms=round((time.monotonic() - self.started_at) * 1000, 2))
+            await self.write(codec.continue_response_headers({H.ATTEMPT_ID: self.aid or ""}))
+            for _ in range(a.held_chunks):
+                await self.write(codec.continue_response_body())
+            return None
+        if isinstance(a, FailAttempt):
+            rlog(log, logging.WARNING, "attempt failed before first delta", rid, self.aid,
+                 attempt=self.attempt, replica=self.replica, reason=a.reason)
+            await self.write(codec.fail_attempt_headers(rid))
+            for i in range(a.held_chunks):
+                await self.write(codec.replace_response_body(a.error.json_bytes() if i == 0
+                                                             else b""))
+            return None
+        if isinstance(a, ContinueRequest):
+            await self.write(codec.continue_request_headers({H.ATTEMPT_ID: self.aid or ""}))
+            return None
+        if isinstance(a, Refuse):
+            await self.write(codec.immediate(a.error, {H.REQUEST_ID: rid}))
+            return None
+        if isinstance(a, Admit):
+            return await self.admit(a.attempt)
+        return None
+
+    async def admit(self, attempt: int) -> AdmitDecided:
+        rid = self.rid or ""
+        self.aid = "att_" + new_request_id()[4:]
+        self.started_at = time.monotonic()
+        if attempt > self.cfg.policy.max_attempts:
+            return self._refuse(ErrorCode.RETRY_BUDGET_EXHAUSTED,
+                                f"attempt {attempt} exceeds max_attempts "
+                                f"{self.cfg.policy.max_attempts}")
+        record = {"attempt": attempt, "attempt_id": self.aid, "replica": self.replica,
+                  "gateway_id": self.cfg.server.gateway_id, "started_at": _now()}
+        try:
+            res = await self.p.store.admit_attempt(rid, attempt, self.aid, record,
+                                                   self.cfg.timeouts.fence_wait_s)
+        except StoreUnavailable as e:
+            rlog(log, logging.WARNING, "journal unavailable at admission", rid, self.aid,
+                 error=str(e))
+            return AdmitDecided(False, GatewayError(
+                ErrorCode.JOURNAL_UNAVAILABLE,
+                "the request journal is unavailable; the attempt could not be fenced, "
+                "so nothing was run", 503, request_id=rid, retryable=True))
+        if not res.admitted:
+            return self._refuse(ErrorCode.ATTEMPT_NOT_ADMITTED, res.reason)
+        self.lease = res.lease
+        self.keepalive = asyncio.ensure_future(self._keep_alive())
+        rlog(log, logging.INFO, "attempt admitted", rid, self.aid, attempt=attempt,
+             replica=self.replica, waited_ms=round(res.waited_s * 1000, 2))
+        return AdmitDecided(True)
+
+    def _refuse(self, code: ErrorCode, reason: str) -> AdmitDecided:
+        rlog(log, logging.WARNING, "attempt refused", self.rid, self.aid, attempt=self.attempt,
+             reason=reason)
+        return AdmitDecided(False, GatewayError(code, reason, 503, request_id=self.rid,
+                                                retryable=False))
+
+    async def _keep_alive(self) -> None:
+        lease = self.lease
+        assert lease is not None
+        period = max(0.5, lease.ttl_s / 3)
+        while not lease.revoked:
+            await asyncio.sleep(period)
+            try:
+                if not await self.p.store.refresh(lease):
+                    rlog(log, logging.WARNING, "attempt lease lost", self.rid, self.aid)
+                    return
+            except StoreUnavailable as e:
+                rlog(log, logging.WARNING, "lease keep-alive failed", self.rid, self.aid,
+                     error=str(e))
+
+    async def fence(self) -> bool:
+        rid = self.rid or ""
+        if self.lease is None or not self.lease.valid():
+            return False
+        record = {"attempt": self.attempt, "attempt_id": self.aid, "replica": self.replica,
+                  "model_revision": self.model_revision, "at": _now()}
+        try:
+            return await self.p.store.fence_first_delta(rid, self.aid or "", record)
+        except StoreUnavailable as e:
+            rlog(log, logging.WARNING, "journal unavailable at the fence: not releasing", rid,
+                 self.aid, error=str(e))
+            return False
+
+    async def end(self, a: EndAttempt) -> None:
+        rid = self.rid or ""
+        if self.aid is None or self.lease is None:
+            return
+        record = {"attempt": self.attempt, "attempt_id": self.aid, "replica": self.replica,
+                  "gateway_id": self.cfg.server.gateway_id,
+                  "started_at": None, "ended_at": _now(), "released": a.released,
+                  "upstream_finished": a.upstream_finished, "last_state": a.last_state}
+        rlog(log, logging.INFO, "attempt ended", rid, self.aid, attempt=self.attempt,
+             released=a.released, upstream_finished=a.upstream_finished,
+             last_state=a.last_state)
+        # The attempt's stream is gone from Envoy: revoking its lease is the fence that
+        # lets a retry in (and forbids this attempt any further side effect).
+        results = await asyncio.gather(self.p.store.revoke(self.lease),
+                                       self.p.store.end_attempt(rid, self.attempt, record),
+                                       return_exceptions=True)
+        for r in results:
+            if isinstance(r, Exception):
+                rlog(log, logging.WARNING, "could not close attempt record", rid, self.aid,
+                     error=str(r))
+
+
+# --- gRPC services ---------------------------------------------------------------------
+
+
+class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+    def __init__(self, proc: Processor) -> None:
+        self.p = proc
+
+    async def Process(self, request_iterator: AsyncIterator[ep.ProcessingRequest],
+                      context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        md = dict(context.invocation_metadata() or ())
+        role = md.get(H.ROLE_METADATA, "guard")
+        session: GuardSession | GateSession
+        session = GateSession(self.p, context) if role == "gate" else GuardSession(self.p, context)
+        self.p.open_streams += 1
+        try:
+            await session.run()
+        except asyncio.CancelledError:
+            pass
+        except Exception:
+            log.exception("processing stream failed",
+                          extra={"request_id": session.rid, "attempt_id":
+                                 getattr(session, "aid", None), "role": role})
+            raise
+        finally:
+            self.p.open_streams -= 1
+
+
+class AccessLog(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
+    def __init__(self, proc: Processor) -> None:
+        self.p = proc
+
+    async def StreamAccessLogs(
+        self, request_iterator: AsyncIterator[als_pb2.StreamAccessLogsMessage],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> als_pb2.StreamAccessLogsResponse:
+        async for msg in request_iterator:
+            if msg.WhichOneof("log_entries") == "http_logs":
+                for entry in msg.http_logs.log_entry:
+                    self.p.causes.offer(entry)
+        return als_pb2.StreamAccessLogsResponse()
+
+
+async def serve(cfg: Config, ready: Callable[[str], None] | None = None) -> None:
+    store = EtcdStore(cfg.etcd)
+    await store.connect()
+    proc = Processor(cfg, store)
+    server = grpc.aio.server(options=[("grpc.max_concurrent_streams", 100000),
+                                      ("grpc.so_reuseport", 0)])
+    ep_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(proc), server)
+    als_pb2_grpc.add_AccessLogServiceServicer_to_server(AccessLog(proc), server)
+    hs = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(hs, server)
+    port = server.add_insecure_port(cfg.server.listen)
+    if port == 0 and not cfg.server.listen.startswith("unix:"):
+        raise OSError(f"cannot listen on {cfg.server.listen}")
+    await server.start()
+    await hs.set("", health_pb2.HealthCheckResponse.SERVING)
+    addr = cfg.server.listen if port == 0 else cfg.server.listen.rsplit(":", 1)[0] + f":{port}"
+    log.info("processor listening", extra={"listen": addr, "pid": os.getpid(),
+                                           "request_id": None, "attempt_id": None})
+    if ready is not None:
+        ready(addr)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    # Drain: report NOT_SERVING first so Envoy's health checks move traffic away, then let
+    # open streams finish for a bounded time.
+    await hs.enter_graceful_shutdown()
+    await server.stop(grace=5.0)
+    await proc.drain()
+    await store.close()
+
+
+def _tenant_tag(tenant: str) -> str:
+    return tenant_digest(tenant)
+
+
+def _key_tag(key: str | None) -> str | None:
+    return key_digest(key) if key is not None else None

