@@ -248,7 +248,7 @@ class Stack:
     def _supervise(self) -> None:
         # Bounded: ends with the stack; one check every 50 ms.
         while not self._stop.wait(0.05):
-            for i, port in enumerate(self.replica_ports):
+            for i in range(len(self.replica_ports)):
                 p = self.procs.get(f"r{i + 1}")
                 if p is not None and not p.alive() and not self._stop.is_set():
                     p.restarts += 1
@@ -290,20 +290,23 @@ class Stack:
 
 def quickstart_banner(stack: Stack) -> str:
     url = stack.base_url
+    body = ('{"model":"demo-model","stream":true,"max_tokens":12,'
+            '"messages":[{"role":"user","content":"hi"}]}')
     return f"""
-Gateway ready on {url}  (Envoy admin http://127.0.0.1:{stack.admin_port}, etcd {stack.etcd_endpoint},
-processor {stack.processor_addr}, replicas {', '.join(str(p) for p in stack.replica_ports)})
+Gateway ready on {url}
+  Envoy admin http://127.0.0.1:{stack.admin_port}, etcd {stack.etcd_endpoint},
+  processor {stack.processor_addr}, replicas {', '.join(str(p) for p in stack.replica_ports)}
 Logs: {stack.workdir}
 
 Stream a completion:
   curl -N {url}/v1/chat/completions -H 'content-type: application/json' \\
     -H 'Idempotency-Key: demo-1' \\
-    -d '{{"model":"demo-model","stream":true,"max_tokens":12,"messages":[{{"role":"user","content":"hi"}}]}}'
+    -d '{body}'
 
 Kill the replica after 3 delivered deltas (the stream ends with upstream_decode_interrupted):
   curl -N {url}/v1/chat/completions -H 'content-type: application/json' \\
     -H 'x-replica-fault: kill-after-deltas:3' \\
-    -d '{{"model":"demo-model","stream":true,"max_tokens":12,"messages":[{{"role":"user","content":"hi"}}]}}'
+    -d '{body}'
 
 Look the request up (use the x-gateway-request-id response header):
   curl {url}/v1/requests/<request_id>

@@ -27,6 +27,10 @@ class Topology:
     access_log_path: str | None = None
 
 
+def _t(name: str) -> str:
+    return "type.googleapis.com/" + name
+
+
 def _dur(seconds: float) -> str:
     return f"{seconds:.3f}s"
 
@@ -52,7 +56,7 @@ def _grpc_service(role: str) -> dict[str, Any]:
 
 def _http2() -> dict[str, Any]:
     return {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-        "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+        "@type": _t("envoy.extensions.upstreams.http.v3.HttpProtocolOptions"),
         "explicit_http_config": {"http2_protocol_options": {}},
     }}
 
@@ -68,13 +72,14 @@ def render(cfg: Config, topo: Topology, plain: bool = False) -> dict[str, Any]:
         access_logs.append({
             "name": "envoy.access_loggers.file",
             "typed_config": {
-                "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog",
+                "@type": _t("envoy.extensions.access_loggers.file.v3.FileAccessLog"),
                 "path": topo.access_log_path,
                 "log_format": {"json_format": {
                     "ts": "%START_TIME%", "rid": f"%REQ({REQUEST_ID})%",
                     "envoy_rid": "%REQ(X-REQUEST-ID)%", "path": "%REQ(:PATH)%",
                     "status": "%RESPONSE_CODE%", "flags": "%RESPONSE_FLAGS%",
-                    "details": "%RESPONSE_CODE_DETAILS%", "attempts": "%UPSTREAM_REQUEST_ATTEMPT_COUNT%",
+                    "details": "%RESPONSE_CODE_DETAILS%",
+                    "attempts": "%UPSTREAM_REQUEST_ATTEMPT_COUNT%",
                     "upstream": "%UPSTREAM_HOST%", "duration_ms": "%DURATION%",
                 }},
             },
@@ -83,7 +88,7 @@ def render(cfg: Config, topo: Topology, plain: bool = False) -> dict[str, Any]:
         access_logs.append({
             "name": "envoy.access_loggers.http_grpc",
             "typed_config": {
-                "@type": "type.googleapis.com/envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig",
+                "@type": _t("envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig"),
                 "common_config": {
                     "log_name": "guard",
                     "transport_api_version": "V3",
@@ -99,7 +104,7 @@ def render(cfg: Config, topo: Topology, plain: bool = False) -> dict[str, Any]:
         filters.append({
             "name": "envoy.filters.http.ext_proc",
             "typed_config": {
-                "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+                "@type": _t("envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"),
                 "grpc_service": _grpc_service("guard"),
                 "failure_mode_allow": False,
                 # The guard answers from memory or after one bounded etcd call.
@@ -115,7 +120,7 @@ def render(cfg: Config, topo: Topology, plain: bool = False) -> dict[str, Any]:
             },
         })
     filters.append({"name": "envoy.filters.http.router", "typed_config": {
-        "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}})
+        "@type": _t("envoy.extensions.filters.http.router.v3.Router")}})
 
     retry_policy = {
         "retry_on": "reset,connect-failure,refused-stream,5xx",
@@ -124,8 +129,8 @@ def render(cfg: Config, topo: Topology, plain: bool = False) -> dict[str, Any]:
         "per_try_timeout": _dur(t.first_delta_s),
         "retry_host_predicate": [{
             "name": "envoy.retry_host_predicates.previous_hosts",
-            "typed_config": {"@type": "type.googleapis.com/envoy.extensions.retry.host."
-                                      "previous_hosts.v3.PreviousHostsPredicate"},
+            "typed_config": {"@type": _t("envoy.extensions.retry.host."
+                                         "previous_hosts.v3.PreviousHostsPredicate")},
         }],
         "host_selection_retry_max_attempts": 5,
         "retry_back_off": {"base_interval": "0.010s", "max_interval": "0.250s"},
@@ -139,7 +144,8 @@ def render(cfg: Config, topo: Topology, plain: bool = False) -> dict[str, Any]:
                              "retry_policy": retry_policy}})
 
     hcm = {
-        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+        "@type": _t("envoy.extensions.filters.network.http_connection_manager.v3."
+                    "HttpConnectionManager"),
         "stat_prefix": "ingress",
         "codec_type": "AUTO",
         "stream_idle_timeout": _dur(idle),
@@ -151,13 +157,13 @@ def render(cfg: Config, topo: Topology, plain: bool = False) -> dict[str, Any]:
             "routes": routes}]},
     }
     replica_opts: dict[str, Any] = {
-        "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+        "@type": _t("envoy.extensions.upstreams.http.v3.HttpProtocolOptions"),
         "explicit_http_config": {"http_protocol_options": {}},
     }
     if not plain:
         replica_opts["http_filters"] = [
             {"name": "envoy.filters.http.ext_proc", "typed_config": {
-                "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+                "@type": _t("envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"),
                 "grpc_service": _grpc_service("gate"),
                 "failure_mode_allow": False,
                 # The gate holds the response headers until the first delta is fenced: the
@@ -177,7 +183,7 @@ def render(cfg: Config, topo: Topology, plain: bool = False) -> dict[str, Any]:
                 "request_attributes": ["upstream.address"],
             }},
             {"name": "envoy.filters.http.upstream_codec", "typed_config": {
-                "@type": "type.googleapis.com/envoy.extensions.filters.http.upstream_codec.v3.UpstreamCodec"}},
+                "@type": _t("envoy.extensions.filters.http.upstream_codec.v3.UpstreamCodec")}},
         ]
     clusters: list[dict[str, Any]] = [{
         "name": "replicas",
