@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .core.config import Config
-from .core.headers import REQUEST_ID, ROLE_METADATA
+from .core.headers import ATTEMPT_ID, ENVOY_ATTEMPT_COUNT, REQUEST_ID, ROLE_METADATA
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,23 @@ def _grpc_service(role: str) -> dict[str, Any]:
     }
 
 
+def _grpc_access_log(log_name: str, headers: list[str]) -> dict[str, Any]:
+    return {
+        "name": "envoy.access_loggers.http_grpc",
+        "typed_config": {
+            "@type": _t("envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig"),
+            "common_config": {
+                "log_name": log_name,
+                "transport_api_version": "V3",
+                "grpc_service": {"envoy_grpc": {"cluster_name": "extproc"}},
+                "buffer_size_bytes": 0,
+                "buffer_flush_interval": "0.05s",
+            },
+            "additional_request_headers_to_log": headers,
+        },
+    }
+
+
 def _http2() -> dict[str, Any]:
     return {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
         "@type": _t("envoy.extensions.upstreams.http.v3.HttpProtocolOptions"),
@@ -85,20 +102,7 @@ def render(cfg: Config, topo: Topology, plain: bool = False) -> dict[str, Any]:
             },
         })
     if not plain:
-        access_logs.append({
-            "name": "envoy.access_loggers.http_grpc",
-            "typed_config": {
-                "@type": _t("envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig"),
-                "common_config": {
-                    "log_name": "guard",
-                    "transport_api_version": "V3",
-                    "grpc_service": {"envoy_grpc": {"cluster_name": "extproc"}},
-                    "buffer_size_bytes": 0,
-                    "buffer_flush_interval": "0.05s",
-                },
-                "additional_request_headers_to_log": [REQUEST_ID],
-            },
-        })
+        access_logs.append(_grpc_access_log("guard", [REQUEST_ID]))
     filters: list[dict[str, Any]] = []
     if not plain:
         filters.append({
@@ -119,8 +123,13 @@ def render(cfg: Config, topo: Topology, plain: bool = False) -> dict[str, Any]:
                 },
             },
         })
-    filters.append({"name": "envoy.filters.http.router", "typed_config": {
-        "@type": _t("envoy.extensions.filters.http.router.v3.Router")}})
+    router: dict[str, Any] = {"@type": _t("envoy.extensions.filters.http.router.v3.Router")}
+    if not plain:
+        # One entry per attempt: how each attempt ended (UF/UC/UPE: dead; UT: timed out,
+        # liveness uncertain). The gate's fence decision waits for it (decision 0007).
+        router["upstream_log"] = [_grpc_access_log("gate", [REQUEST_ID, ATTEMPT_ID,
+                                                            ENVOY_ATTEMPT_COUNT])]
+    filters.append({"name": "envoy.filters.http.router", "typed_config": router})
 
     retry_policy = {
         "retry_on": "reset,connect-failure,refused-stream,5xx",

@@ -13,7 +13,7 @@ import asyncio
 import time
 from collections import OrderedDict
 
-from ..core.headers import REQUEST_ID
+from ..core.headers import ATTEMPT_ID, REQUEST_ID
 from ..gen.envoy.data.accesslog.v3 import accesslog_pb2 as al
 
 _CLIENT_FLAGS = ("downstream_connection_termination", "downstream_remote_reset")
@@ -47,7 +47,12 @@ class CauseRegistry:
         self._ttl = ttl_s
 
     def offer(self, entry: al.HTTPAccessLogEntry) -> None:
-        rid = entry.request.request_headers.get(REQUEST_ID)
+        """Downstream entries are keyed by request id, per-attempt (upstream) ones by attempt id."""
+        hdrs = entry.request.request_headers
+        if entry.common_properties.access_log_type == al.UpstreamEnd:
+            rid = hdrs.get(ATTEMPT_ID)
+        else:
+            rid = hdrs.get(REQUEST_ID)
         if not rid:
             return
         cause = cause_of(entry)
