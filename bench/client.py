@@ -13,6 +13,7 @@ content events, or it is counted (never dropped) in one of the error buckets.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from dataclasses import dataclass, field
@@ -30,7 +31,7 @@ def build_request(host: str, port: int, max_tokens: int, token_delay_ms: float |
     body = json.dumps({"model": "demo-model", "stream": True, "max_tokens": max_tokens,
                        "messages": [{"role": "user", "content": prompt}]},
                       separators=(",", ":")).encode()
-    head = [f"POST /v1/chat/completions HTTP/1.1", f"Host: {host}:{port}",
+    head = ["POST /v1/chat/completions HTTP/1.1", f"Host: {host}:{port}",
             "Content-Type: application/json", "Accept: text/event-stream",
             f"Content-Length: {len(body)}"]
     if token_delay_ms is not None:
@@ -65,12 +66,14 @@ class Tally:
     error_events: int = 0  # requests whose stream carried an in-band error event
     incomplete: int = 0  # 200, no error event, but not exactly max_tokens contents + [DONE]
     counted_chunks: int = 0
+    content_events: int = 0  # all content events received, in or out of the window
     statuses: dict[int, int] = field(default_factory=dict)
     transport_samples: list[str] = field(default_factory=list)
 
     def add(self, o: Outcome, expected_content: int) -> None:
         self.requests += 1
         self.counted_chunks += o.counted
+        self.content_events += o.content
         if o.transport_error is not None:
             self.transport_errors += 1
             if len(self.transport_samples) < 5:
@@ -89,7 +92,7 @@ class Tally:
         return self.non_200 + self.transport_errors + self.error_events + self.incomplete
 
     def as_dict(self) -> dict[str, object]:
-        return {"requests": self.requests, "ok": self.ok, "non_200": self.non_200,
+        return {"requests": self.requests, "ok": self.ok, "content_events": self.content_events, "non_200": self.non_200,
                 "non_200_statuses": {str(k): v for k, v in self.statuses.items()},
                 "transport_errors": self.transport_errors, "error_events": self.error_events,
                 "incomplete": self.incomplete, "transport_samples": self.transport_samples}
@@ -109,10 +112,8 @@ class Conn:
         self.buf.clear()
         if w is not None:
             w.close()
-            try:
+            with contextlib.suppress(OSError, TimeoutError):
                 await asyncio.wait_for(w.wait_closed(), 1.0)
-            except (OSError, TimeoutError):
-                pass
 
     async def _read(self) -> bytes:
         assert self.reader is not None

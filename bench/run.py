@@ -70,6 +70,8 @@ class Params:
     ttfd_tokens: int = 8
     ttfd_max_s: float = 15.0
     request_timeout_s: float = 30.0
+    # a figure whose stack lost a process mid-run is re-measured on a fresh stack
+    attempts: int = 3
 
 
 QUICK = Params(repeats=1, sat_warmup_s=0.5, sat_duration_s=3.0, lat_warmup_s=0.5,
@@ -254,10 +256,12 @@ async def saturation(stack: Stack, p: Params) -> dict[str, Any]:
     cpu = cpu_delta(snaps["a"], snaps["b"])
     per_chunk_us = {k: (v / chunks * 1e6 if chunks else float("nan"))
                     for k, v in cpu.items() if k != "machine_busy_frac"}
+    cores = {k: (v / p.sat_duration_s if k != "machine_busy_frac" else v)
+             for k, v in cpu.items()}
     return {"chunks_per_s": chunks / p.sat_duration_s, "counted_chunks": chunks,
             "window_s": p.sat_duration_s, "budget_exhausted": budget[0] <= 0,
             "died": watch.dead, "died_after_s": watch.died_after_s,
-            "cpu_s": cpu, "cpu_us_per_chunk": per_chunk_us, **tally.as_dict()}
+            "cpu_s": cpu, "cpu_cores": cores, "cpu_us_per_chunk": per_chunk_us, **tally.as_dict()}
 
 
 async def latency(stack: Stack, p: Params) -> dict[str, Any]:
@@ -270,6 +274,13 @@ async def latency(stack: Stack, p: Params) -> dict[str, Any]:
     budget = [p.lat_max_requests]
 
     watch = Watch(stack)
+    snaps: dict[str, dict[str, float]] = {}
+
+    async def sampler() -> None:
+        await asyncio.sleep(max(0.0, (w0 - time.time_ns()) / 1e9))
+        snaps["a"] = cpu_snapshot(stack)
+        await asyncio.sleep(max(0.0, (w1 - time.time_ns()) / 1e9))
+        snaps["b"] = cpu_snapshot(stack)
 
     async def client(i: int) -> None:
         # Spread the streams' token ticks evenly over one token period.
@@ -287,10 +298,15 @@ async def latency(stack: Stack, p: Params) -> dict[str, Any]:
         finally:
             await conn.close()
 
-    await watch.run(*(client(i) for i in range(p.lat_streams)))
+    await watch.run(sampler(), *(client(i) for i in range(p.lat_streams)))
+    if "b" not in snaps:
+        snaps["b"] = cpu_snapshot(stack)
+    cpu = cpu_delta(snaps["a"], snaps["b"])
     ms = [x / 1e6 for x in lats]
     return {"achieved_chunks_per_s": tally.counted_chunks / p.lat_duration_s,
             "offered_chunks_per_s": p.lat_streams * 1000.0 / p.lat_delay_ms,
+            "cpu_cores": {k: (v / p.lat_duration_s if k != "machine_busy_frac" else v)
+                          for k, v in cpu.items()},
             "samples": len(ms), "p50_ms": pct(ms, 50), "p90_ms": pct(ms, 90),
             "p99_ms": pct(ms, 99), "max_ms": max(ms) if ms else float("nan"),
             "budget_exhausted": budget[0] <= 0, "died": watch.dead,
@@ -320,7 +336,7 @@ async def ttfd(stack: Stack, p: Params) -> dict[str, Any]:
         await conn.close()
     return {"samples": len(samples), "p50_ms": pct(samples, 50), "p99_ms": pct(samples, 99),
             "mean_ms": statistics.fmean(samples) if samples else float("nan"),
-            "died": dead, "died_after_s": None, **tally.as_dict()}
+            "died": dead, "died_after_s": None, "budget_exhausted": False, **tally.as_dict()}
 
 
 def run_loop(coro: Any) -> Any:
@@ -332,38 +348,57 @@ def run_loop(coro: Any) -> Any:
         return asyncio.run(coro)
 
 
-def check_alive(stack: Stack, where: str) -> list[str]:
-    dead = [n for n, pr in stack.procs.items() if not pr.alive()]
-    return [f"{where}: {n} died" for n in dead]
+FIGURES = {  # figure -> (upstream kind, measurement)
+    "ttfd": ("demo", ttfd),
+    "saturation": ("demo", saturation),
+    "latency": ("ts", latency),
+}
+ERROR_KEYS = ("requests", "ok", "non_200", "transport_errors", "error_events", "incomplete")
+
+
+def measure_figure(fig: str, side: str, p: Params, work: Path, log: Any) -> dict[str, Any]:
+    """Measure one figure on a fresh stack. If a stack process dies mid-run (Envoy has been
+    seen to segfault under load with the processor), the attempt is kept - its errors count -
+    and the figure is retried on a fresh stack, up to `p.attempts` times."""
+    kind, fn = FIGURES[fig]
+    attempts: list[dict[str, Any]] = []
+    for n in range(1, p.attempts + 1):
+        wd = work / f"{fig}-{side}-a{n}"
+        stack = start_stack(kind, side == "plain", wd)
+        try:
+            time.sleep(0.3)
+            log(f"  {side}: {fig}" + (f" (attempt {n})" if n > 1 else "") + " ...")
+            r = run_loop(fn(stack, p))
+            r["envoy_counters"] = c = envoy_counters(stack)
+            msgs = sum(v for k, v in c.items() if k.endswith("ext_proc.stream_msgs_sent"))
+            r["extproc_msgs_per_content_event"] = (msgs / r["content_events"]
+                                                   if r["content_events"] else 0.0)
+            r["died"] = sorted(set(r["died"]) | {k for k, pr in stack.procs.items()
+                                                 if not pr.alive()})
+        finally:
+            stack.stop()
+        r["processor_log_levels"] = log_levels(wd / "processor.log")
+        r["workdir"] = str(wd)
+        attempts.append(r)
+        if not r["died"]:
+            break
+        log(f"  !! {side} {fig}: {', '.join(r['died'])} died after {r['died_after_s']} s; "
+            f"logs in {wd}")
+    final = dict(attempts[-1])
+    final["valid"] = not final["died"]
+    final["attempts"] = [{k: a.get(k) for k in ("died", "died_after_s", "workdir",
+                                                "budget_exhausted", *ERROR_KEYS)}
+                         for a in attempts]
+    for k in ERROR_KEYS:  # errors of every attempt count, including the crashed ones
+        final[k] = sum(int(a[k]) for a in attempts)
+    final["crashes"] = sum(1 for a in attempts if a["died"])
+    return final
 
 
 def measure_side(side: str, p: Params, work: Path, log: Any) -> dict[str, Any]:
-    plain = side == "plain"
-    out: dict[str, Any] = {"side": side, "problems": []}
-    wd = work / f"{side}-demo"
-    stack = start_stack("demo", plain, wd)
-    try:
-        time.sleep(0.3)
-        log(f"  {side}: ttfd ...")
-        out["ttfd"] = run_loop(ttfd(stack, p))
-        log(f"  {side}: saturation ...")
-        out["saturation"] = run_loop(saturation(stack, p))
-        out["envoy_counters_demo"] = envoy_counters(stack)
-        out["problems"] += check_alive(stack, "demo stack")
-    finally:
-        stack.stop()
-    out["processor_log_levels_demo"] = log_levels(wd / "processor.log")
-    wd = work / f"{side}-ts"
-    stack = start_stack("ts", plain, wd)
-    try:
-        time.sleep(0.3)
-        log(f"  {side}: per-chunk latency ...")
-        out["latency"] = run_loop(latency(stack, p))
-        out["envoy_counters_ts"] = envoy_counters(stack)
-        out["problems"] += check_alive(stack, "ts stack")
-    finally:
-        stack.stop()
-    out["processor_log_levels_ts"] = log_levels(wd / "processor.log")
+    out: dict[str, Any] = {"side": side}
+    for fig in ("ttfd", "saturation", "latency"):
+        out[fig] = measure_figure(fig, side, p, work, log)
     return out
 
 
@@ -389,78 +424,76 @@ def machine_info() -> dict[str, Any]:
             "loadavg_at_start": os.getloadavg()}
 
 
-def mmm(xs: list[float]) -> tuple[float, float, float]:
-    return (min(xs), statistics.median(xs), max(xs)) if xs else (float("nan"),) * 3
+def mmm(xs: list[float]) -> list[float] | None:
+    return [min(xs), statistics.median(xs), max(xs)] if xs else None
 
 
-def fmt3(xs: list[float], spec: str, signed: bool = False) -> str:
-    lo, med, hi = mmm(xs)
+def fmt3(v: list[float] | None, spec: str, signed: bool = False) -> str:
+    if v is None:
+        return "n/a"
     f = "{:+" + spec + "}" if signed else "{:" + spec + "}"
-    return " / ".join(f.format(v) for v in (lo, med, hi))
+    return " / ".join(f.format(x) for x in v)
 
 
-def summarize(runs: list[dict[str, Any]], p: Params) -> dict[str, Any]:
-    by: dict[str, list[dict[str, Any]]] = {"plain": [], "ours": []}
+ROWS = [  # label, figure, path inside the figure, format, comparison
+    ("delivered chunks/s at saturation", "saturation", ("chunks_per_s",), ".0f", "ratio"),
+    ("per-chunk latency p50 (ms)", "latency", ("p50_ms",), ".3f", "delta"),
+    ("per-chunk latency p99 (ms)", "latency", ("p99_ms",), ".3f", "delta"),
+    ("  achieved rate (chunks/s)", "latency", ("achieved_chunks_per_s",), ".0f", "ratio"),
+    ("time to first delta p50 (ms)", "ttfd", ("p50_ms",), ".3f", "delta"),
+    ("time to first delta p99 (ms)", "ttfd", ("p99_ms",), ".3f", "delta"),
+    ("processor CPU us/chunk (saturation)", "saturation", ("cpu_us_per_chunk", "processor"),
+     ".1f", "ours"),
+    ("etcd CPU us/chunk (saturation)", "saturation", ("cpu_us_per_chunk", "etcd"), ".1f",
+     "ours"),
+    ("envoy CPU us/chunk (saturation)", "saturation", ("cpu_us_per_chunk", "envoy"), ".1f",
+     "delta"),
+    ("replicas CPU us/chunk (saturation)", "saturation", ("cpu_us_per_chunk", "replicas"),
+     ".1f", "delta"),
+    ("client CPU us/chunk (saturation)", "saturation", ("cpu_us_per_chunk", "client"), ".1f",
+     "delta"),
+    ("machine busy, both cores (saturation)", "saturation", ("cpu_s", "machine_busy_frac"),
+     ".2f", "delta"),
+]
+
+
+def _get(r: dict[str, Any], fig: str, path: tuple[str, ...]) -> float | None:
+    f = r[fig]
+    if not f.get("valid", True):
+        return None
+    v: Any = f
+    for k in path:
+        v = v[k]
+    return float(v)
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    by: dict[str, dict[int, dict[str, Any]]] = {"plain": {}, "ours": {}}
     for r in runs:
-        by[r["side"]].append(r)
-    pairs = list(zip(by["plain"], by["ours"], strict=True))
-
-    def col(side: str, path: tuple[str, ...]) -> list[float]:
-        vals = []
-        for r in by[side]:
-            v: Any = r
-            for k in path:
-                v = v[k]
-            vals.append(float(v))
-        return vals
-
-    def rel(path: tuple[str, ...], op: str) -> list[float]:
-        out = []
-        for a, b in pairs:
-            va: Any = a
-            vb: Any = b
-            for k in path:
-                va, vb = va[k], vb[k]
-            out.append(vb / va if op == "ratio" else vb - va)
-        return out
-
-    figs = [
-        ("delivered chunks/s at saturation", ("saturation", "chunks_per_s"), ".0f", "ratio"),
-        ("per-chunk latency p50 (ms)", ("latency", "p50_ms"), ".3f", "delta"),
-        ("per-chunk latency p99 (ms)", ("latency", "p99_ms"), ".3f", "delta"),
-        ("  achieved rate (chunks/s)", ("latency", "achieved_chunks_per_s"), ".0f", "ratio"),
-        ("time to first delta p50 (ms)", ("ttfd", "p50_ms"), ".3f", "delta"),
-        ("time to first delta p99 (ms)", ("ttfd", "p99_ms"), ".3f", "delta"),
-        ("envoy CPU us/chunk (saturation)",
-         ("saturation", "cpu_us_per_chunk", "envoy"), ".1f", "delta"),
-        ("replicas CPU us/chunk (saturation)",
-         ("saturation", "cpu_us_per_chunk", "replicas"), ".1f", "delta"),
-        ("client CPU us/chunk (saturation)",
-         ("saturation", "cpu_us_per_chunk", "client"), ".1f", "delta"),
-        ("machine busy (saturation, frac)",
-         ("saturation", "cpu_s", "machine_busy_frac"), ".2f", "delta"),
-    ]
+        by[r["side"]][r["repeat"]] = r
+    reps = sorted(set(by["plain"]) & set(by["ours"]))
     rows = []
-    for label, path, spec, op in figs:
-        rows.append({"figure": label, "plain": mmm(col("plain", path)),
-                     "ours": mmm(col("ours", path)), op: mmm(rel(path, op)), "spec": spec})
-    extra = [
-        ("processor CPU us/chunk (saturation)", ("saturation", "cpu_us_per_chunk", "processor")),
-        ("etcd CPU us/chunk (saturation)", ("saturation", "cpu_us_per_chunk", "etcd")),
-    ]
-    for label, path in extra:
-        rows.append({"figure": label, "plain": None, "ours": mmm(col("ours", path)),
-                     "spec": ".1f"})
-    errors = {}
+    for label, fig, path, spec, op in ROWS:
+        vals = {s: [v for rep in reps if (v := _get(by[s][rep], fig, path)) is not None]
+                for s in ("plain", "ours")}
+        rel = []
+        for rep in reps:
+            a, b = _get(by["plain"][rep], fig, path), _get(by["ours"][rep], fig, path)
+            if a is not None and b is not None and op in ("ratio", "delta"):
+                rel.append(b / a if op == "ratio" else b - a)
+        rows.append({"figure": label, "spec": spec, "op": op,
+                     "plain": None if op == "ours" else mmm(vals["plain"]),
+                     "ours": mmm(vals["ours"]), "vs": mmm(rel) if op != "ours" else None,
+                     "n": {s: len(vals[s]) for s in vals}})
+    errors: dict[str, dict[str, int]] = {}
     for side in ("plain", "ours"):
-        e: dict[str, int] = {}
-        for r in by[side]:
-            for fig in ("saturation", "latency", "ttfd"):
-                for k in ("requests", "ok", "non_200", "transport_errors", "error_events",
-                          "incomplete"):
-                    e[k] = e.get(k, 0) + int(r[fig][k])
+        e = {k: 0 for k in (*ERROR_KEYS, "crashes")}
+        for r in by[side].values():
+            for fig in FIGURES:
+                for k in e:
+                    e[k] += int(r[fig][k])
         errors[side] = e
-    return {"rows": rows, "errors": errors}
+    return {"rows": rows, "errors": errors, "repeats": len(reps)}
 
 
 def render_table(meta: dict[str, Any], p: Params, summary: dict[str, Any],
@@ -470,61 +503,67 @@ def render_table(meta: dict[str, Any], p: Params, summary: dict[str, Any],
         f"machine: {meta['nproc']} CPUs, {meta['cpu_model']}, kernel {meta['kernel']}; "
         f"Envoy {meta['envoy']}; Python {meta['python']}",
         f"repeats={p.repeats}; saturation: C={p.sat_clients} streams x {p.sat_tokens} tokens, "
-        f"no delay, {p.sat_duration_s:g}s window; latency: {p.lat_streams} streams x "
+        f"no delay, {p.sat_duration_s:g} s window; latency: {p.lat_streams} streams x "
         f"{p.lat_tokens} tokens @ {p.lat_delay_ms:g} ms/token "
         f"(offered {p.lat_streams * 1000 / p.lat_delay_ms:.0f} chunks/s), "
-        f"{p.lat_duration_s:g}s window; TTFD: {p.ttfd_requests} sequential x "
+        f"{p.lat_duration_s:g} s window; TTFD: {p.ttfd_requests} sequential x "
         f"{p.ttfd_tokens} tokens",
-        "values: min / median / max over repeats; ratio and delta are per repeat (paired "
-        "back-to-back runs) then min / median / max",
+        "cells: min / median / max over repeats; 'ours vs plain' is computed per repeat "
+        "(paired back-to-back runs), then min / median / max",
         "",
     ]
-    w0, w1 = 38, 30
+    w0, w1 = 38, 26
     lines.append(f"{'figure':<{w0}} {'plain':<{w1}} {'ours':<{w1}} ours vs plain")
-    lines.append("-" * (w0 + 2 * w1 + 26))
+    lines.append("-" * (w0 + 2 * w1 + 28))
     for r in summary["rows"]:
-        spec = r["spec"]
-        plain = fmt3(list(r["plain"]), spec) if r["plain"] else "-"
-        ours = fmt3(list(r["ours"]), spec)
-        if "ratio" in r:
-            vs = "x " + fmt3(list(r["ratio"]), ".3f")
-        elif "delta" in r:
-            vs = fmt3(list(r["delta"]), spec, signed=True)
+        spec, op = r["spec"], r["op"]
+        plain = "-" if op == "ours" else fmt3(r["plain"], spec)
+        ours = fmt3(r["ours"], spec)
+        if op == "ratio":
+            vs = "x " + fmt3(r["vs"], ".3f")
+        elif op == "delta":
+            vs = fmt3(r["vs"], spec, signed=True)
         else:
             vs = ""
+        short = [s for s in ("plain", "ours") if r["n"][s] < summary["repeats"]
+                 and not (op == "ours" and s == "plain")]
+        if short:
+            vs += "  (valid runs: " + ", ".join(f"{s} {r['n'][s]}/{summary['repeats']}"
+                                                 for s in short) + ")"
         lines.append(f"{r['figure']:<{w0}} {plain:<{w1}} {ours:<{w1}} {vs}")
     lines.append("")
     for side in ("plain", "ours"):
         e = summary["errors"][side]
         lines.append(f"errors {side:<5}: requests={e['requests']} ok={e['ok']} "
                      f"non_200={e['non_200']} transport={e['transport_errors']} "
-                     f"error_events={e['error_events']} incomplete={e['incomplete']}")
+                     f"error_events={e['error_events']} incomplete={e['incomplete']} "
+                     f"stack_crashes={e['crashes']}")
     for r in runs:
-        notes = list(r["problems"])
-        for fig in ("saturation", "latency", "ttfd"):
+        notes = []
+        for fig in FIGURES:
             f = r[fig]
+            for a in f["attempts"]:
+                if a["died"]:
+                    notes.append(f"{fig}: {'+'.join(a['died'])} died after "
+                                 f"{a['died_after_s']} s ({a['workdir']})")
             if f["non_200_statuses"]:
                 notes.append(f"{fig} statuses {f['non_200_statuses']}")
             if f["transport_samples"]:
-                notes.append(f"{fig} transport {f['transport_samples'][:2]}")
+                notes.append(f"{fig} transport e.g. {f['transport_samples'][0]!r}")
             if f.get("budget_exhausted"):
                 notes.append(f"{fig}: request budget exhausted before the window ended")
-        levels = {}
-        for k in ("processor_log_levels_demo", "processor_log_levels_ts"):
-            for lv, n in r.get(k, {}).items():
-                if lv not in ("INFO", "DEBUG"):
-                    levels[lv] = levels.get(lv, 0) + n
-        if levels:
-            notes.append(f"processor log {levels}")
-        bad = {k: v for k, v in {**r.get("envoy_counters_demo", {}),
-                                  **r.get("envoy_counters_ts", {})}.items()
-               if any(s in k for s in ("5xx", "retry", "reset", "failed", "timeout",
-                                       "overflow", "error"))
-               and not k.endswith("_limit") and "per_try" not in k}
-        if bad:
-            notes.append(f"envoy {bad}")
-        if notes:
-            lines.append(f"  repeat {r['repeat']} {r['side']}: " + "; ".join(notes))
+            levels = {lv: n for lv, n in f["processor_log_levels"].items()
+                      if lv not in ("INFO", "DEBUG")}
+            if levels:
+                notes.append(f"{fig} processor log {levels}")
+            bad = {k: v for k, v in f["envoy_counters"].items()
+                   if any(s in k for s in ("5xx", "retry", "reset", "failed", "timeout",
+                                           "overflow", "error"))
+                   and "per_try" not in k and not k.endswith("_limit")}
+            if bad:
+                notes.append(f"{fig} envoy {bad}")
+        for n in notes:
+            lines.append(f"  repeat {r['repeat']} {r['side']}: {n}")
     return "\n".join(lines)
 
 
@@ -565,7 +604,7 @@ def main(argv: list[str] | None = None) -> int:
             r["repeat"] = rep + 1
             runs.append(r)
     meta["elapsed_s"] = round(time.monotonic() - started, 1)
-    summary = summarize(runs, p)
+    summary = summarize(runs)
     table = render_table(meta, p, summary, runs)
     print(table)
     print(f"\n(total {meta['elapsed_s']} s; logs in {work}; json in {a.out})")

@@ -149,6 +149,8 @@ class _Reader:
     def str_(self, key: str, default: str, choices: frozenset[str] | None = None) -> str:
         self.used.add(key)
         v = self.raw.get(key, default)
+        if isinstance(v, int | float) and not isinstance(v, bool):
+            v = str(v)  # e.g. gateway_id: 7, or a numeric env override
         if not isinstance(v, str) or not v:
             raise ConfigError(self._p(key), f"must be a non-empty string, got {v!r}")
         if choices is not None and v not in choices:
@@ -337,7 +339,9 @@ def apply_env_overrides(raw: Mapping[str, Any], env: Mapping[str, str]) -> dict[
         if len(parts) != 2 or not all(parts):
             raise ConfigError(name, "environment override must look like EXTPROC_SECTION__FIELD")
         section, key = parts
-        target = out.setdefault(section, {})
+        if out.get(section) is None:
+            out[section] = {}  # an empty YAML section (`etcd:`) reads as None
+        target = out[section]
         if not isinstance(target, dict):
             raise ConfigError(section, "cannot override a field of a non-mapping section")
         target[key] = _scalar(value)

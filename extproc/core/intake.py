@@ -122,6 +122,9 @@ def parse_body(body: bytes, cfg: Config, request_id: str) -> RequestMeta | Gatew
     except (ValueError, UnicodeDecodeError) as e:
         return bad_request(ErrorCode.INVALID_REQUEST_BODY,
                            f"request body is not valid JSON: {e}", request_id)
+    except RecursionError:
+        return bad_request(ErrorCode.INVALID_REQUEST_BODY,
+                           "request body is not valid JSON: nested too deeply", request_id)
     if not isinstance(obj, dict):
         return bad_request(ErrorCode.INVALID_REQUEST_BODY,
                            "request body must be a JSON object", request_id)

@@ -38,7 +38,6 @@ class Outcome(StrEnum):
     CLIENT_DISCONNECTED = "client_disconnected"
     UPSTREAM_FAILED = "upstream_failed"  # nothing delivered and no attempt succeeded
     REFUSED = "refused"  # a managed error before any delta
-    INTERRUPTED_UNKNOWN_CAUSE = "interrupted_unknown_cause"
 
 
 REQUEST_ID_RE = re.compile(r"^req_[0-9a-z]{26}$")
@@ -46,13 +45,16 @@ _B32 = "0123456789abcdefghjkmnpqrstvwxyz"  # Crockford alphabet, lower case
 
 
 def _b32(data: bytes, n: int) -> str:
-    bits = int.from_bytes(data, "big")
-    total = len(data) * 8
-    out = []
-    for i in range(n):
-        shift = total - 5 * (i + 1)
-        out.append(_B32[(bits >> shift) & 31] if shift >= 0 else _B32[0])
-    return "".join(out)
+    """n base32 characters of `data` read as a big-endian number of exactly 5n bits.
+
+    Longer input keeps its top 5n bits; shorter input is zero-padded at the top (a 16-byte
+    ULID in 26 characters has two leading zero bits, as in the ULID spec).
+    """
+    value = int.from_bytes(data, "big")
+    have, want = len(data) * 8, 5 * n
+    if have > want:
+        value >>= have - want
+    return "".join(_B32[(value >> (5 * (n - 1 - i))) & 31] for i in range(n))
 
 
 def request_id_for_key(tenant: str, idempotency_key: str) -> str:

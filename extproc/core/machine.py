@@ -4,8 +4,8 @@ Sans-IO in the manner of h11: adapters feed events in and carry out the actions 
 back; nothing here touches a socket, a clock or etcd. Both machines are driven by ONE
 transition table, `TABLE`, keyed by (role, state, event type): a pair missing from the
 table is a protocol violation and raises, so an unexpected message from Envoy can never be
-silently mis-handled. Every event consumed is appended to `trace`, which is what `replay`
-re-feeds to show the same decisions come out.
+silently mis-handled. Every event consumed is appended to `trace`; re-feeding a trace into a
+fresh machine must reproduce its `decisions` (the tests check it).
 """
 
 from __future__ import annotations
@@ -71,13 +71,8 @@ class CauseLearned:
     cause: str  # "client" | "upstream" | "timeout" | "unknown"
 
 
-@dataclass(frozen=True, slots=True)
-class Forwarded:
-    """Guard: the request was accepted and forwarded upstream."""
-
-
 Event: TypeAlias = (RequestStarted | AdmitDecided | ResponseHeaders | ResponseBody | FenceDecided
-                    | StallTimeout | StreamClosed | CauseLearned | Forwarded)
+                    | StallTimeout | StreamClosed | CauseLearned)
 
 # --- actions --------------------------------------------------------------------------
 
@@ -296,6 +291,7 @@ class GuardMachine(_Base):
     body: bytearray = field(default_factory=bytearray)  # non-streaming body (bounded)
     max_buffer: int = 4 << 20
     finished: Finish | None = None
+    done_seen: bool = False  # `[DONE]` forwarded: the client has a complete answer
 
     @classmethod
     def new(cls, request_id: str, stall_after_first_delta_s: float,
@@ -376,9 +372,9 @@ def _gate_body_holding(m: GateMachine, ev: ResponseBody) -> list[Action]:
         return [HoldChunk()]
     try:
         obj = json.loads(bytes(m.buffered))
-    except ValueError:
+    except (ValueError, RecursionError):
         return m.fail("malformed JSON body")
-    if not isinstance(obj, dict) or "error" in obj:
+    if not isinstance(obj, dict) or obj.get("error") is not None:
         return m.fail("error body with status 200")
     m.state = State.GATE_FENCING
     return [HoldChunk(), Fence()]
@@ -408,6 +404,8 @@ def _gate_pass(m: GateMachine, ev: ResponseBody) -> list[Action]:
 
 
 def _gate_drop(m: GateMachine, ev: ResponseBody) -> list[Action]:
+    if ev.end_of_stream:
+        m.ended = True
     return [DropChunk()]
 
 
@@ -437,7 +435,12 @@ def _guard_headers(m: GuardMachine, ev: ResponseHeaders) -> list[Action]:
 def _sse_forward(m: GuardMachine, events: list[SseEvent], end: bool) -> list[Action]:
     out = bytearray()
     for e in events:
-        if e.kind is EventKind.CONTENT:
+        if m.done_seen:
+            continue  # nothing after `[DONE]` reaches the client: its answer is complete
+        if e.kind is EventKind.DONE:
+            m.done_seen = True
+            out += e.raw
+        elif e.kind is EventKind.CONTENT:
             out += e.raw
             m.delivered += e.content_units
         elif e.kind in (EventKind.ERROR, EventKind.MALFORMED) and m.delivered > 0:
@@ -453,6 +456,8 @@ def _sse_forward(m: GuardMachine, events: list[SseEvent], end: bool) -> list[Act
     if end:
         m.state = State.GUARD_COMPLETE
         acts.append(DisarmWatchdog())
+    elif m.done_seen:
+        acts.append(DisarmWatchdog())  # complete answer: silence now is no interruption
     elif m.delivered > 0:
         m.state = State.GUARD_STREAMING
         acts.append(ArmWatchdog(m.stall_after_first_delta_s))
@@ -490,7 +495,7 @@ def _completion_tokens(body: bytes) -> int:
 
 
 def _guard_stall(m: GuardMachine, ev: StallTimeout) -> list[Action]:
-    if m.delivered == 0:
+    if m.delivered == 0 or m.done_seen:
         return []  # before delivery, stalls belong to Envoy's per-try timeout (retryable)
     # An incomplete event fragment still in the decoder is never sent: the terminal event
     # must parse cleanly on its own.
@@ -514,6 +519,10 @@ def _guard_closed(m: GuardMachine, ev: StreamClosed) -> list[Action]:
     if m.state is State.GUARD_TERMINATED:
         m.state = State.GUARD_CLOSED
         return []
+    if m.done_seen:
+        # `[DONE]` reached the client before the reset: its answer is complete.
+        m.state = State.GUARD_CLOSED
+        return [DisarmWatchdog(), m._finish(Outcome.COMPLETED, "reset after [DONE]")]
     # Ended without an end of stream: the client left, or the upstream was reset.
     m.state = State.GUARD_AWAIT_CAUSE
     return [DisarmWatchdog(), AwaitCause()]

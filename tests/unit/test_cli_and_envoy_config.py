@@ -55,7 +55,7 @@ def test_not_yaml_and_missing_file(tmp_path: Path) -> None:
 
 
 def test_env_override_is_validated_too(tmp_path: Path) -> None:
-    with pytest.raises(SystemExit, match="timeouts.first_delta_s"):
+    with pytest.raises(SystemExit, match=r"timeouts\.first_delta_s"):
         read_config(str(ROOT / "envoy/extproc.yaml"),
                     env={"EXTPROC_TIMEOUTS__FIRST_DELTA_S": "-1"})
     cfg = read_config(str(ROOT / "envoy/extproc.yaml"),
