@@ -92,7 +92,8 @@ class Tally:
         return self.non_200 + self.transport_errors + self.error_events + self.incomplete
 
     def as_dict(self) -> dict[str, object]:
-        return {"requests": self.requests, "ok": self.ok, "content_events": self.content_events, "non_200": self.non_200,
+        return {"requests": self.requests, "ok": self.ok, "non_200": self.non_200,
+                "content_events": self.content_events,
                 "non_200_statuses": {str(k): v for k, v in self.statuses.items()},
                 "transport_errors": self.transport_errors, "error_events": self.error_events,
                 "incomplete": self.incomplete, "transport_samples": self.transport_samples}

@@ -3,12 +3,16 @@
     .venv/bin/python -m bench.run            # full: 3 repeats, ~4-5 min
     .venv/bin/python -m bench.run --quick    # smoke: 1 repeat, short windows, ~40 s
 
-Per repeat and per side (plain, then ours; the order alternates between repeats) it starts a
-stack, measures, and stops it, so the two sides never share the cores:
-  1. a demo-replica stack: added time-to-first-delta (sequential requests), then delivered
-     chunks/s at saturation (C concurrent looping streams) with per-process CPU accounting;
-  2. a timestamping-upstream stack (bench/tsupstream.py behind the same Envoy config): per-chunk
-     delivery latency at a fixed moderate rate.
+Per repeat and per side (plain, then ours; the order alternates between repeats) it
+measures each figure on a fresh stack, started just before and stopped just after, so the two
+sides never share the cores:
+  - added time-to-first-delta: sequential requests (demo replicas);
+  - delivered chunks/s at saturation: C concurrent looping streams (demo replicas), with
+    per-process CPU accounting from /proc;
+  - per-chunk delivery latency at fixed rates: bench/tsupstream.py (timestamps every event)
+    replaces the demo replicas behind the identical Envoy config (same Stack code path).
+A figure whose stack loses a process (Envoy has segfaulted under load) is re-measured on a
+fresh stack, up to 3 attempts; every attempt's errors and crashes are counted and printed.
 Prints a table (min/median/max over repeats) and writes bench/results/latest.json.
 See docs/benchmarks.md for what each figure means and its error sources.
 """
@@ -19,6 +23,7 @@ import argparse
 import asyncio
 import contextlib
 import datetime as dt
+import functools
 import json
 import os
 import platform
@@ -59,7 +64,9 @@ class Params:
     sat_max_requests: int = 20_000
     # per-chunk latency at a fixed rate
     lat_streams: int = 16
-    lat_delay_ms: float = 4.0  # 16 streams x 1 chunk / 4 ms = 4000 chunks/s offered
+    # 16 streams x 1 chunk / 8 ms = 2000 chunks/s offered (moderate: the processor sees one
+    # gRPC message per chunk per filter, unbatched), and 1 / 4 ms = 4000 chunks/s (heavy).
+    lat_delays_ms: tuple[float, ...] = (8.0, 4.0)
     lat_tokens: int = 128
     lat_warmup_s: float = 1.0
     lat_duration_s: float = 6.0
@@ -113,12 +120,11 @@ def proc_cpu_s(pid: int | None) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK  # fields 14, 15 of stat(5)
 
 
-def machine_jiffies() -> tuple[int, int]:
-    """(busy, total) jiffies over all CPUs, from /proc/stat."""
+def machine_jiffies() -> tuple[int, int, int]:
+    """(busy, steal, total) jiffies over all CPUs, from /proc/stat; busy excludes steal."""
     parts = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    idle = parts[3] + parts[4]
-    total = sum(parts[:8])
-    return total - idle, total
+    user, nice, system, _idle, _iowait, irq, softirq, steal = parts[:8]
+    return user + nice + system + irq + softirq, steal, sum(parts[:8])
 
 
 def self_cpu_s() -> float:
@@ -129,8 +135,8 @@ def self_cpu_s() -> float:
 def cpu_snapshot(stack: Stack) -> dict[str, float]:
     snap = {name: proc_cpu_s(p.pid) for name, p in stack.procs.items()}
     snap["client"] = self_cpu_s()
-    busy, total = machine_jiffies()
-    snap["_busy"], snap["_total"] = float(busy), float(total)
+    busy, steal, total = machine_jiffies()
+    snap["_busy"], snap["_steal"], snap["_total"] = float(busy), float(steal), float(total)
     return snap
 
 
@@ -141,6 +147,7 @@ def cpu_delta(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
            "etcd": d.get("etcd", 0.0), "client": d.get("client", 0.0)}
     tot = b["_total"] - a["_total"]
     out["machine_busy_frac"] = (b["_busy"] - a["_busy"]) / tot if tot else 0.0
+    out["steal_frac"] = (b["_steal"] - a["_steal"]) / tot if tot else 0.0
     return out
 
 
@@ -255,8 +262,8 @@ async def saturation(stack: Stack, p: Params) -> dict[str, Any]:
     chunks = tally.counted_chunks
     cpu = cpu_delta(snaps["a"], snaps["b"])
     per_chunk_us = {k: (v / chunks * 1e6 if chunks else float("nan"))
-                    for k, v in cpu.items() if k != "machine_busy_frac"}
-    cores = {k: (v / p.sat_duration_s if k != "machine_busy_frac" else v)
+                    for k, v in cpu.items() if not k.endswith("_frac")}
+    cores = {k: (v / p.sat_duration_s if not k.endswith("_frac") else v)
              for k, v in cpu.items()}
     return {"chunks_per_s": chunks / p.sat_duration_s, "counted_chunks": chunks,
             "window_s": p.sat_duration_s, "budget_exhausted": budget[0] <= 0,
@@ -264,8 +271,12 @@ async def saturation(stack: Stack, p: Params) -> dict[str, Any]:
             "cpu_s": cpu, "cpu_cores": cores, "cpu_us_per_chunk": per_chunk_us, **tally.as_dict()}
 
 
-async def latency(stack: Stack, p: Params) -> dict[str, Any]:
-    req = build_request(HOST, stack.envoy_port, p.lat_tokens, p.lat_delay_ms)
+def lat_rate(p: Params, delay_ms: float) -> int:
+    return round(p.lat_streams * 1000.0 / delay_ms)
+
+
+async def latency(stack: Stack, p: Params, delay_ms: float) -> dict[str, Any]:
+    req = build_request(HOST, stack.envoy_port, p.lat_tokens, delay_ms)
     tally = Tally()
     lats: list[int] = []
     t0 = time.time_ns()
@@ -284,7 +295,7 @@ async def latency(stack: Stack, p: Params) -> dict[str, Any]:
 
     async def client(i: int) -> None:
         # Spread the streams' token ticks evenly over one token period.
-        await asyncio.sleep(i * p.lat_delay_ms / 1000.0 / p.lat_streams)
+        await asyncio.sleep(i * delay_ms / 1000.0 / p.lat_streams)
         conn = Conn(HOST, stack.envoy_port)
         try:
             while time.time_ns() < w1 and budget[0] > 0 and not watch.dead:
@@ -304,8 +315,8 @@ async def latency(stack: Stack, p: Params) -> dict[str, Any]:
     cpu = cpu_delta(snaps["a"], snaps["b"])
     ms = [x / 1e6 for x in lats]
     return {"achieved_chunks_per_s": tally.counted_chunks / p.lat_duration_s,
-            "offered_chunks_per_s": p.lat_streams * 1000.0 / p.lat_delay_ms,
-            "cpu_cores": {k: (v / p.lat_duration_s if k != "machine_busy_frac" else v)
+            "offered_chunks_per_s": p.lat_streams * 1000.0 / delay_ms,
+            "cpu_cores": {k: (v / p.lat_duration_s if not k.endswith("_frac") else v)
                           for k, v in cpu.items()},
             "samples": len(ms), "p50_ms": pct(ms, 50), "p90_ms": pct(ms, 90),
             "p99_ms": pct(ms, 99), "max_ms": max(ms) if ms else float("nan"),
@@ -348,11 +359,13 @@ def run_loop(coro: Any) -> Any:
         return asyncio.run(coro)
 
 
-FIGURES = {  # figure -> (upstream kind, measurement)
-    "ttfd": ("demo", ttfd),
-    "saturation": ("demo", saturation),
-    "latency": ("ts", latency),
-}
+def figures(p: Params) -> dict[str, tuple[str, Any]]:
+    """figure -> (upstream kind, measurement(stack, params))"""
+    out: dict[str, tuple[str, Any]] = {"ttfd": ("demo", ttfd),
+                                       "saturation": ("demo", saturation)}
+    for d in p.lat_delays_ms:
+        out[f"latency@{lat_rate(p, d)}"] = ("ts", functools.partial(latency, delay_ms=d))
+    return out
 ERROR_KEYS = ("requests", "ok", "non_200", "transport_errors", "error_events", "incomplete")
 
 
@@ -360,7 +373,7 @@ def measure_figure(fig: str, side: str, p: Params, work: Path, log: Any) -> dict
     """Measure one figure on a fresh stack. If a stack process dies mid-run (Envoy has been
     seen to segfault under load with the processor), the attempt is kept - its errors count -
     and the figure is retried on a fresh stack, up to `p.attempts` times."""
-    kind, fn = FIGURES[fig]
+    kind, fn = figures(p)[fig]
     attempts: list[dict[str, Any]] = []
     for n in range(1, p.attempts + 1):
         wd = work / f"{fig}-{side}-a{n}"
@@ -397,7 +410,7 @@ def measure_figure(fig: str, side: str, p: Params, work: Path, log: Any) -> dict
 
 def measure_side(side: str, p: Params, work: Path, log: Any) -> dict[str, Any]:
     out: dict[str, Any] = {"side": side}
-    for fig in ("ttfd", "saturation", "latency"):
+    for fig in figures(p):
         out[fig] = measure_figure(fig, side, p, work, log)
     return out
 
@@ -435,11 +448,25 @@ def fmt3(v: list[float] | None, spec: str, signed: bool = False) -> str:
     return " / ".join(f.format(x) for x in v)
 
 
-ROWS = [  # label, figure, path inside the figure, format, comparison
-    ("delivered chunks/s at saturation", "saturation", ("chunks_per_s",), ".0f", "ratio"),
-    ("per-chunk latency p50 (ms)", "latency", ("p50_ms",), ".3f", "delta"),
-    ("per-chunk latency p99 (ms)", "latency", ("p99_ms",), ".3f", "delta"),
-    ("  achieved rate (chunks/s)", "latency", ("achieved_chunks_per_s",), ".0f", "ratio"),
+Row = tuple[str, str, tuple[str, ...], str, str]
+
+
+def table_rows(p: Params) -> list[Row]:
+    """label, figure, path inside the figure, format, comparison"""
+    out: list[Row] = [("delivered chunks/s at saturation", "saturation", ("chunks_per_s",), ".0f",
+            "ratio")]
+    for d in p.lat_delays_ms:
+        f = f"latency@{lat_rate(p, d)}"
+        out += [
+            (f"per-chunk latency p50 (ms) @{lat_rate(p, d)}/s", f, ("p50_ms",), ".3f", "delta"),
+            (f"per-chunk latency p99 (ms) @{lat_rate(p, d)}/s", f, ("p99_ms",), ".3f", "delta"),
+            ("  achieved rate (chunks/s)", f, ("achieved_chunks_per_s",), ".0f", "ratio"),
+            ("  processor CPU (cores)", f, ("cpu_cores", "processor"), ".2f", "ours"),
+        ]
+    return out + ROWS
+
+
+ROWS: list[Row] = [
     ("time to first delta p50 (ms)", "ttfd", ("p50_ms",), ".3f", "delta"),
     ("time to first delta p99 (ms)", "ttfd", ("p99_ms",), ".3f", "delta"),
     ("processor CPU us/chunk (saturation)", "saturation", ("cpu_us_per_chunk", "processor"),
@@ -452,8 +479,13 @@ ROWS = [  # label, figure, path inside the figure, format, comparison
      ".1f", "delta"),
     ("client CPU us/chunk (saturation)", "saturation", ("cpu_us_per_chunk", "client"), ".1f",
      "delta"),
+    ("processor CPU (cores) (saturation)", "saturation", ("cpu_cores", "processor"), ".2f",
+     "ours"),
+    ("ext_proc msgs per content event (sat.)", "saturation",
+     ("extproc_msgs_per_content_event",), ".2f", "ours"),
     ("machine busy, both cores (saturation)", "saturation", ("cpu_s", "machine_busy_frac"),
      ".2f", "delta"),
+    ("  hypervisor steal (saturation)", "saturation", ("cpu_s", "steal_frac"), ".3f", "delta"),
 ]
 
 
@@ -467,13 +499,13 @@ def _get(r: dict[str, Any], fig: str, path: tuple[str, ...]) -> float | None:
     return float(v)
 
 
-def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize(runs: list[dict[str, Any]], p: Params) -> dict[str, Any]:
     by: dict[str, dict[int, dict[str, Any]]] = {"plain": {}, "ours": {}}
     for r in runs:
         by[r["side"]][r["repeat"]] = r
     reps = sorted(set(by["plain"]) & set(by["ours"]))
     rows = []
-    for label, fig, path, spec, op in ROWS:
+    for label, fig, path, spec, op in table_rows(p):
         vals = {s: [v for rep in reps if (v := _get(by[s][rep], fig, path)) is not None]
                 for s in ("plain", "ours")}
         rel = []
@@ -489,7 +521,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     for side in ("plain", "ours"):
         e = {k: 0 for k in (*ERROR_KEYS, "crashes")}
         for r in by[side].values():
-            for fig in FIGURES:
+            for fig in figures(p):
                 for k in e:
                     e[k] += int(r[fig][k])
         errors[side] = e
@@ -504,9 +536,10 @@ def render_table(meta: dict[str, Any], p: Params, summary: dict[str, Any],
         f"Envoy {meta['envoy']}; Python {meta['python']}",
         f"repeats={p.repeats}; saturation: C={p.sat_clients} streams x {p.sat_tokens} tokens, "
         f"no delay, {p.sat_duration_s:g} s window; latency: {p.lat_streams} streams x "
-        f"{p.lat_tokens} tokens @ {p.lat_delay_ms:g} ms/token "
-        f"(offered {p.lat_streams * 1000 / p.lat_delay_ms:.0f} chunks/s), "
-        f"{p.lat_duration_s:g} s window; TTFD: {p.ttfd_requests} sequential x "
+        f"{p.lat_tokens} tokens @ "
+        + " and ".join(f"{d:g} ms/token (offered {lat_rate(p, d)} chunks/s)"
+                       for d in p.lat_delays_ms)
+        + f", {p.lat_duration_s:g} s windows; TTFD: {p.ttfd_requests} sequential x "
         f"{p.ttfd_tokens} tokens",
         "cells: min / median / max over repeats; 'ours vs plain' is computed per repeat "
         "(paired back-to-back runs), then min / median / max",
@@ -538,9 +571,19 @@ def render_table(meta: dict[str, Any], p: Params, summary: dict[str, Any],
                      f"non_200={e['non_200']} transport={e['transport_errors']} "
                      f"error_events={e['error_events']} incomplete={e['incomplete']} "
                      f"stack_crashes={e['crashes']}")
+    started = resets = 0
+    for r in runs:
+        for fig in figures(p):
+            c = r[fig]["envoy_counters"]
+            started += sum(v for k, v in c.items() if k.endswith("ext_proc.streams_started"))
+            resets += c.get("cluster.extproc.upstream_rq_tx_reset", 0)
+    if started:
+        lines.append(f"info ours: Envoy reset {resets} of {started} ext_proc gRPC streams it "
+                     "started (expected: Envoy's ext_proc client ends every side stream with "
+                     "closeStream()+resetStream(); not a client-visible error)")
     for r in runs:
         notes = []
-        for fig in FIGURES:
+        for fig in figures(p):
             f = r[fig]
             for a in f["attempts"]:
                 if a["died"]:
@@ -559,7 +602,8 @@ def render_table(meta: dict[str, Any], p: Params, summary: dict[str, Any],
             bad = {k: v for k, v in f["envoy_counters"].items()
                    if any(s in k for s in ("5xx", "retry", "reset", "failed", "timeout",
                                            "overflow", "error"))
-                   and "per_try" not in k and not k.endswith("_limit")}
+                   and "per_try" not in k and not k.endswith("_limit")
+                   and not k.startswith("cluster.extproc.")}  # see docs: expected resets
             if bad:
                 notes.append(f"{fig} envoy {bad}")
         for n in notes:
@@ -604,7 +648,7 @@ def main(argv: list[str] | None = None) -> int:
             r["repeat"] = rep + 1
             runs.append(r)
     meta["elapsed_s"] = round(time.monotonic() - started, 1)
-    summary = summarize(runs)
+    summary = summarize(runs, p)
     table = render_table(meta, p, summary, runs)
     print(table)
     print(f"\n(total {meta['elapsed_s']} s; logs in {work}; json in {a.out})")

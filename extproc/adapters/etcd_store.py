@@ -2,19 +2,26 @@
 
 Uses aetcd's generated etcd v3 stubs directly over one grpc.aio channel so that every call
 carries its own deadline (aetcd's client has none by default: a frozen etcd would hang a
-stream forever). Layout under `<prefix>/req/<request_id>/` is described in
-`extproc.core.journal`; the two transactions that make failover honest are
-`admit_attempt` (a new attempt only while nothing was delivered and no other attempt holds
-a live lease) and `fence_first_delta` (release only while this attempt is the live one).
+stream forever). Layout (docs/architecture.md):
+
+  <prefix>/req/<rid>/meta | attempts/NNN | delivery | outcome | progress   (retention lease)
+  <prefix>/req/<rid>/guard      the processor serving the request (its session lease)
+  <prefix>/live/<rid>           the live attempt id (that attempt's own lease): the fence
+
+The two transactions that make failover honest are `admit_attempt` (a new attempt only while
+nothing was delivered and no other attempt holds a live lease) and `fence_first_delta`
+(release only while this attempt is the live one). `live/` keys sit under one prefix so a
+single watch per processor learns of every revocation (docs/fencing.md).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +33,8 @@ from ..core.journal import JournalView
 
 log = logging.getLogger("extproc.etcd")
 
+_NOID = {"request_id": None, "attempt_id": None}
+
 
 class StoreUnavailable(Exception):
     """etcd did not answer within the deadline (down, frozen, or partitioned)."""
@@ -35,25 +44,41 @@ def _dumps(obj: Mapping[str, Any]) -> bytes:
     return json.dumps(obj, separators=(",", ":"), sort_keys=True).encode()
 
 
+def _eq_version(key: bytes, version: int) -> Any:
+    return rpc.Compare(key=key, target=rpc.Compare.VERSION, result=rpc.Compare.EQUAL,
+                       version=version)
+
+
+def _put(key: bytes, value: bytes, lease: int = 0) -> Any:
+    return rpc.RequestOp(request_put=rpc.PutRequest(key=key, value=value, lease=lease))
+
+
+def _range(key: bytes, prefix: bool = False) -> Any:
+    return rpc.RequestOp(request_range=rpc.RangeRequest(
+        key=key, range_end=_prefix_end(key) if prefix else b""))
+
+
 @dataclass(slots=True)
 class AttemptLease:
     """An attempt's permission to publish: valid while etcd holds it AND locally unexpired.
 
-    The local deadline is computed from the monotonic time *before* the grant was sent, minus
-    a safety margin, so a slow etcd or a paused process can only make us stop early.
+    The local deadline is computed from the monotonic time *before* the grant (or keep-alive)
+    was sent, minus a safety margin: etcd starts its TTL when it receives the request, later
+    than we sent it, so our deadline always falls before etcd's expiry (docs/fencing.md).
     """
 
     lease_id: int
     ttl_s: int
     deadline: float  # monotonic
-    revoked: bool = False
+    revoked: bool = False  # revoked by us, seen revoked in etcd, or left to expire
     margin_s: float = 1.0
 
     def valid(self, now: float | None = None) -> bool:
         return not self.revoked and (time.monotonic() if now is None else now) < self.deadline
 
     def renewed(self, sent_at: float, ttl_s: int) -> None:
-        self.deadline = sent_at + ttl_s - self.margin_s
+        if not self.revoked:
+            self.deadline = sent_at + ttl_s - self.margin_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,15 +90,24 @@ class AdmitResult:
 
 
 class EtcdStore:
-    def __init__(self, cfg: EtcdConfig) -> None:
+    def __init__(self, cfg: EtcdConfig, owner: str = "gw") -> None:
         self.cfg = cfg
+        self.owner = owner
         self.timeout = cfg.timeout_s
         self.prefix = cfg.prefix.encode()
+        self.live_prefix = self.prefix + b"/live/"
         self._channel: grpc.aio.Channel | None = None
         self._kv: Any = None
         self._lease: Any = None
+        self._watch: Any = None
         self._retention: tuple[int, float] | None = None  # (lease id, monotonic granted)
         self._retention_lock = asyncio.Lock()
+        self._session: int = 0
+        self._session_lock = asyncio.Lock()
+        self._tasks: list[asyncio.Task[None]] = []
+        # rid -> callbacks run when live/<rid> is deleted or changes (revocation, expiry).
+        self._live_listeners: dict[str, list[Callable[[str | None], None]]] = {}
+        self.watch_connected = asyncio.Event()
 
     # --- connection ---------------------------------------------------------------
 
@@ -85,8 +119,22 @@ class EtcdStore:
                              ("grpc.keepalive_time_ms", 10000)])
         self._kv = rpc.KVStub(self._channel)
         self._lease = rpc.LeaseStub(self._channel)
+        self._watch = rpc.WatchStub(self._channel)
+
+    def start_background(self) -> None:
+        """The revocation watch and the session keep-alive (call inside the event loop)."""
+        self._tasks.append(asyncio.ensure_future(self._watch_live_loop()))
+        self._tasks.append(asyncio.ensure_future(self._session_loop()))
 
     async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        if self._session:
+            with contextlib.suppress(StoreUnavailable):
+                await self._call(self._lease.LeaseRevoke, rpc.LeaseRevokeRequest(ID=self._session))
         if self._channel is not None:
             await self._channel.close(grace=None)
             self._channel = None
@@ -112,6 +160,9 @@ class EtcdStore:
     def _req_prefix(self, rid: str) -> bytes:
         return self.prefix + b"/req/" + rid.encode() + b"/"
 
+    def _live(self, rid: str) -> bytes:
+        return self.live_prefix + rid.encode()
+
     # --- leases ----------------------------------------------------------------------
 
     async def _retention_lease(self) -> int:
@@ -129,6 +180,37 @@ class EtcdStore:
                                     rpc.LeaseGrantRequest(TTL=self.cfg.journal_retention_s))
             self._retention = (int(resp.ID), time.monotonic())
             return int(resp.ID)
+
+    async def session_lease(self) -> int:
+        """This processor's liveness lease: `guard` keys vanish if the process dies."""
+        if self._session:
+            return self._session
+        async with self._session_lock:
+            if not self._session:
+                resp = await self._call(self._lease.LeaseGrant, rpc.LeaseGrantRequest(
+                    TTL=self.cfg.session_ttl_s))
+                self._session = int(resp.ID)
+            return self._session
+
+    async def _session_loop(self) -> None:
+        period = max(0.5, self.cfg.session_ttl_s / 3)
+        while True:
+            await asyncio.sleep(period)
+            if not self._session:
+                continue
+            try:
+                call = self._lease.LeaseKeepAlive(
+                    iter([rpc.LeaseKeepAliveRequest(ID=self._session)]), timeout=self.timeout)
+                async for reply in call:
+                    if reply.TTL <= 0:
+                        # Our session expired (etcd unreachable longer than its TTL): the
+                        # next request grants a new one. Requests in flight lost their guard
+                        # key; see docs/fencing.md ("processor liveness").
+                        log.error("session lease expired; granting a new one", extra=_NOID)
+                        self._session = 0
+                    break
+            except grpc.aio.AioRpcError as e:
+                log.warning("session keep-alive failed", extra={**_NOID, "error": str(e.code())})
 
     async def grant_attempt_lease(self) -> AttemptLease:
         sent = time.monotonic()
@@ -162,45 +244,93 @@ class EtcdStore:
             if "NOT_FOUND" not in str(e):
                 raise
 
+    # --- the revocation watch ----------------------------------------------------------
+
+    def on_live_change(self, rid: str, cb: Callable[[str | None], None]) -> Callable[[], None]:
+        """Call `cb(new_value_or_None)` when live/<rid> changes; returns an unsubscribe."""
+        self._live_listeners.setdefault(rid, []).append(cb)
+
+        def off() -> None:
+            cbs = self._live_listeners.get(rid)
+            if cbs and cb in cbs:
+                cbs.remove(cb)
+                if not cbs:
+                    del self._live_listeners[rid]
+        return off
+
+    async def _watch_live_loop(self) -> None:
+        """One watch on <prefix>/live/ for the whole process, re-created on failure."""
+        backoff = 0.05
+        while True:
+            try:
+                req = rpc.WatchRequest(create_request=rpc.WatchCreateRequest(
+                    key=self.live_prefix, range_end=_prefix_end(self.live_prefix)))
+                call = self._watch.Watch(iter([req]))
+                async for resp in call:
+                    if resp.created:
+                        self.watch_connected.set()
+                        backoff = 0.05
+                    for ev in resp.events:
+                        rid = bytes(ev.kv.key)[len(self.live_prefix):].decode()
+                        value = None if ev.type == 1 else bytes(ev.kv.value).decode()
+                        for cb in list(self._live_listeners.get(rid, ())):
+                            cb(value)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # etcd down: the local lease deadline still protects
+                log.warning("revocation watch lost; re-creating", extra={**_NOID,
+                                                                        "error": repr(e)})
+            self.watch_connected.clear()
+            # While the watch is down nobody is told of revocations; the local deadline of
+            # every lease still stops publishing in time (docs/fencing.md).
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 2.0)
+
     # --- journal ---------------------------------------------------------------------
 
     async def open_request(self, rid: str, meta: Mapping[str, Any]) -> JournalView | None:
         """Create the record; if it exists already (a repeat), return it instead."""
         rl = await self._retention_lease()
+        sl = await self.session_lease()
         key = self._k(rid, "meta")
-        pfx = self._req_prefix(rid)
         req = rpc.TxnRequest(
-            compare=[rpc.Compare(key=key, target=rpc.Compare.VERSION,
-                                 result=rpc.Compare.EQUAL, version=0)],
-            success=[rpc.RequestOp(request_put=rpc.PutRequest(key=key, value=_dumps(meta),
-                                                              lease=rl))],
-            failure=[rpc.RequestOp(request_range=rpc.RangeRequest(
-                key=pfx, range_end=_prefix_end(pfx)))],
+            compare=[_eq_version(key, 0)],
+            success=[_put(key, _dumps(meta), rl),
+                     _put(self._k(rid, "guard"), self.owner.encode(), sl)],
+            failure=[_range(self._req_prefix(rid), prefix=True), _range(self._live(rid))],
         )
         resp = await self._call(self._kv.Txn, req)
         if resp.succeeded:
             return None
-        return self._assemble(rid, resp.responses[0].response_range.kvs)
+        return self._assemble(rid, list(resp.responses[0].response_range.kvs)
+                              + list(resp.responses[1].response_range.kvs))
 
     async def get(self, rid: str) -> JournalView | None:
-        pfx = self._req_prefix(rid)
-        resp = await self._call(self._kv.Range,
-                                rpc.RangeRequest(key=pfx, range_end=_prefix_end(pfx)))
-        if not resp.kvs:
+        req = rpc.TxnRequest(success=[_range(self._req_prefix(rid), prefix=True),
+                                      _range(self._live(rid))])
+        resp = await self._call(self._kv.Txn, req)
+        kvs = list(resp.responses[0].response_range.kvs) + list(
+            resp.responses[1].response_range.kvs)
+        if not kvs:
             return None
-        return self._assemble(rid, resp.kvs)
+        return self._assemble(rid, kvs)
 
-    def _assemble(self, rid: str, kvs: Any) -> JournalView | None:
+    def _assemble(self, rid: str, kvs: list[Any]) -> JournalView | None:
         pfx = self._req_prefix(rid)
+        live_k = self._live(rid)
         meta: dict[str, Any] | None = None
         attempts: list[dict[str, Any]] = []
         live: str | None = None
-        delivery = None
-        outcome = None
+        delivery = outcome = progress = None
+        guard: str | None = None
         for kv in kvs:
-            name = bytes(kv.key)[len(pfx):].decode()
-            if name == "live":
+            key = bytes(kv.key)
+            if key == live_k:
                 live = bytes(kv.value).decode()
+                continue
+            name = key[len(pfx):].decode()
+            if name == "guard":
+                guard = bytes(kv.value).decode()
                 continue
             val = json.loads(kv.value)
             if name == "meta":
@@ -211,50 +341,42 @@ class EtcdStore:
                 delivery = val
             elif name == "outcome":
                 outcome = val
+            elif name == "progress":
+                progress = val
         if meta is None:
             return None
         attempts.sort(key=lambda a: int(a.get("attempt", 0)))
         return JournalView(request_id=rid, meta=meta, attempts=tuple(attempts),
-                           live_attempt_id=live, delivery=delivery, outcome=outcome)
+                           live_attempt_id=live, delivery=delivery, outcome=outcome,
+                           progress=progress, guard=guard)
 
     async def admit_attempt(self, rid: str, attempt: int, attempt_id: str,
                             record: Mapping[str, Any], fence_wait_s: float) -> AdmitResult:
         """Admit attempt n only if nothing was delivered and no other attempt is live.
 
         If another attempt still holds a live lease, wait (bounded) for it to be revoked or
-        to expire: that is the mission's `wait_for: cancel_ack_or_lease_expiry`.
+        to expire: that is the mission's `wait_for: cancel_ack_or_lease_expiry`. The watch
+        wakes us the moment `live` goes; a slow poll covers a lost watch.
         """
         lease = await self.grant_attempt_lease()
         rl = await self._retention_lease()
-        live_k, deliv_k = self._k(rid, "live"), self._k(rid, "delivery")
+        live_k, deliv_k = self._live(rid), self._k(rid, "delivery")
         att_k, meta_k = self._k(rid, f"attempts/{attempt:03d}"), self._k(rid, "meta")
         start = time.monotonic()
-        delay = 0.005
+        gone = asyncio.Event()
+        off = self.on_live_change(rid, lambda v: gone.set() if v is None else None)
         try:
             while True:
+                gone.clear()
                 req = rpc.TxnRequest(
                     compare=[
                         rpc.Compare(key=meta_k, target=rpc.Compare.VERSION,
                                     result=rpc.Compare.GREATER, version=0),
-                        rpc.Compare(key=deliv_k, target=rpc.Compare.VERSION,
-                                    result=rpc.Compare.EQUAL, version=0),
-                        rpc.Compare(key=live_k, target=rpc.Compare.VERSION,
-                                    result=rpc.Compare.EQUAL, version=0),
-                        rpc.Compare(key=att_k, target=rpc.Compare.VERSION,
-                                    result=rpc.Compare.EQUAL, version=0),
+                        _eq_version(deliv_k, 0), _eq_version(live_k, 0), _eq_version(att_k, 0),
                     ],
-                    success=[
-                        rpc.RequestOp(request_put=rpc.PutRequest(
-                            key=live_k, value=attempt_id.encode(), lease=lease.lease_id)),
-                        rpc.RequestOp(request_put=rpc.PutRequest(
-                            key=att_k, value=_dumps(record), lease=rl)),
-                    ],
-                    failure=[
-                        rpc.RequestOp(request_range=rpc.RangeRequest(key=meta_k)),
-                        rpc.RequestOp(request_range=rpc.RangeRequest(key=deliv_k)),
-                        rpc.RequestOp(request_range=rpc.RangeRequest(key=live_k)),
-                        rpc.RequestOp(request_range=rpc.RangeRequest(key=att_k)),
-                    ],
+                    success=[_put(live_k, attempt_id.encode(), lease.lease_id),
+                             _put(att_k, _dumps(record), rl)],
+                    failure=[_range(meta_k), _range(deliv_k), _range(live_k), _range(att_k)],
                 )
                 resp = await self._call(self._kv.Txn, req)
                 waited = time.monotonic() - start
@@ -267,53 +389,91 @@ class EtcdStore:
                     reason = "first delta already sent: no second attempt"
                 elif has[3]:
                     reason = f"attempt {attempt} was already admitted"
+                elif waited >= fence_wait_s:
+                    reason = "previous attempt is not fenced (lease still live)"
                 else:
                     # Another attempt still holds a live lease: wait for its revocation or
-                    # expiry, never run two attempts at once.
-                    if waited + delay > fence_wait_s:
-                        reason = "previous attempt is not fenced (lease still live)"
-                    else:
-                        await asyncio.sleep(delay)
-                        delay = min(delay * 2, 0.1)
-                        continue
+                    # expiry; never run two attempts at once.
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(gone.wait(),
+                                               min(0.25, max(0.0, fence_wait_s - waited)))
+                    continue
                 await self.revoke(lease)
                 return AdmitResult(False, reason, None, waited)
         except BaseException:
             lease.revoked = True
             raise
+        finally:
+            off()
 
     async def fence_first_delta(self, rid: str, attempt_id: str,
                                 record: Mapping[str, Any]) -> bool:
         """Record first_delta_sent, only while this attempt is the live one."""
         rl = await self._retention_lease()
-        live_k, deliv_k = self._k(rid, "live"), self._k(rid, "delivery")
+        live_k, deliv_k = self._live(rid), self._k(rid, "delivery")
         req = rpc.TxnRequest(
             compare=[
                 rpc.Compare(key=live_k, target=rpc.Compare.VALUE, result=rpc.Compare.EQUAL,
                             value=attempt_id.encode()),
-                rpc.Compare(key=deliv_k, target=rpc.Compare.VERSION, result=rpc.Compare.EQUAL,
-                            version=0),
+                _eq_version(deliv_k, 0),
             ],
-            success=[rpc.RequestOp(request_put=rpc.PutRequest(
-                key=deliv_k, value=_dumps(record), lease=rl))],
+            success=[_put(deliv_k, _dumps(record), rl)],
         )
         resp = await self._call(self._kv.Txn, req)
         return bool(resp.succeeded)
+
+    async def fence_until_expiry(self, rid: str, attempt_id: str, lease: AttemptLease) -> None:
+        """Fence without revoking: the attempt loses `live` now, the key stays until expiry.
+
+        `live` becomes `fenced:<attempt_id>` on the same lease, so every check for this
+        attempt (the first-delta fence, tool calls) fails at once, while a retry still waits
+        until the lease runs out: the liveness of the old attempt is uncertain.
+        """
+        lease.revoked = True
+        live_k = self._live(rid)
+        await self._call(self._kv.Txn, rpc.TxnRequest(
+            compare=[rpc.Compare(key=live_k, target=rpc.Compare.VALUE,
+                                 result=rpc.Compare.EQUAL, value=attempt_id.encode())],
+            success=[_put(live_k, b"fenced:" + attempt_id.encode(), lease.lease_id)]))
 
     async def end_attempt(self, rid: str, attempt: int, record: Mapping[str, Any]) -> None:
         rl = await self._retention_lease()
         await self._call(self._kv.Put, rpc.PutRequest(
             key=self._k(rid, f"attempts/{attempt:03d}"), value=_dumps(record), lease=rl))
 
+    async def progress(self, rid: str, record: Mapping[str, Any]) -> None:
+        """Checkpoint what the client received so far (used if this processor dies)."""
+        rl = await self._retention_lease()
+        await self._call(self._kv.Put, rpc.PutRequest(key=self._k(rid, "progress"),
+                                                      value=_dumps(record), lease=rl))
+
     async def finish(self, rid: str, outcome: Mapping[str, Any]) -> bool:
-        """Write the outcome once; a second writer (e.g. a restarted processor) loses."""
+        """Write the outcome once and drop the guard key; a second writer loses."""
         rl = await self._retention_lease()
         key = self._k(rid, "outcome")
         req = rpc.TxnRequest(
-            compare=[rpc.Compare(key=key, target=rpc.Compare.VERSION, result=rpc.Compare.EQUAL,
-                                 version=0)],
-            success=[rpc.RequestOp(request_put=rpc.PutRequest(key=key, value=_dumps(outcome),
-                                                              lease=rl))],
+            compare=[_eq_version(key, 0)],
+            success=[_put(key, _dumps(outcome), rl),
+                     rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(
+                         key=self._k(rid, "guard")))],
+        )
+        resp = await self._call(self._kv.Txn, req)
+        return bool(resp.succeeded)
+
+    async def settle_orphan(self, rid: str, outcome: Mapping[str, Any]) -> bool:
+        """Record the outcome of a request whose processor died (no guard, no live attempt).
+
+        Create-only and conditioned on both being absent, so it can never overwrite or race
+        the real guard's own record.
+        """
+        rl = await self._retention_lease()
+        key = self._k(rid, "outcome")
+        req = rpc.TxnRequest(
+            compare=[_eq_version(key, 0), _eq_version(self._k(rid, "guard"), 0),
+                     _eq_version(self._live(rid), 0),
+                     rpc.Compare(key=self._k(rid, "meta"), target=rpc.Compare.VERSION,
+                                 result=rpc.Compare.GREATER, version=0)],
+            success=[_put(key, _dumps(outcome), rl)],
         )
         resp = await self._call(self._kv.Txn, req)
         return bool(resp.succeeded)

@@ -29,6 +29,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from ..core import headers as H
 from ..core.config import Config
 from ..core.errors import ErrorCode, GatewayError
+from ..core.failure import AttemptEnd, classify, fence_for
+from ..core.failure import Fence as FenceKind
 from ..core.intake import (
     Generation,
     PassThrough,
@@ -37,7 +39,14 @@ from ..core.intake import (
     classify_request,
     parse_body,
 )
-from ..core.journal import key_digest, new_request_id, repeat_answer, tenant_digest
+from ..core.journal import (
+    JournalView,
+    key_digest,
+    new_request_id,
+    orphan_outcome,
+    repeat_answer,
+    tenant_digest,
+)
 from ..core.machine import (
     Action,
     Admit,
@@ -79,6 +88,9 @@ from .logs import rlog
 log = logging.getLogger("extproc")
 
 
+OUTCOME_RETRY_S = 60.0
+
+
 def _now() -> float:
     return round(time.time(), 6)
 
@@ -107,6 +119,17 @@ class Processor:
             log.error("background task failed", exc_info=t.exception(),
                       extra={"task": t.get_name(), "request_id": None, "attempt_id": None})
 
+    async def settled(self, view: JournalView | None) -> JournalView | None:
+        """A record whose processor died is settled (gateway_interrupted) when first read."""
+        if view is None or not view.orphaned:
+            return view
+        oc = orphan_outcome(view, _now())
+        if await self.store.settle_orphan(view.request_id, oc):
+            rlog(log, logging.WARNING, "settled a request whose processor died",
+                 view.request_id, None, outcome=oc["outcome"],
+                 delivered_output_tokens=oc["delivered_output_tokens"])
+        return await self.store.get(view.request_id)
+
     async def drain(self, timeout_s: float = 5.0) -> None:
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=timeout_s)
@@ -127,6 +150,9 @@ class GuardSession:
         self.watchdog: asyncio.TimerHandle | None = None
         self.finished = False
         self.closed = False
+        self.progress_at = time.monotonic()
+        self.progress_sent = 0
+        self.progress_inflight = False
 
     async def write(self, resp: ep.ProcessingResponse) -> None:
         if self.closed:
@@ -204,7 +230,7 @@ class GuardSession:
 
     async def on_status_lookup(self, q: StatusLookup) -> None:
         try:
-            view = await self.p.store.get(q.request_id)
+            view = await self.p.settled(await self.p.store.get(q.request_id))
         except StoreUnavailable as e:
             await self.write(codec.immediate(self._journal_down(q.request_id, e)))
             return
@@ -246,7 +272,7 @@ class GuardSession:
             **meta.to_dict(),
         }
         try:
-            existing = await self.p.store.open_request(rid, record)
+            existing = await self.p.settled(await self.p.store.open_request(rid, record))
         except StoreUnavailable as e:
             await self.write(codec.immediate(self._journal_down(rid, e), {H.REQUEST_ID: rid}))
             return
@@ -274,6 +300,7 @@ class GuardSession:
         elif isinstance(a, Send):
             if a.data or a.end_of_stream:
                 await self.write(codec.streamed_response_body(a.data, a.end_of_stream))
+                self._maybe_checkpoint()
         elif isinstance(a, ArmWatchdog):
             self._arm(a.seconds)
         elif isinstance(a, DisarmWatchdog):
@@ -283,6 +310,27 @@ class GuardSession:
         elif isinstance(a, AwaitCause):
             cause = await self.p.causes.wait(rid, self.cfg.timeouts.access_log_wait_s)
             await self.feed(CauseLearned(cause))
+
+    def _maybe_checkpoint(self) -> None:
+        """Now and then record the delivered count, in case this process dies mid-stream."""
+        every = self.cfg.timeouts.progress_interval_s
+        m = self.m
+        if every <= 0 or m is None or self.progress_inflight or m.delivered <= self.progress_sent:
+            return
+        now = time.monotonic()
+        if now - self.progress_at < every:
+            return
+        self.progress_at, self.progress_sent, self.progress_inflight = now, m.delivered, True
+
+        async def put(n: int) -> None:
+            try:
+                await self.p.store.progress(self.rid or "", {"delivered_output_tokens": n,
+                                                             "at": _now()})
+            except StoreUnavailable:
+                pass  # a missed checkpoint only weakens the lower bound
+            finally:
+                self.progress_inflight = False
+        self.p.spawn(put(m.delivered), f"guard-progress-{self.rid}")
 
     def _arm(self, seconds: float) -> None:
         self._disarm()
@@ -321,11 +369,20 @@ class GuardSession:
         }
         rlog(log, logging.INFO, "request finished", self.rid, None, outcome=str(f.outcome),
              delivered_output_tokens=f.delivered_output_tokens, cause=f.cause)
-        try:
-            await self.p.store.finish(self.rid, body)
-        except StoreUnavailable as e:
-            rlog(log, logging.ERROR, "could not record outcome", self.rid, None, error=str(e),
-                 outcome=str(f.outcome))
+        # etcd may be briefly away (frozen, electing a leader): keep trying for a bounded
+        # time. Until it lands, the record shows no outcome rather than a wrong one.
+        delay, deadline = 0.1, time.monotonic() + OUTCOME_RETRY_S
+        while True:
+            try:
+                await self.p.store.finish(self.rid, body)
+                return
+            except StoreUnavailable as e:
+                if time.monotonic() + delay > deadline:
+                    rlog(log, logging.ERROR, "could not record outcome", self.rid, None,
+                         error=str(e), outcome=str(f.outcome))
+                    return
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
 
 
 # --- gate ----------------------------------------------------------------------------
@@ -345,7 +402,14 @@ class GateSession:
         self.keepalive: asyncio.Task[None] | None = None
         self.model_revision: str | None = None
         self.started_at = 0.0
+        self.started_wall = 0.0
         self.closed = False
+        self.http_status = 0
+        self.failed_on_purpose = False
+        self.slow = False
+        self.waited_for_previous_s = 0.0
+        self._unwatch: Callable[[], None] | None = None
+        self._soft_timer: asyncio.TimerHandle | None = None
 
     async def write(self, resp: ep.ProcessingResponse) -> None:
         if self.closed:
@@ -366,6 +430,8 @@ class GateSession:
             self.closed = True
             if self.keepalive is not None:
                 self.keepalive.cancel()
+            if self._soft_timer is not None:
+                self._soft_timer.cancel()
             if self.m is not None:
                 for a in self.m.handle(StreamClosed()):
                     if isinstance(a, EndAttempt):
@@ -395,6 +461,7 @@ class GateSession:
                 await self.write(codec.continue_response_headers())
                 return
             self.model_revision = hd.get("x-model-revision")
+            self.http_status = int(hd.get(":status", "0") or 0)
             await self.feed(ResponseHeaders(int(hd.get(":status", "0") or 0),
                                             hd.get("content-type", ""),
                                             msg.response_headers.end_of_stream))
@@ -443,6 +510,8 @@ class GateSession:
         if isinstance(a, Fence):
             return FenceDecided(await self.fence())
         if isinstance(a, Release):
+            if self._soft_timer is not None:
+                self._soft_timer.cancel()
             rlog(log, logging.INFO, "first delta fenced: released", rid, self.aid,
                  attempt=self.attempt, replica=self.replica, held_chunks=a.held_chunks,
                  ttfd_ms=round((time.monotonic() - self.started_at) * 1000, 2))
@@ -451,6 +520,7 @@ class GateSession:
                 await self.write(codec.continue_response_body())
             return None
         if isinstance(a, FailAttempt):
+            self.failed_on_purpose = True
             rlog(log, logging.WARNING, "attempt failed before first delta", rid, self.aid,
                  attempt=self.attempt, replica=self.replica, reason=a.reason)
             await self.write(codec.fail_attempt_headers(rid))
@@ -476,8 +546,9 @@ class GateSession:
             return self._refuse(ErrorCode.RETRY_BUDGET_EXHAUSTED,
                                 f"attempt {attempt} exceeds max_attempts "
                                 f"{self.cfg.policy.max_attempts}")
+        self.started_wall = _now()
         record = {"attempt": attempt, "attempt_id": self.aid, "replica": self.replica,
-                  "gateway_id": self.cfg.server.gateway_id, "started_at": _now()}
+                  "gateway_id": self.cfg.server.gateway_id, "started_at": self.started_wall}
         try:
             res = await self.p.store.admit_attempt(rid, attempt, self.aid, record,
                                                    self.cfg.timeouts.fence_wait_s)
@@ -491,10 +562,30 @@ class GateSession:
         if not res.admitted:
             return self._refuse(ErrorCode.ATTEMPT_NOT_ADMITTED, res.reason)
         self.lease = res.lease
+        self.waited_for_previous_s = res.waited_s
         self.keepalive = asyncio.ensure_future(self._keep_alive())
+        self._unwatch = self.p.store.on_live_change(rid, self._on_live_change)
+        soft = self.cfg.timeouts.soft_first_delta_s
+        if soft > 0:
+            self._soft_timer = asyncio.get_running_loop().call_later(soft, self._on_soft_limit)
         rlog(log, logging.INFO, "attempt admitted", rid, self.aid, attempt=attempt,
              replica=self.replica, waited_ms=round(res.waited_s * 1000, 2))
         return AdmitDecided(True)
+
+    def _on_live_change(self, value: str | None) -> None:
+        """The revocation watch: someone fenced this attempt (revoked, expired, replaced)."""
+        lease = self.lease
+        if lease is not None and value != self.aid and not lease.revoked:
+            lease.revoked = True
+            rlog(log, logging.WARNING, "attempt fenced: its lease was revoked or replaced",
+                 self.rid, self.aid, live=value)
+
+    def _on_soft_limit(self) -> None:
+        # Slow is not dead: record it, change nothing (only first_delta_s fails over).
+        self.slow = True
+        rlog(log, logging.INFO, "first delta slower than the soft expectation (not a failure)",
+             self.rid, self.aid, soft_first_delta_s=self.cfg.timeouts.soft_first_delta_s,
+             replica=self.replica)
 
     def _refuse(self, code: ErrorCode, reason: str) -> AdmitDecided:
         rlog(log, logging.WARNING, "attempt refused", self.rid, self.aid, attempt=self.attempt,
@@ -530,19 +621,43 @@ class GateSession:
             return False
 
     async def end(self, a: EndAttempt) -> None:
+        """Classify how the attempt ended, fence it accordingly, and close its record."""
         rid = self.rid or ""
+        if self._unwatch is not None:
+            self._unwatch()
         if self.aid is None or self.lease is None:
             return
+        needs_cause = not (a.released and a.upstream_finished) and not self.failed_on_purpose \
+            and self.http_status in (0, 200)
+        cause = "n/a"
+        if needs_cause:
+            # Envoy's per-attempt access-log entry says reset (dead) vs timeout (uncertain).
+            cause = await self.p.causes.wait(self.aid, self.cfg.timeouts.access_log_wait_s)
+        cls = classify(AttemptEnd(released=a.released, upstream_finished=a.upstream_finished,
+                                  failed_on_purpose=self.failed_on_purpose,
+                                  http_status=self.http_status, cause=cause))
+        fence = fence_for(cls)
         record = {"attempt": self.attempt, "attempt_id": self.aid, "replica": self.replica,
-                  "gateway_id": self.cfg.server.gateway_id,
-                  "started_at": None, "ended_at": _now(), "released": a.released,
-                  "upstream_finished": a.upstream_finished, "last_state": a.last_state}
+                  "gateway_id": self.cfg.server.gateway_id, "started_at": self.started_wall,
+                  "ended_at": _now(), "released": a.released,
+                  "upstream_finished": a.upstream_finished, "http_status": self.http_status,
+                  "failure_class": str(cls), "envoy_cause": cause, "fence": str(fence),
+                  "slow": self.slow,
+                  "waited_for_previous_s": round(self.waited_for_previous_s, 4)}
+        if fence is FenceKind.EXPIRE:
+            record["lease_expires_by"] = round(_now() + self.lease.ttl_s, 3)
         rlog(log, logging.INFO, "attempt ended", rid, self.aid, attempt=self.attempt,
-             released=a.released, upstream_finished=a.upstream_finished,
-             last_state=a.last_state)
-        # The attempt's stream is gone from Envoy: revoking its lease is the fence that
-        # lets a retry in (and forbids this attempt any further side effect).
-        results = await asyncio.gather(self.p.store.revoke(self.lease),
+             released=a.released, failure_class=str(cls), fence=str(fence), cause=cause)
+        if fence is FenceKind.REVOKE:
+            # Confirmed end (the replica closed, answered, or the client left): revoking
+            # deletes `live`, so a retry may start now.
+            fencing = self.p.store.revoke(self.lease)
+        else:
+            # policy.uncertain_source_liveness: the replica may still be decoding. Fence it
+            # (it can publish nothing more), stop renewing, and let the lease run out: a
+            # retry is admitted only after expiry.
+            fencing = self.p.store.fence_until_expiry(rid, self.aid, self.lease)
+        results = await asyncio.gather(fencing,
                                        self.p.store.end_attempt(rid, self.attempt, record),
                                        return_exceptions=True)
         for r in results:
@@ -594,8 +709,9 @@ class AccessLog(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
 
 
 async def serve(cfg: Config, ready: Callable[[str], None] | None = None) -> None:
-    store = EtcdStore(cfg.etcd)
+    store = EtcdStore(cfg.etcd, owner=f"{cfg.server.gateway_id}/{os.getpid()}")
     await store.connect()
+    store.start_background()
     proc = Processor(cfg, store)
     server = grpc.aio.server(options=[("grpc.max_concurrent_streams", 100000),
                                       ("grpc.so_reuseport", 0)])

@@ -71,6 +71,9 @@ class EtcdConfig:
     prefix: str = "/llmgw/v1"
     attempt_lease_ttl_s: int = 10
     journal_retention_s: int = 86400
+    # The processor's own liveness lease: if it dies, its requests' `guard` keys vanish
+    # and their records are settled as gateway_interrupted by the next reader.
+    session_ttl_s: int = 15
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,11 @@ class TimeoutsConfig:
     access_log_wait_s: float = 0.5
     # Upper bound on waiting for an old attempt's lease to go before admitting a retry.
     fence_wait_s: float = 12.0
+    # Soft expectation on time to the first delta: exceeding it is logged and recorded
+    # (`slow: true`) but is NOT a failure; only first_delta_s fails an attempt over.
+    soft_first_delta_s: float = 5.0
+    # How often the guard checkpoints the delivered count while streaming (0: never).
+    progress_interval_s: float = 2.0
 
 
 @dataclass(frozen=True)
@@ -103,6 +111,8 @@ class IdempotencyConfig:
 class TenancyConfig:
     # Request header naming the tenant; None means one tenant ("default").
     header: str | None = None
+    # Or: a header carrying an API key (e.g. authorization); the tenant is its SHA-256.
+    api_key_header: str | None = None
 
 
 @dataclass(frozen=True)
@@ -276,6 +286,7 @@ def load_config(raw: Mapping[str, Any] | None) -> Config:
         attempt_lease_ttl_s=e.int_("attempt_lease_ttl_s", EtcdConfig.attempt_lease_ttl_s, 2, 600),
         journal_retention_s=e.int_("journal_retention_s", EtcdConfig.journal_retention_s,
                                    60, 30 * 86400),
+        session_ttl_s=e.int_("session_ttl_s", EtcdConfig.session_ttl_s, 3, 600),
     )
     if not etcd.prefix.startswith("/") or etcd.prefix.endswith("/"):
         raise ConfigError("etcd.prefix",
@@ -293,7 +304,14 @@ def load_config(raw: Mapping[str, Any] | None) -> Config:
         access_log_wait_s=t.float_("access_log_wait_s", TimeoutsConfig.access_log_wait_s,
                                    0.0, 10.0),
         fence_wait_s=t.float_("fence_wait_s", TimeoutsConfig.fence_wait_s, 0.0, 600.0),
+        soft_first_delta_s=t.float_("soft_first_delta_s", TimeoutsConfig.soft_first_delta_s,
+                                    0.0, 3600.0),
+        progress_interval_s=t.float_("progress_interval_s",
+                                     TimeoutsConfig.progress_interval_s, 0.0, 3600.0),
     )
+    if timeouts.soft_first_delta_s > timeouts.first_delta_s:
+        raise ConfigError("timeouts.soft_first_delta_s",
+                          f"must be <= timeouts.first_delta_s ({timeouts.first_delta_s})")
     t.done()
     lim = root.section("limits")
     limits = LimitsConfig(
@@ -310,9 +328,11 @@ def load_config(raw: Mapping[str, Any] | None) -> Config:
     idem = IdempotencyConfig(required=idr.bool_("required", False))
     idr.done()
     ten = root.section("tenancy")
-    tenancy = TenancyConfig(header=ten.opt_str("header", None))
-    if tenancy.header is not None:
-        tenancy = TenancyConfig(header=tenancy.header.lower())
+    th, tk = ten.opt_str("header", None), ten.opt_str("api_key_header", None)
+    if th is not None and tk is not None:
+        raise ConfigError("tenancy.api_key_header", "set either header or api_key_header")
+    tenancy = TenancyConfig(header=th.lower() if th else None,
+                            api_key_header=tk.lower() if tk else None)
     ten.done()
     policy = _policy(root.section("policy"))
     root.done()

@@ -16,6 +16,7 @@ from typing import Any
 
 class ErrorCode(StrEnum):
     UPSTREAM_DECODE_INTERRUPTED = "upstream_decode_interrupted"
+    GATEWAY_INTERRUPTED = "gateway_interrupted"
     UPSTREAM_UNAVAILABLE = "upstream_unavailable"
     REQUEST_IN_PROGRESS = "request_in_progress"
     REQUEST_ALREADY_COMPLETED = "request_already_completed"

@@ -64,6 +64,14 @@ def classify_request(headers: Mapping[str, str], cfg: Config) -> Intake:
                                         f"header {cfg.tenancy.header} is missing or invalid",
                                         status=401))
         tenant = t
+    elif cfg.tenancy.api_key_header is not None:
+        k = headers.get(cfg.tenancy.api_key_header, "")
+        if not k or len(k) > 4096:
+            return Rejected(bad_request(ErrorCode.INVALID_HEADER,
+                                        f"header {cfg.tenancy.api_key_header} is missing",
+                                        status=401))
+        # Only a digest of the key is ever kept; the same key is the same tenant.
+        tenant = "key:" + hashlib.sha256(k.encode("utf-8", "replace")).hexdigest()
     if path.startswith(STATUS_PREFIX):
         if method != "GET":
             return Rejected(bad_request(ErrorCode.INVALID_HEADER,

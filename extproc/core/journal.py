@@ -38,6 +38,9 @@ class Outcome(StrEnum):
     CLIENT_DISCONNECTED = "client_disconnected"
     UPSTREAM_FAILED = "upstream_failed"  # nothing delivered and no attempt succeeded
     REFUSED = "refused"  # a managed error before any delta
+    # The processor serving the stream died (its session lease expired) before recording
+    # an outcome; settled by whoever looks at the record next.
+    GATEWAY_INTERRUPTED = "gateway_interrupted"
 
 
 REQUEST_ID_RE = re.compile(r"^req_[0-9a-z]{26}$")
@@ -88,6 +91,8 @@ class JournalView:
     live_attempt_id: str | None = None
     delivery: Mapping[str, Any] | None = None
     outcome: Mapping[str, Any] | None = None
+    progress: Mapping[str, Any] | None = None
+    guard: str | None = None  # the processor serving it; gone if that processor died
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     @property
@@ -134,8 +139,10 @@ class JournalView:
             "finished_at": self.outcome.get("finished_at") if self.outcome else None,
             "attempts": [dict(a) for a in self.attempts],
         }
+        if self.outcome is not None and "delivered_output_tokens_exact" in self.outcome:
+            d["delivered_output_tokens_exact"] = self.outcome["delivered_output_tokens_exact"]
         err = self.client_error()
-        if err is not None and self.outcome_value is Outcome.UPSTREAM_DECODE_INTERRUPTED:
+        if err is not None:
             d["error"] = err.body()["error"]
         return d
 
@@ -143,7 +150,39 @@ class JournalView:
         """The structured error the client is owed for this record, if any."""
         if self.outcome_value is Outcome.UPSTREAM_DECODE_INTERRUPTED:
             return decode_interrupted(self.request_id, self.delivered_output_tokens)
+        if self.outcome_value is Outcome.GATEWAY_INTERRUPTED:
+            exact = bool((self.outcome or {}).get("delivered_output_tokens_exact", True))
+            return GatewayError(
+                code=ErrorCode.GATEWAY_INTERRUPTED,
+                message="The gateway serving this request failed before it ended"
+                + ("; part of the answer was sent" if self.first_delta_sent else ""),
+                http_status=502, request_id=self.request_id,
+                retryable=not self.first_delta_sent, partial_output=self.first_delta_sent,
+                delivered_output_tokens=self.delivered_output_tokens,
+                extra=(("delivered_output_tokens_exact", exact),))
         return None
+
+    @property
+    def orphaned(self) -> bool:
+        """No outcome, no processor serving it, no live attempt: its processor died."""
+        return self.outcome is None and self.guard is None and self.live_attempt_id is None
+
+
+def orphan_outcome(view: JournalView, now: float) -> dict[str, Any]:
+    """The outcome recorded for a request whose processor died mid-flight.
+
+    Before the fence nothing was released, so "0 delivered" is exact. After it, the last
+    progress checkpoint is a lower bound of what the client received: said so, not hidden.
+    """
+    if not view.first_delta_sent:
+        return {"outcome": str(Outcome.GATEWAY_INTERRUPTED), "delivered_output_tokens": 0,
+                "delivered_output_tokens_exact": True, "cause": "processor_lost",
+                "finished_at": now}
+    seen = int((view.progress or {}).get("delivered_output_tokens", 1))
+    return {"outcome": str(Outcome.GATEWAY_INTERRUPTED),
+            "delivered_output_tokens": max(1, seen),
+            "delivered_output_tokens_exact": False, "cause": "processor_lost",
+            "finished_at": now}
 
 
 def repeat_answer(view: JournalView) -> GatewayError:
@@ -158,11 +197,14 @@ def repeat_answer(view: JournalView) -> GatewayError:
             http_status=409, request_id=rid, retryable=True,
             extra=(("phase", str(view.phase)),),
         )
-    if oc is Outcome.UPSTREAM_DECODE_INTERRUPTED:
-        err = decode_interrupted(rid, view.delivered_output_tokens)
+    if oc in (Outcome.UPSTREAM_DECODE_INTERRUPTED, Outcome.GATEWAY_INTERRUPTED):
+        err = view.client_error()
+        assert err is not None
         return GatewayError(code=err.code, message=err.message, http_status=409,
-                            request_id=rid, retryable=False, partial_output=True,
-                            delivered_output_tokens=err.delivered_output_tokens)
+                            request_id=rid, retryable=False,
+                            partial_output=err.partial_output,
+                            delivered_output_tokens=err.delivered_output_tokens,
+                            extra=err.extra)
     if oc is Outcome.COMPLETED:
         return GatewayError(
             code=ErrorCode.REQUEST_ALREADY_COMPLETED,

@@ -274,7 +274,10 @@ def test_to_dict_interrupted() -> None:
     assert ce is not None and ce.code is ErrorCode.UPSTREAM_DECODE_INTERRUPTED
 
 
-@pytest.mark.parametrize("oc", [o for o in Outcome if o is not Outcome.UPSTREAM_DECODE_INTERRUPTED])
+INTERRUPTED = (Outcome.UPSTREAM_DECODE_INTERRUPTED, Outcome.GATEWAY_INTERRUPTED)
+
+
+@pytest.mark.parametrize("oc", [o for o in Outcome if o not in INTERRUPTED])
 def test_client_error_only_for_interrupted(oc: Outcome) -> None:
     v = view(delivery={"at": "t"}, outcome={"outcome": str(oc), "delivered_output_tokens": 3})
     assert v.client_error() is None
@@ -363,3 +366,26 @@ def test_new_request_id_uses_the_randomness() -> None:
 
 def test_new_request_id_keeps_every_random_bit() -> None:
     assert new_request_id(5, b"\x00" * 9 + b"\x07") != new_request_id(5, b"\x00" * 10)
+
+
+def test_gateway_interrupted_reports_an_inexact_lower_bound() -> None:
+    from extproc.core.journal import orphan_outcome
+    v = view(delivery={"at": "t"}, progress={"delivered_output_tokens": 5})
+    assert v.orphaned
+    oc = orphan_outcome(v, 1.0)
+    assert oc["outcome"] == "gateway_interrupted" and oc["delivered_output_tokens"] == 5
+    assert oc["delivered_output_tokens_exact"] is False
+    settled = view(delivery={"at": "t"}, outcome=oc)
+    err = settled.client_error()
+    assert err is not None and err.code is ErrorCode.GATEWAY_INTERRUPTED
+    assert err.partial_output is True and err.retryable is False
+    body = err.body()["error"]
+    assert body["delivered_output_tokens"] == 5 and body["delivered_output_tokens_exact"] is False
+    # Before the fence nothing was released: 0 is exact and the client may retry.
+    none_sent = orphan_outcome(view(), 1.0)
+    assert none_sent["delivered_output_tokens"] == 0
+    assert none_sent["delivered_output_tokens_exact"] is True
+    err0 = view(outcome=none_sent).client_error()
+    assert err0 is not None and err0.retryable is True and err0.partial_output is False
+    # A request with a live processor or attempt is not orphaned.
+    assert not view(delivery={"at": "t"}, guard="gw-1/1").orphaned
