@@ -1,7 +1,7 @@
 """One-command benchmark: plain Envoy vs Envoy + our processor, on this machine.
 
-    .venv/bin/python -m bench.run            # full: 3 repeats, ~4-5 min
-    .venv/bin/python -m bench.run --quick    # smoke: 1 repeat, short windows, ~40 s
+    .venv/bin/python -m bench.run            # full: 3 repeats, ~3.5 min (more on retries)
+    .venv/bin/python -m bench.run --quick    # smoke: 1 repeat, short windows, ~35 s
 
 Per repeat and per side (plain, then ours; the order alternates between repeats) it
 measures each figure on a fresh stack, started just before and stopped just after, so the two
@@ -77,11 +77,14 @@ class Params:
     ttfd_tokens: int = 8
     ttfd_max_s: float = 15.0
     request_timeout_s: float = 30.0
+    # before each figure, wait (bounded) until the machine is idle: other load skews everything
+    idle_wait_s: float = 90.0
+    idle_threshold: float = 0.10  # fraction of both cores busy
     # a figure whose stack lost a process mid-run is re-measured on a fresh stack
     attempts: int = 3
 
 
-QUICK = Params(repeats=1, sat_warmup_s=0.5, sat_duration_s=3.0, lat_warmup_s=0.5,
+QUICK = Params(repeats=1, idle_wait_s=10.0, sat_warmup_s=0.5, sat_duration_s=3.0, lat_warmup_s=0.5,
                lat_duration_s=3.0, ttfd_requests=60, ttfd_max_s=5.0)
 
 
@@ -127,6 +130,25 @@ def machine_jiffies() -> tuple[int, int, int]:
     return user + nice + system + irq + softirq, steal, sum(parts[:8])
 
 
+def wait_idle(p: Params, log: Any) -> dict[str, float]:
+    """Sample /proc/stat in 0.5 s slices until a slice is below the idle threshold, for at
+    most p.idle_wait_s; returns how long it waited and the busy fraction of the last slice."""
+    t0 = time.monotonic()
+    warned = False
+    while True:
+        b0, _, t_0 = machine_jiffies()
+        time.sleep(0.5)
+        b1, _, t_1 = machine_jiffies()
+        busy = (b1 - b0) / (t_1 - t_0) if t_1 > t_0 else 0.0
+        waited = time.monotonic() - t0
+        if busy <= p.idle_threshold or waited >= p.idle_wait_s:
+            return {"waited_s": round(waited, 1), "busy_before": round(busy, 3)}
+        if not warned:
+            log(f"  machine busy ({busy:.0%} of both cores) with other load: waiting up to "
+                f"{p.idle_wait_s:g} s for it to go idle")
+            warned = True
+
+
 def self_cpu_s() -> float:
     ru = resource.getrusage(resource.RUSAGE_SELF)
     return ru.ru_utime + ru.ru_stime
@@ -148,6 +170,10 @@ def cpu_delta(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
     tot = b["_total"] - a["_total"]
     out["machine_busy_frac"] = (b["_busy"] - a["_busy"]) / tot if tot else 0.0
     out["steal_frac"] = (b["_steal"] - a["_steal"]) / tot if tot else 0.0
+    # CPU time nobody we started (nor this process) used: other load on the machine, plus
+    # kernel work not charged to a process. Jiffies of /proc/stat are USER_HZ, like stat(5).
+    known = sum(v for k, v in d.items())
+    out["unaccounted"] = max(0.0, (b["_busy"] - a["_busy"]) / CLK_TCK - known)
     return out
 
 
@@ -195,17 +221,26 @@ class Watch:
         self.stack = stack
         self.dead: list[str] = []
         self.died_after_s: float | None = None
+        self.t0 = time.monotonic()
+
+    def check(self) -> bool:
+        """True (and remembered) once a stack process has died; cheap: waitpid(WNOHANG)."""
+        if not self.dead:
+            self.dead = [n for n in ("envoy", "processor", "etcd")
+                         if n in self.stack.procs and not self.stack.procs[n].alive()]
+            if self.dead:
+                self.died_after_s = round(time.monotonic() - self.t0, 2)
+        return bool(self.dead)
 
     async def run(self, *coros: Any) -> None:
         t0 = time.monotonic()
         work = asyncio.gather(*coros)
 
+        self.t0 = t0
+
         async def watch() -> None:
             while not work.done():  # bounded by the load's own window
-                self.dead = [n for n in ("envoy", "processor", "etcd")
-                             if n in self.stack.procs and not self.stack.procs[n].alive()]
-                if self.dead:
-                    self.died_after_s = round(time.monotonic() - t0, 2)
+                if self.check():
                     return
                 await asyncio.sleep(0.1)
 
@@ -245,7 +280,7 @@ async def saturation(stack: Stack, p: Params) -> dict[str, Any]:
                 budget[0] -= 1
                 o = await conn.request(req, window=(w0, w1), timeout_s=p.request_timeout_s)
                 tally.add(o, p.sat_tokens)
-                if o.transport_error is not None:
+                if o.transport_error is not None and not watch.check():
                     await asyncio.sleep(0.05)  # never spin on a dead listener
         finally:
             await conn.close()
@@ -304,7 +339,7 @@ async def latency(stack: Stack, p: Params, delay_ms: float) -> dict[str, Any]:
                                        timeout_s=p.request_timeout_s)
                 tally.add(o, p.lat_tokens)
                 lats.extend(o.latencies_ns)
-                if o.transport_error is not None:
+                if o.transport_error is not None and not watch.check():
                     await asyncio.sleep(0.05)
         finally:
             await conn.close()
@@ -377,6 +412,7 @@ def measure_figure(fig: str, side: str, p: Params, work: Path, log: Any) -> dict
     attempts: list[dict[str, Any]] = []
     for n in range(1, p.attempts + 1):
         wd = work / f"{fig}-{side}-a{n}"
+        idle = wait_idle(p, log)
         stack = start_stack(kind, side == "plain", wd)
         try:
             time.sleep(0.3)
@@ -391,6 +427,7 @@ def measure_figure(fig: str, side: str, p: Params, work: Path, log: Any) -> dict
         finally:
             stack.stop()
         r["processor_log_levels"] = log_levels(wd / "processor.log")
+        r["idle_check"] = idle
         r["workdir"] = str(wd)
         attempts.append(r)
         if not r["died"]:
@@ -486,6 +523,8 @@ ROWS: list[Row] = [
     ("machine busy, both cores (saturation)", "saturation", ("cpu_s", "machine_busy_frac"),
      ".2f", "delta"),
     ("  hypervisor steal (saturation)", "saturation", ("cpu_s", "steal_frac"), ".3f", "delta"),
+    ("  unaccounted CPU, cores (saturation)", "saturation", ("cpu_cores", "unaccounted"),
+     ".2f", "delta"),
 ]
 
 
@@ -595,6 +634,13 @@ def render_table(meta: dict[str, Any], p: Params, summary: dict[str, Any],
                 notes.append(f"{fig} transport e.g. {f['transport_samples'][0]!r}")
             if f.get("budget_exhausted"):
                 notes.append(f"{fig}: request budget exhausted before the window ended")
+            if f["idle_check"]["busy_before"] > p.idle_threshold:
+                notes.append(f"{fig}: machine still {f['idle_check']['busy_before']:.0%} busy "
+                             f"with other load after waiting {f['idle_check']['waited_s']} s")
+            other = f.get("cpu_cores", {}).get("unaccounted", 0.0)
+            if other > 0.15:
+                notes.append(f"{fig}: {other:.2f} cores of CPU used by processes not in the "
+                             "benchmark (other load?) during the window")
             levels = {lv: n for lv, n in f["processor_log_levels"].items()
                       if lv not in ("INFO", "DEBUG")}
             if levels:

@@ -130,13 +130,17 @@ class Stack:
     plain: bool = False
     token_delay_ms: float = 0.0
     envoy_port: int = 0
+    # Share another stack's etcd (several gateways, one truth) instead of starting one.
+    etcd_endpoint: str = ""
+    # Put a partition proxy (extproc.demo.partition_proxy) between Envoy and each replica.
+    partition_proxies: bool = False
+    proxy_ports: list[int] = field(default_factory=list)
     quiet_envoy: bool = True
     procs: dict[str, Proc] = field(default_factory=dict)
     replica_ports: list[int] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _sup: threading.Thread | None = None
     cfg: Config | None = None
-    etcd_endpoint: str = ""
     processor_addr: str = ""
     admin_port: int = 0
 
@@ -153,9 +157,12 @@ class Stack:
 
     def _start(self) -> None:
         if not self.plain:
-            self._start_etcd()
+            if not self.etcd_endpoint:
+                self._start_etcd()
             self._start_processor()
         self._start_replicas()
+        if self.partition_proxies:
+            self._start_proxies()
         self._start_envoy()
         self._sup = threading.Thread(target=self._supervise, name="replica-supervisor",
                                      daemon=True)
@@ -222,6 +229,28 @@ class Stack:
             wait_until(lambda port=port: _http_ok(f"http://127.0.0.1:{port}/health"), 20,
                        f"replica r{i + 1}")
 
+    def _start_proxies(self) -> None:
+        for i, rport in enumerate(self.replica_ports):
+            port = free_port()
+            self.proxy_ports.append(port)
+            name = f"proxy-r{i + 1}"
+            p = Proc(name, [sys.executable, "-m", "extproc.demo.partition_proxy",
+                            "--listen", f"127.0.0.1:{port}", "--upstream", f"127.0.0.1:{rport}",
+                            "--log-file", str(self.workdir / f"{name}.jsonl")],
+                     self.workdir / f"{name}.log")
+            p.start()
+            self.procs[name] = p
+        for port in self.proxy_ports:
+            wait_until(lambda port=port: _tcp_open("127.0.0.1", port), 20, "partition proxy")
+
+    def proxy_log(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for i in range(len(self.proxy_ports)):
+            path = self.workdir / f"proxy-r{i + 1}.jsonl"
+            if path.exists():
+                out += [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+        return out
+
     def _start_envoy(self) -> None:
         self.envoy_port = self.envoy_port or free_port()
         self.admin_port = free_port()
@@ -230,7 +259,8 @@ class Stack:
         topo = Topology(listen=("127.0.0.1", self.envoy_port),
                         admin=("127.0.0.1", self.admin_port),
                         processor=self.processor_addr or "127.0.0.1:1",
-                        replicas=tuple(("127.0.0.1", p) for p in self.replica_ports),
+                        replicas=tuple(("127.0.0.1", p) for p in
+                                       (self.proxy_ports or self.replica_ports)),
                         access_log_path=str(self.workdir / "envoy-access.jsonl"))
         path = self.workdir / ("envoy-plain.yaml" if self.plain else "envoy.yaml")
         path.write_text(yaml.safe_dump(render(cfg, topo, plain=self.plain), sort_keys=False))
@@ -263,8 +293,8 @@ class Stack:
         self._stop.set()
         if self._sup is not None:
             self._sup.join(2)
-        for name in ["envoy", *[n for n in self.procs if n.startswith("r")], "processor",
-                     "etcd"]:
+        for name in ["envoy", *[n for n in self.procs if n.startswith(("r", "proxy-"))],
+                     "processor", "etcd"]:
             p = self.procs.get(name)
             if p is not None:
                 p.stop()

@@ -132,10 +132,21 @@ def render(cfg: Config, topo: Topology, plain: bool = False) -> dict[str, Any]:
     filters.append({"name": "envoy.filters.http.router", "typed_config": router})
 
     retry_policy = {
-        "retry_on": "reset,connect-failure,refused-stream,5xx",
+        # 5xx includes the gate's own `:status: 503` for an attempt it fails on purpose.
+        # 429 is overload, not death: retried on another host within max_attempts, after
+        # the replica's Retry-After (capped) instead of Envoy's 10 ms back-off.
+        "retry_on": "reset,connect-failure,refused-stream,5xx,retriable-status-codes",
+        "retriable_status_codes": [429],
+        "rate_limited_retry_back_off": {
+            "reset_headers": [{"name": "retry-after", "format": "SECONDS"}],
+            "max_interval": _dur(min(10.0, t.first_delta_s)),
+        },
         "num_retries": attempts - 1,
-        # With the gate holding headers, this is the time-to-first-delta limit per attempt.
-        "per_try_timeout": _dur(t.first_delta_s),
+        # The gate enforces first_delta_s itself, from admission, once the replica sent its
+        # headers. This per-try timeout is the backstop for a replica that sends nothing at
+        # all; it also covers a retry's wait for the previous attempt's lease
+        # (fence_wait_s), which Envoy counts inside the attempt (docs/failure-classes.md).
+        "per_try_timeout": _dur(t.first_delta_s + t.fence_wait_s),
         "retry_host_predicate": [{
             "name": "envoy.retry_host_predicates.previous_hosts",
             "typed_config": {"@type": _t("envoy.extensions.retry.host."
@@ -178,8 +189,8 @@ def render(cfg: Config, topo: Topology, plain: bool = False) -> dict[str, Any]:
                 # The gate holds the response headers until the first delta is fenced: the
                 # message timeout must outlast the first-delta limit (per_try_timeout fires
                 # first and retries; an ext_proc timeout would be a 504 with no retry).
-                "message_timeout": _dur(t.first_delta_s + 5.0),
-                "max_message_timeout": _dur(t.first_delta_s + 60.0),
+                "message_timeout": _dur(t.first_delta_s + t.fence_wait_s + 5.0),
+                "max_message_timeout": _dur(t.first_delta_s + t.fence_wait_s + 60.0),
                 "processing_mode": {
                     "request_header_mode": "SEND",
                     "response_header_mode": "SEND",

@@ -362,7 +362,7 @@ class EtcdStore:
         rl = await self._retention_lease()
         live_k, deliv_k = self._live(rid), self._k(rid, "delivery")
         att_k, meta_k = self._k(rid, f"attempts/{attempt:03d}"), self._k(rid, "meta")
-        start = time.monotonic()
+        start = renewed = time.monotonic()
         gone = asyncio.Event()
         off = self.on_live_change(rid, lambda v: gone.set() if v is None else None)
         try:
@@ -375,7 +375,8 @@ class EtcdStore:
                         _eq_version(deliv_k, 0), _eq_version(live_k, 0), _eq_version(att_k, 0),
                     ],
                     success=[_put(live_k, attempt_id.encode(), lease.lease_id),
-                             _put(att_k, _dumps(record), rl)],
+                             _put(att_k, _dumps({**record, "admitted_at": round(
+                                 time.time(), 6)}), rl)],
                     failure=[_range(meta_k), _range(deliv_k), _range(live_k), _range(att_k)],
                 )
                 resp = await self._call(self._kv.Txn, req)
@@ -393,10 +394,14 @@ class EtcdStore:
                     reason = "previous attempt is not fenced (lease still live)"
                 else:
                     # Another attempt still holds a live lease: wait for its revocation or
-                    # expiry; never run two attempts at once.
+                    # expiry; never run two attempts at once. Our own lease is kept alive
+                    # meanwhile (the wait can be as long as the other lease's TTL).
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(gone.wait(),
                                                min(0.25, max(0.0, fence_wait_s - waited)))
+                    if time.monotonic() - renewed > lease.ttl_s / 3:
+                        renewed = time.monotonic()
+                        await self.refresh(lease)
                     continue
                 await self.revoke(lease)
                 return AdmitResult(False, reason, None, waited)
@@ -420,6 +425,30 @@ class EtcdStore:
             success=[_put(deliv_k, _dumps(record), rl)],
         )
         resp = await self._call(self._kv.Txn, req)
+        return bool(resp.succeeded)
+
+    async def undo_fence(self, rid: str, record: Mapping[str, Any]) -> bool:
+        """Remove a `delivery` our timed-out fence call may have written after all.
+
+        A deadline is not a "no": a transaction queued in a frozen etcd can still apply when
+        it wakes. The gate released nothing, so the record must not claim a first delta.
+        """
+        deliv_k = self._k(rid, "delivery")
+        resp = await self._call(self._kv.Txn, rpc.TxnRequest(
+            compare=[rpc.Compare(key=deliv_k, target=rpc.Compare.VALUE,
+                                 result=rpc.Compare.EQUAL, value=_dumps(record))],
+            success=[rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=deliv_k))]))
+        return bool(resp.succeeded)
+
+    async def undo_admission(self, rid: str, attempt: int, attempt_id: str) -> bool:
+        """Remove an admission our timed-out call may have written after all."""
+        live_k = self._live(rid)
+        resp = await self._call(self._kv.Txn, rpc.TxnRequest(
+            compare=[rpc.Compare(key=live_k, target=rpc.Compare.VALUE,
+                                 result=rpc.Compare.EQUAL, value=attempt_id.encode())],
+            success=[rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=live_k)),
+                     rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(
+                         key=self._k(rid, f"attempts/{attempt:03d}")))]))
         return bool(resp.succeeded)
 
     async def fence_until_expiry(self, rid: str, attempt_id: str, lease: AttemptLease) -> None:

@@ -63,6 +63,7 @@ from ..core.machine import (
     Fence,
     FenceDecided,
     Finish,
+    FirstDeltaTimeout,
     GateMachine,
     GuardMachine,
     HoldChunk,
@@ -89,6 +90,22 @@ log = logging.getLogger("extproc")
 
 
 OUTCOME_RETRY_S = 60.0
+
+
+async def retrying(fn: Callable[[], Awaitable[Any]], what: str, rid: str | None,
+                   aid: str | None, limit_s: float = OUTCOME_RETRY_S) -> bool:
+    """Retry an etcd write while etcd is briefly away (frozen, electing), for a bounded time."""
+    delay, deadline = 0.1, time.monotonic() + limit_s
+    while True:
+        try:
+            await fn()
+            return True
+        except StoreUnavailable as e:
+            if time.monotonic() + delay > deadline:
+                rlog(log, logging.ERROR, f"gave up: {what}", rid, aid, error=str(e))
+                return False
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
 
 
 def _now() -> float:
@@ -371,18 +388,8 @@ class GuardSession:
              delivered_output_tokens=f.delivered_output_tokens, cause=f.cause)
         # etcd may be briefly away (frozen, electing a leader): keep trying for a bounded
         # time. Until it lands, the record shows no outcome rather than a wrong one.
-        delay, deadline = 0.1, time.monotonic() + OUTCOME_RETRY_S
-        while True:
-            try:
-                await self.p.store.finish(self.rid, body)
-                return
-            except StoreUnavailable as e:
-                if time.monotonic() + delay > deadline:
-                    rlog(log, logging.ERROR, "could not record outcome", self.rid, None,
-                         error=str(e), outcome=str(f.outcome))
-                    return
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+        rid = self.rid
+        await retrying(lambda: self.p.store.finish(rid, body), "record the outcome", rid, None)
 
 
 # --- gate ----------------------------------------------------------------------------
@@ -410,6 +417,8 @@ class GateSession:
         self.waited_for_previous_s = 0.0
         self._unwatch: Callable[[], None] | None = None
         self._soft_timer: asyncio.TimerHandle | None = None
+        self._hard_timer: asyncio.TimerHandle | None = None
+        self.lock = asyncio.Lock()
 
     async def write(self, resp: ep.ProcessingResponse) -> None:
         if self.closed:
@@ -425,13 +434,15 @@ class GateSession:
                 msg = await self.ctx.read()
                 if msg is grpc.aio.EOF:
                     break
-                await self.on_message(msg)
+                async with self.lock:
+                    await self.on_message(msg)
         finally:
             self.closed = True
             if self.keepalive is not None:
                 self.keepalive.cancel()
-            if self._soft_timer is not None:
-                self._soft_timer.cancel()
+            for timer in (self._soft_timer, self._hard_timer):
+                if timer is not None:
+                    timer.cancel()
             if self.m is not None:
                 for a in self.m.handle(StreamClosed()):
                     if isinstance(a, EndAttempt):
@@ -510,8 +521,9 @@ class GateSession:
         if isinstance(a, Fence):
             return FenceDecided(await self.fence())
         if isinstance(a, Release):
-            if self._soft_timer is not None:
-                self._soft_timer.cancel()
+            for timer in (self._soft_timer, self._hard_timer):
+                if timer is not None:
+                    timer.cancel()
             rlog(log, logging.INFO, "first delta fenced: released", rid, self.aid,
                  attempt=self.attempt, replica=self.replica, held_chunks=a.held_chunks,
                  ttfd_ms=round((time.monotonic() - self.started_at) * 1000, 2))
@@ -555,6 +567,10 @@ class GateSession:
         except StoreUnavailable as e:
             rlog(log, logging.WARNING, "journal unavailable at admission", rid, self.aid,
                  error=str(e))
+            aid = self.aid
+            self.p.spawn(retrying(lambda: self.p.store.undo_admission(rid, attempt, aid),
+                                  "undo an unconfirmed admission", rid, aid),
+                         f"gate-undo-admit-{aid}")
             return AdmitDecided(False, GatewayError(
                 ErrorCode.JOURNAL_UNAVAILABLE,
                 "the request journal is unavailable; the attempt could not be fenced, "
@@ -566,8 +582,12 @@ class GateSession:
         self.keepalive = asyncio.ensure_future(self._keep_alive())
         self._unwatch = self.p.store.on_live_change(rid, self._on_live_change)
         soft = self.cfg.timeouts.soft_first_delta_s
+        loop = asyncio.get_running_loop()
         if soft > 0:
-            self._soft_timer = asyncio.get_running_loop().call_later(soft, self._on_soft_limit)
+            self._soft_timer = loop.call_later(soft, self._on_soft_limit)
+        self._hard_timer = loop.call_later(
+            self.cfg.timeouts.first_delta_s,
+            lambda: self.p.spawn(self._on_first_delta_limit(), f"gate-limit-{self.aid}"))
         rlog(log, logging.INFO, "attempt admitted", rid, self.aid, attempt=attempt,
              replica=self.replica, waited_ms=round(res.waited_s * 1000, 2))
         return AdmitDecided(True)
@@ -579,6 +599,12 @@ class GateSession:
             lease.revoked = True
             rlog(log, logging.WARNING, "attempt fenced: its lease was revoked or replaced",
                  self.rid, self.aid, live=value)
+
+    async def _on_first_delta_limit(self) -> None:
+        async with self.lock:
+            if self.m is None or self.closed:
+                return
+            await self.feed(FirstDeltaTimeout())
 
     def _on_soft_limit(self) -> None:
         # Slow is not dead: record it, change nothing (only first_delta_s fails over).
@@ -618,6 +644,10 @@ class GateSession:
         except StoreUnavailable as e:
             rlog(log, logging.WARNING, "journal unavailable at the fence: not releasing", rid,
                  self.aid, error=str(e))
+            # The transaction may still apply when etcd wakes: take it back once it can.
+            self.p.spawn(retrying(lambda: self.p.store.undo_fence(rid, record),
+                                  "undo an unconfirmed fence", rid, self.aid),
+                         f"gate-undo-fence-{self.aid}")
             return False
 
     async def end(self, a: EndAttempt) -> None:
@@ -635,10 +665,12 @@ class GateSession:
             cause = await self.p.causes.wait(self.aid, self.cfg.timeouts.access_log_wait_s)
         cls = classify(AttemptEnd(released=a.released, upstream_finished=a.upstream_finished,
                                   failed_on_purpose=self.failed_on_purpose,
-                                  http_status=self.http_status, cause=cause))
+                                  http_status=self.http_status, cause=cause,
+                                  timed_out=a.timed_out))
         fence = fence_for(cls)
         record = {"attempt": self.attempt, "attempt_id": self.aid, "replica": self.replica,
                   "gateway_id": self.cfg.server.gateway_id, "started_at": self.started_wall,
+                  "admitted_at": round(self.started_wall + self.waited_for_previous_s, 6),
                   "ended_at": _now(), "released": a.released,
                   "upstream_finished": a.upstream_finished, "http_status": self.http_status,
                   "failure_class": str(cls), "envoy_cause": cause, "fence": str(fence),

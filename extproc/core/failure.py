@@ -32,6 +32,7 @@ class AttemptEnd:
     failed_on_purpose: bool  # the gate answered 503 itself (in-band error, garbage, fence lost)
     http_status: int  # response status the replica sent (0: none)
     cause: str  # Envoy's per-attempt cause: upstream | timeout | client | unknown
+    timed_out: bool = False  # the gate's own first-delta limit failed it
 
 
 def classify(end: AttemptEnd) -> FailureClass:
@@ -39,6 +40,10 @@ def classify(end: AttemptEnd) -> FailureClass:
         if end.http_status in (429, 503):
             return FailureClass.OVERLOADED
         return FailureClass.COMPLETED
+    if end.timed_out and not end.upstream_finished:
+        # Headers came, then silence past the limit: slow, stuck or partitioned; not known
+        # to be dead, so it is fenced by expiry.
+        return FailureClass.NETWORK_UNCERTAIN
     if end.failed_on_purpose:
         # The replica answered (an error event, garbage, or we lost the fence): it is alive
         # and reachable, and Envoy's close of the connection reaches it.

@@ -55,6 +55,11 @@ class FenceDecided:
 
 
 @dataclass(frozen=True, slots=True)
+class FirstDeltaTimeout:
+    """Gate: the first-delta limit passed since admission (policy: timeouts.first_delta_s)."""
+
+
+@dataclass(frozen=True, slots=True)
 class StallTimeout:
     """Guard: no byte from upstream for the configured time after the first delta."""
 
@@ -72,7 +77,7 @@ class CauseLearned:
 
 
 Event: TypeAlias = (RequestStarted | AdmitDecided | ResponseHeaders | ResponseBody | FenceDecided
-                    | StallTimeout | StreamClosed | CauseLearned)
+                    | FirstDeltaTimeout | StallTimeout | StreamClosed | CauseLearned)
 
 # --- actions --------------------------------------------------------------------------
 
@@ -171,6 +176,7 @@ class EndAttempt:
     released: bool
     upstream_finished: bool
     last_state: str
+    timed_out: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,6 +267,7 @@ class GateMachine(_Base):
     saw_content: bool = False
     saw_done: bool = False
     ended: bool = False  # upstream sent end_of_stream
+    timed_out: bool = False  # failed by the first-delta limit: liveness uncertain
 
     @classmethod
     def new(cls, request_id: str, max_buffer: int = 4 << 20) -> GateMachine:
@@ -397,6 +404,18 @@ def _gate_fence(m: GateMachine, ev: FenceDecided) -> list[Action]:
     return [Release(held_chunks=held)]
 
 
+def _gate_first_delta_timeout(m: GateMachine, ev: FirstDeltaTimeout) -> list[Action]:
+    # Headers (maybe a role event) came, no content within the limit: fail the attempt so
+    # the router retries; the replica may be partitioned or stuck, so it is fenced by
+    # lease expiry, not revocation.
+    m.timed_out = True
+    return m.fail("no first delta within the first-delta limit")
+
+
+def _gate_ignore(m: GateMachine, ev: Any) -> list[Action]:
+    return []
+
+
 def _gate_pass(m: GateMachine, ev: ResponseBody) -> list[Action]:
     if ev.end_of_stream:
         m.ended = True
@@ -413,7 +432,7 @@ def _gate_closed(m: GateMachine, ev: StreamClosed) -> list[Action]:
     prev = m.state
     m.state = State.GATE_CLOSED
     return [EndAttempt(released=prev is State.GATE_RELEASED, upstream_finished=m.ended,
-                       last_state=str(prev))]
+                       last_state=str(prev), timed_out=m.timed_out)]
 
 
 def _gate_closed_again(m: GateMachine, ev: StreamClosed) -> list[Action]:
@@ -561,6 +580,12 @@ TABLE: dict[tuple[str, State, type], Callable[[Any, Any], list[Action]]] = {
     (_G, S.GATE_RELEASED, ResponseBody): _gate_pass,
     (_G, S.GATE_PASSTHROUGH, ResponseBody): _gate_pass,
     (_G, S.GATE_FAILED, ResponseBody): _gate_drop,
+    (_G, S.GATE_HOLDING, FirstDeltaTimeout): _gate_first_delta_timeout,
+    # No response headers yet: nothing to answer with a 503; Envoy's per-try timeout is the
+    # backstop. Fencing (etcd txn in flight), released or over: too late to matter.
+    **{(_G, s, FirstDeltaTimeout): _gate_ignore for s in (
+        S.GATE_NEW, S.GATE_ADMITTING, S.GATE_FORWARDED, S.GATE_FENCING, S.GATE_RELEASED,
+        S.GATE_PASSTHROUGH, S.GATE_FAILED, S.GATE_CLOSED)},
     **{(_G, s, StreamClosed): _gate_closed for s in (
         S.GATE_NEW, S.GATE_ADMITTING, S.GATE_FORWARDED, S.GATE_HOLDING, S.GATE_FENCING,
         S.GATE_RELEASED, S.GATE_PASSTHROUGH, S.GATE_FAILED)},

@@ -62,6 +62,7 @@ Outcome = Literal[
     "error_injected",
     "peer_closed",
     "bad_request",
+    "overloaded",
 ]
 
 NO_ARG_FAULTS: Final = frozenset({"kill-before-headers", "kill-after-headers"})
@@ -69,6 +70,8 @@ COUNT_FAULTS: Final = frozenset(
     {"kill-after-compute", "kill-after-deltas", "stall-after-deltas", "error-after-deltas"}
 )
 SECONDS_FAULTS: Final = frozenset({"slow-first-delta"})
+# overloaded:STATUS[:RETRY_AFTER_SECONDS] answers at once with 429 or 503 (alive, busy).
+OVERLOAD_FAULTS: Final = frozenset({"overloaded"})
 
 
 class BadRequest(Exception):
@@ -145,7 +148,15 @@ def parse_fault(value: str) -> Fault:
                 f"{STALL_LIMIT_S:g}, as in '{kind}:1.5', got {value!r}"
             )
         return Fault(kind=kind, seconds=seconds, spec=f"{kind}:{arg}")
-    known = sorted(NO_ARG_FAULTS | COUNT_FAULTS | SECONDS_FAULTS)
+    if kind in OVERLOAD_FAULTS:
+        status_s, _, after = arg.partition(":")
+        if status_s not in ("429", "503") or (after and not after.isdigit()):
+            raise BadRequest(f"{FAULT_HEADER}: fault 'overloaded' needs 429 or 503 and an "
+                             f"optional Retry-After in seconds, as in 'overloaded:429:1', "
+                             f"got {value!r}")
+        return Fault(kind=kind, count=int(status_s), seconds=float(after or -1),
+                     spec=f"{kind}:{arg}")
+    known = sorted(NO_ARG_FAULTS | COUNT_FAULTS | SECONDS_FAULTS | OVERLOAD_FAULTS)
     raise BadRequest(f"{FAULT_HEADER}: unknown fault {value!r}; known kinds: {', '.join(known)}")
 
 
@@ -350,7 +361,9 @@ class Replica:
             att.attempt = _positive_int_header(headers, ATTEMPT_HEADER)
             fault_value = headers.get(FAULT_HEADER)
             fault = parse_fault(fault_value) if fault_value else None
-            fault_attempt = _positive_int_header(headers, FAULT_ATTEMPT_HEADER)
+            every_attempt = headers.get(FAULT_ATTEMPT_HEADER, "").strip().lower() == "all"
+            fault_attempt = (0 if every_attempt
+                             else _positive_int_header(headers, FAULT_ATTEMPT_HEADER))
             att.token_delay_s = _delay_header(headers, self.token_delay_s)
             raw = await request.read()
             try:
@@ -363,7 +376,7 @@ class Replica:
             return _json(_error_body(str(exc), "BadRequestError", 400), status=400)
 
         att.stream = gen.stream
-        if fault is not None and fault_attempt != att.attempt:
+        if fault is not None and fault_attempt not in (0, att.attempt):
             fault = None  # gated to another attempt: this one runs clean
         att.fault = fault.spec if fault else None
 
@@ -371,6 +384,14 @@ class Replica:
         response_id = prefix + (request_id or uuid.uuid4().hex)
         tokens = generate_tokens(gen.prompt, gen.seed, gen.max_tokens)
 
+        if fault is not None and fault.kind == "overloaded":
+            self.finish(att, "overloaded")
+            hdrs = {"Retry-After": str(int(fault.seconds))} if fault.seconds >= 0 else {}
+            resp = _json(_error_body("replica overloaded", "ServiceUnavailableError"
+                                     if fault.count == 503 else "RateLimitError", fault.count),
+                         status=fault.count)
+            resp.headers.update(hdrs)
+            return resp
         if fault is not None and fault.kind == "kill-before-headers":
             await self.die(att, wrote=False)
         if fault is not None and fault.kind == "kill-after-compute":

@@ -25,6 +25,7 @@ from extproc.core.machine import (
     Fence,
     FenceDecided,
     Finish,
+    FirstDeltaTimeout,
     GateMachine,
     GuardMachine,
     HoldChunk,
@@ -80,6 +81,7 @@ CANONICAL: dict[type, Any] = {
     ResponseBody: ResponseBody(b"", False),
     FenceDecided: FenceDecided(True),
     StallTimeout: StallTimeout(),
+    FirstDeltaTimeout: FirstDeltaTimeout(),
     StreamClosed: StreamClosed(),
     CauseLearned: CauseLearned("client"),
 }

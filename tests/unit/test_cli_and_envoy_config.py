@@ -75,7 +75,8 @@ def test_rendered_envoy_agrees_with_the_policy() -> None:
     route = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
         "typed_config"]["route_config"]["virtual_hosts"][0]["routes"][-1]["route"]
     assert route["retry_policy"]["num_retries"] == cfg.policy.max_attempts - 1
-    assert route["retry_policy"]["per_try_timeout"] == f"{cfg.timeouts.first_delta_s:.3f}s"
+    backstop = cfg.timeouts.first_delta_s + cfg.timeouts.fence_wait_s
+    assert route["retry_policy"]["per_try_timeout"] == f"{backstop:.3f}s"
     assert route["timeout"] == "0s"
 
 
