@@ -275,6 +275,14 @@ class Stack:
         if not p.alive():
             raise RuntimeError(f"envoy exited: see {p.log_path}")
 
+    def restart_envoy(self) -> None:
+        """Start Envoy again with the same config (after a test killed it)."""
+        p = self.procs["envoy"]
+        p.stop(timeout_s=2)
+        p.start()
+        wait_until(lambda: _http_ok(f"http://127.0.0.1:{self.admin_port}/ready")
+                   or not p.alive(), 20, "envoy ready")
+
     def _supervise(self) -> None:
         # Bounded: ends with the stack; one check every 50 ms.
         while not self._stop.wait(0.05):

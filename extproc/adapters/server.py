@@ -384,6 +384,10 @@ class GuardSession:
             "finished_at": _now(),
             "gateway_id": self.cfg.server.gateway_id,
         }
+        if f.cause == "unknown":
+            # Envoy (or the network to it) vanished with bytes in flight: what we handed
+            # to Envoy is an upper bound of what the client got.
+            body["delivered_output_tokens_exact"] = False
         rlog(log, logging.INFO, "request finished", self.rid, None, outcome=str(f.outcome),
              delivered_output_tokens=f.delivered_output_tokens, cause=f.cause)
         # etcd may be briefly away (frozen, electing a leader): keep trying for a bounded

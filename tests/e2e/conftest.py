@@ -103,9 +103,9 @@ def parse_events(raw: bytes) -> list[dict[str, Any] | str]:
 
 
 class Gateway:
-    def __init__(self, stack: Stack) -> None:
+    def __init__(self, stack: Stack, headers: dict[str, str] | None = None) -> None:
         self.stack = stack
-        self.client = httpx.Client(base_url=stack.base_url, timeout=30)
+        self.client = httpx.Client(base_url=stack.base_url, timeout=30, headers=headers)
 
     def body(self, stream: bool = True, max_tokens: int = 8, prompt: str = "hello",
              path: str = "chat", **extra: Any) -> dict[str, Any]:
