@@ -20,6 +20,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -135,6 +136,12 @@ class Stack:
     # Put a partition proxy (extproc.demo.partition_proxy) between Envoy and each replica.
     partition_proxies: bool = False
     proxy_ports: list[int] = field(default_factory=list)
+    # Another model server instead of the demo replica (e.g. vLLM): called with
+    # (index, port, workdir) and returning the Proc to run; it must serve `health_path`.
+    replica_factory: Callable[[int, int, Path], Proc] | None = None
+    health_path: str = "/health"
+    replica_start_timeout_s: float = 20.0
+    supervise_replicas: bool = True
     quiet_envoy: bool = True
     procs: dict[str, Proc] = field(default_factory=dict)
     replica_ports: list[int] = field(default_factory=list)
@@ -210,6 +217,8 @@ class Stack:
             raise RuntimeError(f"processor exited: see {p.log_path}")
 
     def replica_proc(self, i: int, port: int) -> Proc:
+        if self.replica_factory is not None:
+            return self.replica_factory(i, port, self.workdir)
         name = f"r{i + 1}"
         argv = [sys.executable, "-m", "extproc.demo.replica", "--host", "127.0.0.1",
                 "--port", str(port), "--name", name,
@@ -226,8 +235,8 @@ class Stack:
             p.start()
             self.procs[p.name] = p
         for i, port in enumerate(self.replica_ports):
-            wait_until(lambda port=port: _http_ok(f"http://127.0.0.1:{port}/health"), 20,
-                       f"replica r{i + 1}")
+            wait_until(lambda port=port: _http_ok(f"http://127.0.0.1:{port}{self.health_path}"),
+                       self.replica_start_timeout_s, f"replica r{i + 1}")
 
     def _start_proxies(self) -> None:
         for i, rport in enumerate(self.replica_ports):
@@ -286,6 +295,8 @@ class Stack:
     def _supervise(self) -> None:
         # Bounded: ends with the stack; one check every 50 ms.
         while not self._stop.wait(0.05):
+            if not self.supervise_replicas:
+                continue
             for i in range(len(self.replica_ports)):
                 p = self.procs.get(f"r{i + 1}")
                 if p is not None and not p.alive() and not self._stop.is_set():
@@ -294,7 +305,7 @@ class Stack:
 
     def wait_replicas_healthy(self, timeout_s: float = 10.0) -> None:
         for port in self.replica_ports:
-            wait_until(lambda port=port: _http_ok(f"http://127.0.0.1:{port}/health"),
+            wait_until(lambda port=port: _http_ok(f"http://127.0.0.1:{port}{self.health_path}"),
                        timeout_s, f"replica on {port}")
 
     def stop(self) -> None:
