@@ -142,6 +142,9 @@ class Stack:
     health_path: str = "/health"
     replica_start_timeout_s: float = 20.0
     supervise_replicas: bool = True
+    # A demo tool server behind the gateway's tool route; replicas get --tool-gateway.
+    tool_server: bool = False
+    tool_port: int = 0
     quiet_envoy: bool = True
     procs: dict[str, Proc] = field(default_factory=dict)
     replica_ports: list[int] = field(default_factory=list)
@@ -167,6 +170,8 @@ class Stack:
             if not self.etcd_endpoint:
                 self._start_etcd()
             self._start_processor()
+        if self.tool_server:
+            self._start_tool_server()
         self._start_replicas()
         if self.partition_proxies:
             self._start_proxies()
@@ -216,6 +221,23 @@ class Stack:
         if not p.alive():
             raise RuntimeError(f"processor exited: see {p.log_path}")
 
+    def _start_tool_server(self) -> None:
+        self.tool_port = free_port()
+        self.envoy_port = self.envoy_port or free_port()  # replicas must know the gateway
+        p = Proc("tools", [sys.executable, "-m", "extproc.demo.tool_server", "--port",
+                           str(self.tool_port), "--log-file", str(self.workdir / "tools.jsonl")],
+                 self.workdir / "tools.log")
+        p.start()
+        self.procs["tools"] = p
+        wait_until(lambda: _http_ok(f"http://127.0.0.1:{self.tool_port}/health"), 20,
+                   "tool server")
+
+    def tool_log(self) -> list[dict[str, Any]]:
+        path = self.workdir / "tools.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
     def replica_proc(self, i: int, port: int) -> Proc:
         if self.replica_factory is not None:
             return self.replica_factory(i, port, self.workdir)
@@ -225,6 +247,8 @@ class Stack:
                 "--log-file", str(self.workdir / f"replica-{name}.jsonl")]
         if self.token_delay_ms:
             argv += ["--token-delay-ms", str(self.token_delay_ms)]
+        if self.tool_server:
+            argv += ["--tool-gateway", f"http://127.0.0.1:{self.envoy_port}"]
         return Proc(name, argv, self.workdir / f"replica-{name}.log")
 
     def _start_replicas(self) -> None:
@@ -270,7 +294,8 @@ class Stack:
                         processor=self.processor_addr or "127.0.0.1:1",
                         replicas=tuple(("127.0.0.1", p) for p in
                                        (self.proxy_ports or self.replica_ports)),
-                        access_log_path=str(self.workdir / "envoy-access.jsonl"))
+                        access_log_path=str(self.workdir / "envoy-access.jsonl"),
+                        tools=(("127.0.0.1", self.tool_port),) if self.tool_server else ())
         path = self.workdir / ("envoy-plain.yaml" if self.plain else "envoy.yaml")
         path.write_text(yaml.safe_dump(render(cfg, topo, plain=self.plain), sort_keys=False))
         argv = [_bin("envoy"), "-c", str(path), "--log-level",
@@ -313,7 +338,7 @@ class Stack:
         if self._sup is not None:
             self._sup.join(2)
         for name in ["envoy", *[n for n in self.procs if n.startswith(("r", "proxy-"))],
-                     "processor", "etcd"]:
+                     "tools", "processor", "etcd"]:
             p = self.procs.get(name)
             if p is not None:
                 p.stop()

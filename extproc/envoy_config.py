@@ -25,6 +25,8 @@ class Topology:
     processor: str = "127.0.0.1:50051"  # host:port or unix:/path
     replicas: tuple[tuple[str, int], ...] = (("127.0.0.1", 8001), ("127.0.0.1", 8002))
     access_log_path: str | None = None
+    # Tool servers behind the tool route (cfg.tools.path_prefix); none: no tool route.
+    tools: tuple[tuple[str, int], ...] = ()
 
 
 def _t(name: str) -> str:
@@ -159,6 +161,11 @@ def render(cfg: Config, topo: Topology, plain: bool = False) -> dict[str, Any]:
     if not plain:
         routes.append({"match": {"prefix": "/v1/requests/"},
                        "direct_response": {"status": 404}})
+    if topo.tools and not plain:
+        # A side effect is never retried by Envoy: the ledger decides what runs.
+        routes.append({"match": {"prefix": cfg.tools.path_prefix},
+                       "route": {"cluster": "tools", "timeout": "60s",
+                                 "retry_policy": {"num_retries": 0}}})
     routes.append({"match": {"prefix": "/"},
                    "route": {"cluster": "replicas", "timeout": "0s",
                              "retry_policy": retry_policy}})
@@ -220,6 +227,13 @@ def render(cfg: Config, topo: Topology, plain: bool = False) -> dict[str, Any]:
         "load_assignment": {"cluster_name": "replicas", "endpoints": [{"lb_endpoints": [
             {"endpoint": {"address": _addr(h, p)}} for h, p in topo.replicas]}]},
     }]
+    if topo.tools and not plain:
+        clusters.append({
+            "name": "tools", "type": "STATIC", "connect_timeout": "1s",
+            "lb_policy": "ROUND_ROBIN",
+            "load_assignment": {"cluster_name": "tools", "endpoints": [{"lb_endpoints": [
+                {"endpoint": {"address": _addr(h, p)}} for h, p in topo.tools]}]},
+        })
     if not plain:
         clusters.append({
             "name": "extproc",

@@ -110,6 +110,13 @@ def immediate_json(status: int, body: bytes, extra_headers: Mapping[str, str] | 
         headers=_mutation(hdrs), body=body, details=details))
 
 
+def immediate_raw(status: int, body: bytes, headers: Mapping[str, str]) -> ep.ProcessingResponse:
+    """A recorded answer replayed as it was (status, kept headers, body)."""
+    return ep.ProcessingResponse(immediate_response=ep.ImmediateResponse(
+        status=hs.HttpStatus(code=status),  # type: ignore[arg-type]
+        headers=_mutation(headers), body=body, details="replayed"))
+
+
 def message_timeout(seconds: float) -> Duration:
     d = Duration()
     d.FromNanoseconds(int(seconds * 1e9))

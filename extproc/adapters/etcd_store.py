@@ -100,7 +100,7 @@ class EtcdStore:
         self._kv: Any = None
         self._lease: Any = None
         self._watch: Any = None
-        self._retention: tuple[int, float] | None = None  # (lease id, monotonic granted)
+        self._retention: dict[int, tuple[int, float]] = {}  # ttl -> (lease id, granted)
         self._retention_lock = asyncio.Lock()
         self._session: int = 0
         self._session_lock = asyncio.Lock()
@@ -165,20 +165,23 @@ class EtcdStore:
 
     # --- leases ----------------------------------------------------------------------
 
-    async def _retention_lease(self) -> int:
-        """Journal keys share one lease per window, so retention costs no call per request."""
-        window = max(60.0, self.cfg.journal_retention_s / 10)
+    async def _retention_lease(self, ttl_s: int | None = None) -> int:
+        """Keys with one retention share one lease per window: no lease call per request.
+
+        A key written in a window lives between 90% and 100% of the TTL.
+        """
+        ttl = ttl_s or self.cfg.journal_retention_s
+        window = max(60.0, ttl / 10)
         now = time.monotonic()
-        cur = self._retention
+        cur = self._retention.get(ttl)
         if cur is not None and now - cur[1] < window:
             return cur[0]
         async with self._retention_lock:
-            cur = self._retention
+            cur = self._retention.get(ttl)
             if cur is not None and time.monotonic() - cur[1] < window:
                 return cur[0]
-            resp = await self._call(self._lease.LeaseGrant,
-                                    rpc.LeaseGrantRequest(TTL=self.cfg.journal_retention_s))
-            self._retention = (int(resp.ID), time.monotonic())
+            resp = await self._call(self._lease.LeaseGrant, rpc.LeaseGrantRequest(TTL=ttl))
+            self._retention[ttl] = (int(resp.ID), time.monotonic())
             return int(resp.ID)
 
     async def session_lease(self) -> int:
@@ -506,6 +509,68 @@ class EtcdStore:
         )
         resp = await self._call(self._kv.Txn, req)
         return bool(resp.succeeded)
+
+
+class ToolLedger:
+    """The tool-call ledger on the same etcd: `<prefix>/tools/<request_id>:<call_id>`."""
+
+    def __init__(self, store: EtcdStore, ttl_s: int) -> None:
+        self.s = store
+        self.ttl_s = ttl_s
+
+    def _k(self, key: str) -> bytes:
+        return self.s.prefix + b"/tools/" + key.encode()
+
+    def _exec(self, key: str) -> bytes:
+        # Present while the executing call's processor is alive (its session lease).
+        return self.s.prefix + b"/tools-exec/" + key.encode()
+
+    async def claim(self, key: str, rid: str, attempt_id: str,
+                    entry: Mapping[str, Any]) -> tuple[bool, dict[str, Any] | None, bool, bool]:
+        """Claim the first execution, only for the live attempt.
+
+        Returns (claimed, existing entry, caller is the live attempt, executor alive).
+        One transaction: the fence check and the claim cannot be separated by a revocation.
+        """
+        rl = await self.s._retention_lease(self.ttl_s)
+        sl = await self.s.session_lease()
+        k, ex, live = self._k(key), self._exec(key), self.s._live(rid)
+        resp = await self.s._call(self.s._kv.Txn, rpc.TxnRequest(
+            compare=[_eq_version(k, 0),
+                     rpc.Compare(key=live, target=rpc.Compare.VALUE, result=rpc.Compare.EQUAL,
+                                 value=attempt_id.encode())],
+            success=[_put(k, _dumps(entry), rl), _put(ex, attempt_id.encode(), sl)],
+            failure=[_range(k), _range(live), _range(ex)]))
+        if resp.succeeded:
+            return True, None, True, True
+        kvs = [list(r.response_range.kvs) for r in resp.responses]
+        existing = json.loads(kvs[0][0].value) if kvs[0] else None
+        is_live = bool(kvs[1]) and bytes(kvs[1][0].value) == attempt_id.encode()
+        return False, existing, is_live, bool(kvs[2])
+
+    async def undo_claim(self, key: str, entry: Mapping[str, Any]) -> bool:
+        """Take back a claim whose transaction timed out but may apply when etcd wakes."""
+        k = self._k(key)
+        resp = await self.s._call(self.s._kv.Txn, rpc.TxnRequest(
+            compare=[rpc.Compare(key=k, target=rpc.Compare.VALUE, result=rpc.Compare.EQUAL,
+                                 value=_dumps(entry))],
+            success=[rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=k)),
+                     rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(
+                         key=self._exec(key)))]))
+        return bool(resp.succeeded)
+
+    async def get(self, key: str) -> tuple[dict[str, Any] | None, bool]:
+        resp = await self.s._call(self.s._kv.Txn, rpc.TxnRequest(
+            success=[_range(self._k(key)), _range(self._exec(key))]))
+        kvs = [list(r.response_range.kvs) for r in resp.responses]
+        return (json.loads(kvs[0][0].value) if kvs[0] else None), bool(kvs[1])
+
+    async def record(self, key: str, entry: Mapping[str, Any]) -> None:
+        """Store the result (or `unknown`) and release the executor marker, atomically."""
+        rl = await self.s._retention_lease(self.ttl_s)
+        await self.s._call(self.s._kv.Txn, rpc.TxnRequest(success=[
+            _put(self._k(key), _dumps(entry), rl),
+            rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=self._exec(key)))]))
 
 
 def _prefix_end(prefix: bytes) -> bytes:

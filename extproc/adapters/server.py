@@ -83,8 +83,9 @@ from ..gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from ..gen.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from . import envoy_codec as codec
 from .causes import CauseRegistry
-from .etcd_store import AttemptLease, EtcdStore, StoreUnavailable
+from .etcd_store import AttemptLease, EtcdStore, StoreUnavailable, ToolLedger
 from .logs import rlog
+from .tools import ToolCallHandler
 
 log = logging.getLogger("extproc")
 
@@ -118,6 +119,7 @@ class Processor:
     def __init__(self, cfg: Config, store: EtcdStore) -> None:
         self.cfg = cfg
         self.store = store
+        self.ledger = ToolLedger(store, cfg.tools.ledger_ttl_s)
         self.causes = CauseRegistry()
         self._tasks: set[asyncio.Task[Any]] = set()
         self.open_streams = 0
@@ -170,6 +172,7 @@ class GuardSession:
         self.progress_at = time.monotonic()
         self.progress_sent = 0
         self.progress_inflight = False
+        self.tool: ToolCallHandler | None = None
 
     async def write(self, resp: ep.ProcessingResponse) -> None:
         if self.closed:
@@ -192,9 +195,15 @@ class GuardSession:
             self._disarm()
             if self.m is not None:
                 self.p.spawn(self.close_out(), f"guard-close-{self.rid}")
+            if self.tool is not None:
+                self.p.spawn(self.tool.on_closed(), f"tool-close-{self.rid}")
 
     async def on_message(self, msg: ep.ProcessingRequest) -> None:
         which = msg.WhichOneof("request")
+        if self.tool is not None and which in ("request_body", "response_headers",
+                                               "response_body"):
+            await self.on_tool_message(which, msg)
+            return
         if which == "request_headers":
             await self.on_request_headers(codec.headers_dict(msg.request_headers.headers),
                                           msg.request_headers.end_of_stream)
@@ -221,7 +230,24 @@ class GuardSession:
         elif which == "request_trailers":
             await self.write(ep.ProcessingResponse(request_trailers=ep.TrailersResponse()))
 
+    async def on_tool_message(self, which: str, msg: ep.ProcessingRequest) -> None:
+        assert self.tool is not None
+        if which == "request_body":
+            await self.write(codec.continue_request_body())
+        elif which == "response_headers":
+            await self.tool.on_response_headers(codec.headers_dict(msg.response_headers.headers),
+                                                msg.response_headers.end_of_stream)
+        else:
+            await self.tool.on_response_body(msg.response_body.body,
+                                             msg.response_body.end_of_stream)
+
     async def on_request_headers(self, hd: dict[str, str], end_of_stream: bool) -> None:
+        if hd.get(":path", "").startswith(self.cfg.tools.path_prefix):
+            self.tool = ToolCallHandler(self.cfg, self.p.ledger, self.write, self.p.spawn,
+                                        retrying)
+            await self.tool.on_request_headers(hd)
+            self.rid = self.tool.rid
+            return
         intake = classify_request(hd, self.cfg)
         if isinstance(intake, Rejected):
             rlog(log, logging.INFO, "request rejected", intake.error.request_id, None,

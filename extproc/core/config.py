@@ -116,6 +116,18 @@ class TenancyConfig:
 
 
 @dataclass(frozen=True)
+class ToolsConfig:
+    # Requests under this path prefix are server-side tool calls (the ledger applies).
+    path_prefix: str = "/tools/"
+    # Ledger entries expire with an etcd lease of this TTL (see docs/tools.md).
+    ledger_ttl_s: int = 86400
+    # Results up to this size are recorded and replayed; larger ones by digest only.
+    max_result_bytes: int = 1_048_576
+    # How long a duplicate waits for the first call's result before "in progress".
+    wait_s: float = 10.0
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     # "host:port" for TCP, or "unix:/path" for a Unix domain socket.
     listen: str = "127.0.0.1:50051"
@@ -131,6 +143,7 @@ class Config:
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     idempotency: IdempotencyConfig = field(default_factory=IdempotencyConfig)
     tenancy: TenancyConfig = field(default_factory=TenancyConfig)
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
     policy: Policy = field(default_factory=Policy)
 
 
@@ -334,6 +347,18 @@ def load_config(raw: Mapping[str, Any] | None) -> Config:
     tenancy = TenancyConfig(header=th.lower() if th else None,
                             api_key_header=tk.lower() if tk else None)
     ten.done()
+    tl = root.section("tools")
+    tools = ToolsConfig(
+        path_prefix=tl.str_("path_prefix", ToolsConfig.path_prefix),
+        ledger_ttl_s=tl.int_("ledger_ttl_s", ToolsConfig.ledger_ttl_s, 60, 30 * 86400),
+        max_result_bytes=tl.int_("max_result_bytes", ToolsConfig.max_result_bytes, 0,
+                                 64 << 20),
+        wait_s=tl.float_("wait_s", ToolsConfig.wait_s, 0.0, 600.0),
+    )
+    if not (tools.path_prefix.startswith("/") and tools.path_prefix.endswith("/")):
+        raise ConfigError("tools.path_prefix",
+                          f"must start and end with '/', got {tools.path_prefix!r}")
+    tl.done()
     policy = _policy(root.section("policy"))
     root.done()
     if etcd.attempt_lease_ttl_s > timeouts.fence_wait_s and timeouts.fence_wait_s > 0:
@@ -342,7 +367,7 @@ def load_config(raw: Mapping[str, Any] | None) -> Config:
         raise ConfigError("timeouts.fence_wait_s",
                           f"must be >= etcd.attempt_lease_ttl_s ({etcd.attempt_lease_ttl_s})")
     return Config(server=server, etcd=etcd, timeouts=timeouts, limits=limits,
-                  idempotency=idem, tenancy=tenancy, policy=policy)
+                  idempotency=idem, tenancy=tenancy, tools=tools, policy=policy)
 
 
 def apply_env_overrides(raw: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, Any]:

@@ -33,6 +33,10 @@ class ErrorCode(StrEnum):
     JOURNAL_UNAVAILABLE = "journal_unavailable"
     UPSTREAM_RESPONSE_TOO_LARGE = "upstream_response_too_large"
     UPSTREAM_MALFORMED_RESPONSE = "upstream_malformed_response"
+    ATTEMPT_FENCED = "attempt_fenced"
+    TOOL_CALL_IN_PROGRESS = "tool_call_in_progress"
+    TOOL_CALL_OUTCOME_UNKNOWN = "tool_call_outcome_unknown"
+    TOOL_RESULT_NOT_REPLAYABLE = "tool_result_not_replayable"
 
 
 INTERRUPTED_MESSAGE = "Generation was interrupted after part of the answer was sent"

@@ -19,6 +19,7 @@ import functools
 import json
 import math
 import os
+import re
 import signal
 import sys
 import time
@@ -27,6 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, NoReturn
 
+import aiohttp
 from aiohttp import web
 
 from extproc.demo.tokens import (
@@ -44,6 +46,13 @@ ATTEMPT_HEADER: Final = "x-envoy-attempt-count"
 GATEWAY_ID_HEADER: Final = "x-gateway-request-id"
 # Per-request override of --token-delay-ms, so one long stream needs no special replica.
 TOKEN_DELAY_HEADER: Final = "x-replica-token-delay-ms"
+# Agent mode: "<call_id>[@<after_tokens>][+<delay_s>]": call a tool through the gateway's
+# tool route after computing that many tokens (optionally after a pause), then generate
+# the rest of the answer from the tool's result.
+TOOL_CALL_HEADER: Final = "x-replica-tool-call"
+# Apply the tool call's pause only on this Envoy attempt (e.g. a partitioned attempt 1).
+TOOL_DELAY_ATTEMPT_HEADER: Final = "x-replica-tool-delay-attempt"
+ATTEMPT_ID_HEADER: Final = "x-gateway-attempt-id"
 REQUEST_ID_HEADER: Final = "x-request-id"
 
 STALL_LIMIT_S: Final = 600.0
@@ -103,6 +112,29 @@ class Attempt:
     outcome: Outcome = "completed"
     tool_calls: list[Any] = field(default_factory=list)
     token_delay_s: float = 0.0
+    tool_plan: ToolPlan | None = None
+    tokens_ref: list[str] | None = None  # the answer's tokens, rewritten after a tool call
+    prompt: str = ""
+    seed: int = 0
+    attempt_id: str | None = None
+
+
+@dataclass
+class ToolPlan:
+    call_id: str
+    after: int
+    delay_s: float
+    tool: str = "demo_tool"
+    done: bool = False
+
+
+def parse_tool_plan(value: str) -> ToolPlan:
+    m = re.fullmatch(r"([A-Za-z0-9_.:-]{1,128})(?:@(\d+))?(?:\+(\d+(?:\.\d+)?))?", value.strip())
+    if not m:
+        raise BadRequest(f"{TOOL_CALL_HEADER}: expected '<call_id>[@<after_tokens>]"
+                         f"[+<delay_s>]', got {value!r}")
+    return ToolPlan(call_id=m.group(1), after=int(m.group(2) or 0),
+                    delay_s=float(m.group(3) or 0.0))
 
 
 @dataclass(frozen=True)
@@ -282,7 +314,9 @@ async def _sleep_watching(request: web.BaseRequest, seconds: float) -> bool:
 class Replica:
     """Request handlers plus the attempt log of one replica process."""
 
-    def __init__(self, name: str, model: str, log_file: str, token_delay_s: float) -> None:
+    def __init__(self, name: str, model: str, log_file: str, token_delay_s: float,
+                 tool_gateway: str | None = None) -> None:
+        self.tool_gateway = tool_gateway.rstrip("/") if tool_gateway else None
         self.name = name
         self.model = model
         self.log_file = log_file
@@ -365,6 +399,13 @@ class Replica:
             fault_attempt = (0 if every_attempt
                              else _positive_int_header(headers, FAULT_ATTEMPT_HEADER))
             att.token_delay_s = _delay_header(headers, self.token_delay_s)
+            plan_value = headers.get(TOOL_CALL_HEADER)
+            att.tool_plan = parse_tool_plan(plan_value) if plan_value else None
+            delay_attempt = headers.get(TOOL_DELAY_ATTEMPT_HEADER)
+            if (att.tool_plan is not None and delay_attempt is not None
+                    and delay_attempt.strip() != str(att.attempt)):
+                att.tool_plan.delay_s = 0.0
+            att.attempt_id = headers.get(ATTEMPT_ID_HEADER)
             raw = await request.read()
             try:
                 body = json.loads(raw)
@@ -383,6 +424,13 @@ class Replica:
         prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
         response_id = prefix + (request_id or uuid.uuid4().hex)
         tokens = generate_tokens(gen.prompt, gen.seed, gen.max_tokens)
+        att.tokens_ref, att.prompt, att.seed = tokens, gen.prompt, gen.seed
+        if att.tool_plan is not None:
+            tools = body.get("tools") if isinstance(body, dict) else None
+            if isinstance(tools, list) and tools and isinstance(tools[0], dict):
+                fn = tools[0].get("function")
+                if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+                    att.tool_plan.tool = fn["name"]
 
         if fault is not None and fault.kind == "overloaded":
             self.finish(att, "overloaded")
@@ -409,6 +457,9 @@ class Replica:
         Returns True when the peer went away meanwhile.
         """
         while att.tokens_computed < upto:
+            plan = att.tool_plan
+            if plan is not None and not plan.done and att.tokens_computed == plan.after:
+                await self._call_tool(att, plan)
             if (
                 att.tokens_computed > 0
                 and att.token_delay_s > 0
@@ -417,6 +468,41 @@ class Replica:
                 return True
             att.tokens_computed += 1
         return False
+
+    async def _call_tool(self, att: Attempt, plan: ToolPlan) -> None:
+        """Call a server-side tool through the gateway, then answer from its result.
+
+        The rest of the answer is generated from the result, so two attempts agree only if
+        they saw the same result: exactly what the gateway's ledger guarantees.
+        """
+        plan.done = True
+        if plan.delay_s:
+            await asyncio.sleep(plan.delay_s)
+        record: dict[str, Any] = {"call_id": plan.call_id, "tool": plan.tool,
+                                  "at_token": plan.after, "status": None,
+                                  "replayed": False, "result": None}
+        att.tool_calls.append(record)
+        if not self.tool_gateway:
+            record["status"] = "no --tool-gateway configured"
+            return
+        headers = {GATEWAY_ID_HEADER: att.request_id or "", ATTEMPT_ID_HEADER:
+                   att.attempt_id or "", "x-tool-call-id": plan.call_id}
+        body = {"call_id": plan.call_id, "arguments": {"query": att.prompt[:64]}}
+        try:
+            async with aiohttp.ClientSession() as session, session.post(
+                    f"{self.tool_gateway}/tools/{plan.tool}", json=body, headers=headers,
+                    timeout=aiohttp.ClientTimeout(total=30)) as resp:
+                text = await resp.text()
+                record["status"] = resp.status
+                record["replayed"] = resp.headers.get("x-tool-replayed") == "true"
+                record["result"] = text[:200]
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            record["status"] = f"error: {exc!r}"
+            return
+        if att.tokens_ref is not None and record["status"] == 200:
+            rest = len(att.tokens_ref) - plan.after
+            att.tokens_ref[plan.after:] = generate_tokens(
+                att.prompt + "\n[tool " + plan.call_id + "]\n" + text, att.seed, rest)
 
     def _usage(self, gen: GenRequest) -> dict[str, int]:
         prompt_tokens = count_prompt_tokens(gen.prompt)
@@ -641,6 +727,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--log-file", required=True, help="JSON-lines attempt log (appended)")
     parser.add_argument("--token-delay-ms", type=float, default=0.0)
     parser.add_argument("--model", default="demo-model")
+    parser.add_argument("--tool-gateway", default=None,
+                        help="base URL of the gateway whose tool route agent mode calls")
     args = parser.parse_args(argv)
     if args.token_delay_ms < 0 or not math.isfinite(args.token_delay_ms):
         parser.error("--token-delay-ms must be a non-negative number")
@@ -649,7 +737,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 async def serve(args: argparse.Namespace) -> None:
     """Serve until SIGTERM/SIGINT; a stalled request must not hold shutdown for long."""
-    replica = Replica(args.name, args.model, args.log_file, args.token_delay_ms / 1000.0)
+    replica = Replica(args.name, args.model, args.log_file, args.token_delay_ms / 1000.0,
+                      args.tool_gateway)
     runner = web.AppRunner(
         build_app(replica), access_log=None, handler_cancellation=False, shutdown_timeout=1.0
     )

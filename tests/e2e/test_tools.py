@@ -1,0 +1,218 @@
+"""Side effects happen once: the tool-call ledger, end to end.
+
+Replicas in agent mode call a demo tool server through the gateway's tool route; the tool
+server logs every execution with its key, so the tests count side effects exactly.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+
+from extproc.devstack import Stack
+
+from .conftest import Gateway
+
+pytestmark = pytest.mark.e2e
+
+CONFIG: dict[str, Any] = {
+    "etcd": {"attempt_lease_ttl_s": 3, "session_ttl_s": 3},
+    "timeouts": {"first_delta_s": 2.0, "soft_first_delta_s": 0.5,
+                 "stall_after_first_delta_s": 1.0, "access_log_wait_s": 0.5,
+                 "fence_wait_s": 3.5},
+    "tools": {"max_result_bytes": 4096, "wait_s": 5.0},
+}
+MAX = 8
+
+
+@pytest.fixture(scope="module")
+def tstack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    st = Stack(workdir=tmp_path_factory.mktemp("tools"), config=CONFIG, replicas=2,
+               partition_proxies=True, tool_server=True).start()
+    try:
+        yield st
+    finally:
+        st.stop()
+
+
+@pytest.fixture
+def tgw(tstack: Stack) -> Iterator[Gateway]:
+    tstack.wait_replicas_healthy()
+    g = Gateway(tstack)
+    yield g
+    g.client.close()
+
+
+def executions(g: Gateway, key: str, settle_s: float = 0.5) -> list[dict[str, Any]]:
+    time.sleep(settle_s)
+    return [e for e in g.stack.tool_log() if e["key"] == key]
+
+
+def agent_body(g: Gateway) -> dict[str, Any]:
+    return g.body(max_tokens=MAX, tools=[{"type": "function", "function": {
+        "name": "demo_tool", "parameters": {"type": "object"}}}])
+
+
+def test_killed_before_any_delta_the_retry_gets_the_recorded_result(tgw: Gateway) -> None:
+    res = tgw.post(agent_body(tgw), headers={"x-replica-tool-call": "call_07@1",
+                                             "x-replica-fault": "kill-after-compute:3"})
+    assert res.status == 200 and res.transport_error is None and len(res.contents) == MAX
+    rows = tgw.attempts_logged(res.request_id)
+    assert [r["attempt"] for r in rows] == [1, 2]
+    (c1,), (c2,) = rows[0]["tool_calls"], rows[1]["tool_calls"]
+    assert (c1["status"], c1["replayed"]) == (200, False)
+    assert (c2["status"], c2["replayed"]) == (200, True)
+    assert c1["result"] == c2["result"]  # the second attempt got the recorded result
+    ex = executions(tgw, f"{res.request_id}:call_07")
+    assert len(ex) == 1  # the action ran exactly once
+    assert tgw.journal(res.request_id)["outcome"] == "completed"
+
+
+def test_killed_after_the_first_delta_no_second_attempt_one_execution(tgw: Gateway) -> None:
+    res = tgw.post(agent_body(tgw), headers={"x-replica-tool-call": "call_08@1",
+                                             "x-replica-fault": "kill-after-deltas:2"})
+    assert res.transport_error is not None and len(res.contents) == 2
+    rows = tgw.attempts_logged(res.request_id)
+    assert len(rows) == 1 and rows[0]["outcome"] == "killed"
+    assert rows[0]["tool_calls"][0]["status"] == 200
+    assert len(executions(tgw, f"{res.request_id}:call_08")) == 1
+    j = tgw.journal(res.request_id)
+    assert (j["outcome"], j["delivered_output_tokens"]) == ("upstream_decode_interrupted", 2)
+
+
+def test_a_fenced_attempt_cannot_trigger_the_side_effect(tgw: Gateway) -> None:
+    # Attempt 1 is partitioned after its headers; it is fenced (by expiry) when the
+    # first-delta limit passes; it calls the tool 3 s in, after the fence.
+    res = tgw.post(agent_body(tgw), headers={
+        "x-partition": "after-deltas:0", "x-partition-attempt": "1",
+        "x-replica-tool-call": "call_09@0+3.0", "x-replica-tool-delay-attempt": "1"})
+    assert res.status == 200 and len(res.contents) == MAX
+    rows = tgw.attempts_logged(res.request_id, settle_s=6.0)
+    assert [r["attempt"] for r in rows] == [1, 2]
+    a1 = rows[0]["tool_calls"][0]
+    assert a1["status"] == 409 and "a fenced attempt may not trigger" in a1["result"]
+    a2 = rows[1]["tool_calls"][0]
+    assert (a2["status"], a2["replayed"]) == (200, False)
+    ex = executions(tgw, f"{res.request_id}:call_09")
+    assert len(ex) == 1  # only the live attempt's call ran; the fenced one ran nothing
+    j = tgw.journal(res.request_id)
+    assert j["attempts"][0]["fence"] == "expiry" and j["outcome"] == "completed"
+
+
+class LiveAttempt:
+    """A slow stream held open, so tests can call the tool route as its live attempt."""
+
+    def __init__(self, g: Gateway) -> None:
+        self.client = httpx.Client(base_url=g.stack.base_url, timeout=30)
+        self.cm = self.client.stream("POST", "/v1/chat/completions",
+                                     json=g.body(max_tokens=60),
+                                     headers={"x-replica-token-delay-ms": "100"})
+        r = self.cm.__enter__()
+        self.rid = r.headers["x-gateway-request-id"]
+        self.aid = r.headers["x-gateway-attempt-id"]
+
+    def call(self, call_id: str, **headers: str) -> httpx.Response:
+        h = {"x-gateway-request-id": self.rid, "x-gateway-attempt-id": self.aid,
+             "x-tool-call-id": call_id, **headers}
+        with httpx.Client(base_url=self.client.base_url, timeout=30) as c:
+            return c.post("/tools/demo_tool", json={"q": call_id}, headers=h)
+
+    def close(self) -> None:
+        self.cm.__exit__(None, None, None)
+        self.client.close()
+
+
+@pytest.fixture
+def live(tgw: Gateway) -> Iterator[LiveAttempt]:
+    la = LiveAttempt(tgw)
+    yield la
+    la.close()
+
+
+@pytest.mark.parametrize("n", [2, 8])
+def test_concurrent_duplicates_execute_once(tgw: Gateway, live: LiveAttempt, n: int) -> None:
+    cid = f"dup_{n}"
+    with ThreadPoolExecutor(n) as pool:
+        rs = list(pool.map(lambda _: live.call(cid, **{"x-tool-delay-ms": "300"}), range(n)))
+    assert [r.status_code for r in rs] == [200] * n
+    assert len({r.content for r in rs}) == 1  # everyone sees the same result
+    assert sorted(r.headers.get("x-tool-replayed", "false") for r in rs) == \
+        ["false"] + ["true"] * (n - 1)
+    assert len(executions(tgw, f"{live.rid}:{cid}")) == 1
+
+
+def test_tool_failure_and_oversized_and_dead_executor(tgw: Gateway, live: LiveAttempt) -> None:
+    # A failing tool's answer is recorded and replayed: never run twice silently.
+    a, b = live.call("fail_1", **{"x-tool-status": "500"}), live.call("fail_1")
+    assert a.status_code == b.status_code == 500 and a.content == b.content
+    assert b.headers["x-tool-replayed"] == "true"
+    assert len(executions(tgw, f"{live.rid}:fail_1")) == 1
+    # Too large to record: delivered once, then refused (not replayable, not re-run).
+    big = live.call("big_1", **{"x-tool-result-bytes": "10000"})
+    assert big.status_code == 200 and len(big.content) > 10000
+    again = live.call("big_1")
+    assert again.status_code == 409
+    assert again.json()["error"]["code"] == "tool_result_not_replayable"
+    assert len(executions(tgw, f"{live.rid}:big_1")) == 1
+    # The tool server dies mid-answer: the outcome is unknown and never retried.
+    with pytest.raises(httpx.RemoteProtocolError):  # the caller sees a broken answer
+        live.call("die_1", **{"x-tool-fault": "die-after-execute"})
+    tools = tgw.stack.procs["tools"]
+    tools.popen.wait(5)  # type: ignore[union-attr]
+    tools.start()
+    time.sleep(0.5)
+    after = live.call("die_1")
+    assert after.status_code == 409
+    assert after.json()["error"]["code"] == "tool_call_outcome_unknown"
+    assert len(executions(tgw, f"{live.rid}:die_1")) == 1
+
+
+def test_etcd_frozen_briefly_and_beyond_the_timeout(tgw: Gateway, live: LiveAttempt) -> None:
+    etcd = tgw.stack.procs["etcd"]
+    box: dict[str, httpx.Response] = {}
+    # Frozen for less than the etcd deadline (1 s): the call just waits and runs.
+    t = threading.Thread(target=lambda: box.setdefault("a", live.call("frz_1")))
+    etcd.signal(signal.SIGSTOP)
+    t.start()
+    time.sleep(0.4)
+    etcd.signal(signal.SIGCONT)
+    t.join(10)
+    assert box["a"].status_code == 200
+    assert len(executions(tgw, f"{live.rid}:frz_1")) == 1
+    # Frozen beyond it: fail closed, no execution without a ledger record.
+    etcd.signal(signal.SIGSTOP)
+    try:
+        r = live.call("frz_2")
+    finally:
+        etcd.signal(signal.SIGCONT)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "journal_unavailable"
+    assert executions(tgw, f"{live.rid}:frz_2") == []
+    # Once etcd is back (and any half-applied claim taken back), the call runs once.
+    deadline = time.monotonic() + 10
+    while True:
+        r2 = live.call("frz_2")
+        if r2.status_code == 200 or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    assert r2.status_code == 200
+    assert len(executions(tgw, f"{live.rid}:frz_2")) == 1
+
+
+def test_bad_tool_calls_are_refused(tgw: Gateway, live: LiveAttempt) -> None:
+    c = httpx.Client(base_url=tgw.stack.base_url, timeout=10)
+    r = c.post("/tools/demo_tool", json={}, headers={"x-tool-call-id": "x"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_header"
+    r = c.post("/tools/demo_tool", json={}, headers={
+        "x-gateway-request-id": live.rid, "x-gateway-attempt-id": "att_" + "0" * 26,
+        "x-tool-call-id": "stranger"})
+    assert r.status_code == 409 and r.json()["error"]["code"] == "attempt_fenced"
+    assert executions(tgw, f"{live.rid}:stranger") == []
+
+
