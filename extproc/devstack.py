@@ -145,10 +145,14 @@ class Stack:
     # A demo tool server behind the gateway's tool route; replicas get --tool-gateway.
     tool_server: bool = False
     tool_port: int = 0
+    # One fingerprint mapping per replica (extproc.core.pool fields): the replicas get the
+    # matching flags and the processor a `pool.replicas` section naming them.
+    fingerprints: list[dict[str, Any]] | None = None
     quiet_envoy: bool = True
     procs: dict[str, Proc] = field(default_factory=dict)
     replica_ports: list[int] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
+    _held: set[str] = field(default_factory=set)
     _sup: threading.Thread | None = None
     cfg: Config | None = None
     processor_addr: str = ""
@@ -204,6 +208,12 @@ class Stack:
         raw["server"].setdefault("listen", f"127.0.0.1:{free_port()}")
         raw.setdefault("etcd", {})
         raw["etcd"]["endpoints"] = [self.etcd_endpoint]
+        if self.fingerprints:
+            if not self.replica_ports:
+                self.replica_ports = [free_port() for _ in range(self.replicas)]
+            raw["pool"] = {"replicas": [
+                {"address": f"127.0.0.1:{port}", "fingerprint": fp}
+                for port, fp in zip(self.replica_ports, self.fingerprints, strict=True)]}
         return raw
 
     def _start_processor(self) -> None:
@@ -249,12 +259,15 @@ class Stack:
             argv += ["--token-delay-ms", str(self.token_delay_ms)]
         if self.tool_server:
             argv += ["--tool-gateway", f"http://127.0.0.1:{self.envoy_port}"]
+        if self.fingerprints:
+            argv += ["--fingerprint", json.dumps(self.fingerprints[i])]
         return Proc(name, argv, self.workdir / f"replica-{name}.log")
 
     def _start_replicas(self) -> None:
+        if not self.replica_ports:
+            self.replica_ports = [free_port() for _ in range(self.replicas)]
         for i in range(self.replicas):
-            port = free_port()
-            self.replica_ports.append(port)
+            port = self.replica_ports[i]
             p = self.replica_proc(i, port)
             p.start()
             self.procs[p.name] = p
@@ -324,9 +337,22 @@ class Stack:
                 continue
             for i in range(len(self.replica_ports)):
                 p = self.procs.get(f"r{i + 1}")
-                if p is not None and not p.alive() and not self._stop.is_set():
+                if p is None or p.name in self._held:
+                    continue
+                if not p.alive() and not self._stop.is_set():
                     p.restarts += 1
                     p.start()
+
+    def hold_down(self, name: str) -> None:
+        """Kill a replica and keep it down (the supervisor leaves it alone)."""
+        self._held.add(name)
+        p = self.procs[name]
+        p.signal(signal.SIGKILL)
+        if p.popen is not None:
+            p.popen.wait(5)
+
+    def release(self, name: str) -> None:
+        self._held.discard(name)
 
     def wait_replicas_healthy(self, timeout_s: float = 10.0) -> None:
         for port in self.replica_ports:

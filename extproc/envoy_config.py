@@ -113,6 +113,8 @@ def render(cfg: Config, topo: Topology, plain: bool = False) -> dict[str, Any]:
                 "@type": _t("envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"),
                 "grpc_service": _grpc_service("guard"),
                 "failure_mode_allow": False,
+                # The guard writes override_host's ordered host list into envoy.lb.
+                "metadata_options": {"receiving_namespaces": {"untyped": ["envoy.lb"]}},
                 # The guard answers from memory or after one bounded etcd call.
                 "message_timeout": _dur(max(2.0, cfg.etcd.timeout_s * 3)),
                 "processing_mode": {
@@ -212,21 +214,42 @@ def render(cfg: Config, topo: Topology, plain: bool = False) -> dict[str, Any]:
             {"name": "envoy.filters.http.upstream_codec", "typed_config": {
                 "@type": _t("envoy.extensions.filters.http.upstream_codec.v3.UpstreamCodec")}},
         ]
-    clusters: list[dict[str, Any]] = [{
+    rb = cfg.policy.retry_budget
+    replica_cluster: dict[str, Any] = {
         "name": "replicas",
         "type": "STATIC",
         "connect_timeout": "1s",
-        "lb_policy": "ROUND_ROBIN",
         "circuit_breakers": {"thresholds": [{
-            # Envoy's default allows 3 concurrent retries: under load most needed retries
-            # would be refused (UO). The processor's budget is the real limit.
-            "max_retries": 10000, "max_connections": 100000, "max_pending_requests": 100000,
+            # Envoy's default allows only 3 concurrent retries (UO under load). Envoy's own
+            # retry budget, with the policy's numbers, bounds concurrent retries per Envoy;
+            # the processor's pool-wide budget bounds retries per window across gateways.
+            "retry_budget": {"budget_percent": {"value": rb.fraction * 100},
+                             "min_retry_concurrency": max(1, rb.min_retries)},
+            "max_connections": 100000, "max_pending_requests": 100000,
             "max_requests": 100000}]},
         "typed_extension_protocol_options": {
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": replica_opts},
         "load_assignment": {"cluster_name": "replicas", "endpoints": [{"lb_endpoints": [
             {"endpoint": {"address": _addr(h, p)}} for h, p in topo.replicas]}]},
-    }]
+    }
+    if cfg.pool.replicas and not plain:
+        # The guard lists compatible hosts in order; attempt n takes the n-th. Requests
+        # without a list (e.g. /v1/models) fall back to round robin.
+        replica_cluster["load_balancing_policy"] = {"policies": [{"typed_extension_config": {
+            "name": "envoy.load_balancing_policies.override_host",
+            "typed_config": {
+                "@type": _t("envoy.extensions.load_balancing_policies.override_host.v3."
+                            "OverrideHost"),
+                "override_host_sources": [{"metadata": {
+                    "key": "envoy.lb", "path": [{"key": "x-gateway-destination-endpoint"}]}}],
+                "fallback_policy": {"policies": [{"typed_extension_config": {
+                    "name": "envoy.load_balancing_policies.round_robin",
+                    "typed_config": {"@type": _t("envoy.extensions.load_balancing_policies."
+                                                "round_robin.v3.RoundRobin")}}}]},
+            }}}]}
+    else:
+        replica_cluster["lb_policy"] = "ROUND_ROBIN"
+    clusters: list[dict[str, Any]] = [replica_cluster]
     if topo.tools and not plain:
         clusters.append({
             "name": "tools", "type": "STATIC", "connect_timeout": "1s",

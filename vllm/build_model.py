@@ -53,7 +53,7 @@ SHAPES: dict[str, dict[str, int]] = {
 # Bump when the recipe changes: a stamp with another value makes the target rebuild.
 RECIPE = "tiny-llama/3"
 
-WORDS = (
+_WORDS_TEXT = (
     "the a an of to and in is it that for on with as was at by this be from or are "
     "gateway replica stream token delta prefill decode cache request answer model server "
     "quick brown fox jumps over lazy dog worker engine queue batch attempt lease fence "
@@ -63,7 +63,8 @@ WORDS = (
     "alpha beta gamma delta epsilon zeta theta lambda sigma omega north south east west "
     "red green blue yellow black white small large fast slow early late old new good "
     "run runs running ran walk walks quickly slowly carefully simply clearly counts"
-).split()
+)
+WORDS = _WORDS_TEXT.split()
 
 
 def corpus(n_sentences: int = 160) -> list[str]:

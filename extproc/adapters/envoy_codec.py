@@ -66,6 +66,21 @@ def continue_request_body() -> ep.ProcessingResponse:
     return ep.ProcessingResponse(request_body=ep.BodyResponse(response=ep.CommonResponse()))
 
 
+def continue_request_body_with(set_headers: Mapping[str, str],
+                                dynamic_metadata: Mapping[str, Any] | None = None
+                                ) -> ep.ProcessingResponse:
+    """Body response that also mutates request headers and sets dynamic metadata.
+
+    With a buffered request body Envoy has not picked an upstream host yet, so metadata
+    set here (e.g. envoy.lb's host list for override_host) steers the first attempt.
+    """
+    resp = ep.ProcessingResponse(request_body=ep.BodyResponse(response=ep.CommonResponse(
+        header_mutation=_mutation(set_headers))))
+    if dynamic_metadata:
+        resp.dynamic_metadata.CopyFrom(struct(dynamic_metadata))
+    return resp
+
+
 def continue_response_body() -> ep.ProcessingResponse:
     return ep.ProcessingResponse(response_body=ep.BodyResponse(response=ep.CommonResponse()))
 

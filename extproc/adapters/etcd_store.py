@@ -492,6 +492,23 @@ class EtcdStore:
         resp = await self._call(self._kv.Txn, req)
         return bool(resp.succeeded)
 
+    async def exchange_budget(self, gateway_id: str, requests: int, retries: int
+                              ) -> dict[str, tuple[int, int]]:
+        """Publish this gateway's window counts; read every other gateway's (one txn)."""
+        sl = await self.session_lease()
+        pfx = self.prefix + b"/budget/"
+        resp = await self._call(self._kv.Txn, rpc.TxnRequest(success=[
+            _put(pfx + gateway_id.encode(), _dumps({"requests": requests, "retries": retries}),
+                 sl),
+            _range(pfx, prefix=True)]))
+        out: dict[str, tuple[int, int]] = {}
+        for kv in resp.responses[1].response_range.kvs:
+            gid = bytes(kv.key)[len(pfx):].decode()
+            if gid != gateway_id:
+                v = json.loads(kv.value)
+                out[gid] = (int(v.get("requests", 0)), int(v.get("retries", 0)))
+        return out
+
     async def settle_orphan(self, rid: str, outcome: Mapping[str, Any]) -> bool:
         """Record the outcome of a request whose processor died (no guard, no live attempt).
 

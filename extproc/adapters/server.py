@@ -27,6 +27,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ..core import headers as H
+from ..core.budget import RetryBudget, budget_exhausted, no_compatible_replica, too_expensive
 from ..core.config import Config
 from ..core.errors import ErrorCode, GatewayError
 from ..core.failure import AttemptEnd, classify, fence_for
@@ -78,6 +79,7 @@ from ..core.machine import (
     StallTimeout,
     StreamClosed,
 )
+from ..core.pool import pool_from_config
 from ..gen.envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from ..gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from ..gen.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
@@ -120,6 +122,9 @@ class Processor:
         self.cfg = cfg
         self.store = store
         self.ledger = ToolLedger(store, cfg.tools.ledger_ttl_s)
+        self.pool = pool_from_config(cfg.pool.replicas)
+        rb = cfg.policy.retry_budget
+        self.budget = RetryBudget(rb.fraction, rb.min_retries, rb.window_s)
         self.causes = CauseRegistry()
         self._tasks: set[asyncio.Task[Any]] = set()
         self.open_streams = 0
@@ -148,6 +153,16 @@ class Processor:
                  view.request_id, None, outcome=oc["outcome"],
                  delivered_output_tokens=oc["delivered_output_tokens"])
         return await self.store.get(view.request_id)
+
+    async def share_budget(self) -> None:
+        """Every second: publish our retry-budget counts, learn the other gateways'."""
+        while True:
+            await asyncio.sleep(1.0)
+            req, ret = self.budget.snapshot(time.monotonic())
+            # On failure keep the last view of the others; our own counts stay exact.
+            with contextlib.suppress(StoreUnavailable):
+                self.budget.others = await self.store.exchange_budget(
+                    self.cfg.server.gateway_id, req, ret)
 
     async def drain(self, timeout_s: float = 5.0) -> None:
         if self._tasks:
@@ -269,7 +284,8 @@ class GuardSession:
             return
         self.envoy_request_id = hd.get(H.ENVOY_REQUEST_ID)
         await self.write(codec.continue_request_headers(
-            {H.REQUEST_ID: intake.request_id}, remove=(H.ATTEMPT_ID,)))
+            {H.REQUEST_ID: intake.request_id},
+            remove=(H.ATTEMPT_ID, H.FINGERPRINT, H.PROMPT_TOKENS)))
 
     async def on_status_lookup(self, q: StatusLookup) -> None:
         try:
@@ -303,6 +319,13 @@ class GuardSession:
             rlog(log, logging.INFO, "request body rejected", rid, None, code=str(meta.code))
             await self.write(codec.immediate(meta, {H.REQUEST_ID: rid}))
             return
+        route: tuple[str, list[str]] | None = None
+        if self.p.pool.enabled:
+            route = self.p.pool.choose(meta.model, rid)
+            if route is None:
+                err = no_compatible_replica(rid, f"no replica declared for model {meta.model!r}")
+                await self.write(codec.immediate(err, {H.REQUEST_ID: rid}))
+                return
         record = {
             "request_id": rid,
             "tenant": _tenant_tag(gen.tenant),
@@ -314,6 +337,8 @@ class GuardSession:
             "created_at": _now(),
             **meta.to_dict(),
         }
+        if route is not None:
+            record["fingerprint"], record["hosts"] = route[0], route[1]
         try:
             existing = await self.p.settled(await self.p.store.open_request(rid, record))
         except StoreUnavailable as e:
@@ -327,9 +352,17 @@ class GuardSession:
             return
         self.m = GuardMachine.new(rid, self.cfg.timeouts.stall_after_first_delta_s,
                                   self.cfg.limits.max_buffered_response_bytes)
+        self.p.budget.note_request(time.monotonic())
         rlog(log, logging.INFO, "request accepted", rid, None, stream=meta.stream,
-             model=meta.model)
-        await self.write(codec.continue_request_body())
+             model=meta.model, fingerprint=route[0] if route else None)
+        set_headers = {H.PROMPT_TOKENS: str(meta.estimated_prompt_tokens)}
+        lb: dict[str, Any] | None = None
+        if route is not None:
+            # Attempt n goes to hosts[n-1]: every host listed shares one fingerprint, so no
+            # retry can land on an incompatible replica.
+            set_headers[H.FINGERPRINT] = route[0]
+            lb = {"envoy.lb": {"x-gateway-destination-endpoint": ",".join(route[1])}}
+        await self.write(codec.continue_request_body_with(set_headers, lb))
 
     async def feed(self, ev: Event) -> None:
         assert self.m is not None
@@ -339,7 +372,12 @@ class GuardSession:
     async def act(self, a: Action) -> None:
         rid = self.rid or ""
         if isinstance(a, PassHeaders):
-            await self.write(codec.continue_response_headers({H.REQUEST_ID: rid}))
+            if self.m is not None and self.m.replaced_error is not None:
+                await self.write(codec.continue_response_headers(
+                    {H.REQUEST_ID: rid, "content-type": "application/json"},
+                    remove=("content-length",)))
+            else:
+                await self.write(codec.continue_response_headers({H.REQUEST_ID: rid}))
         elif isinstance(a, Send):
             if a.data or a.end_of_stream:
                 await self.write(codec.streamed_response_body(a.data, a.end_of_stream))
@@ -449,6 +487,8 @@ class GateSession:
         self._soft_timer: asyncio.TimerHandle | None = None
         self._hard_timer: asyncio.TimerHandle | None = None
         self.lock = asyncio.Lock()
+        self.want_fingerprint: str | None = None
+        self.prompt_tokens = 0
 
     async def write(self, resp: ep.ProcessingResponse) -> None:
         if self.closed:
@@ -494,6 +534,11 @@ class GateSession:
                 self.attempt = 1
             attrs = codec.attributes(msg)
             self.replica = str(attrs.get("upstream.address") or "") or None
+            self.want_fingerprint = hd.get(H.FINGERPRINT)
+            try:
+                self.prompt_tokens = int(hd.get(H.PROMPT_TOKENS, "0"))
+            except ValueError:
+                self.prompt_tokens = 0
             self.m = GateMachine.new(rid, self.cfg.limits.max_buffered_response_bytes)
             await self.feed(RequestStarted(self.attempt))
         elif which == "response_headers":
@@ -588,9 +633,26 @@ class GateSession:
             return self._refuse(ErrorCode.RETRY_BUDGET_EXHAUSTED,
                                 f"attempt {attempt} exceeds max_attempts "
                                 f"{self.cfg.policy.max_attempts}")
+        pool = self.p.pool
+        if pool.enabled and self.want_fingerprint:
+            have = pool.fingerprint_of(self.replica or "")
+            if have != self.want_fingerprint:
+                # Defense in depth: Envoy's host list holds only compatible replicas, but
+                # whatever picked this host, a cross-fingerprint attempt never runs.
+                return self._refused(no_compatible_replica(
+                    rid, f"replica {self.replica} has fingerprint {have}, this request "
+                    f"needs {self.want_fingerprint}"))
+        if attempt > 1:
+            limit = self.cfg.policy.retry_cost.max_prompt_tokens
+            if limit and self.prompt_tokens > limit:
+                return self._refused(too_expensive(rid, self.prompt_tokens, limit))
+            decision = self.p.budget.try_retry(time.monotonic())
+            if not decision.allowed:
+                return self._refused(budget_exhausted(rid, decision))
         self.started_wall = _now()
         record = {"attempt": attempt, "attempt_id": self.aid, "replica": self.replica,
-                  "gateway_id": self.cfg.server.gateway_id, "started_at": self.started_wall}
+                  "gateway_id": self.cfg.server.gateway_id, "started_at": self.started_wall,
+                  "model_revision": self.p.pool.fingerprint_of(self.replica or "")}
         try:
             res = await self.p.store.admit_attempt(rid, attempt, self.aid, record,
                                                    self.cfg.timeouts.fence_wait_s)
@@ -642,6 +704,11 @@ class GateSession:
         rlog(log, logging.INFO, "first delta slower than the soft expectation (not a failure)",
              self.rid, self.aid, soft_first_delta_s=self.cfg.timeouts.soft_first_delta_s,
              replica=self.replica)
+
+    def _refused(self, err: GatewayError) -> AdmitDecided:
+        rlog(log, logging.WARNING, "attempt refused", self.rid, self.aid, attempt=self.attempt,
+             code=str(err.code), reason=err.message, replica=self.replica)
+        return AdmitDecided(False, err)
 
     def _refuse(self, code: ErrorCode, reason: str) -> AdmitDecided:
         rlog(log, logging.WARNING, "attempt refused", self.rid, self.aid, attempt=self.attempt,
@@ -701,6 +768,8 @@ class GateSession:
         record = {"attempt": self.attempt, "attempt_id": self.aid, "replica": self.replica,
                   "gateway_id": self.cfg.server.gateway_id, "started_at": self.started_wall,
                   "admitted_at": round(self.started_wall + self.waited_for_previous_s, 6),
+                  "model_revision": self.p.pool.fingerprint_of(self.replica or "")
+                  or self.model_revision,
                   "ended_at": _now(), "released": a.released,
                   "upstream_finished": a.upstream_finished, "http_status": self.http_status,
                   "failure_class": str(cls), "envoy_cause": cause, "fence": str(fence),
@@ -775,6 +844,7 @@ async def serve(cfg: Config, ready: Callable[[str], None] | None = None) -> None
     await store.connect()
     store.start_background()
     proc = Processor(cfg, store)
+    proc.spawn(proc.share_budget(), "budget-exchange")
     server = grpc.aio.server(options=[("grpc.max_concurrent_streams", 100000),
                                       ("grpc.so_reuseport", 0)])
     ep_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(proc), server)

@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .pool import FingerprintError, pool_from_config
+
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message starts with the field's dotted path."""
@@ -48,12 +50,30 @@ class UncertainSourceLiveness:
 
 
 @dataclass(frozen=True)
+class RetryBudgetConfig:
+    # Retries stay below this fraction of requests over the window, pool-wide ...
+    fraction: float = 0.2
+    # ... but this many are always allowed (a quiet pool can still fail over).
+    min_retries: int = 3
+    window_s: float = 10.0
+
+
+@dataclass(frozen=True)
+class RetryCostConfig:
+    # Refuse a re-prefill estimated above this many prompt tokens (0: no limit).
+    max_prompt_tokens: int = 0
+    chars_per_token: float = 4.0
+
+
+@dataclass(frozen=True)
 class Policy:
     before_first_delta: BeforeFirstDelta = field(default_factory=BeforeFirstDelta)
     after_first_delta: AfterFirstDelta = field(default_factory=AfterFirstDelta)
     uncertain_source_liveness: UncertainSourceLiveness = field(
         default_factory=UncertainSourceLiveness
     )
+    retry_budget: RetryBudgetConfig = field(default_factory=RetryBudgetConfig)
+    retry_cost: RetryCostConfig = field(default_factory=RetryCostConfig)
 
     @property
     def max_attempts(self) -> int:
@@ -128,6 +148,13 @@ class ToolsConfig:
 
 
 @dataclass(frozen=True)
+class PoolConfig:
+    # Replicas and their compatibility fingerprints (extproc.core.pool). Empty: one
+    # undifferentiated pool (Envoy's round robin, any replica may serve a retry).
+    replicas: tuple[Any, ...] = ()
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     # "host:port" for TCP, or "unix:/path" for a Unix domain socket.
     listen: str = "127.0.0.1:50051"
@@ -144,6 +171,7 @@ class Config:
     idempotency: IdempotencyConfig = field(default_factory=IdempotencyConfig)
     tenancy: TenancyConfig = field(default_factory=TenancyConfig)
     tools: ToolsConfig = field(default_factory=ToolsConfig)
+    pool: PoolConfig = field(default_factory=PoolConfig)
     policy: Policy = field(default_factory=Policy)
 
 
@@ -275,9 +303,22 @@ def _policy(outer: _Reader) -> Policy:
     )
     u.done()
     r.done()
+    rb = outer.section("retry_budget")
+    budget = RetryBudgetConfig(
+        fraction=rb.float_("fraction", 0.2, 0.0, 1.0),
+        min_retries=rb.int_("min_retries", 3, 0, 1_000_000),
+        window_s=rb.float_("window_s", 10.0, 1.0, 3600.0),
+    )
+    rb.done()
+    rc = outer.section("retry_cost")
+    cost = RetryCostConfig(
+        max_prompt_tokens=rc.int_("max_prompt_tokens", 0, 0, 10_000_000),
+        chars_per_token=rc.float_("chars_per_token", 4.0, 0.5, 32.0),
+    )
+    rc.done()
     outer.done()
     return Policy(before_first_delta=before, after_first_delta=after,
-                  uncertain_source_liveness=unc)
+                  uncertain_source_liveness=unc, retry_budget=budget, retry_cost=cost)
 
 
 def load_config(raw: Mapping[str, Any] | None) -> Config:
@@ -359,6 +400,18 @@ def load_config(raw: Mapping[str, Any] | None) -> Config:
         raise ConfigError("tools.path_prefix",
                           f"must start and end with '/', got {tools.path_prefix!r}")
     tl.done()
+    pl = root.section("pool")
+    pl.used.add("replicas")
+    reps = pl.raw.get("replicas") or []
+    if not isinstance(reps, list):
+        raise ConfigError("pool.replicas", "must be a list")
+    try:
+        pool_from_config(reps)  # validated here, built by the processor
+    except FingerprintError as e:
+        path, _, problem = str(e).partition(": ")
+        raise ConfigError(path, problem) from e
+    pool = PoolConfig(replicas=tuple(reps))
+    pl.done()
     policy = _policy(root.section("policy"))
     root.done()
     if etcd.attempt_lease_ttl_s > timeouts.fence_wait_s and timeouts.fence_wait_s > 0:
@@ -367,7 +420,7 @@ def load_config(raw: Mapping[str, Any] | None) -> Config:
         raise ConfigError("timeouts.fence_wait_s",
                           f"must be >= etcd.attempt_lease_ttl_s ({etcd.attempt_lease_ttl_s})")
     return Config(server=server, etcd=etcd, timeouts=timeouts, limits=limits,
-                  idempotency=idem, tenancy=tenancy, tools=tools, policy=policy)
+                  idempotency=idem, tenancy=tenancy, tools=tools, pool=pool, policy=policy)
 
 
 def apply_env_overrides(raw: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, Any]:

@@ -34,6 +34,8 @@ class ErrorCode(StrEnum):
     UPSTREAM_RESPONSE_TOO_LARGE = "upstream_response_too_large"
     UPSTREAM_MALFORMED_RESPONSE = "upstream_malformed_response"
     ATTEMPT_FENCED = "attempt_fenced"
+    RETRY_TOO_EXPENSIVE = "retry_too_expensive"
+    NO_COMPATIBLE_REPLICA = "no_compatible_replica"
     TOOL_CALL_IN_PROGRESS = "tool_call_in_progress"
     TOOL_CALL_OUTCOME_UNKNOWN = "tool_call_outcome_unknown"
     TOOL_RESULT_NOT_REPLAYABLE = "tool_result_not_replayable"

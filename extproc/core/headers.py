@@ -7,4 +7,7 @@ ENVOY_ATTEMPT_COUNT = "x-envoy-attempt-count"
 ENVOY_REQUEST_ID = "x-request-id"
 # gRPC initial metadata each Envoy filter sends so one process can serve both roles.
 ROLE_METADATA = "x-extproc-role"
-OWNED = (REQUEST_ID, ATTEMPT_ID)
+# Set by the guard for the gate: the request's compatibility group and its prompt size.
+FINGERPRINT = "x-gateway-fingerprint"
+PROMPT_TOKENS = "x-gateway-prompt-tokens"
+OWNED = (REQUEST_ID, ATTEMPT_ID, FINGERPRINT, PROMPT_TOKENS)

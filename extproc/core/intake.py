@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .budget import estimate_prompt_tokens
 from .config import Config
 from .errors import ErrorCode, GatewayError, bad_request
 from .journal import new_request_id, request_id_for_key, validate_request_id
@@ -113,11 +114,13 @@ class RequestMeta:
     max_tokens: int | None
     input_digest: str
     body_bytes: int
+    estimated_prompt_tokens: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "stream": self.stream, "seed": self.seed,
                 "max_tokens": self.max_tokens, "input_digest": self.input_digest,
-                "body_bytes": self.body_bytes}
+                "body_bytes": self.body_bytes,
+                "estimated_prompt_tokens": self.estimated_prompt_tokens}
 
 
 def parse_body(body: bytes, cfg: Config, request_id: str) -> RequestMeta | GatewayError:
@@ -155,4 +158,6 @@ def parse_body(body: bytes, cfg: Config, request_id: str) -> RequestMeta | Gatew
                            request_id)
     return RequestMeta(model=model, stream=stream, seed=seed, max_tokens=max_tokens,
                        input_digest="sha256:" + hashlib.sha256(body).hexdigest(),
-                       body_bytes=len(body))
+                       body_bytes=len(body),
+                       estimated_prompt_tokens=estimate_prompt_tokens(
+                           obj, cfg.policy.retry_cost.chars_per_token))

@@ -299,6 +299,9 @@ class GuardMachine(_Base):
     max_buffer: int = 4 << 20
     finished: Finish | None = None
     done_seen: bool = False  # `[DONE]` forwarded: the client has a complete answer
+    # Envoy's own plain-text 5xx (e.g. no healthy upstream, overflow): replaced by our JSON
+    # error so every client sees the same contract.
+    replaced_error: bytes | None = None
 
     @classmethod
     def new(cls, request_id: str, stall_after_first_delta_s: float,
@@ -446,6 +449,11 @@ def _guard_headers(m: GuardMachine, ev: ResponseHeaders) -> list[Action]:
     m.status = ev.status
     m.streaming = ev.content_type.split(";", 1)[0].strip().lower() == "text/event-stream"
     m.state = State.GUARD_RESPONDING
+    if ev.status >= 500 and ev.content_type.startswith("text/plain") and not ev.end_of_stream:
+        m.replaced_error = GatewayError(
+            code=ErrorCode.UPSTREAM_UNAVAILABLE,
+            message=f"no replica produced an answer (gateway status {ev.status})",
+            http_status=ev.status, request_id=m.request_id, retryable=True).json_bytes()
     if ev.end_of_stream:
         m.state = State.GUARD_COMPLETE
     return [PassHeaders()]
@@ -491,6 +499,11 @@ def _guard_body(m: GuardMachine, ev: ResponseBody) -> list[Action]:
         # Only complete events are forwarded; an incomplete one waits in the decoder for
         # its rest, so a terminal event can never land in the middle of theirs.
         return _sse_forward(m, events, ev.end_of_stream)
+    if m.replaced_error is not None:
+        data, m.replaced_error = m.replaced_error, b""
+        if ev.end_of_stream:
+            m.state = State.GUARD_COMPLETE
+        return [Send(data, ev.end_of_stream)]
     # Non-streaming or an error status: pass bytes through; count once complete.
     if m.status == 200 and len(m.body) <= m.max_buffer:
         m.body += ev.data

@@ -31,6 +31,7 @@ from typing import Any, Final, Literal, NoReturn
 import aiohttp
 from aiohttp import web
 
+from extproc.core.pool import Fingerprint
 from extproc.demo.tokens import (
     DEFAULT_MAX_TOKENS,
     DEFAULT_SEED,
@@ -317,6 +318,7 @@ class Replica:
     def __init__(self, name: str, model: str, log_file: str, token_delay_s: float,
                  tool_gateway: str | None = None) -> None:
         self.tool_gateway = tool_gateway.rstrip("/") if tool_gateway else None
+        self.fingerprint: dict[str, Any] | None = None
         self.name = name
         self.model = model
         self.log_file = log_file
@@ -370,6 +372,16 @@ class Replica:
 
     async def health(self, request: web.Request) -> web.Response:
         return _json({"status": "ok", "name": self.name})
+
+    async def fingerprint_view(self, request: web.Request) -> web.Response:
+        return _json(self.fingerprint or {})
+
+    @web.middleware
+    async def revision_header(self, request: web.Request, handler: Any) -> Any:
+        resp = await handler(request)
+        if self.fingerprint is not None and not resp.prepared:
+            resp.headers["x-model-revision"] = self.fingerprint["digest"]
+        return resp
 
     async def models(self, request: web.Request) -> web.Response:
         return _json(
@@ -609,10 +621,10 @@ class Replica:
                 "choices": [choice],
             }
 
-        resp = web.StreamResponse(
-            status=200,
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"},
-        )
+        headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        if self.fingerprint is not None:
+            headers["x-model-revision"] = self.fingerprint["digest"]
+        resp = web.StreamResponse(status=200, headers=headers)
 
         async def send(data: bytes) -> bool:
             """Write one event; False when the peer is gone."""
@@ -708,8 +720,9 @@ class Replica:
 
 def build_app(replica: Replica) -> web.Application:
     """Wire the routes; kept separate so an in-process server can reuse it."""
-    app = web.Application()
+    app = web.Application(middlewares=[replica.revision_header])
     app.router.add_get("/health", replica.health)
+    app.router.add_get("/fingerprint", replica.fingerprint_view)
     app.router.add_get("/v1/models", replica.models)
     app.router.add_post("/v1/chat/completions", replica.chat)
     app.router.add_post("/v1/completions", replica.completions)
@@ -727,6 +740,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--log-file", required=True, help="JSON-lines attempt log (appended)")
     parser.add_argument("--token-delay-ms", type=float, default=0.0)
     parser.add_argument("--model", default="demo-model")
+    parser.add_argument("--fingerprint", default=None,
+                        help="JSON object of compatibility fields (extproc.core.pool): "
+                        "weights_revision, quantization, tokenizer_hash, chat_template_hash, "
+                        "attention, kv_cache_dtype, tensor_parallel_size, "
+                        "pipeline_parallel_size, kv_block_size, lora_adapters (ordered)")
     parser.add_argument("--tool-gateway", default=None,
                         help="base URL of the gateway whose tool route agent mode calls")
     args = parser.parse_args(argv)
@@ -739,6 +757,9 @@ async def serve(args: argparse.Namespace) -> None:
     """Serve until SIGTERM/SIGINT; a stalled request must not hold shutdown for long."""
     replica = Replica(args.name, args.model, args.log_file, args.token_delay_ms / 1000.0,
                       args.tool_gateway)
+    if args.fingerprint:
+        fp = Fingerprint.from_mapping(json.loads(args.fingerprint))
+        replica.fingerprint = {**json.loads(fp.canonical()), "digest": fp.digest}
     runner = web.AppRunner(
         build_app(replica), access_log=None, handler_cancellation=False, shutdown_timeout=1.0
     )

@@ -191,7 +191,8 @@ def test_parse_body_valid_meta() -> None:
     assert meta.body_bytes == len(body)
     assert meta.input_digest.startswith("sha256:") and len(meta.input_digest) == 7 + 64
     d = meta.to_dict()
-    assert set(d) == {"model", "stream", "seed", "max_tokens", "input_digest", "body_bytes"}
+    assert set(d) == {"model", "stream", "seed", "max_tokens", "input_digest", "body_bytes",
+                      "estimated_prompt_tokens"}
     assert "hi" not in json.dumps(d)  # never the prompt itself
     other = parse_body(body.replace(b"hi", b"ho"), CFG, RID)
     assert isinstance(other, RequestMeta) and other.input_digest != meta.input_digest

@@ -69,6 +69,10 @@ static_resources:
                 - key: x-extproc-role
                   value: guard
               failure_mode_allow: false
+              metadata_options:
+                receiving_namespaces:
+                  untyped:
+                  - envoy.lb
               message_timeout: {{ printf "%.3fs" $guardTimeout }}
               processing_mode:
                 request_header_mode: SEND
@@ -136,10 +140,33 @@ static_resources:
   - name: replicas
     type: {{ ternary "STRICT_DNS" "STATIC" $dnsNeeded }}
     connect_timeout: 1s
+    {{- if $c.pool.replicas }}
+    load_balancing_policy:
+      policies:
+      - typed_extension_config:
+          name: envoy.load_balancing_policies.override_host
+          typed_config:
+            '@type': type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost
+            override_host_sources:
+            - metadata:
+                key: envoy.lb
+                path:
+                - key: x-gateway-destination-endpoint
+            fallback_policy:
+              policies:
+              - typed_extension_config:
+                  name: envoy.load_balancing_policies.round_robin
+                  typed_config:
+                    '@type': type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin
+    {{- else }}
     lb_policy: ROUND_ROBIN
+    {{- end }}
     circuit_breakers:
       thresholds:
-      - max_retries: 10000
+      - retry_budget:
+          budget_percent:
+            value: {{ mulf (float64 $c.policy.retry_budget.fraction) 100 }}
+          min_retry_concurrency: {{ max 1 (int64 $c.policy.retry_budget.min_retries) }}
         max_connections: 100000
         max_pending_requests: 100000
         max_requests: 100000

@@ -65,11 +65,8 @@ Included by the Deployment, so `helm template` fails with these messages.
 {{- if $v.etcd.auth.enabled -}}
 {{- $_ := required "etcd.auth.secretName is required when etcd.auth.enabled is true: a Secret with username and password" $v.etcd.auth.secretName -}}
 {{- end -}}
-{{- if and $v.podDisruptionBudget.enabled (not (kindIs "invalid" $v.podDisruptionBudget.minAvailable)) (not (kindIs "invalid" $v.podDisruptionBudget.maxUnavailable)) -}}
-{{- fail "podDisruptionBudget: set minAvailable or maxUnavailable, not both (set the other to null)" -}}
-{{- end -}}
 {{- if and $v.podDisruptionBudget.enabled (kindIs "invalid" $v.podDisruptionBudget.minAvailable) (kindIs "invalid" $v.podDisruptionBudget.maxUnavailable) -}}
-{{- fail "podDisruptionBudget: set one of minAvailable or maxUnavailable (or enabled: false)" -}}
+{{- fail "podDisruptionBudget: set minAvailable or maxUnavailable (minAvailable wins when both are set), or enabled: false" -}}
 {{- end -}}
 {{- $min := include "lfe.minGraceSeconds" . | int -}}
 {{- if not (kindIs "invalid" $v.terminationGracePeriodSeconds) -}}

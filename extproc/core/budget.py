@@ -1,0 +1,117 @@
+"""Retry budget and retry cost: a mass GPU failure must not become a re-prefill storm.
+
+The budget admits a retry only while retries stay below `fraction` of requests over the
+last `window_s`, with a floor of `min_retries` so a quiet pool can still fail over. Counts
+are per gateway; gateways publish theirs to etcd and each decides on the pool-wide sum
+(a second-old view of the others, an exact view of itself: see docs/retry-budget.md).
+Time is passed in, so this stays pure.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import ErrorCode, GatewayError
+
+
+class WindowCounter:
+    """Events in the last `window_s` seconds (timestamps passed in)."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self._ts: deque[float] = deque()
+
+    def add(self, now: float) -> None:
+        self._ts.append(now)
+
+    def count(self, now: float) -> int:
+        cut = now - self.window_s
+        while self._ts and self._ts[0] < cut:
+            self._ts.popleft()
+        return len(self._ts)
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetDecision:
+    allowed: bool
+    retries: int
+    requests: int
+    limit: int
+
+
+class RetryBudget:
+    def __init__(self, fraction: float, min_retries: int, window_s: float) -> None:
+        self.fraction = fraction
+        self.min_retries = min_retries
+        self.requests = WindowCounter(window_s)
+        self.retries = WindowCounter(window_s)
+        # Other gateways' latest published counts: gateway id -> (requests, retries).
+        self.others: dict[str, tuple[int, int]] = {}
+
+    def note_request(self, now: float) -> None:
+        self.requests.add(now)
+
+    def try_retry(self, now: float) -> BudgetDecision:
+        """Admit one retry if the pool-wide budget allows it, and count it if so."""
+        req = self.requests.count(now) + sum(r for r, _ in self.others.values())
+        ret = self.retries.count(now) + sum(t for _, t in self.others.values())
+        limit = max(self.min_retries, int(self.fraction * req))
+        if ret + 1 > limit:
+            return BudgetDecision(False, ret, req, limit)
+        self.retries.add(now)
+        return BudgetDecision(True, ret + 1, req, limit)
+
+    def snapshot(self, now: float) -> tuple[int, int]:
+        return self.requests.count(now), self.retries.count(now)
+
+
+def estimate_prompt_tokens(body: Any, chars_per_token: float) -> int:
+    """A tokenizer-free estimate: characters of the prompt text / chars_per_token.
+
+    English BPE tokenizers average ~4 characters per token; code and non-Latin scripts run
+    lower (more tokens), so the estimate errs low for them: set chars_per_token lower for
+    such traffic. Message framing adds ~4 tokens per chat message.
+    """
+    chars = 0
+    messages = 0
+    if isinstance(body, dict):
+        for m in body.get("messages") or []:
+            if isinstance(m, dict):
+                messages += 1
+                c = m.get("content")
+                if isinstance(c, str):
+                    chars += len(c)
+                elif isinstance(c, list):
+                    chars += sum(len(p.get("text", "")) for p in c
+                                 if isinstance(p, dict) and isinstance(p.get("text"), str))
+        p = body.get("prompt")
+        if isinstance(p, str):
+            chars += len(p)
+        elif isinstance(p, list):
+            chars += sum(len(x) for x in p if isinstance(x, str))
+    return int(chars / chars_per_token) + 4 * messages
+
+
+def budget_exhausted(rid: str, d: BudgetDecision) -> GatewayError:
+    return GatewayError(
+        ErrorCode.RETRY_BUDGET_EXHAUSTED,
+        f"the pool's retry budget is exhausted ({d.retries} retries for {d.requests} requests "
+        f"in the window, limit {d.limit}); nothing was sent to the client",
+        503, request_id=rid, retryable=True)
+
+
+def too_expensive(rid: str, tokens: int, limit: int) -> GatewayError:
+    return GatewayError(
+        ErrorCode.RETRY_TOO_EXPENSIVE,
+        f"re-running this request's prefill (~{tokens} prompt tokens) exceeds the retry cost "
+        f"limit ({limit}); nothing was sent to the client",
+        503, request_id=rid, retryable=True,
+        extra=(("estimated_prompt_tokens", tokens),))
+
+
+def no_compatible_replica(rid: str | None, why: str) -> GatewayError:
+    return GatewayError(ErrorCode.NO_COMPATIBLE_REPLICA,
+                        f"no compatible healthy replica: {why}", 503, request_id=rid,
+                        retryable=True)

@@ -1,0 +1,229 @@
+"""Generate helm/llm-failover-extproc/values.schema.json (a test checks it is current).
+
+The processor.config part mirrors extproc/core/config.py (sections, fields, ranges, choices);
+tests/deploy/test_helm_chart.py also checks its field names against the Config dataclasses.
+
+    python helm/tools/gen_values_schema.py > helm/llm-failover-extproc/values.schema.json
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+Json = dict[str, Any]
+
+
+def obj(props: Json, required: list[str] | None = None) -> Json:
+    d: Json = {"type": "object", "additionalProperties": False, "properties": props}
+    # Helm deletes keys set to null, so a nullable key cannot be required.
+    d["required"] = ([k for k, v in props.items() if "null" not in v.get("type", [])]
+                     if required is None else required)
+    return d
+
+
+def num(lo: float, hi: float, desc: str | None = None) -> Json:
+    d: Json = {"type": "number", "minimum": lo, "maximum": hi}
+    if desc:
+        d["description"] = desc
+    return d
+
+
+def integer(lo: int, hi: int, desc: str | None = None) -> Json:
+    d: Json = {"type": "integer", "minimum": lo, "maximum": hi}
+    if desc:
+        d["description"] = desc
+    return d
+
+
+def enum(*vals: str, desc: str | None = None) -> Json:
+    d: Json = {"type": "string", "enum": list(vals)}
+    if desc:
+        d["description"] = desc
+    return d
+
+
+nullable_str = {"type": ["string", "null"], "minLength": 1}
+port = {"type": "integer", "minimum": 1, "maximum": 65535}
+image = obj({
+    "repository": {"type": "string", "description": "image repository (required, non-empty)"},
+    "tag": {"type": "string", "description": "\"\" = the chart's appVersion"},
+    "pullPolicy": enum("Always", "IfNotPresent", "Never"),
+})
+k8s_obj = {"type": "object"}
+k8s_list = {"type": "array", "items": {"type": "object"}}
+resources = obj({
+    "requests": {"type": "object", "additionalProperties": {"type": ["string", "number"]}},
+    "limits": {"type": "object", "additionalProperties": {"type": ["string", "number"]}},
+}, required=[])
+
+
+def probe() -> Json:
+    return obj({"periodSeconds": integer(1, 3600), "timeoutSeconds": integer(1, 3600),
+                "failureThreshold": integer(1, 1000)})
+
+
+
+# Mirrors extproc/core/config.py (ranges and choices); the processor re-validates at start.
+proc_config = obj({
+    "server": obj({
+        "gateway_id": {"type": "string", "minLength": 1,
+                       "description": "overridden per pod by the pod name"},
+        "log_level": enum("DEBUG", "INFO", "WARNING", "ERROR"),
+    }),
+    "etcd": obj({
+        "timeout_s": num(0.05, 30.0, "deadline of every etcd call"),
+        "prefix": {"type": "string", "pattern": "^/.*[^/]$"},
+        "attempt_lease_ttl_s": integer(2, 600),
+        "journal_retention_s": integer(60, 30 * 86400),
+        "session_ttl_s": integer(3, 600),
+    }),
+    "timeouts": obj({
+        "first_delta_s": num(0.5, 3600.0),
+        "stall_after_first_delta_s": num(0.2, 3600.0),
+        "access_log_wait_s": num(0.0, 10.0),
+        "fence_wait_s": num(0.0, 600.0),
+        "soft_first_delta_s": num(0.0, 3600.0),
+        "progress_interval_s": num(0.0, 3600.0),
+    }),
+    "limits": obj({
+        "max_request_body_bytes": integer(1024, 64 << 20),
+        "max_idempotency_key_length": integer(8, 1024),
+        "max_buffered_response_bytes": integer(4096, 256 << 20),
+    }),
+    "idempotency": obj({"required": {"type": "boolean"}}),
+    "tenancy": obj({"header": nullable_str, "api_key_header": nullable_str}),
+    "tools": obj({
+        "path_prefix": {"type": "string", "pattern": "^/(.*/)?$"},
+        "ledger_ttl_s": integer(60, 30 * 86400),
+        "max_result_bytes": integer(0, 64 << 20),
+        "wait_s": num(0.0, 600.0),
+    }),
+    "pool": obj({"replicas": {
+        "type": "array",
+        "description": "replicas and compatibility fingerprints; non-empty enables override_host",
+        "items": obj({
+            "address": {"type": "string", "pattern": "^.+:[0-9]+$",
+                        "description": "host:port as Envoy reports upstream.address"},
+            "models": {"type": "array", "items": {"type": "string"}},
+            "fingerprint": obj({
+                "weights_revision": {"type": "string", "minLength": 1},
+                "quantization": {"type": "string"},
+                "tokenizer_hash": {"type": "string"},
+                "chat_template_hash": {"type": "string"},
+                "attention": {"type": "string"},
+                "kv_cache_dtype": {"type": "string"},
+                "tensor_parallel_size": integer(1, 1 << 20),
+                "pipeline_parallel_size": integer(1, 1 << 20),
+                "kv_block_size": integer(1, 1 << 20),
+                "lora_adapters": {"type": "array", "items": {"type": "string"}},
+            }, required=["weights_revision"]),
+        }, required=["address", "fingerprint"]),
+    }}),
+    "policy": obj({"on_upstream_failure": obj({
+        "before_first_delta": obj({
+            "require": {"type": "array", "minItems": 1, "uniqueItems": True,
+                        "items": enum("source_attempt_fenced", "retry_budget_available"),
+                        "contains": {"const": "source_attempt_fenced"},
+                        "description": "must include source_attempt_fenced"},
+            "action": enum("retry_prefill_on_healthy_replica", "terminate_request"),
+            "max_attempts": integer(1, 10, "becomes Envoy's num_retries + 1"),
+        }),
+        "after_first_delta": obj({
+            "action": {"const": "terminate_stream"},
+            "client_error": {"const": "upstream_decode_interrupted"},
+            "automatic_retry": {
+                "const": False,
+                "description": "a re-run after delivery would stitch two generations"},
+        }),
+        "uncertain_source_liveness": obj({
+            "action": {"const": "fence_source_attempt"},
+            "wait_for": enum("cancel_ack_or_lease_expiry", "lease_expiry"),
+            "then": enum("retry_only_if_no_delta_was_sent", "terminate_request"),
+        }),
+    }),
+        "retry_budget": obj({
+            "fraction": num(0.0, 1.0, "retries / requests over the window, pool-wide"),
+            "min_retries": integer(0, 1_000_000),
+            "window_s": num(1.0, 3600.0),
+        }),
+        "retry_cost": obj({
+            "max_prompt_tokens": integer(0, 10_000_000),
+            "chars_per_token": num(0.5, 32.0),
+        }),
+    }),
+})
+
+schema = {
+    "$schema": "http://json-schema.org/draft-07/schema#",
+    "title": "llm-failover-extproc chart values",
+    **obj({
+        "replicaCount": integer(1, 1000),
+        "image": obj({"envoy": image, "processor": image}),
+        "imagePullSecrets": k8s_list,
+        "replicas": obj({"endpoints": {
+            "type": "array", "minItems": 1,
+            "description": "the upstream model servers; each individually addressable",
+            "items": obj({"host": {"type": "string", "minLength": 1,
+                                   "pattern": "^[A-Za-z0-9.:_-]+$"},
+                          "port": port})}}),
+        "etcd": obj({
+            "endpoints": {"type": "array", "minItems": 1,
+                          "items": {"type": "string", "pattern": "^[^:\\s]+:[0-9]+$"}},
+            "tls": obj({"enabled": {"type": "boolean"}, "secretName": nullable_str,
+                        "serverName": nullable_str}),
+            "auth": obj({"enabled": {"type": "boolean"}, "secretName": nullable_str}),
+        }),
+        "envoy": obj({
+            "port": port, "adminPort": port,
+            "concurrency": integer(1, 256),
+            "logLevel": enum("trace", "debug", "info", "warning", "warn", "error",
+                             "critical", "off"),
+            "resources": resources,
+            "readinessProbe": probe(), "livenessProbe": probe(),
+        }),
+        "processor": obj({
+            "command": {"type": "array", "minItems": 1, "items": {"type": "string"}},
+            "python": {"type": "string", "minLength": 1},
+            "extraEnv": k8s_list,
+            "resources": resources,
+            "probes": obj({"periodSeconds": integer(1, 3600),
+                           "timeoutSeconds": integer(2, 3600),
+                           "failureThreshold": integer(1, 1000),
+                           "startupFailureThreshold": integer(1, 10000)}),
+            "config": proc_config,
+        }),
+        "shutdown": obj({
+            "drainSeconds": integer(0, 3600),
+            "maxStreamSeconds": integer(0, 86400),
+            "processorLingerSeconds": integer(0, 600),
+            "processorStopSeconds": integer(0, 600),
+            "envoyPreStop": enum("sleep", "exec"),
+        }),
+        "terminationGracePeriodSeconds": {"type": ["integer", "null"], "minimum": 1},
+        "service": obj({"type": enum("ClusterIP", "NodePort", "LoadBalancer"),
+                        "port": port,
+                        "annotations": {"type": "object",
+                                        "additionalProperties": {"type": "string"}}}),
+        "podDisruptionBudget": obj({
+            "enabled": {"type": "boolean"},
+            "minAvailable": {"type": ["integer", "string", "null"]},
+            "maxUnavailable": {"type": ["integer", "string", "null"]},
+        }),
+        "networkPolicy": obj({"enabled": {"type": "boolean"}, "from": k8s_list}),
+        "serviceAccount": obj({"create": {"type": "boolean"}, "name": nullable_str,
+                               "annotations": {"type": "object",
+                                               "additionalProperties": {"type": "string"}}}),
+        "podSecurityContext": k8s_obj,
+        "securityContext": k8s_obj,
+        "podAnnotations": {"type": "object", "additionalProperties": {"type": "string"}},
+        "podLabels": {"type": "object", "additionalProperties": {"type": "string"}},
+        "nodeSelector": {"type": "object", "additionalProperties": {"type": "string"}},
+        "tolerations": k8s_list,
+        "affinity": k8s_obj,
+        "topologySpreadConstraints": k8s_list,
+        "priorityClassName": nullable_str,
+    }),
+}
+if __name__ == "__main__":
+    print(json.dumps(schema, indent=2))
