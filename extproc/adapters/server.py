@@ -93,6 +93,8 @@ log = logging.getLogger("extproc")
 
 
 OUTCOME_RETRY_S = 60.0
+# Test-only: proves the fault sweep can fail (docs/sweep.md). Logged loudly at start-up.
+UNSAFE_RELEASE_WITHOUT_FENCE = os.environ.get("EXTPROC_UNSAFE_RELEASE_WITHOUT_FENCE") == "1"
 
 
 async def retrying(fn: Callable[[], Awaitable[Any]], what: str, rid: str | None,
@@ -543,6 +545,10 @@ class GateSession:
             await self.feed(RequestStarted(self.attempt))
         elif which == "response_headers":
             hd = codec.headers_dict(msg.response_headers.headers)
+            if self.m is not None and UNSAFE_RELEASE_WITHOUT_FENCE:
+                # Test-only sabotage (docs/sweep.md): release at once, no hold, no fence.
+                # The fault sweep must catch what this breaks; never set it in production.
+                self.m = None
             if self.m is None:
                 await self.write(codec.continue_response_headers())
                 return
@@ -857,6 +863,10 @@ async def serve(cfg: Config, ready: Callable[[str], None] | None = None) -> None
     await server.start()
     await hs.set("", health_pb2.HealthCheckResponse.SERVING)
     addr = cfg.server.listen if port == 0 else cfg.server.listen.rsplit(":", 1)[0] + f":{port}"
+    if UNSAFE_RELEASE_WITHOUT_FENCE:
+        log.critical("EXTPROC_UNSAFE_RELEASE_WITHOUT_FENCE=1: the first-delta fence is OFF; "
+                     "this is a test-only sabotage", extra={"request_id": None,
+                                                           "attempt_id": None})
     log.info("processor listening", extra={"listen": addr, "pid": os.getpid(),
                                            "request_id": None, "attempt_id": None})
     if ready is not None:
