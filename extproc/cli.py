@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import sys
 from pathlib import Path
@@ -49,6 +50,15 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--replica", action="append", default=[],
                    help="replica host:port (repeat); default 127.0.0.1:8001 and :8002")
     r.add_argument("--plain", action="store_true", help="no ext_proc: the benchmark baseline")
+    i = sub.add_parser("inspect", help="show a request's journal record and event traces")
+    i.add_argument("request_id")
+    i.add_argument("--config")
+    i.add_argument("--events", action="store_true", help="print every traced event")
+    rp = sub.add_parser("replay", help="re-feed a request's recorded events into the core "
+                        "and check it reaches the same decisions")
+    rp.add_argument("request_id")
+    rp.add_argument("--config")
+    rp.add_argument("--trace-file", help="replay a trace JSON file instead of etcd's")
     q = sub.add_parser("run", help="quickstart: etcd + processor + Envoy + 2 demo replicas")
     q.add_argument("--config")
     q.add_argument("--workdir")
@@ -82,12 +92,64 @@ def main(argv: list[str] | None = None) -> int:
                                                                 "127.0.0.1:8002"]))
         sys.stdout.write(yaml.safe_dump(render(cfg, topo, plain=args.plain), sort_keys=False))
         return 0
+    if args.cmd in ("inspect", "replay"):
+        file_trace = (json.loads(Path(args.trace_file).read_text())
+                      if getattr(args, "trace_file", None) else None)
+        return asyncio.run(_inspect_or_replay(args, file_trace))
     if args.cmd == "run":
         from .devstack import run_forever
         if args.config:
             read_config(args.config)  # fail fast, naming the field
         return run_forever(args.config, args.workdir, args.replicas, args.port)
     return 2
+
+
+async def _inspect_or_replay(args: argparse.Namespace, file_trace: Any) -> int:
+    from .adapters.etcd_store import EtcdStore, StoreUnavailable
+    from .core.replay import replay
+
+    traces: dict[str, Any]
+    view = None
+    if file_trace is not None:
+        traces = {"file": file_trace}
+    else:
+        cfg = read_config(args.config)
+        store = EtcdStore(cfg.etcd)
+        await store.connect()
+        try:
+            view = await store.get(args.request_id)
+            traces = await store.get_traces(args.request_id)
+        except StoreUnavailable as e:
+            print(f"etcd unavailable: {e}", file=sys.stderr)
+            return 2
+        finally:
+            await store.close()
+        if view is None and not traces:
+            print(f"no request {args.request_id} in the journal", file=sys.stderr)
+            return 1
+    if args.cmd == "inspect":
+        out: dict[str, Any] = {"journal": view.to_dict() if view else None, "traces": {}}
+        for name, t in sorted(traces.items()):
+            out["traces"][name] = {
+                "role": t.get("role"), "meta": t.get("meta"), "events": len(t.get("events", [])),
+                "truncated": t.get("truncated"), "decisions": t.get("decisions"),
+                "summary": t.get("summary")}
+            if args.events:
+                out["traces"][name]["event_list"] = t.get("events")
+        print(json.dumps(out, indent=2))
+        return 0
+    if not traces:
+        print(f"no event traces kept for {args.request_id} (telemetry.record_traces)",
+              file=sys.stderr)
+        return 1
+    failed = 0
+    for name, t in sorted(traces.items()):
+        r = replay(t)
+        status = "same decisions" if r.ok else f"DIVERGES: {r.divergence}"
+        print(f"{name}: {r.steps} events replayed: {status}"
+              + (" (trace truncated: prefix only)" if t.get("truncated") else ""))
+        failed += 0 if r.ok else 1
+    return 1 if failed else 0
 
 
 def _plain(o: Any) -> Any:

@@ -172,6 +172,16 @@ def render(cfg: Config, topo: Topology, plain: bool = False) -> dict[str, Any]:
                    "route": {"cluster": "replicas", "timeout": "0s",
                              "retry_policy": retry_policy}})
 
+    otlp = cfg.telemetry.otlp_endpoint
+    tracing: dict[str, Any] | None = None
+    if otlp and not plain:
+        # Envoy's own spans go to the same collector; its ext_proc calls carry their
+        # traceparent to the processor, so both sides form one trace.
+        tracing = {"provider": {"name": "envoy.tracers.opentelemetry", "typed_config": {
+            "@type": _t("envoy.config.trace.v3.OpenTelemetryConfig"),
+            "grpc_service": {"envoy_grpc": {"cluster_name": "otel"}, "timeout": "1s"},
+            "service_name": "llm-gateway-envoy"}},
+            "random_sampling": {"value": 100}}
     hcm = {
         "@type": _t("envoy.extensions.filters.network.http_connection_manager.v3."
                     "HttpConnectionManager"),
@@ -181,6 +191,7 @@ def render(cfg: Config, topo: Topology, plain: bool = False) -> dict[str, Any]:
         "request_timeout": "0s",
         "access_log": access_logs,
         "http_filters": filters,
+        **({"tracing": tracing} if tracing else {}),
         "route_config": {"name": "local", "virtual_hosts": [{
             "name": "gateway", "domains": ["*"], "include_request_attempt_count": True,
             "routes": routes}]},
@@ -250,6 +261,12 @@ def render(cfg: Config, topo: Topology, plain: bool = False) -> dict[str, Any]:
     else:
         replica_cluster["lb_policy"] = "ROUND_ROBIN"
     clusters: list[dict[str, Any]] = [replica_cluster]
+    if otlp and not plain:
+        oh, op = parse_hostport(otlp)
+        clusters.append({"name": "otel", "type": "STRICT_DNS", "connect_timeout": "1s",
+                         "typed_extension_protocol_options": _http2(),
+                         "load_assignment": {"cluster_name": "otel", "endpoints": [{
+                             "lb_endpoints": [{"endpoint": {"address": _addr(oh, op)}}]}]}})
     if topo.tools and not plain:
         clusters.append({
             "name": "tools", "type": "STATIC", "connect_timeout": "1s",

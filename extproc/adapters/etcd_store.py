@@ -509,6 +509,18 @@ class EtcdStore:
                 out[gid] = (int(v.get("requests", 0)), int(v.get("retries", 0)))
         return out
 
+    async def put_trace(self, rid: str, name: str, trace: Mapping[str, Any]) -> None:
+        """An event trace for `extproc replay`, apart from the record (it can be large)."""
+        rl = await self._retention_lease()
+        key = self.prefix + b"/trace/" + rid.encode() + b"/" + name.encode()
+        await self._call(self._kv.Put, rpc.PutRequest(key=key, value=_dumps(trace), lease=rl))
+
+    async def get_traces(self, rid: str) -> dict[str, dict[str, Any]]:
+        pfx = self.prefix + b"/trace/" + rid.encode() + b"/"
+        resp = await self._call(self._kv.Range,
+                                rpc.RangeRequest(key=pfx, range_end=_prefix_end(pfx)))
+        return {bytes(kv.key)[len(pfx):].decode(): json.loads(kv.value) for kv in resp.kvs}
+
     async def settle_orphan(self, rid: str, outcome: Mapping[str, Any]) -> bool:
         """Record the outcome of a request whose processor died (no guard, no live attempt).
 

@@ -25,12 +25,13 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from opentelemetry.trace import INVALID_SPAN_CONTEXT, NonRecordingSpan, Span, SpanKind
 
 from ..core import headers as H
 from ..core.budget import RetryBudget, budget_exhausted, no_compatible_replica, too_expensive
 from ..core.config import Config
 from ..core.errors import ErrorCode, GatewayError
-from ..core.failure import AttemptEnd, classify, fence_for
+from ..core.failure import AttemptEnd, FailureClass, classify, fence_for
 from ..core.failure import Fence as FenceKind
 from ..core.intake import (
     Generation,
@@ -42,6 +43,7 @@ from ..core.intake import (
 )
 from ..core.journal import (
     JournalView,
+    Outcome,
     key_digest,
     new_request_id,
     orphan_outcome,
@@ -80,6 +82,7 @@ from ..core.machine import (
     StreamClosed,
 )
 from ..core.pool import pool_from_config
+from ..core.replay import record as trace_record
 from ..gen.envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from ..gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from ..gen.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
@@ -87,9 +90,11 @@ from . import envoy_codec as codec
 from .causes import CauseRegistry
 from .etcd_store import AttemptLease, EtcdStore, StoreUnavailable, ToolLedger
 from .logs import rlog
+from .telemetry import TRACEPARENT_HEADER, Telemetry, end_span
 from .tools import ToolCallHandler
 
 log = logging.getLogger("extproc")
+INVALID = NonRecordingSpan(INVALID_SPAN_CONTEXT)
 
 
 OUTCOME_RETRY_S = 60.0
@@ -127,9 +132,23 @@ class Processor:
         self.pool = pool_from_config(cfg.pool.replicas)
         rb = cfg.policy.retry_budget
         self.budget = RetryBudget(rb.fraction, rb.min_retries, rb.window_s)
+        self.tel = Telemetry(cfg.telemetry, cfg.server.gateway_id)
         self.causes = CauseRegistry()
         self._tasks: set[asyncio.Task[Any]] = set()
         self.open_streams = 0
+
+    def keep_trace(self, clean: bool) -> bool:
+        mode = self.cfg.telemetry.record_traces
+        return mode == "all" or (mode == "failures" and not clean)
+
+    async def save_trace(self, rid: str, name: str, m: GateMachine | GuardMachine,
+                         meta: dict[str, Any]) -> None:
+        try:
+            await self.store.put_trace(rid, name, trace_record(
+                m, meta, self.cfg.telemetry.max_trace_bytes))
+        except StoreUnavailable as e:
+            rlog(log, logging.WARNING, "could not keep the event trace", rid, None,
+                 error=str(e))
 
     def spawn(self, coro: Awaitable[Any], name: str) -> asyncio.Task[Any]:
         """Run work that must outlive a cancelled gRPC handler (journal writes, revokes)."""
@@ -190,6 +209,9 @@ class GuardSession:
         self.progress_sent = 0
         self.progress_inflight = False
         self.tool: ToolCallHandler | None = None
+        self.md: dict[str, str] = {}
+        self.span: Span = INVALID
+        self.first_delta_evented = False
 
     async def write(self, resp: ep.ProcessingResponse) -> None:
         if self.closed:
@@ -357,7 +379,19 @@ class GuardSession:
         self.p.budget.note_request(time.monotonic())
         rlog(log, logging.INFO, "request accepted", rid, None, stream=meta.stream,
              model=meta.model, fingerprint=route[0] if route else None)
+        self.span = self.p.tel.start("llm.request", self.p.tel.parent_from(self.md),
+                                     SpanKind.SERVER, {
+            "llmgw.request_id": rid, "gen_ai.request.model": meta.model,
+            "gen_ai.operation.name": "chat" if gen.path.endswith("chat/completions")
+            else "text_completion",
+            "http.request.method": "POST", "url.path": gen.path,
+            "llmgw.stream": meta.stream, "llmgw.fingerprint": route[0] if route else None,
+            "llmgw.gateway_id": self.cfg.server.gateway_id})
+        self.span.add_event("request.accepted")
         set_headers = {H.PROMPT_TOKENS: str(meta.estimated_prompt_tokens)}
+        tp = self.p.tel.traceparent(self.span)
+        if tp:
+            set_headers[TRACEPARENT_HEADER] = tp
         lb: dict[str, Any] | None = None
         if route is not None:
             # Attempt n goes to hosts[n-1]: every host listed shares one fingerprint, so no
@@ -384,6 +418,10 @@ class GuardSession:
             if a.data or a.end_of_stream:
                 await self.write(codec.streamed_response_body(a.data, a.end_of_stream))
                 self._maybe_checkpoint()
+                if (not self.first_delta_evented and self.m is not None
+                        and self.m.delivered > 0):
+                    self.first_delta_evented = True
+                    self.span.add_event("first_delta.delivered")
         elif isinstance(a, ArmWatchdog):
             self._arm(a.seconds)
         elif isinstance(a, DisarmWatchdog):
@@ -456,6 +494,22 @@ class GuardSession:
             body["delivered_output_tokens_exact"] = False
         rlog(log, logging.INFO, "request finished", self.rid, None, outcome=str(f.outcome),
              delivered_output_tokens=f.delivered_output_tokens, cause=f.cause)
+        if f.cause in ("stall", "in-band error", "malformed event"):
+            self.span.add_event("terminal_error.injected", {"llmgw.cause": f.cause})
+        if f.outcome is Outcome.CLIENT_DISCONNECTED:
+            self.span.add_event("client.gone")
+        if f.outcome is Outcome.UPSTREAM_DECODE_INTERRUPTED:
+            self.p.tel.interruptions.add(1, {"cause": f.cause or "unknown"})
+        self.p.tel.outcomes.add(1, {"outcome": str(f.outcome)})
+        end_span(self.span, None if f.outcome is Outcome.COMPLETED else str(f.outcome),
+                 **{"llmgw.outcome": str(f.outcome), "llmgw.cause": f.cause,
+                    "llmgw.delivered_output_tokens": f.delivered_output_tokens,
+                    "llmgw.first_delta_sent": f.delivered_output_tokens > 0,
+                    "http.response.status_code": self.m.status if self.m else None})
+        if self.m is not None and self.p.keep_trace(f.outcome is Outcome.COMPLETED):
+            self.p.spawn(self.p.save_trace(self.rid, "guard", self.m, {
+                "outcome": str(f.outcome), "gateway_id": self.cfg.server.gateway_id}),
+                f"trace-{self.rid}")
         # etcd may be briefly away (frozen, electing a leader): keep trying for a bounded
         # time. Until it lands, the record shows no outcome rather than a wrong one.
         rid = self.rid
@@ -491,6 +545,9 @@ class GateSession:
         self.lock = asyncio.Lock()
         self.want_fingerprint: str | None = None
         self.prompt_tokens = 0
+        self.md: dict[str, str] = {}
+        self.span: Span = INVALID
+        self.parent_tp: str | None = None
 
     async def write(self, resp: ep.ProcessingResponse) -> None:
         if self.closed:
@@ -537,6 +594,7 @@ class GateSession:
             attrs = codec.attributes(msg)
             self.replica = str(attrs.get("upstream.address") or "") or None
             self.want_fingerprint = hd.get(H.FINGERPRINT)
+            self.parent_tp = hd.get(TRACEPARENT_HEADER)
             try:
                 self.prompt_tokens = int(hd.get(H.PROMPT_TOKENS, "0"))
             except ValueError:
@@ -605,6 +663,7 @@ class GateSession:
             for timer in (self._soft_timer, self._hard_timer):
                 if timer is not None:
                     timer.cancel()
+            self.span.add_event("first_delta.fenced", {"llmgw.held_chunks": a.held_chunks})
             rlog(log, logging.INFO, "first delta fenced: released", rid, self.aid,
                  attempt=self.attempt, replica=self.replica, held_chunks=a.held_chunks,
                  ttfd_ms=round((time.monotonic() - self.started_at) * 1000, 2))
@@ -614,6 +673,7 @@ class GateSession:
             return None
         if isinstance(a, FailAttempt):
             self.failed_on_purpose = True
+            self.span.add_event("attempt.failed", {"llmgw.reason": a.reason})
             rlog(log, logging.WARNING, "attempt failed before first delta", rid, self.aid,
                  attempt=self.attempt, replica=self.replica, reason=a.reason)
             await self.write(codec.fail_attempt_headers(rid))
@@ -635,6 +695,33 @@ class GateSession:
         rid = self.rid or ""
         self.aid = "att_" + new_request_id()[4:]
         self.started_at = time.monotonic()
+        tel = self.p.tel
+        parent = tel.parent_from({"traceparent": self.parent_tp} if self.parent_tp
+                                 else self.md)
+        host, _, port = (self.replica or "").rpartition(":")
+        self.span = tel.start("llm.attempt", parent, SpanKind.CLIENT, {
+            "llmgw.request_id": rid, "llmgw.attempt_id": self.aid, "llmgw.attempt": attempt,
+            "server.address": host or None, "server.port": int(port) if port.isdigit() else None,
+            "llmgw.fingerprint": self.p.pool.fingerprint_of(self.replica or "")})
+        res = await self._admit(attempt)
+        if res.admitted:
+            self.span.add_event("attempt.admitted",
+                                {"llmgw.waited_for_previous_ms":
+                                 round(self.waited_for_previous_s * 1000, 2)})
+            self.span.add_event("lease.granted")
+            if attempt > 1:
+                tel.retries.add(1, {"decision": "admitted"})
+        else:
+            code = str(res.error.code) if res.error else "unknown"
+            self.span.add_event("attempt.refused", {"llmgw.reason": code})
+            if attempt > 1:
+                tel.retries.add(1, {"decision": "refused", "reason": code})
+            end_span(self.span, code)
+        return res
+
+    async def _admit(self, attempt: int) -> AdmitDecided:
+        rid = self.rid or ""
+        aid = self.aid or ""
         if attempt > self.cfg.policy.max_attempts:
             return self._refuse(ErrorCode.RETRY_BUDGET_EXHAUSTED,
                                 f"attempt {attempt} exceeds max_attempts "
@@ -653,6 +740,7 @@ class GateSession:
             if limit and self.prompt_tokens > limit:
                 return self._refused(too_expensive(rid, self.prompt_tokens, limit))
             decision = self.p.budget.try_retry(time.monotonic())
+            self.p.tel.budget_used.record(decision.retries / max(1, decision.limit))
             if not decision.allowed:
                 return self._refused(budget_exhausted(rid, decision))
         self.started_wall = _now()
@@ -660,12 +748,11 @@ class GateSession:
                   "gateway_id": self.cfg.server.gateway_id, "started_at": self.started_wall,
                   "model_revision": self.p.pool.fingerprint_of(self.replica or "")}
         try:
-            res = await self.p.store.admit_attempt(rid, attempt, self.aid, record,
+            res = await self.p.store.admit_attempt(rid, attempt, aid, record,
                                                    self.cfg.timeouts.fence_wait_s)
         except StoreUnavailable as e:
             rlog(log, logging.WARNING, "journal unavailable at admission", rid, self.aid,
                  error=str(e))
-            aid = self.aid
             self.p.spawn(retrying(lambda: self.p.store.undo_admission(rid, attempt, aid),
                                   "undo an unconfirmed admission", rid, aid),
                          f"gate-undo-admit-{aid}")
@@ -785,6 +872,18 @@ class GateSession:
             record["lease_expires_by"] = round(_now() + self.lease.ttl_s, 3)
         rlog(log, logging.INFO, "attempt ended", rid, self.aid, attempt=self.attempt,
              released=a.released, failure_class=str(cls), fence=str(fence), cause=cause)
+        self.span.add_event("lease.revoked" if fence is FenceKind.REVOKE
+                            else "lease.fenced_until_expiry")
+        self.p.tel.fences.add(1, {"kind": str(fence), "class": str(cls)})
+        end_span(self.span, None if cls is FailureClass.COMPLETED else str(cls),
+                 **{"llmgw.failure_class": str(cls), "llmgw.released": a.released,
+                    "llmgw.fence": str(fence), "llmgw.envoy_cause": cause,
+                    "llmgw.model_revision": record.get("model_revision"),
+                    "http.response.status_code": self.http_status or None})
+        if self.m is not None and self.p.keep_trace(cls is FailureClass.COMPLETED):
+            self.p.spawn(self.p.save_trace(rid, f"attempt-{self.attempt:03d}", self.m, {
+                "attempt_id": self.aid, "replica": self.replica,
+                "failure_class": str(cls)}), f"trace-{self.aid}")
         if fence is FenceKind.REVOKE:
             # Confirmed end (the replica closed, answered, or the client left): revoking
             # deletes `live`, so a retry may start now.
@@ -816,6 +915,7 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc
         role = md.get(H.ROLE_METADATA, "guard")
         session: GuardSession | GateSession
         session = GateSession(self.p, context) if role == "gate" else GuardSession(self.p, context)
+        session.md = md
         self.p.open_streams += 1
         try:
             await session.run()
@@ -882,6 +982,7 @@ async def serve(cfg: Config, ready: Callable[[str], None] | None = None) -> None
     await hs.enter_graceful_shutdown()
     await server.stop(grace=5.0)
     await proc.drain()
+    proc.tel.shutdown()
     await store.close()
 
 

@@ -148,6 +148,17 @@ class ToolsConfig:
 
 
 @dataclass(frozen=True)
+class TelemetryConfig:
+    # OTLP/gRPC collector for traces and metrics ("host:port"); None: telemetry off.
+    otlp_endpoint: str | None = None
+    service_name: str = "llm-failover-extproc"
+    # Which event traces to keep in etcd for `extproc replay`: failures | all | none.
+    record_traces: str = "failures"
+    max_trace_bytes: int = 262144
+    metrics_interval_s: float = 10.0
+
+
+@dataclass(frozen=True)
 class PoolConfig:
     # Replicas and their compatibility fingerprints (extproc.core.pool). Empty: one
     # undifferentiated pool (Envoy's round robin, any replica may serve a retry).
@@ -172,6 +183,7 @@ class Config:
     tenancy: TenancyConfig = field(default_factory=TenancyConfig)
     tools: ToolsConfig = field(default_factory=ToolsConfig)
     pool: PoolConfig = field(default_factory=PoolConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     policy: Policy = field(default_factory=Policy)
 
 
@@ -400,6 +412,17 @@ def load_config(raw: Mapping[str, Any] | None) -> Config:
         raise ConfigError("tools.path_prefix",
                           f"must start and end with '/', got {tools.path_prefix!r}")
     tl.done()
+    te = root.section("telemetry")
+    telemetry = TelemetryConfig(
+        otlp_endpoint=te.opt_str("otlp_endpoint", None),
+        service_name=te.str_("service_name", TelemetryConfig.service_name),
+        record_traces=te.str_("record_traces", "failures",
+                              frozenset({"failures", "all", "none"})),
+        max_trace_bytes=te.int_("max_trace_bytes", TelemetryConfig.max_trace_bytes,
+                                1024, 64 << 20),
+        metrics_interval_s=te.float_("metrics_interval_s", 10.0, 0.5, 3600.0),
+    )
+    te.done()
     pl = root.section("pool")
     pl.used.add("replicas")
     reps = pl.raw.get("replicas") or []
@@ -420,7 +443,8 @@ def load_config(raw: Mapping[str, Any] | None) -> Config:
         raise ConfigError("timeouts.fence_wait_s",
                           f"must be >= etcd.attempt_lease_ttl_s ({etcd.attempt_lease_ttl_s})")
     return Config(server=server, etcd=etcd, timeouts=timeouts, limits=limits,
-                  idempotency=idem, tenancy=tenancy, tools=tools, pool=pool, policy=policy)
+                  idempotency=idem, tenancy=tenancy, tools=tools, pool=pool,
+                  telemetry=telemetry, policy=policy)
 
 
 def apply_env_overrides(raw: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, Any]:

@@ -21,6 +21,8 @@ import math
 import os
 import re
 import signal
+import socket
+import struct
 import sys
 import time
 import uuid
@@ -76,8 +78,11 @@ Outcome = Literal[
 ]
 
 NO_ARG_FAULTS: Final = frozenset({"kill-before-headers", "kill-after-headers"})
+# reset-after-deltas:N dies like kill-after-deltas:N, but closes the connection with an RST
+# (SO_LINGER {1, 0}) instead of the FIN a plain SIGKILL leaves.
 COUNT_FAULTS: Final = frozenset(
-    {"kill-after-compute", "kill-after-deltas", "stall-after-deltas", "error-after-deltas"}
+    {"kill-after-compute", "kill-after-deltas", "stall-after-deltas", "error-after-deltas",
+     "reset-after-deltas"}
 )
 SECONDS_FAULTS: Final = frozenset({"slow-first-delta"})
 # overloaded:STATUS[:RETRY_AFTER_SECONDS] answers at once with 429 or 503 (alive, busy).
@@ -362,6 +367,28 @@ class Replica:
         os.kill(os.getpid(), signal.SIGKILL)
         raise AssertionError("unreachable: SIGKILL did not stop the process")
 
+    async def reset(self, request: web.BaseRequest, att: Attempt, *, wrote: bool) -> NoReturn:
+        """Die like `die`, but the connection ends with an RST, not a FIN.
+
+        SO_LINGER {on, 0} makes the close abortive: the kernel sends a RST (and drops any
+        unsent bytes, hence the settle time for the bytes already written first).
+        """
+        if wrote:
+            await asyncio.sleep(PRE_KILL_SETTLE_S)
+        transport = request.transport
+        sock = transport.get_extra_info("socket") if transport is not None else None
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        att.outcome = "killed"
+        self.log_attempt(att, fsync=True)
+        if transport is not None:
+            transport.abort()  # the socket is closed (RST) in the loop's next callbacks
+            for _ in range(3):
+                await asyncio.sleep(0)
+        os.kill(os.getpid(), signal.SIGKILL)
+        raise AssertionError("unreachable: SIGKILL did not stop the process")
+
     def finish(self, att: Attempt, outcome: Outcome) -> None:
         att.outcome = outcome
         if outcome in ("peer_closed", "stalled_peer_closed"):
@@ -553,6 +580,8 @@ class Replica:
             return web.Response(status=499)
         if fault is not None and fault.kind == "kill-after-deltas":
             await self.die(att, wrote=False)
+        if fault is not None and fault.kind == "reset-after-deltas":
+            await self.reset(request, att, wrote=False)
         if fault is not None and fault.kind == "stall-after-deltas":
             return await self._stall(request, att)
         if fault is not None and fault.kind == "error-after-deltas":
@@ -681,6 +710,8 @@ class Replica:
         if fault is not None:
             if fault.kind == "kill-after-deltas":
                 await self.die(att, wrote=True)
+            if fault.kind == "reset-after-deltas":
+                await self.reset(request, att, wrote=True)
             if fault.kind == "stall-after-deltas":
                 return await self._stall(request, att)
             if fault.kind == "error-after-deltas":

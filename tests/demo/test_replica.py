@@ -501,6 +501,10 @@ async def test_peer_close_mid_stream_is_logged(spawn: Spawn, client: httpx.Async
         (CHAT, True, "kill-after-deltas:2", 200, 3, 2, 2),
         (COMPL, True, "kill-after-deltas:2", 200, 2, 2, 2),
         (CHAT, False, "kill-after-deltas:2", None, 0, 2, 0),
+        (CHAT, True, "reset-after-deltas:0", 200, 1, 0, 0),
+        (CHAT, True, "reset-after-deltas:2", 200, 3, 2, 2),
+        (COMPL, True, "reset-after-deltas:2", 200, 2, 2, 2),
+        (CHAT, False, "reset-after-deltas:2", None, 0, 2, 0),
     ],
 )
 async def test_kill_faults(
@@ -531,3 +535,44 @@ async def test_kill_faults(
     assert line["fault"] == fault
     assert (line["tokens_computed"], line["tokens_written"]) == (computed, written)
     assert line["stream"] is stream
+
+
+async def _raw_close_kind(replica: Replica, fault: str, stream: bool) -> tuple[str, bytes]:
+    """Send one request on a bare socket; report how the connection ended: FIN or RST."""
+    body = json.dumps(_chat_body(stream=stream)).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", replica.port)
+    writer.write(b"POST " + CHAT.encode() + b" HTTP/1.1\r\nHost: x\r\n"
+                 b"Content-Type: application/json\r\nx-replica-fault: " + fault.encode()
+                 + b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    await writer.drain()
+    got = b""
+    try:
+        while True:
+            data = await asyncio.wait_for(reader.read(65536), 5)
+            if not data:
+                return "FIN", got
+            got += data
+    except ConnectionResetError:
+        return "RST", got
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize(("fault", "stream", "kind", "deltas"), [
+    ("reset-after-deltas:2", True, "RST", 2),
+    ("reset-after-deltas:0", True, "RST", 0),
+    ("reset-after-deltas:3", False, "RST", 0),
+    ("kill-after-deltas:2", True, "FIN", 2),
+])
+async def test_reset_fault_closes_with_rst_kill_with_fin(
+        spawn: Spawn, fault: str, stream: bool, kind: str, deltas: int) -> None:
+    replica = await spawn("rst")
+    how, got = await _raw_close_kind(replica, fault, stream)
+    assert how == kind, got
+    # The deltas written before the close arrived in full; nothing after them.
+    assert got.count(b'"delta":{"content":"') == deltas
+    assert b"[DONE]" not in got
+    assert await replica.wait_exit() == -signal.SIGKILL
+    (line,) = replica.log_lines()
+    assert (line["outcome"], line["fault"], line["tokens_written"]) == ("killed", fault,
+                                                                         deltas)

@@ -64,7 +64,13 @@ CONFIG: dict[str, Any] = {
 MEASURED: dict[str, Any] = {}
 
 
-def vllm_argv(port: int) -> list[str]:
+# SIGTERM behaviour differs by vLLM's --shutdown-timeout: 0 (vLLM's default) stops the engine
+# at once and leaves in-flight streams hanging; > 0 drains them. r1 drains, r2 keeps the
+# default, so both behaviours are tested behind the gateway (docs/real-engine.md).
+SHUTDOWN_TIMEOUT = {0: 30, 1: 0}
+
+
+def vllm_argv(port: int, index: int = 0) -> list[str]:
     return [
         str(VLLM_PYTHON), str(SHIM), "serve", str(MODEL_DIR),
         "--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL,
@@ -74,9 +80,7 @@ def vllm_argv(port: int) -> list[str]:
         # Each re-prefill must be a real one: with automatic prefix caching the reference run
         # would make the faulted run's prefill nearly free, and the window would vanish.
         "--no-enable-prefix-caching",
-        # vLLM 0.32's default (0) aborts in-flight requests on SIGTERM; a graceful stop
-        # drains them (see docs/real-engine.md).
-        "--shutdown-timeout", "30",
+        "--shutdown-timeout", str(SHUTDOWN_TIMEOUT.get(index, 0)),
     ]
 
 
@@ -98,7 +102,7 @@ STARTED: dict[int, float] = {}  # replica index -> monotonic time of its (last) 
 
 def replica_factory(index: int, port: int, workdir: Path) -> Proc:
     STARTED[index] = time.monotonic()
-    return Proc(name=f"r{index + 1}", argv=vllm_argv(port),
+    return Proc(name=f"r{index + 1}", argv=vllm_argv(port, index),
                 log_path=workdir / f"replica-r{index + 1}.log", env=replica_env(index))
 
 
@@ -156,7 +160,23 @@ def shm_mapped(pids: list[int]) -> set[str]:
     return out
 
 
-def reap_leaked_shm() -> int:
+def shm_names() -> set[str]:
+    try:
+        return {f"/dev/shm/{n}" for n in os.listdir("/dev/shm")
+                if n.startswith(("psm_", "sem.mp-"))}
+    except OSError:
+        return set()
+
+
+# Segments that appeared while one of our replicas started (vLLM's message queues and the
+# resource tracker's named semaphores): removed at the end if a replica was killed and left
+# them, and nothing maps them any more.
+OWNED_SHM: set[str] = set()
+
+
+def reap_leaked_shm(final: bool = False) -> int:
+    if final:
+        LEAKED_SHM.update(p for p in OWNED_SHM if os.path.exists(p))
     if not LEAKED_SHM:
         return 0
     live = shm_mapped([int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit()])
@@ -280,6 +300,7 @@ class Engines:
     def ensure_all_healthy(self, timeout_s: float = 180.0) -> None:
         """Restart any replica a previous test stopped (same port), then wait for all."""
         restarted = []
+        before = shm_names()
         for name in self.names:
             p = self.proc(name)
             if not p.alive():
@@ -296,6 +317,8 @@ class Engines:
                 t0 = STARTED[int(name[1:]) - 1]
                 MEASURED.setdefault("restart_to_health_s", []).append(
                     round(time.monotonic() - t0, 1))
+        if restarted:
+            OWNED_SHM.update(shm_names() - before)
 
     def memory(self) -> dict[str, dict[str, float]]:
         out = {}
@@ -532,12 +555,14 @@ def vstack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     used_before = machine_used_gib()
+    shm_before = shm_names()
     t0 = time.monotonic()
     try:
         st.start()
     finally:
         stop.set()
         watcher.join(2)
+    OWNED_SHM.update(shm_names() - shm_before)
     MEASURED["stack_start_s"] = round(time.monotonic() - t0, 1)
     MEASURED["replica_start_to_health_s"] = ready
     MEASURED["machine_used_gib_before_after_start"] = [used_before, machine_used_gib()]
@@ -550,7 +575,8 @@ def vstack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             MEASURED["memory_at_end"] = Engines(st).memory()
         finally:
             st.stop()
-            reap_leaked_shm()
+            time.sleep(0.5)
+            reap_leaked_shm(final=True)
             RESULTS.parent.mkdir(parents=True, exist_ok=True)
             RESULTS.write_text(json.dumps(MEASURED, indent=1, sort_keys=True) + "\n")
 

@@ -129,21 +129,34 @@ def test_kill_after_delivered_deltas_ends_the_stream_without_retry(
     assert engines.received(killed, res.xrid)
 
 
+def stream_on(gw: Client, engines: Engines, want: str, body: dict[str, object],
+              at: int, act: Callable[[str], object]) -> Result:
+    """Stream `body` until a request lands on replica `want` (Envoy round-robins; a request
+    that lands elsewhere is hung up at once), and call `act(want)` after `at` deltas."""
+    for _ in range(6):
+        xrid = new_xrid()
+        box: dict[str, str] = {}
+
+        def cb(n: int, ev: object, xrid: str = xrid, box: dict[str, str] = box) -> str | None:
+            if n == at and "name" not in box:
+                box["name"] = engines.who_received(xrid)[0]
+                if box["name"] != want:
+                    return "close"
+                act(want)
+            return None
+
+        res = gw.post(body, on_event=cb, xrid=xrid)
+        if box.get("name") == want:
+            return res
+    pytest.fail(f"no request landed on {want}")
+
+
 def test_sigterm_mid_stream_drains_and_is_not_a_crash(gw: Client, engines: Engines) -> None:
+    """r1 runs with --shutdown-timeout 30: SIGTERM to its API server drains the stream."""
     ref = reference(gw, max_tokens=96)
-    box: dict[str, str] = {}
-
-    def term_at(n: int, ev: object) -> str | None:
-        if n == 3 and "name" not in box:
-            name = engines.who_received(xrid)[0]
-            engines.terminate_leader(name)
-            box["name"] = name
-        return None
-
-    xrid = new_xrid()
-    res = gw.post(Client.body(max_tokens=96), on_event=term_at, xrid=xrid)
-    name = box["name"]
-    # vLLM drains (--shutdown-timeout 30): the in-flight stream finishes normally.
+    res = stream_on(gw, engines, "r1", Client.body(max_tokens=96), 3,
+                    engines.terminate_leader)
+    # vLLM drains: the in-flight stream finishes normally.
     assert res.status == 200 and res.transport_error is None
     assert res.events[-1] == "[DONE]" and res.error is None
     assert_same_stream(res, ref)
@@ -152,7 +165,39 @@ def test_sigterm_mid_stream_drains_and_is_not_a_crash(gw: Client, engines: Engin
     assert j["attempt"] == 1 and len(j["attempts"]) == 1
     assert j["attempts"][0]["failure_class"] == "completed"
     assert j["delivered_output_tokens"] == len(res.contents)
-    assert not engines.aborted(name, xrid)
-    engines.wait_gone(name, timeout_s=60)  # then the replica exits by itself
-    log = engines.log(name)
+    assert not engines.aborted("r1", res.xrid)
+    assert engines.who_received(res.xrid) == ["r1"]
+    t0 = time.monotonic()
+    engines.wait_gone("r1", timeout_s=60)  # then the replica exits by itself
+    MEASURED["sigterm_drain_stream_end_to_exit_s"] = round(time.monotonic() - t0, 1)
+    log = engines.log("r1")
     assert "[shutdown] API server: stopping engine client mode=drain timeout=30s" in log
+
+
+def test_sigterm_with_vllm_default_is_a_stall_ended_by_the_watchdog(
+        gw: Client, engines: Engines) -> None:
+    """r2 keeps vLLM's default --shutdown-timeout 0: SIGTERM stops the engine at once, and the
+    open stream just goes silent (uvicorn holds the connection ~60 s). Not a clean end, not a
+    reset: the gateway's stall watchdog ends it with the terminal error."""
+    ref = reference(gw, max_tokens=200)
+    marks: dict[str, float] = {}
+
+    def term(name: str) -> None:
+        marks["t"] = engines.terminate_leader(name)
+
+    res = stream_on(gw, engines, "r2", Client.body(max_tokens=200), 3, term)
+    got = len(res.contents)
+    assert res.status == 200 and res.transport_error is None
+    assert got >= 3 and ref.text.startswith(res.text) and len(res.text) < len(ref.text)
+    err = res.error
+    assert err is not None and err["code"] == "upstream_decode_interrupted"
+    assert err["delivered_output_tokens"] == got and err["retryable"] is False
+    assert res.events[-1] == "[DONE]"
+    j = gw.journal(res.request_id)
+    assert (j["outcome"], j["cause"], j["delivered_output_tokens"]) == (
+        "upstream_decode_interrupted", "stall", got)
+    assert len(j["attempts"]) == 1  # no second run
+    assert engines.who_received(res.xrid) == ["r2"]
+    assert "[shutdown] API server: stopping engine client mode=abort timeout=0s" in \
+        engines.log("r2")
+    MEASURED["sigterm_default_to_terminal_error_s"] = round(res.t_end - marks["t"], 2)
