@@ -150,6 +150,8 @@ class Stack:
     fingerprints: list[dict[str, Any]] | None = None
     # Extra environment for the processor (e.g. the sweep's test-only sabotage switch).
     processor_env: dict[str, str] | None = None
+    # Start a span-printing OTLP receiver and send both Envoy's and our traces to it.
+    span_printer: bool = False
     quiet_envoy: bool = True
     procs: dict[str, Proc] = field(default_factory=dict)
     replica_ports: list[int] = field(default_factory=list)
@@ -172,6 +174,16 @@ class Stack:
         return self
 
     def _start(self) -> None:
+        if self.span_printer and not self.plain:
+            port = free_port()
+            p = Proc("otlp", [sys.executable, "-m", "extproc.demo.otlp_printer", "--port",
+                              str(port), "--out", str(self.workdir / "spans.jsonl")],
+                     self.workdir / "otlp.log")
+            p.start()
+            self.procs["otlp"] = p
+            wait_until(lambda: _tcp_open("127.0.0.1", port), 20, "OTLP span printer")
+            self.config = {**self.config, "telemetry": {
+                **(self.config.get("telemetry") or {}), "otlp_endpoint": f"127.0.0.1:{port}"}}
         if not self.plain:
             if not self.etcd_endpoint:
                 self._start_etcd()
@@ -367,7 +379,7 @@ class Stack:
         if self._sup is not None:
             self._sup.join(2)
         for name in ["envoy", *[n for n in self.procs if n.startswith(("r", "proxy-"))],
-                     "tools", "processor", "etcd"]:
+                     "tools", "processor", "etcd", "otlp"]:
             p = self.procs.get(name)
             if p is not None:
                 p.stop()
@@ -411,8 +423,12 @@ Kill the replica after 3 delivered deltas (the stream ends with upstream_decode_
     -H 'x-replica-fault: kill-after-deltas:3' \\
     -d '{body}'
 
-Look the request up (use the x-gateway-request-id response header):
+Look the request up (use the x-gateway-request-id response header), and replay it:
   curl {url}/v1/requests/<request_id>
+  .venv/bin/extproc inspect <request_id> --config {stack.workdir}/extproc.yaml
+  .venv/bin/extproc replay <request_id> --config {stack.workdir}/extproc.yaml
+
+Traces (Envoy's spans and ours, one line per span): tail -f {stack.workdir}/spans.jsonl
 
 With the openai SDK:
   from openai import OpenAI
@@ -431,7 +447,8 @@ def run_forever(config_path: str | None, workdir: str | None, replicas: int,
     if config_path:
         raw = yaml.safe_load(Path(config_path).read_text()) or {}
     wd = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="extproc-run-"))
-    stack = Stack(workdir=wd, config=raw, replicas=replicas, envoy_port=envoy_port)
+    stack = Stack(workdir=wd, config=raw, replicas=replicas, envoy_port=envoy_port,
+                  span_printer=True, tool_server=True)
     stop = threading.Event()
 
     def _on_signal(signum: int, frame: Any) -> None:
