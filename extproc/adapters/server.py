@@ -190,28 +190,16 @@ class Processor:
             await asyncio.wait(list(self._tasks), timeout=timeout_s)
 
 
-# --- guard ---------------------------------------------------------------------------
+# --- sessions ------------------------------------------------------------------------
 
 
-class GuardSession:
-    def __init__(self, proc: Processor, ctx: grpc.aio.ServicerContext[Any, Any]) -> None:
-        self.p = proc
-        self.cfg = proc.cfg
-        self.ctx = ctx
-        self.lock = asyncio.Lock()
-        self.m: GuardMachine | None = None
-        self.rid: str | None = None
-        self.gen: Generation | None = None
-        self.watchdog: asyncio.TimerHandle | None = None
-        self.finished = False
-        self.closed = False
-        self.progress_at = time.monotonic()
-        self.progress_sent = 0
-        self.progress_inflight = False
-        self.tool: ToolCallHandler | None = None
-        self.md: dict[str, str] = {}
-        self.span: Span = INVALID
-        self.first_delta_evented = False
+class Session:
+    """One Envoy ext_proc stream: read messages in order, answer them, clean up at the end."""
+
+    ctx: grpc.aio.ServicerContext[Any, Any]
+    lock: asyncio.Lock
+    closed: bool
+    rid: str | None
 
     async def write(self, resp: ep.ProcessingResponse) -> None:
         if self.closed:
@@ -231,11 +219,44 @@ class GuardSession:
                     await self.on_message(msg)
         finally:
             self.closed = True
-            self._disarm()
-            if self.m is not None:
-                self.p.spawn(self.close_out(), f"guard-close-{self.rid}")
-            if self.tool is not None:
-                self.p.spawn(self.tool.on_closed(), f"tool-close-{self.rid}")
+            await self.on_closed()
+
+    async def on_message(self, msg: ep.ProcessingRequest) -> None:
+        raise NotImplementedError
+
+    async def on_closed(self) -> None:
+        raise NotImplementedError
+
+
+# --- guard ---------------------------------------------------------------------------
+
+
+class GuardSession(Session):
+    def __init__(self, proc: Processor, ctx: grpc.aio.ServicerContext[Any, Any]) -> None:
+        self.p = proc
+        self.cfg = proc.cfg
+        self.ctx = ctx
+        self.lock = asyncio.Lock()
+        self.m: GuardMachine | None = None
+        self.rid: str | None = None
+        self.gen: Generation | None = None
+        self.watchdog: asyncio.TimerHandle | None = None
+        self.finished = False
+        self.closed = False
+        self.progress_at = time.monotonic()
+        self.progress_sent = 0
+        self.progress_inflight = False
+        self.tool: ToolCallHandler | None = None
+        self.md: dict[str, str] = {}
+        self.span: Span = INVALID
+        self.first_delta_evented = False
+
+    async def on_closed(self) -> None:
+        self._disarm()
+        if self.m is not None:
+            self.p.spawn(self.close_out(), f"guard-close-{self.rid}")
+        if self.tool is not None:
+            self.p.spawn(self.tool.on_closed(), f"tool-close-{self.rid}")
 
     async def on_message(self, msg: ep.ProcessingRequest) -> None:
         which = msg.WhichOneof("request")
@@ -519,7 +540,7 @@ class GuardSession:
 # --- gate ----------------------------------------------------------------------------
 
 
-class GateSession:
+class GateSession(Session):
     def __init__(self, proc: Processor, ctx: grpc.aio.ServicerContext[Any, Any]) -> None:
         self.p = proc
         self.cfg = proc.cfg
@@ -549,33 +570,16 @@ class GateSession:
         self.span: Span = INVALID
         self.parent_tp: str | None = None
 
-    async def write(self, resp: ep.ProcessingResponse) -> None:
-        if self.closed:
-            return
-        try:
-            await self.ctx.write(resp)
-        except (grpc.aio.AioRpcError, RuntimeError, asyncio.InvalidStateError):
-            self.closed = True
-
-    async def run(self) -> None:
-        try:
-            while True:
-                msg = await self.ctx.read()
-                if msg is grpc.aio.EOF:
-                    break
-                async with self.lock:
-                    await self.on_message(msg)
-        finally:
-            self.closed = True
-            if self.keepalive is not None:
-                self.keepalive.cancel()
-            for timer in (self._soft_timer, self._hard_timer):
-                if timer is not None:
-                    timer.cancel()
-            if self.m is not None:
-                for a in self.m.handle(StreamClosed()):
-                    if isinstance(a, EndAttempt):
-                        self.p.spawn(self.end(a), f"gate-end-{self.aid}")
+    async def on_closed(self) -> None:
+        if self.keepalive is not None:
+            self.keepalive.cancel()
+        for timer in (self._soft_timer, self._hard_timer):
+            if timer is not None:
+                timer.cancel()
+        if self.m is not None:
+            for a in self.m.handle(StreamClosed()):
+                if isinstance(a, EndAttempt):
+                    self.p.spawn(self.end(a), f"gate-end-{self.aid}")
 
     async def on_message(self, msg: ep.ProcessingRequest) -> None:
         which = msg.WhichOneof("request")
