@@ -233,3 +233,40 @@ def test_processor_killed_mid_stream_is_settled_honestly(fgw: Gateway) -> None:
     assert j["error"]["code"] == "gateway_interrupted" and j["error"]["retryable"] is False
     rows = fgw.attempts_logged(res.request_id)
     assert len(rows) == 1 and rows[0]["peer_closed"] is True  # upstream cancelled, no retry
+
+
+def test_a_revoked_lease_stops_publishing_at_once(fgw: Gateway) -> None:
+    """Revocation by someone else (an operator, another gateway) reaches the processor
+    serving the attempt through its watch: it publishes nothing more."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    etcdctl = str(Path(sys.executable).parent / "etcdctl")
+    box: dict[str, Result] = {}
+    t = threading.Thread(target=lambda: box.setdefault("r", fgw.post(
+        fgw.body(max_tokens=60), headers={"x-replica-token-delay-ms": "50"})))
+    t.start()
+    deadline = time.monotonic() + 5
+    rid = None
+    while rid is None and time.monotonic() < deadline:  # find the live attempt
+        out = subprocess.run([etcdctl, "--endpoints", fgw.stack.etcd_endpoint, "get",
+                              "--prefix", "/llmgw/v1/live/", "--keys-only"],
+                             capture_output=True, text=True, timeout=10).stdout.split()
+        rid = out[0].rsplit("/", 1)[1] if out else None
+        time.sleep(0.05)
+    assert rid is not None
+    time.sleep(0.5)  # some deltas delivered
+    subprocess.run([etcdctl, "--endpoints", fgw.stack.etcd_endpoint, "del",
+                    f"/llmgw/v1/live/{rid}"], check=True, capture_output=True, timeout=10)
+    t.join(20)
+    res = box["r"]
+    assert res.request_id == rid
+    # Nothing after the revocation was published; the guard's watchdog then ended the
+    # stream with the terminal error (the replica kept writing into the void).
+    assert res.error is not None and res.error["code"] == "upstream_decode_interrupted"
+    assert 0 < len(res.contents) < 60
+    rows = fgw.attempts_logged(rid, settle_s=4.0)
+    assert len(rows) == 1 and rows[0]["tokens_written"] > len(res.contents)
+    log = (fgw.stack.workdir / "processor.log").read_text()
+    assert "attempt fenced: its lease was revoked or replaced" in log
