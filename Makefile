@@ -5,9 +5,19 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 BIN    := $(VENV)/bin
 
-include proto/gen.mk
+.DEFAULT_GOAL := help
 
-.PHONY: install run test lint typecheck unit e2e bench bench-quick envoy-config clean
+include proto/gen.mk
+include vllm/vllm.mk
+
+.PHONY: help install run test lint typecheck unit e2e bench bench-quick envoy-config clean
+
+help:
+	@echo "make run        etcd + processor + Envoy (:10000) + demo replicas on loopback"
+	@echo "make test       ruff, mypy --strict, and every test (unit + real Envoy/etcd e2e)"
+	@echo "make bench      plain Envoy vs Envoy + processor, ratios (docs/benchmarks.md)"
+	@echo "make sweep      the full fault sweep (docs/sweep.md)"
+	@echo "make test-vllm  the scenarios against real vLLM replicas (docs/real-engine.md)"
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Python 3.11+ required"'

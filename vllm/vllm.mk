@@ -3,6 +3,8 @@
 # or run stand-alone from the repository root: `make -f vllm/vllm.mk test-vllm`.
 # Everything lives in vllm/, tests/vllm/ and docs/real-engine.md; see that page.
 
+# Keep the including Makefile's default goal (whatever it is, or will be).
+_VLLM_DEFAULT_GOAL := $(.DEFAULT_GOAL)
 VLLM_ROOT    := $(patsubst %/,%,$(dir $(abspath $(dir $(lastword $(MAKEFILE_LIST))))))
 VLLM_VENV    ?= $(VLLM_ROOT)/.venv-vllm
 VLLM_PY      := $(VLLM_VENV)/bin/python
@@ -35,3 +37,6 @@ test-vllm: vllm-model
 
 vllm-clean:
 	rm -rf "$(VLLM_VENV)" "$(VLLM_MODELS)"
+
+# Included: leave the default goal alone. Stand-alone: `make -f vllm/vllm.mk` runs test-vllm.
+.DEFAULT_GOAL := $(or $(_VLLM_DEFAULT_GOAL),$(if $(filter 1,$(words $(MAKEFILE_LIST))),test-vllm))

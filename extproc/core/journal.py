@@ -134,6 +134,7 @@ class JournalView:
             "outcome": self.outcome["outcome"] if self.outcome else None,
             "cause": self.outcome.get("cause") if self.outcome else None,
             "stream": self.meta.get("stream"),
+            "envoy_request_id": self.meta.get("envoy_request_id"),
             "created_at": self.meta.get("created_at"),
             "first_delta_at": (self.delivery or {}).get("at"),
             "finished_at": self.outcome.get("finished_at") if self.outcome else None,

@@ -96,6 +96,10 @@ def _choice_units(choice: object) -> int:
     return 0
 
 
+# finish_reason values that mean the generation was cut short by the server.
+ABORT_REASONS = frozenset({"abort", "error"})
+
+
 def classify(data: bytes) -> tuple[EventKind, int]:
     """Classify one event's data field; returns the kind and its content units."""
     if data == _DONE or data.strip() == _DONE:
@@ -113,6 +117,10 @@ def classify(data: bytes) -> tuple[EventKind, int]:
     units = 0
     if isinstance(choices, list):
         for choice in choices:
+            # vLLM ends an aborted generation (e.g. its engine stopping) with
+            # finish_reason "abort" and then [DONE]: that answer is cut short, not complete.
+            if isinstance(choice, dict) and choice.get("finish_reason") in ABORT_REASONS:
+                return EventKind.ERROR, 0
             units += _choice_units(choice)
     if units:
         return EventKind.CONTENT, units

@@ -480,3 +480,12 @@ def test_arbitrary_bytes_split_invariant(noise: bytes, data: st.DataObject) -> N
         fed += size
         assert b"".join(e.raw for e in events) + dec.pending() == noise[:fed]
     assert events + dec.finish() == _decode_all(noise)
+
+
+def test_an_aborted_finish_is_an_interruption_not_a_complete_answer() -> None:
+    # vLLM's last chunk when its engine aborts a request: it must not pass for complete.
+    data = (b'{"id":"x","object":"chat.completion.chunk","choices":[{"index":0,'
+            b'"delta":{},"finish_reason":"abort"}]}')
+    assert classify(data) == (EventKind.ERROR, 0)
+    ok = data.replace(b'"abort"', b'"length"')
+    assert classify(ok) == (EventKind.NON_CONTENT, 0)

@@ -75,9 +75,10 @@ def test_non_streaming_body_is_the_engines_own(gw: Client, engines: Engines,
     assert ref.status == 200 and len(ref.events) == 1
     res = gw.post(body, path=url)
     assert res.normalized() == ref.normalized()
-    choice = res.events[0]["choices"][0]  # type: ignore[index]
-    assert choice["finish_reason"] == "length"
-    assert res.events[0]["usage"]["completion_tokens"] == MAX  # type: ignore[index]
+    body0 = res.events[0]
+    assert isinstance(body0, dict)
+    assert body0["choices"][0]["finish_reason"] == "length"
+    assert body0["usage"]["completion_tokens"] == MAX
     # Non-streaming: the journal takes the count from the body's usage.
     assert_one_clean_attempt(gw, engines, res, MAX, stream=False)
 

@@ -174,11 +174,17 @@ def test_sigterm_mid_stream_drains_and_is_not_a_crash(gw: Client, engines: Engin
     assert "[shutdown] API server: stopping engine client mode=drain timeout=30s" in log
 
 
-def test_sigterm_with_vllm_default_is_a_stall_ended_by_the_watchdog(
-        gw: Client, engines: Engines) -> None:
-    """r2 keeps vLLM's default --shutdown-timeout 0: SIGTERM stops the engine at once, and the
-    open stream just goes silent (uvicorn holds the connection ~60 s). Not a clean end, not a
-    reset: the gateway's stall watchdog ends it with the terminal error."""
+def test_sigterm_with_vllm_default_never_looks_complete(gw: Client, engines: Engines) -> None:
+    """r2 keeps vLLM's default --shutdown-timeout 0: SIGTERM stops the engine at once. What the
+    open stream then does is a race inside vLLM; three endings were seen:
+
+    - silence (uvicorn holds the connection ~60 s): the stall watchdog ends it;
+    - vLLM's in-band `{"error": {"message": "EngineCore encountered an issue..."}}` then
+      [DONE] ("failed (engine dead)"): replaced by our terminal error;
+    - a last chunk with `finish_reason: "abort"` then [DONE]: a clean-looking, truncated
+      stream; the gateway classifies the abort as an interruption and replaces it with
+      our terminal error.
+    """
     ref = reference(gw, max_tokens=200)
     marks: dict[str, float] = {}
 
@@ -187,17 +193,23 @@ def test_sigterm_with_vllm_default_is_a_stall_ended_by_the_watchdog(
 
     res = stream_on(gw, engines, "r2", Client.body(max_tokens=200), 3, term)
     got = len(res.contents)
+    # Always: a strict prefix of the fault-free text, one attempt, nothing run elsewhere.
     assert res.status == 200 and res.transport_error is None
     assert got >= 3 and ref.text.startswith(res.text) and len(res.text) < len(ref.text)
-    err = res.error
-    assert err is not None and err["code"] == "upstream_decode_interrupted"
-    assert err["delivered_output_tokens"] == got and err["retryable"] is False
     assert res.events[-1] == "[DONE]"
     j = gw.journal(res.request_id)
-    assert (j["outcome"], j["cause"], j["delivered_output_tokens"]) == (
-        "upstream_decode_interrupted", "stall", got)
-    assert len(j["attempts"]) == 1  # no second run
+    assert len(j["attempts"]) == 1 and j["delivered_output_tokens"] == got
     assert engines.who_received(res.xrid) == ["r2"]
     assert "[shutdown] API server: stopping engine client mode=abort timeout=0s" in \
         engines.log("r2")
-    MEASURED["sigterm_default_to_terminal_error_s"] = round(res.t_end - marks["t"], 2)
+    finish = [ch.get("finish_reason") for e in res.events if isinstance(e, dict)
+              for ch in e.get("choices") or []]
+    assert "abort" not in finish  # never forwarded: replaced by our terminal event
+    MEASURED.setdefault("sigterm_default_endings", []).append(
+        {"ending": j["cause"], "to_stream_end_s": round(res.t_end - marks["t"], 2)})
+    err = res.error
+    assert err is not None and err["code"] == "upstream_decode_interrupted"
+    assert err["delivered_output_tokens"] == got and err["retryable"] is False
+    assert j["outcome"] == "upstream_decode_interrupted"
+    assert j["cause"] in ("stall", "in-band error")
+    assert "EngineCore encountered an issue" not in res.raw.decode()  # ours, not vLLM's
