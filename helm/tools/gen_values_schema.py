@@ -99,6 +99,13 @@ proc_config = obj({
         "max_result_bytes": integer(0, 64 << 20),
         "wait_s": num(0.0, 600.0),
     }),
+    "telemetry": obj({
+        "otlp_endpoint": nullable_str,
+        "service_name": {"type": "string", "minLength": 1},
+        "record_traces": {"enum": ["failures", "all", "none"]},
+        "max_trace_bytes": integer(1024, 64 << 20),
+        "metrics_interval_s": num(0.5, 3600.0),
+    }),
     "pool": obj({"replicas": {
         "type": "array",
         "description": "replicas and compatibility fingerprints; non-empty enables override_host",

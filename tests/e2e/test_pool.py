@@ -145,6 +145,7 @@ def test_expensive_retry_is_refused_a_cheap_one_runs(pgw: Gateway) -> None:
     assert long.error is not None and long.error["code"] == "retry_too_expensive"
     assert long.error["estimated_prompt_tokens"] > 1000
     assert len(names_for(pgw, long.request_id)) == 1  # the retry never started
+    pgw.stack.wait_replicas_healthy()  # the killed replica is back before the next request
     short = pgw.post(pgw.body(max_tokens=MAX), headers={"x-replica-fault": "kill-before-headers"})
     assert short.status == 200 and len(short.contents) == MAX
     assert len(names_for(pgw, short.request_id)) == 2

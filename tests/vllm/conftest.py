@@ -398,7 +398,7 @@ def assert_same_stream(got: Result, want: Result) -> None:
     one token per chunk. vLLM's API server merges tokens into one chunk when it falls behind
     the engine (RequestOutputCollector), which depends on CPU load, not on the gateway."""
     assert got.text == want.text
-    if len(got.contents) == len(want.contents):
+    if got.contents == want.contents:
         assert got.normalized() == want.normalized()
     else:
         MEASURED["coalesced_chunk_runs"] = MEASURED.get("coalesced_chunk_runs", 0) + 1
