@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import datetime as dt
 import functools
+import hashlib
 import json
 import os
 import platform
@@ -85,7 +86,7 @@ class Params:
     # many cores is measured once more (crashes are retried up to `attempts` in total)
     other_load_limit: float = 0.15
     # after this long, no more idle waits or re-measurements of disturbed windows
-    budget_s: float = 330.0
+    budget_s: float = 240.0
     # a figure whose stack lost a process mid-run is re-measured on a fresh stack
     attempts: int = 3
 
@@ -486,6 +487,16 @@ def measure_side(side: str, p: Params, work: Path, log: Any) -> dict[str, Any]:
 # --- reporting --------------------------------------------------------------------------------
 
 
+def code_digest() -> str:
+    """sha256 of the processor's sources (extproc/**/*.py), to tie numbers to code."""
+    h = hashlib.sha256()
+    for f in sorted((ROOT.parent / "extproc").rglob("*.py")):
+        h.update(str(f.relative_to(ROOT.parent)).encode() + b"\0")
+        with contextlib.suppress(OSError):
+            h.update(f.read_bytes())
+    return h.hexdigest()[:12]
+
+
 def machine_info() -> dict[str, Any]:
     model = "unknown"
     with contextlib.suppress(OSError):
@@ -502,7 +513,7 @@ def machine_info() -> dict[str, Any]:
     return {"date_utc": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
             "nproc": os.cpu_count(), "cpu_model": model, "envoy": envoy,
             "python": platform.python_version(), "kernel": platform.release(),
-            "loadavg_at_start": os.getloadavg()}
+            "loadavg_at_start": os.getloadavg(), "code_sha256_start": code_digest()}
 
 
 def mmm(xs: list[float]) -> list[float] | None:
@@ -603,7 +614,10 @@ def render_table(meta: dict[str, Any], p: Params, summary: dict[str, Any],
     lines = [
         f"extproc benchmark  {meta['date_utc']}",
         f"machine: {meta['nproc']} CPUs, {meta['cpu_model']}, kernel {meta['kernel']}; "
-        f"Envoy {meta['envoy']}; Python {meta['python']}",
+        f"Envoy {meta['envoy']}; Python {meta['python']}; extproc sources sha256 "
+        f"{meta['code_sha256_start']}"
+        + ("" if meta["code_sha256_end"] == meta["code_sha256_start"] else
+           f" -> {meta['code_sha256_end']} (WARNING: the code changed during the run)"),
         f"repeats={p.repeats}; saturation: C={p.sat_clients} streams x {p.sat_tokens} tokens, "
         f"no delay, {p.sat_duration_s:g} s window; latency: {p.lat_streams} streams x "
         f"{p.lat_tokens} tokens @ "
@@ -730,6 +744,7 @@ def main(argv: list[str] | None = None) -> int:
             r["repeat"] = rep + 1
             runs.append(r)
     meta["elapsed_s"] = round(time.monotonic() - started, 1)
+    meta["code_sha256_end"] = code_digest()
     summary = summarize(runs, p)
     table = render_table(meta, p, summary, runs)
     print(table)
