@@ -250,6 +250,7 @@ class GuardSession(Session):
         self.md: dict[str, str] = {}
         self.span: Span = INVALID
         self.first_delta_evented = False
+        self.envoy_request_id: str | None = None
 
     async def on_closed(self) -> None:
         self._disarm()
@@ -378,7 +379,7 @@ class GuardSession(Session):
             "endpoint": gen.path,
             "max_attempts": self.cfg.policy.max_attempts,
             "gateway_id": self.cfg.server.gateway_id,
-            "envoy_request_id": getattr(self, "envoy_request_id", None),
+            "envoy_request_id": self.envoy_request_id,
             "created_at": _now(),
             **meta.to_dict(),
         }
