@@ -9,6 +9,7 @@ BIN    := $(VENV)/bin
 
 include proto/gen.mk
 include vllm/vllm.mk
+include sweep.mk
 
 .PHONY: help install run test lint typecheck unit e2e bench bench-quick envoy-config clean
 

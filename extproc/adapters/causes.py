@@ -16,6 +16,8 @@ from collections import OrderedDict
 from ..core.headers import ATTEMPT_ID, REQUEST_ID
 from ..gen.envoy.data.accesslog.v3 import accesslog_pb2 as al
 
+REPLICA_CLUSTER = "replicas"  # the cluster name extproc.envoy_config renders
+
 _CLIENT_FLAGS = ("downstream_connection_termination", "downstream_remote_reset")
 _TIMEOUT_FLAGS = ("upstream_request_timeout", "stream_idle_timeout", "duration_timeout",
                   "upstream_max_stream_duration_reached")
@@ -50,6 +52,10 @@ class CauseRegistry:
         """Downstream entries are keyed by request id, per-attempt (upstream) ones by attempt id."""
         hdrs = entry.request.request_headers
         if entry.common_properties.access_log_type == al.UpstreamEnd:
+            if entry.common_properties.upstream_cluster != REPLICA_CLUSTER:
+                # e.g. a tool call made by the attempt carries its attempt id too: its entry
+                # says nothing about how the attempt ended (found by the fault sweep).
+                return
             rid = hdrs.get(ATTEMPT_ID)
         else:
             rid = hdrs.get(REQUEST_ID)

@@ -889,22 +889,24 @@ class GateSession(Session):
             self.p.spawn(self.p.save_trace(rid, f"attempt-{self.attempt:03d}", self.m, {
                 "attempt_id": self.aid, "replica": self.replica,
                 "failure_class": str(cls)}), f"trace-{self.aid}")
+        lease, aid, attempt, store = self.lease, self.aid, self.attempt, self.p.store
+        fencing: Callable[[], Awaitable[Any]]
         if fence is FenceKind.REVOKE:
             # Confirmed end (the replica closed, answered, or the client left): revoking
             # deletes `live`, so a retry may start now.
-            fencing = self.p.store.revoke(self.lease)
+            fencing = lambda: store.revoke(lease)  # noqa: E731
         else:
             # policy.uncertain_source_liveness: the replica may still be decoding. Fence it
             # (it can publish nothing more), stop renewing, and let the lease run out: a
             # retry is admitted only after expiry.
-            fencing = self.p.store.fence_until_expiry(rid, self.aid, self.lease)
-        results = await asyncio.gather(fencing,
-                                       self.p.store.end_attempt(rid, self.attempt, record),
-                                       return_exceptions=True)
-        for r in results:
-            if isinstance(r, Exception):
-                rlog(log, logging.WARNING, "could not close attempt record", rid, self.aid,
-                     error=str(r))
+            lease.revoked = True
+            fencing = lambda: store.fence_until_expiry(rid, aid, lease)  # noqa: E731
+        # etcd may be briefly away: both writes are retried for a bounded time, so the
+        # record does not keep an attempt without its end (found by the fault sweep).
+        await asyncio.gather(
+            retrying(fencing, "fence the ended attempt", rid, aid),
+            retrying(lambda: store.end_attempt(rid, attempt, record),
+                     "close the attempt record", rid, aid))
 
 
 # --- gRPC services ---------------------------------------------------------------------

@@ -18,6 +18,7 @@ class FailureClass(StrEnum):
     OVERLOADED = "overloaded"  # 429/503 answered by the replica: alive, busy
     CLIENT_GONE = "client_gone"
     ENDED_BY_GATEWAY = "ended_by_gateway"  # we failed it on purpose; the replica answered
+    REPLICA_ERROR = "replica_error"  # the replica answered an error status: alive, done
 
 
 class Fence(StrEnum):
@@ -50,6 +51,10 @@ def classify(end: AttemptEnd) -> FailureClass:
         return FailureClass.ENDED_BY_GATEWAY
     if end.http_status in (429, 503):
         return FailureClass.OVERLOADED
+    if end.http_status >= 400:
+        # It answered (Envoy may reset the rest to retry elsewhere): reachable and alive,
+        # its request is over. Never the uncertain branch (found by the fault sweep).
+        return FailureClass.REPLICA_ERROR
     if end.cause == "client":
         return FailureClass.CLIENT_GONE
     if end.cause == "upstream":

@@ -29,6 +29,8 @@ def end(**kw: object) -> AttemptEnd:
     (end(http_status=503, upstream_finished=True), FailureClass.OVERLOADED),
     (end(http_status=503, cause="upstream"), FailureClass.OVERLOADED),
     (end(http_status=400, upstream_finished=True), FailureClass.COMPLETED),
+    (end(http_status=500, cause="unknown"), FailureClass.REPLICA_ERROR),
+    (end(http_status=502, cause="timeout"), FailureClass.REPLICA_ERROR),
     (end(cause="client"), FailureClass.CLIENT_GONE),
     (end(released=True, http_status=200, cause="client"), FailureClass.CLIENT_GONE),
     (end(failed_on_purpose=True, http_status=200, cause="unknown"),

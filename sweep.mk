@@ -1,0 +1,16 @@
+# The fault sweep (docs/sweep.md): each fault kind at each token index of a reference answer,
+# through real Envoy + etcd + processor + demo replicas, checked per request_id.
+# Included from the Makefile (after PY is defined). Extra options: SWEEP_ARGS="--seed 11".
+.PHONY: sweep sweep-quick sweep-selfcheck
+
+## Full sweep: every kind at every index 0..N, streaming and non-streaming (~25-30 min).
+sweep: install
+	$(PY) -m tests.sweep --full $(SWEEP_ARGS)
+
+## The fast subset `make test` also runs (indices {0,1,2,N}), with the summary table.
+sweep-quick: install
+	$(PY) -m tests.sweep --quick $(SWEEP_ARGS)
+
+## Self-check: the sweep must catch a processor that releases without the fence.
+sweep-selfcheck: install
+	$(PY) -m tests.sweep --unsafe $(SWEEP_ARGS)
