@@ -113,7 +113,9 @@ class LiveAttempt:
     def __init__(self, g: Gateway) -> None:
         self.client = httpx.Client(base_url=g.stack.base_url, timeout=30)
         self.cm = self.client.stream("POST", "/v1/chat/completions",
-                                     json=g.body(max_tokens=60),
+                                     # long enough to outlive every test using it (the
+                                     # fixture closes it); a finished attempt is fenced
+                                     json=g.body(max_tokens=400),
                                      headers={"x-replica-token-delay-ms": "100"})
         r = self.cm.__enter__()
         self.rid = r.headers["x-gateway-request-id"]
