@@ -424,8 +424,15 @@ class GuardSession(Session):
 
     async def feed(self, ev: Event) -> None:
         assert self.m is not None
-        for a in self.m.handle(ev):
-            await self.act(a)
+        actions = self.m.handle(ev)
+        # The outcome is recorded first, in its own task: once our terminal event is
+        # written Envoy may close this stream and cancel us mid-await (found by the sweep).
+        for a in actions:
+            if isinstance(a, Finish):
+                self.p.spawn(self.record(a), f"guard-finish-{self.rid}")
+        for a in actions:
+            if not isinstance(a, Finish):
+                await self.act(a)
 
     async def act(self, a: Action) -> None:
         rid = self.rid or ""
@@ -448,8 +455,6 @@ class GuardSession(Session):
             self._arm(a.seconds)
         elif isinstance(a, DisarmWatchdog):
             self._disarm()
-        elif isinstance(a, Finish):
-            self.p.spawn(self.record(a), f"guard-finish-{rid}")
         elif isinstance(a, AwaitCause):
             cause = await self.p.causes.wait(rid, self.cfg.timeouts.access_log_wait_s)
             await self.feed(CauseLearned(cause))

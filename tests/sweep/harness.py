@@ -791,16 +791,9 @@ def observe(ev: Evidence) -> list[str]:
 # (kind, patterns every violation of the case must match, description). A case whose
 # violations all match is still a violation (the table counts it) but is labelled known, and
 # the quick subset in `make test` xfails it instead of failing. Remove an entry once fixed.
-KNOWN_ISSUES: list[tuple[str, tuple[str, ...], str]] = [
-    ("error-after-deltas",
-     (r"journal outcome None", r"delivered_output_tokens=0 \(exact=True\)",
-      r"journal error None != the client's"),
-     "outcome lost after an in-band error: the client got the terminal event, the journal "
-     "never records an outcome (phase decode, delivered 0), ~1 run in 30"),
-    ("etcd-freeze", (r"never got an end record",),
-     "an attempt that ends while etcd is frozen longer than etcd.timeout_s never gets its "
-     "end record (ended_at/released/fence): the gate's end write is not retried"),
-]
+# Product defects the sweep found and that are not fixed yet: (kind, message patterns, what).
+# Empty: the last one (an outcome lost after an in-band error) was fixed in the guard.
+KNOWN_ISSUES: list[tuple[str, tuple[str, ...], str]] = []
 
 
 def known_issue(res: CaseResult) -> str | None:
