@@ -4,7 +4,7 @@ Envoy's timeouts and retry counts must agree with the processor's policy (max_at
 becomes num_retries, the first-delta limit becomes per_try_timeout, the stall watchdog must
 fire before any Envoy idle timeout), so they are derived from one Config instead of being
 kept in sync by hand. `plain=True` renders the same listener and cluster with no ext_proc
-at all: the baseline the benchmarks compare against. Requires Envoy >= 1.33 (upstream HTTP
+at all: the baseline the benchmarks compare against. Requires Envoy >= 1.34 (upstream HTTP
 filters with ext_proc, FULL_DUPLEX_STREAMED); verified on 1.40.0.
 """
 
