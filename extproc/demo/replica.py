@@ -34,6 +34,7 @@ import aiohttp
 from aiohttp import web
 
 from extproc.core.pool import Fingerprint
+from extproc.demo.serving import until_signalled
 from extproc.demo.tokens import (
     DEFAULT_MAX_TOKENS,
     DEFAULT_SEED,
@@ -805,14 +806,7 @@ async def serve(args: argparse.Namespace) -> None:
         file=sys.stderr,
         flush=True,
     )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        await stop.wait()
-    finally:
-        await runner.cleanup()
+    await until_signalled(runner)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -25,6 +25,8 @@ import time
 
 from aiohttp import web
 
+from extproc.demo.serving import until_signalled
+
 
 class ToolServer:
     def __init__(self, log_file: str) -> None:
@@ -81,14 +83,7 @@ async def serve(host: str, port: int, log_file: str) -> None:
     await web.TCPSite(runner, host, port).start()
     print(f"demo tool server on http://{host}:{port} (log: {log_file})", file=sys.stderr,
           flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        await stop.wait()
-    finally:
-        await runner.cleanup()
+    await until_signalled(runner)
 
 
 def main(argv: list[str] | None = None) -> None:
