@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .core.config import Config
-from .core.headers import ATTEMPT_ID, ENVOY_ATTEMPT_COUNT, REQUEST_ID, ROLE_METADATA
+from .core.headers import ATTEMPT_ID, ENVOY_ATTEMPT_COUNT, PREADMITTED, REQUEST_ID, ROLE_METADATA
 
 
 @dataclass(frozen=True)
@@ -130,9 +130,11 @@ def render(cfg: Config, topo: Topology, plain: bool = False) -> dict[str, Any]:
     router: dict[str, Any] = {"@type": _t("envoy.extensions.filters.http.router.v3.Router")}
     if not plain:
         # One entry per attempt: how each attempt ended (UF/UC/UPE: dead; UT: timed out,
-        # liveness uncertain). The gate's fence decision waits for it (decision 0007).
+        # liveness uncertain). The gate's fence decision waits for it (decision 0004).
+        # An attempt whose upstream filters never ran (e.g. connection refused) has no
+        # attempt id, only the guard's pre-admission header: decision 0007.
         router["upstream_log"] = [_grpc_access_log("gate", [REQUEST_ID, ATTEMPT_ID,
-                                                            ENVOY_ATTEMPT_COUNT])]
+                                                            ENVOY_ATTEMPT_COUNT, PREADMITTED])]
     filters.append({"name": "envoy.filters.http.router", "typed_config": router})
 
     retry_policy = {

@@ -13,10 +13,11 @@ import asyncio
 import time
 from collections import OrderedDict
 
-from ..core.headers import ATTEMPT_ID, REQUEST_ID
+from ..core.headers import ATTEMPT_ID, PREADMITTED, REQUEST_ID
 from ..gen.envoy.data.accesslog.v3 import accesslog_pb2 as al
 
 REPLICA_CLUSTER = "replicas"  # the cluster name extproc.envoy_config renders
+NO_GATE = "nogate:"  # key prefix of a pre-admitted attempt that no gate ever saw
 
 _CLIENT_FLAGS = ("downstream_connection_termination", "downstream_remote_reset")
 _TIMEOUT_FLAGS = ("upstream_request_timeout", "stream_idle_timeout", "duration_timeout",
@@ -57,6 +58,10 @@ class CauseRegistry:
                 # says nothing about how the attempt ended (found by the fault sweep).
                 return
             rid = hdrs.get(ATTEMPT_ID)
+            if not rid and hdrs.get(PREADMITTED):
+                # No gate ran for this attempt (its upstream filters never started, e.g. the
+                # connection was refused): it never reached a replica.
+                rid = NO_GATE + hdrs[PREADMITTED]
         else:
             rid = hdrs.get(REQUEST_ID)
         if not rid:
@@ -71,6 +76,10 @@ class CauseRegistry:
         while self._early and (len(self._early) > self._keep
                                or now - next(iter(self._early.values()))[1] > self._ttl):
             self._early.popitem(last=False)
+
+    def seen(self, rid: str) -> bool:
+        """An entry for `rid` arrived and nobody took it yet (does not consume it)."""
+        return rid in self._early
 
     async def wait(self, rid: str, timeout_s: float) -> str:
         early = self._early.pop(rid, None)

@@ -59,26 +59,51 @@ def _range(key: bytes, prefix: bool = False) -> Any:
 
 
 @dataclass(slots=True)
-class AttemptLease:
-    """An attempt's permission to publish: valid while etcd holds it AND locally unexpired.
+class ProcessLease:
+    """One etcd lease per processor process that every `live/<rid>` key it writes hangs on.
 
-    The local deadline is computed from the monotonic time *before* the grant (or keep-alive)
-    was sent, minus a safety margin: etcd starts its TTL when it receives the request, later
-    than we sent it, so our deadline always falls before etcd's expiry (docs/fencing.md).
+    A lease per attempt would cost a grant and a revoke per request and one keep-alive per
+    open stream; one shared lease costs one keep-alive per TTL/3 for the whole process
+    (docs/decisions/0007-process-lease.md). Its local deadline is computed from the monotonic
+    time *before* the grant (or keep-alive) was sent, minus a safety margin: etcd starts the
+    TTL when it receives the request, later than we sent it, so our deadline always falls
+    before etcd's expiry (docs/fencing.md).
     """
 
     lease_id: int
     ttl_s: int
     deadline: float  # monotonic
-    revoked: bool = False  # revoked by us, seen revoked in etcd, or left to expire
     margin_s: float = 1.0
 
     def valid(self, now: float | None = None) -> bool:
-        return not self.revoked and (time.monotonic() if now is None else now) < self.deadline
+        return (time.monotonic() if now is None else now) < self.deadline
 
     def renewed(self, sent_at: float, ttl_s: int) -> None:
-        if not self.revoked:
+        if self.deadline > 0:
             self.deadline = sent_at + ttl_s - self.margin_s
+
+    def lost(self) -> None:
+        self.deadline = 0.0
+
+
+@dataclass(slots=True)
+class AttemptLease:
+    """An attempt's permission to publish: its process lease is locally unexpired, and
+    nobody revoked, replaced or fenced its `live` key (the watch sets `revoked`)."""
+
+    process: ProcessLease
+    revoked: bool = False
+
+    @property
+    def lease_id(self) -> int:
+        return self.process.lease_id
+
+    @property
+    def ttl_s(self) -> int:
+        return self.process.ttl_s
+
+    def valid(self, now: float | None = None) -> bool:
+        return not self.revoked and self.process.valid(now)
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +129,8 @@ class EtcdStore:
         self._retention_lock = asyncio.Lock()
         self._session: int = 0
         self._session_lock = asyncio.Lock()
+        self._attempts: ProcessLease | None = None
+        self._attempts_lock = asyncio.Lock()
         self._tasks: list[asyncio.Task[None]] = []
         # rid -> callbacks run when live/<rid> is deleted or changes (revocation, expiry).
         self._live_listeners: dict[str, list[Callable[[str | None], None]]] = {}
@@ -122,9 +149,10 @@ class EtcdStore:
         self._watch = rpc.WatchStub(self._channel)
 
     def start_background(self) -> None:
-        """The revocation watch and the session keep-alive (call inside the event loop)."""
+        """The revocation watch and the lease keep-alives (call inside the event loop)."""
         self._tasks.append(asyncio.ensure_future(self._watch_live_loop()))
         self._tasks.append(asyncio.ensure_future(self._session_loop()))
+        self._tasks.append(asyncio.ensure_future(self._attempts_loop()))
 
     async def close(self) -> None:
         for t in self._tasks:
@@ -132,9 +160,10 @@ class EtcdStore:
         for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
-        if self._session:
-            with contextlib.suppress(StoreUnavailable):
-                await self._call(self._lease.LeaseRevoke, rpc.LeaseRevokeRequest(ID=self._session))
+        for lid in (self._session, self._attempts.lease_id if self._attempts else 0):
+            if lid:
+                with contextlib.suppress(StoreUnavailable):
+                    await self._call(self._lease.LeaseRevoke, rpc.LeaseRevokeRequest(ID=lid))
         if self._channel is not None:
             await self._channel.close(grace=None)
             self._channel = None
@@ -215,37 +244,57 @@ class EtcdStore:
             except grpc.aio.AioRpcError as e:
                 log.warning("session keep-alive failed", extra={**_NOID, "error": str(e.code())})
 
-    async def grant_attempt_lease(self) -> AttemptLease:
-        sent = time.monotonic()
-        ttl = self.cfg.attempt_lease_ttl_s
-        resp = await self._call(self._lease.LeaseGrant, rpc.LeaseGrantRequest(TTL=ttl))
-        margin = min(1.0, ttl / 5)
-        return AttemptLease(lease_id=int(resp.ID), ttl_s=int(resp.TTL),
-                            deadline=sent + int(resp.TTL) - margin, margin_s=margin)
+    async def process_lease(self) -> ProcessLease:
+        """The lease this process's live attempts hang on (granted on first use)."""
+        cur = self._attempts
+        if cur is not None and cur.valid():
+            return cur
+        async with self._attempts_lock:
+            cur = self._attempts
+            if cur is not None and cur.valid():
+                return cur
+            sent = time.monotonic()
+            ttl = self.cfg.attempt_lease_ttl_s
+            resp = await self._call(self._lease.LeaseGrant, rpc.LeaseGrantRequest(TTL=ttl))
+            margin = min(1.0, ttl / 5)
+            self._attempts = ProcessLease(lease_id=int(resp.ID), ttl_s=int(resp.TTL),
+                                          deadline=sent + int(resp.TTL) - margin,
+                                          margin_s=margin)
+            return self._attempts
 
-    async def refresh(self, lease: AttemptLease) -> bool:
-        """One keep-alive; False if etcd says the lease is gone (revoked or expired)."""
+    def current_process_lease(self) -> ProcessLease | None:
+        return self._attempts
+
+    async def attempt_lease(self) -> AttemptLease:
+        return AttemptLease(await self.process_lease())
+
+    async def _keep_alive_once(self, lease: ProcessLease) -> None:
         sent = time.monotonic()
         try:
             call = self._lease.LeaseKeepAlive(iter([rpc.LeaseKeepAliveRequest(ID=lease.lease_id)]),
                                               timeout=self.timeout)
             async for reply in call:
                 if reply.TTL <= 0:
-                    lease.revoked = True
-                    return False
-                lease.renewed(sent, int(reply.TTL))
-                return True
+                    # Expired in etcd (we were cut off longer than its TTL): every key on it
+                    # is gone, so every attempt on it is fenced. The next admission grants
+                    # a new lease.
+                    log.error("attempt lease expired; its attempts are fenced", extra=_NOID)
+                    lease.lost()
+                else:
+                    lease.renewed(sent, int(reply.TTL))
+                break
         except grpc.aio.AioRpcError as e:
-            raise StoreUnavailable(f"etcd keepalive {e.code().name}") from e
-        return False
+            # Keep trying; the local deadline stops publishing if this goes on too long.
+            log.warning("attempt lease keep-alive failed", extra={**_NOID,
+                                                                 "error": str(e.code())})
 
-    async def revoke(self, lease: AttemptLease) -> None:
-        lease.revoked = True
-        try:
-            await self._call(self._lease.LeaseRevoke, rpc.LeaseRevokeRequest(ID=lease.lease_id))
-        except StoreUnavailable as e:
-            if "NOT_FOUND" not in str(e):
-                raise
+    async def _attempts_loop(self) -> None:
+        period = max(0.3, self.cfg.attempt_lease_ttl_s / 3)
+        while True:
+            await asyncio.sleep(period)
+            lease = self._attempts
+            if lease is not None and lease.deadline > 0:
+                await self._keep_alive_once(lease)
 
     # --- the revocation watch ----------------------------------------------------------
 
@@ -291,15 +340,27 @@ class EtcdStore:
 
     # --- journal ---------------------------------------------------------------------
 
-    async def open_request(self, rid: str, meta: Mapping[str, Any]) -> JournalView | None:
-        """Create the record; if it exists already (a repeat), return it instead."""
+    async def open_request(self, rid: str, meta: Mapping[str, Any],
+                           first_attempt: tuple[str, Mapping[str, Any]] | None = None
+                           ) -> JournalView | None:
+        """Create the record; if it exists already (a repeat), return it instead.
+
+        With `first_attempt` (id, record) the same transaction admits attempt 1: its `live`
+        key goes on this process's lease, so the gate of attempt 1 needs no etcd call of its
+        own (one round trip fewer before the first byte).
+        """
         rl = await self._retention_lease()
         sl = await self.session_lease()
         key = self._k(rid, "meta")
+        ops = [_put(key, _dumps(meta), rl), _put(self._k(rid, "guard"), self.owner.encode(), sl)]
+        if first_attempt is not None:
+            pl = await self.process_lease()
+            aid, record = first_attempt
+            ops += [_put(self._live(rid), aid.encode(), pl.lease_id),
+                    _put(self._k(rid, "attempts/001"), _dumps(record), rl)]
         req = rpc.TxnRequest(
             compare=[_eq_version(key, 0)],
-            success=[_put(key, _dumps(meta), rl),
-                     _put(self._k(rid, "guard"), self.owner.encode(), sl)],
+            success=ops,
             failure=[_range(self._req_prefix(rid), prefix=True), _range(self._live(rid))],
         )
         resp = await self._call(self._kv.Txn, req)
@@ -354,18 +415,25 @@ class EtcdStore:
                            progress=progress, guard=guard)
 
     async def admit_attempt(self, rid: str, attempt: int, attempt_id: str,
-                            record: Mapping[str, Any], fence_wait_s: float) -> AdmitResult:
+                            record: Mapping[str, Any], fence_wait_s: float,
+                            never_started: Callable[[str], bool] | None = None
+                            ) -> AdmitResult:
         """Admit attempt n only if nothing was delivered and no other attempt is live.
 
-        If another attempt still holds a live lease, wait (bounded) for it to be revoked or
-        to expire: that is the mission's `wait_for: cancel_ack_or_lease_expiry`. The watch
+        If another attempt still holds `live`, wait (bounded) for it to be revoked or to
+        expire: that is the mission's `wait_for: cancel_ack_or_lease_expiry`. The watch
         wakes us the moment `live` goes; a slow poll covers a lost watch.
+
+        `never_started(live_value)` says that the live attempt is one the guard admitted
+        with the request and that Envoy's access log shows no gate ever ran for it (its
+        connection failed before any byte was sent): it is taken over at once, in one
+        transaction conditioned on `live` still naming it (decision 0007).
         """
-        lease = await self.grant_attempt_lease()
+        pl = await self.process_lease()
         rl = await self._retention_lease()
         live_k, deliv_k = self._live(rid), self._k(rid, "delivery")
         att_k, meta_k = self._k(rid, f"attempts/{attempt:03d}"), self._k(rid, "meta")
-        start = renewed = time.monotonic()
+        start = time.monotonic()
         gone = asyncio.Event()
         off = self.on_live_change(rid, lambda v: gone.set() if v is None else None)
         try:
@@ -377,7 +445,7 @@ class EtcdStore:
                                     result=rpc.Compare.GREATER, version=0),
                         _eq_version(deliv_k, 0), _eq_version(live_k, 0), _eq_version(att_k, 0),
                     ],
-                    success=[_put(live_k, attempt_id.encode(), lease.lease_id),
+                    success=[_put(live_k, attempt_id.encode(), pl.lease_id),
                              _put(att_k, _dumps({**record, "admitted_at": round(
                                  time.time(), 6)}), rl)],
                     failure=[_range(meta_k), _range(deliv_k), _range(live_k), _range(att_k)],
@@ -385,7 +453,7 @@ class EtcdStore:
                 resp = await self._call(self._kv.Txn, req)
                 waited = time.monotonic() - start
                 if resp.succeeded:
-                    return AdmitResult(True, "admitted", lease, waited)
+                    return AdmitResult(True, "admitted", AttemptLease(pl), waited)
                 has = [len(r.response_range.kvs) > 0 for r in resp.responses]
                 if not has[0]:
                     reason = "unknown request (no journal record)"
@@ -393,24 +461,40 @@ class EtcdStore:
                     reason = "first delta already sent: no second attempt"
                 elif has[3]:
                     reason = f"attempt {attempt} was already admitted"
+                elif (never_started is not None and resp.responses[2].response_range.kvs
+                      and never_started(bytes(resp.responses[2].response_range.kvs[0].value)
+                                        .decode())):
+                    stale = bytes(resp.responses[2].response_range.kvs[0].value)
+                    take = rpc.TxnRequest(
+                        compare=[rpc.Compare(key=live_k, target=rpc.Compare.VALUE,
+                                             result=rpc.Compare.EQUAL, value=stale),
+                                 _eq_version(deliv_k, 0), _eq_version(att_k, 0)],
+                        success=[_put(live_k, attempt_id.encode(), pl.lease_id),
+                                 _put(att_k, _dumps({**record, "admitted_at": round(
+                                     time.time(), 6)}), rl),
+                                 _put(self._k(rid, "attempts/001"), _dumps({
+                                     "attempt": 1, "attempt_id": stale.decode(),
+                                     "released": False, "ended_at": round(time.time(), 6),
+                                     "failure_class": "never_started",
+                                     "fence": "taken_over"}), rl)])
+                    if (await self._call(self._kv.Txn, take)).succeeded:
+                        return AdmitResult(True, "admitted (attempt 1 never started)",
+                                           AttemptLease(pl), time.monotonic() - start)
+                    continue
                 elif waited >= fence_wait_s:
                     reason = "previous attempt is not fenced (lease still live)"
                 else:
-                    # Another attempt still holds a live lease: wait for its revocation or
-                    # expiry; never run two attempts at once. Our own lease is kept alive
-                    # meanwhile (the wait can be as long as the other lease's TTL).
+                    # Another attempt still holds `live`: wait for its revocation or expiry;
+                    # never run two attempts at once.
+                    # The watch wakes us when `live` goes. Polls cover a lost watch and the
+                    # access-log entry of an attempt that never started (it arrives within
+                    # ~50 ms): often at first, then every 250 ms.
+                    poll = 0.02 if waited < 0.5 else 0.25
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(gone.wait(),
-                                               min(0.25, max(0.0, fence_wait_s - waited)))
-                    if time.monotonic() - renewed > lease.ttl_s / 3:
-                        renewed = time.monotonic()
-                        await self.refresh(lease)
+                                               min(poll, max(0.0, fence_wait_s - waited)))
                     continue
-                await self.revoke(lease)
                 return AdmitResult(False, reason, None, waited)
-        except BaseException:
-            lease.revoked = True
-            raise
         finally:
             off()
 
@@ -454,21 +538,31 @@ class EtcdStore:
                          key=self._k(rid, f"attempts/{attempt:03d}")))]))
         return bool(resp.succeeded)
 
-    async def fence_until_expiry(self, rid: str, attempt_id: str, lease: AttemptLease) -> None:
-        """Fence without revoking: the attempt loses `live` now, the key stays until expiry.
+    async def end_attempt(self, rid: str, attempt: int, attempt_id: str,
+                          record: Mapping[str, Any], expire: bool) -> None:
+        """Close the attempt's record and fence it, in one transaction.
 
-        `live` becomes `fenced:<attempt_id>` on the same lease, so every check for this
-        attempt (the first-delta fence, tool calls) fails at once, while a retry still waits
-        until the lease runs out: the liveness of the old attempt is uncertain.
+        Revoke (`expire=False`, the end is confirmed): `live` is deleted if it is still
+        ours, so a retry may start at once. Expire (liveness uncertain): `live` becomes
+        `fenced:<attempt_id>` on a fresh lease of `attempt_lease_ttl_s`: every check for
+        this attempt (the first-delta fence, tool calls) fails at once, while a retry waits
+        until that lease runs out.
         """
-        lease.revoked = True
+        rl = await self._retention_lease()
         live_k = self._live(rid)
+        put_record = _put(self._k(rid, f"attempts/{attempt:03d}"), _dumps(record), rl)
+        if expire:
+            resp = await self._call(self._lease.LeaseGrant, rpc.LeaseGrantRequest(
+                TTL=self.cfg.attempt_lease_ttl_s))
+            fence = _put(live_k, b"fenced:" + attempt_id.encode(), int(resp.ID))
+        else:
+            fence = rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=live_k))
         await self._call(self._kv.Txn, rpc.TxnRequest(
             compare=[rpc.Compare(key=live_k, target=rpc.Compare.VALUE,
                                  result=rpc.Compare.EQUAL, value=attempt_id.encode())],
-            success=[_put(live_k, b"fenced:" + attempt_id.encode(), lease.lease_id)]))
+            success=[fence, put_record], failure=[put_record]))
 
-    async def end_attempt(self, rid: str, attempt: int, record: Mapping[str, Any]) -> None:
+    async def update_attempt(self, rid: str, attempt: int, record: Mapping[str, Any]) -> None:
         rl = await self._retention_lease()
         await self._call(self._kv.Put, rpc.PutRequest(
             key=self._k(rid, f"attempts/{attempt:03d}"), value=_dumps(record), lease=rl))
@@ -479,16 +573,28 @@ class EtcdStore:
         await self._call(self._kv.Put, rpc.PutRequest(key=self._k(rid, "progress"),
                                                       value=_dumps(record), lease=rl))
 
-    async def finish(self, rid: str, outcome: Mapping[str, Any]) -> bool:
-        """Write the outcome once and drop the guard key; a second writer loses."""
+    async def finish(self, rid: str, outcome: Mapping[str, Any],
+                     attempt_end: tuple[int, Mapping[str, Any]] | None = None) -> bool:
+        """Write the outcome once, drop the guard key and end what is still live; one txn.
+
+        `attempt_end` is the record of the attempt the gate handed over at release (the
+        guard saw its end). When the request is over, every upstream request of it is over
+        too, so a `live` key still naming an attempt is deleted; a `fenced:` marker (an
+        attempt of uncertain liveness) is left to expire ("att_..." < "fenced:").
+        """
         rl = await self._retention_lease()
-        key = self._k(rid, "outcome")
-        req = rpc.TxnRequest(
-            compare=[_eq_version(key, 0)],
-            success=[_put(key, _dumps(outcome), rl),
-                     rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(
-                         key=self._k(rid, "guard")))],
-        )
+        key, live_k = self._k(rid, "outcome"), self._live(rid)
+        end_live = rpc.RequestOp(request_txn=rpc.TxnRequest(
+            compare=[rpc.Compare(key=live_k, target=rpc.Compare.VALUE,
+                                 result=rpc.Compare.LESS, value=b"fenced:")],
+            success=[rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=live_k))]))
+        ops = [_put(key, _dumps(outcome), rl),
+               rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(
+                   key=self._k(rid, "guard"))), end_live]
+        if attempt_end is not None:
+            n, record = attempt_end
+            ops.append(_put(self._k(rid, f"attempts/{n:03d}"), _dumps(record), rl))
+        req = rpc.TxnRequest(compare=[_eq_version(key, 0)], success=ops, failure=[end_live])
         resp = await self._call(self._kv.Txn, req)
         return bool(resp.succeeded)
 

@@ -20,6 +20,7 @@ import logging
 import os
 import signal
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -64,6 +65,7 @@ from ..core.machine import (
     Event,
     FailAttempt,
     Fence,
+    Fenced,
     FenceDecided,
     Finish,
     FirstDeltaTimeout,
@@ -87,8 +89,8 @@ from ..gen.envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from ..gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from ..gen.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from . import envoy_codec as codec
-from .causes import CauseRegistry
-from .etcd_store import AttemptLease, EtcdStore, StoreUnavailable, ToolLedger
+from .causes import NO_GATE, CauseRegistry
+from .etcd_store import AttemptLease, EtcdStore, ProcessLease, StoreUnavailable, ToolLedger
 from .logs import rlog
 from .telemetry import TRACEPARENT_HEADER, Telemetry, end_span
 from .tools import ToolCallHandler
@@ -136,6 +138,19 @@ class Processor:
         self.causes = CauseRegistry()
         self._tasks: set[asyncio.Task[Any]] = set()
         self.open_streams = 0
+        # attempt id -> (span, machine) of a gate that handed its attempt to the guard (same
+        # process); the guard ends the span, and keeps the trace, at the attempt's real end.
+        self.handed_off: OrderedDict[str, tuple[Span, GateMachine]] = OrderedDict()
+
+    def hand_off(self, aid: str, span: Span, m: GateMachine) -> None:
+        self.handed_off[aid] = (span, m)
+        while len(self.handed_off) > 10000:  # a guard that never saw the headers
+            old_span, _ = self.handed_off.popitem(last=False)[1]
+            end_span(old_span, None)
+
+    def trace_budget(self) -> int:
+        t = self.cfg.telemetry
+        return 0 if t.record_traces == "off" else t.max_trace_bytes
 
     def keep_trace(self, clean: bool) -> bool:
         mode = self.cfg.telemetry.record_traces
@@ -200,6 +215,10 @@ class Session:
     lock: asyncio.Lock
     closed: bool
     rid: str | None
+    # Set by the gate once it handed its attempt to the guard: returning from the handler
+    # closes the gRPC stream with OK, and Envoy processes the rest of this HTTP stream
+    # without us (ext_proc's onGrpcClose; chunks in flight are passed on unchanged).
+    detach: bool = False
 
     async def write(self, resp: ep.ProcessingResponse) -> None:
         if self.closed:
@@ -210,12 +229,13 @@ class Session:
             self.closed = True
 
     async def run(self) -> None:
+        read, lock = self.ctx.read, self.lock
         try:
-            while True:
-                msg = await self.ctx.read()
+            while not self.detach:
+                msg = await read()
                 if msg is grpc.aio.EOF:
                     break
-                async with self.lock:
+                async with lock:
                     await self.on_message(msg)
         finally:
             self.closed = True
@@ -251,9 +271,21 @@ class GuardSession(Session):
         self.span: Span = INVALID
         self.first_delta_evented = False
         self.envoy_request_id: str | None = None
+        self.watchdog_at = 0.0  # monotonic deadline of the stall watchdog (0: disarmed)
+        # The attempt the gate handed over at release: its record, and its permission to
+        # publish (process lease + the revocation watch).
+        self.aid1: str | None = None
+        self.attempt: dict[str, Any] | None = None
+        self.permit: AttemptLease | None = None
+        self.attempt_span: Span | None = None
+        self.attempt_machine: GateMachine | None = None
+        self._unwatch: Callable[[], None] | None = None
 
     async def on_closed(self) -> None:
         self._disarm()
+        if self._unwatch is not None:
+            self._unwatch()
+            self._unwatch = None
         if self.m is not None:
             self.p.spawn(self.close_out(), f"guard-close-{self.rid}")
         if self.tool is not None:
@@ -273,19 +305,24 @@ class GuardSession(Session):
         elif which == "response_headers":
             hd = codec.headers_dict(msg.response_headers.headers)
             if self.m is None:
-                await self.write(codec.continue_response_headers())
+                await self.write(codec.continue_response_headers(remove=(H.HANDOFF,)))
                 return
             status = int(hd.get(":status", "0") or 0)
+            if status == 200:
+                self.take_over(hd.get(H.HANDOFF))
             await self.feed(ResponseHeaders(status=status,
                                             content_type=hd.get("content-type", ""),
                                             end_of_stream=msg.response_headers.end_of_stream))
         elif which == "response_body":
+            body = msg.response_body
             if self.m is None:
-                await self.write(codec.streamed_response_body(msg.response_body.body,
-                                                              msg.response_body.end_of_stream))
+                await self.write(codec.streamed_response_body(body.body, body.end_of_stream))
                 return
-            await self.feed(ResponseBody(msg.response_body.body,
-                                         msg.response_body.end_of_stream))
+            permit = self.permit
+            if permit is not None and not permit.valid():
+                self.fenced_log()
+                await self.feed(Fenced())
+            await self.feed(ResponseBody(body.body, body.end_of_stream))
         elif which == "response_trailers":
             await self.write(codec.trailers_response())
         elif which == "request_trailers":
@@ -331,7 +368,7 @@ class GuardSession(Session):
         self.envoy_request_id = hd.get(H.ENVOY_REQUEST_ID)
         await self.write(codec.continue_request_headers(
             {H.REQUEST_ID: intake.request_id},
-            remove=(H.ATTEMPT_ID, H.FINGERPRINT, H.PROMPT_TOKENS)))
+            remove=(H.ATTEMPT_ID, H.FINGERPRINT, H.PROMPT_TOKENS, H.PREADMITTED, H.HANDOFF)))
 
     async def on_status_lookup(self, q: StatusLookup) -> None:
         try:
@@ -385,8 +422,14 @@ class GuardSession(Session):
         }
         if route is not None:
             record["fingerprint"], record["hosts"] = route[0], route[1]
+        # Attempt 1 is admitted in the same transaction as the record (its gate finds it
+        # in a header we set): one etcd round trip fewer before the first byte.
+        self.aid1 = aid1 = "att_" + new_request_id()[4:]
+        first = {"attempt": 1, "attempt_id": aid1, "gateway_id": self.cfg.server.gateway_id,
+                 "admitted_at": _now(), "admitted_with_request": True}
         try:
-            existing = await self.p.settled(await self.p.store.open_request(rid, record))
+            existing = await self.p.settled(await self.p.store.open_request(
+                rid, record, (aid1, first)))
         except StoreUnavailable as e:
             await self.write(codec.immediate(self._journal_down(rid, e), {H.REQUEST_ID: rid}))
             return
@@ -398,6 +441,7 @@ class GuardSession(Session):
             return
         self.m = GuardMachine.new(rid, self.cfg.timeouts.stall_after_first_delta_s,
                                   self.cfg.limits.max_buffered_response_bytes)
+        self.m.trace_budget = self.p.trace_budget()
         self.p.budget.note_request(time.monotonic())
         rlog(log, logging.INFO, "request accepted", rid, None, stream=meta.stream,
              model=meta.model, fingerprint=route[0] if route else None)
@@ -410,7 +454,7 @@ class GuardSession(Session):
             "llmgw.stream": meta.stream, "llmgw.fingerprint": route[0] if route else None,
             "llmgw.gateway_id": self.cfg.server.gateway_id})
         self.span.add_event("request.accepted")
-        set_headers = {H.PROMPT_TOKENS: str(meta.estimated_prompt_tokens)}
+        set_headers = {H.PROMPT_TOKENS: str(meta.estimated_prompt_tokens), H.PREADMITTED: aid1}
         tp = self.p.tel.traceparent(self.span)
         if tp:
             set_headers[TRACEPARENT_HEADER] = tp
@@ -421,6 +465,42 @@ class GuardSession(Session):
             set_headers[H.FINGERPRINT] = route[0]
             lb = {"envoy.lb": {"x-gateway-destination-endpoint": ",".join(route[1])}}
         await self.write(codec.continue_request_body_with(set_headers, lb))
+
+    def take_over(self, handoff: str | None) -> None:
+        """The gate released its attempt to us: own its end, its record and its fence."""
+        if not handoff:
+            return
+        try:
+            info = json.loads(handoff)
+            aid = str(info["attempt_id"])
+            int(info["attempt"])
+        except (ValueError, KeyError, TypeError):
+            rlog(log, logging.ERROR, "unreadable attempt hand-off", self.rid, None)
+            return
+        self.attempt = info
+        self.attempt_span, self.attempt_machine = self.p.handed_off.pop(aid, (None, None))
+        pl = self.p.store.current_process_lease()
+        # The attempt's `live` key hangs on the lease of the process that admitted it; when
+        # that is us, its local deadline also bounds publishing (etcd unreachable).
+        self.permit = AttemptLease(pl if pl is not None and pl.lease_id == info.get("lease_id")
+                                   else ProcessLease(0, 0, float("inf")))
+
+        def on_live(value: str | None) -> None:
+            permit = self.permit
+            if permit is not None and value != aid and not permit.revoked:
+                permit.revoked = True
+                self.fenced_log()
+                self.p.spawn(self.on_fenced(), f"guard-fenced-{self.rid}")
+        self._unwatch = self.p.store.on_live_change(self.rid or "", on_live)
+
+    def fenced_log(self) -> None:
+        rlog(log, logging.WARNING, "attempt fenced: its lease was revoked or replaced",
+             self.rid, self.attempt.get("attempt_id") if self.attempt else None)
+
+    async def on_fenced(self) -> None:
+        async with self.lock:
+            if not self.closed and self.m is not None:
+                await self.feed(Fenced())
 
     async def feed(self, ev: Event) -> None:
         assert self.m is not None
@@ -440,9 +520,10 @@ class GuardSession(Session):
             if self.m is not None and self.m.replaced_error is not None:
                 await self.write(codec.continue_response_headers(
                     {H.REQUEST_ID: rid, "content-type": "application/json"},
-                    remove=("content-length",)))
+                    remove=("content-length", H.HANDOFF)))
             else:
-                await self.write(codec.continue_response_headers({H.REQUEST_ID: rid}))
+                await self.write(codec.continue_response_headers({H.REQUEST_ID: rid},
+                                                                 remove=(H.HANDOFF,)))
         elif isinstance(a, Send):
             if a.data or a.end_of_stream:
                 await self.write(codec.streamed_response_body(a.data, a.end_of_stream))
@@ -481,12 +562,23 @@ class GuardSession(Session):
         self.p.spawn(put(m.delivered), f"guard-progress-{self.rid}")
 
     def _arm(self, seconds: float) -> None:
-        self._disarm()
+        # Re-armed on every chunk: move a deadline, keep one timer (a timer per chunk was
+        # a measurable share of the per-chunk cost).
         loop = asyncio.get_running_loop()
-        self.watchdog = loop.call_later(
-            seconds, lambda: self.p.spawn(self.on_stall(), f"guard-stall-{self.rid}"))
+        self.watchdog_at = loop.time() + seconds
+        if self.watchdog is None:
+            self.watchdog = loop.call_at(self.watchdog_at, self._watchdog_fired)
+
+    def _watchdog_fired(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self.watchdog_at > loop.time():
+            self.watchdog = loop.call_at(self.watchdog_at, self._watchdog_fired)
+            return
+        self.watchdog = None
+        self.p.spawn(self.on_stall(), f"guard-stall-{self.rid}")
 
     def _disarm(self) -> None:
+        self.watchdog_at = 0.0
         if self.watchdog is not None:
             self.watchdog.cancel()
             self.watchdog = None
@@ -537,10 +629,53 @@ class GuardSession(Session):
             self.p.spawn(self.p.save_trace(self.rid, "guard", self.m, {
                 "outcome": str(f.outcome), "gateway_id": self.cfg.server.gateway_id}),
                 f"trace-{self.rid}")
+        attempt_end = self.attempt_end(f)
         # etcd may be briefly away (frozen, electing a leader): keep trying for a bounded
         # time. Until it lands, the record shows no outcome rather than a wrong one.
         rid = self.rid
-        await retrying(lambda: self.p.store.finish(rid, body), "record the outcome", rid, None)
+        await retrying(lambda: self.p.store.finish(rid, body, attempt_end),
+                       "record the outcome", rid, None)
+
+    def attempt_end(self, f: Finish) -> tuple[int, dict[str, Any]] | None:
+        """The record of the attempt the gate handed over, now that its end is known."""
+        info = self.attempt
+        if info is None:
+            return None
+        finished = self.m is not None and (self.m.done_seen
+                                           or f.outcome is Outcome.COMPLETED)
+        cause = {"client": "client", "upstream": "upstream"}.get(f.cause or "", "unknown")
+        cls = classify(AttemptEnd(
+            released=True, upstream_finished=finished,
+            failed_on_purpose=f.cause in ("in-band error", "malformed event"),
+            http_status=200, cause=cause, timed_out=f.cause == "stall"))
+        record = {k: v for k, v in info.items() if k != "lease_id"}
+        record.update({"ended_at": _now(), "released": True, "upstream_finished": finished,
+                       "http_status": 200, "failure_class": str(cls),
+                       "envoy_cause": f.cause or "n/a",
+                       # After the first delta nothing else may run; the request's end
+                       # deletes `live` (docs/fencing.md).
+                       "fence": "ended_with_request"})
+        rlog(log, logging.INFO, "attempt ended", self.rid, str(info["attempt_id"]),
+             attempt=info["attempt"], released=True, failure_class=str(cls),
+             fence="ended_with_request", cause=f.cause)
+        span = self.attempt_span
+        if span is not None:
+            self.attempt_span = None
+            span.add_event("lease.revoked")
+            self.p.tel.fences.add(1, {"kind": "ended_with_request", "class": str(cls)})
+            end_span(span, None if cls is FailureClass.COMPLETED else str(cls),
+                     **{"llmgw.failure_class": str(cls), "llmgw.released": True,
+                        "llmgw.fence": "ended_with_request", "llmgw.envoy_cause": cause,
+                        "llmgw.model_revision": record.get("model_revision"),
+                        "http.response.status_code": 200})
+        gm = self.attempt_machine
+        if gm is not None and self.p.keep_trace(cls is FailureClass.COMPLETED):
+            self.attempt_machine = None
+            n = int(info["attempt"])
+            self.p.spawn(self.p.save_trace(self.rid or "", f"attempt-{n:03d}", gm, {
+                "attempt_id": info["attempt_id"], "replica": info.get("replica"),
+                "failure_class": str(cls)}), f"trace-{info['attempt_id']}")
+        return int(info["attempt"]), record
 
 
 # --- gate ----------------------------------------------------------------------------
@@ -557,7 +692,8 @@ class GateSession(Session):
         self.attempt = 0
         self.replica: str | None = None
         self.lease: AttemptLease | None = None
-        self.keepalive: asyncio.Task[None] | None = None
+        self.preadmitted: str | None = None  # attempt 1's id, admitted by the guard
+        self.first_admitted: str | None = None  # the same, as later attempts see it
         self.model_revision: str | None = None
         self.started_at = 0.0
         self.started_wall = 0.0
@@ -577,8 +713,6 @@ class GateSession(Session):
         self.parent_tp: str | None = None
 
     async def on_closed(self) -> None:
-        if self.keepalive is not None:
-            self.keepalive.cancel()
         for timer in (self._soft_timer, self._hard_timer):
             if timer is not None:
                 timer.cancel()
@@ -605,6 +739,9 @@ class GateSession(Session):
             self.replica = str(attrs.get("upstream.address") or "") or None
             self.want_fingerprint = hd.get(H.FINGERPRINT)
             self.parent_tp = hd.get(TRACEPARENT_HEADER)
+            self.first_admitted = hd.get(H.PREADMITTED) or None
+            if self.attempt == 1:
+                self.preadmitted = self.first_admitted
             try:
                 self.prompt_tokens = int(hd.get(H.PROMPT_TOKENS, "0"))
             except ValueError:
@@ -618,7 +755,7 @@ class GateSession(Session):
                 # The fault sweep must catch what this breaks; never set it in production.
                 self.m = None
             if self.m is None:
-                await self.write(codec.continue_response_headers())
+                await self.write(codec.continue_response_headers(remove=(H.HANDOFF,)))
                 return
             self.model_revision = hd.get("x-model-revision")
             self.http_status = int(hd.get(":status", "0") or 0)
@@ -662,7 +799,8 @@ class GateSession(Session):
                 await self.write(codec.continue_response_body())
             return None
         if isinstance(a, PassHeaders):
-            await self.write(codec.continue_response_headers())
+            # Only the gate may say which attempt the guard owns, never the replica.
+            await self.write(codec.continue_response_headers(remove=(H.HANDOFF,)))
             return None
         if isinstance(a, DropChunk):
             await self.write(codec.replace_response_body(b""))
@@ -677,9 +815,19 @@ class GateSession(Session):
             rlog(log, logging.INFO, "first delta fenced: released", rid, self.aid,
                  attempt=self.attempt, replica=self.replica, held_chunks=a.held_chunks,
                  ttfd_ms=round((time.monotonic() - self.started_at) * 1000, 2))
-            await self.write(codec.continue_response_headers({H.ATTEMPT_ID: self.aid or ""}))
+            # From here the guard owns the attempt: it sees the rest of the response, its end,
+            # and writes the attempt's record with the request's outcome (one etcd txn).
+            # Registered before the headers go out: the guard looks for it when they arrive.
+            self.span.add_event("attempt.handed_off")
+            if self.aid is not None and self.m is not None:
+                self.p.hand_off(self.aid, self.span, self.m)
+                self.span = INVALID
+            await self.write(codec.continue_response_headers(
+                {H.ATTEMPT_ID: self.aid or "", H.HANDOFF: self.handoff()}))
             for _ in range(a.held_chunks):
                 await self.write(codec.continue_response_body())
+            if a.hand_off:
+                self.detach = True
             return None
         if isinstance(a, FailAttempt):
             self.failed_on_purpose = True
@@ -692,7 +840,8 @@ class GateSession(Session):
                                                              else b""))
             return None
         if isinstance(a, ContinueRequest):
-            await self.write(codec.continue_request_headers({H.ATTEMPT_ID: self.aid or ""}))
+            await self.write(codec.continue_request_headers({H.ATTEMPT_ID: self.aid or ""},
+                                                            remove=(H.PREADMITTED,)))
             return None
         if isinstance(a, Refuse):
             await self.write(codec.immediate(a.error, {H.REQUEST_ID: rid}))
@@ -701,9 +850,19 @@ class GateSession(Session):
             return await self.admit(a.attempt)
         return None
 
+    def handoff(self) -> str:
+        return json.dumps({
+            "attempt": self.attempt, "attempt_id": self.aid, "replica": self.replica,
+            "gateway_id": self.cfg.server.gateway_id, "started_at": self.started_wall,
+            "admitted_at": round(self.started_wall + self.waited_for_previous_s, 6),
+            "model_revision": self.p.pool.fingerprint_of(self.replica or "")
+            or self.model_revision, "slow": self.slow,
+            "waited_for_previous_s": round(self.waited_for_previous_s, 4),
+            "lease_id": self.lease.lease_id if self.lease else 0}, separators=(",", ":"))
+
     async def admit(self, attempt: int) -> AdmitDecided:
         rid = self.rid or ""
-        self.aid = "att_" + new_request_id()[4:]
+        self.aid = self.preadmitted or "att_" + new_request_id()[4:]
         self.started_at = time.monotonic()
         tel = self.p.tel
         parent = tel.parent_from({"traceparent": self.parent_tp} if self.parent_tp
@@ -722,6 +881,15 @@ class GateSession(Session):
             if attempt > 1:
                 tel.retries.add(1, {"decision": "admitted"})
         else:
+            if self.preadmitted is not None:
+                # The guard admitted it with the request: give `live` back.
+                aid, store = self.aid or "", self.p.store
+                rec = {"attempt": 1, "attempt_id": aid, "replica": self.replica,
+                       "ended_at": _now(), "refused": str(res.error.code) if res.error
+                       else "unknown", "fence": "revoked"}
+                self.p.spawn(retrying(lambda: store.end_attempt(rid, 1, aid, rec, False),
+                                      "give back a refused attempt", rid, aid),
+                             f"gate-refused-{aid}")
             code = str(res.error.code) if res.error else "unknown"
             self.span.add_event("attempt.refused", {"llmgw.reason": code})
             if attempt > 1:
@@ -757,24 +925,44 @@ class GateSession(Session):
         record = {"attempt": attempt, "attempt_id": self.aid, "replica": self.replica,
                   "gateway_id": self.cfg.server.gateway_id, "started_at": self.started_wall,
                   "model_revision": self.p.pool.fingerprint_of(self.replica or "")}
+        if self.preadmitted is not None:
+            # Admitted in the guard's intake transaction; the live key hangs on the process
+            # lease (granted already, or granted now if another process admitted it).
+            try:
+                self.lease = await self.p.store.attempt_lease()
+            except StoreUnavailable as e:
+                return AdmitDecided(False, self._journal_down(e))
+            return self._admitted(0.0)
         try:
             res = await self.p.store.admit_attempt(rid, attempt, aid, record,
-                                                   self.cfg.timeouts.fence_wait_s)
+                                                   self.cfg.timeouts.fence_wait_s,
+                                                   self._never_started)
         except StoreUnavailable as e:
             rlog(log, logging.WARNING, "journal unavailable at admission", rid, self.aid,
                  error=str(e))
             self.p.spawn(retrying(lambda: self.p.store.undo_admission(rid, attempt, aid),
                                   "undo an unconfirmed admission", rid, aid),
                          f"gate-undo-admit-{aid}")
-            return AdmitDecided(False, GatewayError(
-                ErrorCode.JOURNAL_UNAVAILABLE,
-                "the request journal is unavailable; the attempt could not be fenced, "
-                "so nothing was run", 503, request_id=rid, retryable=True))
+            return AdmitDecided(False, self._journal_down(e))
         if not res.admitted:
             return self._refuse(ErrorCode.ATTEMPT_NOT_ADMITTED, res.reason)
         self.lease = res.lease
-        self.waited_for_previous_s = res.waited_s
-        self.keepalive = asyncio.ensure_future(self._keep_alive())
+        return self._admitted(res.waited_s)
+
+    def _never_started(self, live: str) -> bool:
+        """`live` is attempt 1 as the guard admitted it, and no gate ever ran for it."""
+        first = self.first_admitted
+        return first is not None and live == first and self.p.causes.seen(NO_GATE + first)
+
+    def _journal_down(self, e: Exception) -> GatewayError:
+        return GatewayError(
+            ErrorCode.JOURNAL_UNAVAILABLE,
+            "the request journal is unavailable; the attempt could not be fenced, "
+            "so nothing was run", 503, request_id=self.rid, retryable=True)
+
+    def _admitted(self, waited_s: float) -> AdmitDecided:
+        rid, attempt = self.rid or "", self.attempt
+        self.waited_for_previous_s = waited_s
         self._unwatch = self.p.store.on_live_change(rid, self._on_live_change)
         soft = self.cfg.timeouts.soft_first_delta_s
         loop = asyncio.get_running_loop()
@@ -784,7 +972,8 @@ class GateSession(Session):
             self.cfg.timeouts.first_delta_s,
             lambda: self.p.spawn(self._on_first_delta_limit(), f"gate-limit-{self.aid}"))
         rlog(log, logging.INFO, "attempt admitted", rid, self.aid, attempt=attempt,
-             replica=self.replica, waited_ms=round(res.waited_s * 1000, 2))
+             replica=self.replica, waited_ms=round(waited_s * 1000, 2),
+             with_request=self.preadmitted is not None)
         return AdmitDecided(True)
 
     def _on_live_change(self, value: str | None) -> None:
@@ -819,20 +1008,6 @@ class GateSession(Session):
         return AdmitDecided(False, GatewayError(code, reason, 503, request_id=self.rid,
                                                 retryable=False))
 
-    async def _keep_alive(self) -> None:
-        lease = self.lease
-        assert lease is not None
-        period = max(0.5, lease.ttl_s / 3)
-        while not lease.revoked:
-            await asyncio.sleep(period)
-            try:
-                if not await self.p.store.refresh(lease):
-                    rlog(log, logging.WARNING, "attempt lease lost", self.rid, self.aid)
-                    return
-            except StoreUnavailable as e:
-                rlog(log, logging.WARNING, "lease keep-alive failed", self.rid, self.aid,
-                     error=str(e))
-
     async def fence(self) -> bool:
         rid = self.rid or ""
         if self.lease is None or not self.lease.valid():
@@ -857,30 +1032,48 @@ class GateSession(Session):
             self._unwatch()
         if self.aid is None or self.lease is None:
             return
-        needs_cause = not (a.released and a.upstream_finished) and not self.failed_on_purpose \
-            and self.http_status in (0, 200)
+        if a.released:
+            # Handed to the guard at release: it ends the attempt with the request.
+            return
+        aid, attempt, store = self.aid, self.attempt, self.p.store
+        record: dict[str, Any] = {
+            "attempt": attempt, "attempt_id": aid, "replica": self.replica,
+            "gateway_id": self.cfg.server.gateway_id, "started_at": self.started_wall,
+            "admitted_at": round(self.started_wall + self.waited_for_previous_s, 6),
+            "model_revision": self.p.pool.fingerprint_of(self.replica or "")
+            or self.model_revision, "released": False,
+            "upstream_finished": a.upstream_finished, "http_status": self.http_status,
+            "slow": self.slow, "waited_for_previous_s": round(self.waited_for_previous_s, 4)}
+        needs_cause = not self.failed_on_purpose and self.http_status in (0, 200)
+        # Ended before the first-delta limit and not by us: Envoy's per-try timeout (the
+        # only "uncertain" end, first_delta_s + fence_wait_s) cannot be the cause, so the
+        # end is confirmed (a reset, a refused connection, or the client leaving) and the
+        # attempt is revoked at once; a retry waits for nothing but this transaction.
+        early = (needs_cause and not a.timed_out
+                 and time.monotonic() - self.started_at < self.cfg.timeouts.first_delta_s)
+        revoked_early = False
+        if early:
+            self.lease.revoked = True
+            record["ended_at"] = _now()  # when `live` went: what any overlap check needs
+            revoked_early = await retrying(
+                lambda: store.end_attempt(rid, attempt, aid, {
+                    **record, "fence": str(FenceKind.REVOKE),
+                    "failure_class": "pending"}, False),
+                "fence the ended attempt", rid, aid)
         cause = "n/a"
         if needs_cause:
             # Envoy's per-attempt access-log entry says reset (dead) vs timeout (uncertain).
-            cause = await self.p.causes.wait(self.aid, self.cfg.timeouts.access_log_wait_s)
+            cause = await self.p.causes.wait(aid, self.cfg.timeouts.access_log_wait_s)
         cls = classify(AttemptEnd(released=a.released, upstream_finished=a.upstream_finished,
                                   failed_on_purpose=self.failed_on_purpose,
                                   http_status=self.http_status, cause=cause,
                                   timed_out=a.timed_out))
-        fence = fence_for(cls)
-        record = {"attempt": self.attempt, "attempt_id": self.aid, "replica": self.replica,
-                  "gateway_id": self.cfg.server.gateway_id, "started_at": self.started_wall,
-                  "admitted_at": round(self.started_wall + self.waited_for_previous_s, 6),
-                  "model_revision": self.p.pool.fingerprint_of(self.replica or "")
-                  or self.model_revision,
-                  "ended_at": _now(), "released": a.released,
-                  "upstream_finished": a.upstream_finished, "http_status": self.http_status,
-                  "failure_class": str(cls), "envoy_cause": cause, "fence": str(fence),
-                  "slow": self.slow,
-                  "waited_for_previous_s": round(self.waited_for_previous_s, 4)}
+        fence = FenceKind.REVOKE if revoked_early else fence_for(cls)
+        record.setdefault("ended_at", _now())
+        record.update({"failure_class": str(cls), "envoy_cause": cause, "fence": str(fence)})
         if fence is FenceKind.EXPIRE:
-            record["lease_expires_by"] = round(_now() + self.lease.ttl_s, 3)
-        rlog(log, logging.INFO, "attempt ended", rid, self.aid, attempt=self.attempt,
+            record["lease_expires_by"] = round(_now() + self.cfg.etcd.attempt_lease_ttl_s, 3)
+        rlog(log, logging.INFO, "attempt ended", rid, aid, attempt=attempt,
              released=a.released, failure_class=str(cls), fence=str(fence), cause=cause)
         self.span.add_event("lease.revoked" if fence is FenceKind.REVOKE
                             else "lease.fenced_until_expiry")
@@ -891,27 +1084,22 @@ class GateSession(Session):
                     "llmgw.model_revision": record.get("model_revision"),
                     "http.response.status_code": self.http_status or None})
         if self.m is not None and self.p.keep_trace(cls is FailureClass.COMPLETED):
-            self.p.spawn(self.p.save_trace(rid, f"attempt-{self.attempt:03d}", self.m, {
-                "attempt_id": self.aid, "replica": self.replica,
-                "failure_class": str(cls)}), f"trace-{self.aid}")
-        lease, aid, attempt, store = self.lease, self.aid, self.attempt, self.p.store
-        fencing: Callable[[], Awaitable[Any]]
-        if fence is FenceKind.REVOKE:
-            # Confirmed end (the replica closed, answered, or the client left): revoking
-            # deletes `live`, so a retry may start now.
-            fencing = lambda: store.revoke(lease)  # noqa: E731
-        else:
-            # policy.uncertain_source_liveness: the replica may still be decoding. Fence it
-            # (it can publish nothing more), stop renewing, and let the lease run out: a
-            # retry is admitted only after expiry.
-            lease.revoked = True
-            fencing = lambda: store.fence_until_expiry(rid, aid, lease)  # noqa: E731
-        # etcd may be briefly away: both writes are retried for a bounded time, so the
-        # record does not keep an attempt without its end (found by the fault sweep).
-        await asyncio.gather(
-            retrying(fencing, "fence the ended attempt", rid, aid),
-            retrying(lambda: store.end_attempt(rid, attempt, record),
-                     "close the attempt record", rid, aid))
+            self.p.spawn(self.p.save_trace(rid, f"attempt-{attempt:03d}", self.m, {
+                "attempt_id": aid, "replica": self.replica,
+                "failure_class": str(cls)}), f"trace-{aid}")
+        self.lease.revoked = True
+        if revoked_early:
+            await retrying(lambda: store.update_attempt(rid, attempt, record),
+                           "close the attempt record", rid, aid)
+            return
+        # Confirmed end (the replica closed, answered, or the client left): `live` is
+        # deleted, so a retry may start now. Uncertain (policy.uncertain_source_liveness):
+        # the replica may still be decoding; fenced now, and a retry is admitted only once
+        # the fence's lease expires. etcd may be briefly away: retried for a bounded time,
+        # so the record does not keep an attempt without its end (found by the fault sweep).
+        await retrying(lambda: store.end_attempt(rid, attempt, aid, record,
+                                                 fence is FenceKind.EXPIRE),
+                       "fence the ended attempt", rid, aid)
 
 
 # --- gRPC services ---------------------------------------------------------------------

@@ -10,4 +10,8 @@ ROLE_METADATA = "x-extproc-role"
 # Set by the guard for the gate: the request's compatibility group and its prompt size.
 FINGERPRINT = "x-gateway-fingerprint"
 PROMPT_TOKENS = "x-gateway-prompt-tokens"
-OWNED = (REQUEST_ID, ATTEMPT_ID, FINGERPRINT, PROMPT_TOKENS)
+# Guard -> gate: attempt 1 was admitted in the guard's intake transaction (its id).
+PREADMITTED = "x-gateway-preadmitted"
+# Gate -> guard on the released response headers: the attempt the guard now owns (JSON).
+HANDOFF = "x-gateway-attempt-handoff"
+OWNED = (REQUEST_ID, ATTEMPT_ID, FINGERPRINT, PROMPT_TOKENS, PREADMITTED, HANDOFF)

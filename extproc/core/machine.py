@@ -70,6 +70,12 @@ class StreamClosed:
 
 
 @dataclass(frozen=True, slots=True)
+class Fenced:
+    """Guard: the released attempt lost its fence (lease expired locally, or its `live` key
+    was revoked or replaced): it may publish nothing more."""
+
+
+@dataclass(frozen=True, slots=True)
 class CauseLearned:
     """Guard: the termination cause, from Envoy's access log (or 'unknown' on timeout)."""
 
@@ -77,7 +83,7 @@ class CauseLearned:
 
 
 Event: TypeAlias = (RequestStarted | AdmitDecided | ResponseHeaders | ResponseBody | FenceDecided
-                    | FirstDeltaTimeout | StallTimeout | StreamClosed | CauseLearned)
+                    | FirstDeltaTimeout | StallTimeout | StreamClosed | CauseLearned | Fenced)
 
 # --- actions --------------------------------------------------------------------------
 
@@ -123,9 +129,15 @@ class Fence:
 
 @dataclass(frozen=True, slots=True)
 class Release:
-    """Gate: answer the held headers, then every held body message, in order."""
+    """Gate: answer the held headers, then every held body message, in order.
+
+    From here the guard owns the attempt (its end, its record, its fence). With `hand_off`
+    the gate also closes its gRPC stream, so Envoy sends it nothing more: the rest of the
+    response flows past the gate with no processor round trip per chunk.
+    """
 
     held_chunks: int
+    hand_off: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,6 +236,9 @@ Role = Literal["gate", "guard"]
 
 
 def _event_record(ev: Event) -> dict[str, Any]:
+    if type(ev) is ResponseBody:  # the hot path: one per body message
+        return {"type": "ResponseBody", "data": ev.data.decode("latin-1"),
+                "end_of_stream": ev.end_of_stream}
     d: dict[str, Any] = asdict(ev) if not isinstance(ev, AdmitDecided) else {
         "admitted": ev.admitted, "error": ev.error.body() if ev.error else None}
     for k, v in list(d.items()):
@@ -240,16 +255,25 @@ class _Base:
     decisions: list[str] = field(default_factory=list)
 
     role: Role = "gate"
+    # Bytes of body data the trace may still hold (telemetry.max_trace_bytes; 0: no trace).
+    # Past it events are still handled, only no longer recorded: a prefix replays as a
+    # prefix, and an open stream's memory stays bounded.
+    trace_budget: int = 1 << 62
+    trace_truncated: bool = False
 
     def handle(self, ev: Event) -> list[Action]:
         fn = TABLE.get((self.role, self.state, type(ev)))
         if fn is None:
             raise ProtocolViolation(
                 f"{self.role}: no transition from {self.state} on {type(ev).__name__}")
+        if self.trace_budget <= 0:
+            self.trace_truncated = True
+            return fn(self, ev)
+        self.trace_budget -= 64 + (len(ev.data) if type(ev) is ResponseBody else 0)
         self.trace.append(_event_record(ev))
         actions = fn(self, ev)
         self.decisions.append(
-            f"{self.state}:" + ",".join(type(a).__name__ for a in actions))
+            f"{self.state}:" + ",".join([type(a).__name__ for a in actions]))
         return actions
 
 
@@ -404,7 +428,7 @@ def _gate_fence(m: GateMachine, ev: FenceDecided) -> list[Action]:
     m.held = 0
     m.state = State.GATE_RELEASED
     m.decoder = SseDecoder()  # the guard parses from here on; the gate only passes bytes
-    return [Release(held_chunks=held)]
+    return [Release(held_chunks=held, hand_off=not m.ended)]
 
 
 def _gate_first_delta_timeout(m: GateMachine, ev: FirstDeltaTimeout) -> list[Action]:
@@ -536,6 +560,19 @@ def _guard_stall(m: GuardMachine, ev: StallTimeout) -> list[Action]:
             m._finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, "stall")]
 
 
+def _guard_fenced(m: GuardMachine, ev: Fenced) -> list[Action]:
+    if m.done_seen or not (m.status == 200 and m.streaming):
+        return []  # a complete answer (or a whole non-streaming body) is already out
+    # Like a stall, but the cause is known: this attempt may not publish another byte.
+    m.state = State.GUARD_TERMINATED
+    return [Send(decode_interrupted(m.request_id, m.delivered).sse_bytes(), True),
+            DisarmWatchdog(), m._finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, "fenced")]
+
+
+def _guard_ignore(m: GuardMachine, ev: Any) -> list[Action]:
+    return []
+
+
 def _guard_body_after_end(m: GuardMachine, ev: ResponseBody) -> list[Action]:
     # Bytes after we ended the stream are never forwarded: the stream is over for the client.
     return []
@@ -615,6 +652,11 @@ TABLE: dict[tuple[str, State, type], Callable[[Any, Any], list[Action]]] = {
     (_D, S.GUARD_CLOSED, CauseLearned): _guard_cause_late,
     (_D, S.GUARD_CLOSED, StallTimeout): _guard_stall_ignored,
     (_D, S.GUARD_CLOSED, StreamClosed): lambda m, ev: [],
+    (_D, S.GUARD_RESPONDING, Fenced): _guard_fenced,
+    (_D, S.GUARD_STREAMING, Fenced): _guard_fenced,
+    **{(_D, s, Fenced): _guard_ignore for s in (
+        S.GUARD_WAITING, S.GUARD_COMPLETE, S.GUARD_TERMINATED, S.GUARD_AWAIT_CAUSE,
+        S.GUARD_CLOSED)},
     **{(_D, s, StreamClosed): _guard_closed for s in (
         S.GUARD_WAITING, S.GUARD_RESPONDING, S.GUARD_STREAMING, S.GUARD_COMPLETE,
         S.GUARD_TERMINATED)},

@@ -18,6 +18,7 @@ from .machine import (
     AdmitDecided,
     CauseLearned,
     Event,
+    Fenced,
     FenceDecided,
     FirstDeltaTimeout,
     GateMachine,
@@ -56,6 +57,8 @@ def event_from_record(d: Mapping[str, Any]) -> Event:
         return FirstDeltaTimeout()
     if t == "StallTimeout":
         return StallTimeout()
+    if t == "Fenced":
+        return Fenced()
     if t == "StreamClosed":
         return StreamClosed()
     if t == "CauseLearned":

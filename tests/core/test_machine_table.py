@@ -23,6 +23,7 @@ from extproc.core.machine import (
     Event,
     FailAttempt,
     Fence,
+    Fenced,
     FenceDecided,
     Finish,
     FirstDeltaTimeout,
@@ -84,6 +85,7 @@ CANONICAL: dict[type, Any] = {
     FirstDeltaTimeout: FirstDeltaTimeout(),
     StreamClosed: StreamClosed(),
     CauseLearned: CauseLearned("client"),
+    Fenced: Fenced(),
 }
 
 
@@ -185,7 +187,8 @@ def test_gate_happy_path_holds_until_fenced_then_releases_in_order() -> None:
     assert g.state is State.GATE_FENCING
     # A body message that arrives while the fence transaction runs is held as well.
     assert g.handle(ResponseBody(content("lo"), False)) == [HoldChunk()]
-    assert g.handle(FenceDecided(True)) == [Release(held_chunks=4)]
+    # Not ended yet: the gate hands the attempt to the guard and leaves the stream.
+    assert g.handle(FenceDecided(True)) == [Release(held_chunks=4, hand_off=True)]
     assert g.state is State.GATE_RELEASED
     assert g.handle(ResponseBody(content("!"), False)) == [PassChunk()]
     assert g.handle(ResponseBody(ERROR, False)) == [PassChunk()]  # the guard handles it
@@ -203,7 +206,7 @@ def test_gate_content_split_across_chunks_fences_only_when_complete() -> None:
     assert g.handle(ResponseBody(ev[:9], False)) == [HoldChunk()]
     assert g.handle(ResponseBody(ev[9:-1], False)) == [HoldChunk()]
     assert g.handle(ResponseBody(ev[-1:], False)) == [HoldChunk(), Fence()]
-    assert g.handle(FenceDecided(True)) == [Release(held_chunks=3)]
+    assert g.handle(FenceDecided(True)) == [Release(held_chunks=3, hand_off=True)]
 
 
 def test_gate_fence_lost_fails_the_attempt_and_drops_the_rest() -> None:
@@ -248,7 +251,8 @@ def test_gate_done_without_content_is_an_empty_complete_answer() -> None:
     assert g.handle(ResponseBody(ROLE + FINISH, False)) == [HoldChunk()]
     assert g.handle(ResponseBody(DONE_EVENT, False)) == [HoldChunk()]
     assert g.handle(ResponseBody(b"", True)) == [HoldChunk(), Fence()]
-    assert g.handle(FenceDecided(True)) == [Release(held_chunks=3)]
+    # The whole response is held already: nothing left to hand off.
+    assert g.handle(FenceDecided(True)) == [Release(held_chunks=3, hand_off=False)]
     [end] = g.handle(StreamClosed())
     assert end.released and end.upstream_finished
 
@@ -297,7 +301,7 @@ def test_gate_non_streaming_fences_only_at_end_of_stream() -> None:
     assert g.handle(ResponseBody(body[:10], False)) == [HoldChunk()]
     assert g.handle(ResponseBody(body[10:30], False)) == [HoldChunk()]
     assert g.handle(ResponseBody(body[30:], True)) == [HoldChunk(), Fence()]
-    assert g.handle(FenceDecided(True)) == [Release(held_chunks=3)]
+    assert g.handle(FenceDecided(True)) == [Release(held_chunks=3, hand_off=False)]
 
 
 @pytest.mark.parametrize("body", [
@@ -462,6 +466,43 @@ def test_guard_stall_after_delivery_ends_the_stream() -> None:
                     Finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, 2, "stall")]
     assert m.state is State.GUARD_TERMINATED
     assert m.handle(ResponseBody(content("late"), False)) == []
+
+
+def test_guard_fenced_attempt_ends_the_stream_at_once() -> None:
+    m = streaming_guard()
+    m.handle(ResponseBody(ROLE + content("a") + content("b"), False))
+    acts = m.handle(Fenced())
+    assert acts == [Send(terminal(2), True), DisarmWatchdog(),
+                    Finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, 2, "fenced")]
+    assert m.state is State.GUARD_TERMINATED
+    assert m.handle(ResponseBody(content("late"), False)) == []
+    assert m.handle(Fenced()) == []
+
+
+def test_guard_fenced_before_any_content_still_publishes_nothing() -> None:
+    m = streaming_guard()
+    acts = m.handle(Fenced())
+    assert acts == [Send(terminal(0), True), DisarmWatchdog(),
+                    Finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, 0, "fenced")]
+
+
+def test_guard_fenced_after_done_changes_nothing() -> None:
+    m = streaming_guard()
+    m.handle(ResponseBody(content("a") + FINISH + DONE_EVENT, False))
+    assert m.handle(Fenced()) == []
+    assert m.state is State.GUARD_RESPONDING or m.state is State.GUARD_STREAMING
+
+
+def test_trace_budget_bounds_what_is_recorded_not_what_is_handled() -> None:
+    m = streaming_guard()
+    m.trace_budget = 64 + len(content("a"))
+    n0 = len(m.trace)
+    m.handle(ResponseBody(content("a"), False))
+    assert len(m.trace) == n0 + 1 and not m.trace_truncated
+    acts = m.handle(ResponseBody(content("b"), False))
+    assert acts == [Send(content("b"), False), ArmWatchdog(STALL)]
+    assert len(m.trace) == n0 + 1 and len(m.decisions) == n0 + 1 and m.trace_truncated
+    assert m.delivered == 2
 
 
 def test_guard_incomplete_fragment_is_not_sent_at_stall() -> None:

@@ -107,7 +107,11 @@ def test_partition_after_first_delta_ends_with_the_error(fgw: Gateway) -> None:
     j = fgw.journal(res.request_id)
     assert (j["outcome"], j["delivered_output_tokens"], len(j["attempts"])) == (
         "upstream_decode_interrupted", 2, 1)
-    assert j["attempts"][0]["fence"] == "expiry"
+    # After the first delta nothing else may ever run for this request: the attempt is
+    # fenced when the request ends (its `live` key deleted), classified as uncertain.
+    a = j["attempts"][0]
+    assert (a["fence"], a["failure_class"], a["released"]) == (
+        "ended_with_request", "network_uncertain", True)
 
 
 def test_slow_but_inside_the_hard_limit_is_not_failed_over(fgw: Gateway) -> None:
@@ -259,14 +263,22 @@ def test_a_revoked_lease_stops_publishing_at_once(fgw: Gateway) -> None:
     time.sleep(0.5)  # some deltas delivered
     subprocess.run([etcdctl, "--endpoints", fgw.stack.etcd_endpoint, "del",
                     f"/llmgw/v1/live/{rid}"], check=True, capture_output=True, timeout=10)
+    revoked_at = time.monotonic()
     t.join(20)
+    ended_after = time.monotonic() - revoked_at
     res = box["r"]
     assert res.request_id == rid
-    # Nothing after the revocation was published; the guard's watchdog then ended the
-    # stream with the terminal error (the replica kept writing into the void).
+    # The guard learns of the revocation through the watch and ends the stream at once
+    # with the terminal error (60 tokens at 50 ms would take 3 s; the watchdog 15 s).
     assert res.error is not None and res.error["code"] == "upstream_decode_interrupted"
-    assert 0 < len(res.contents) < 60
+    assert res.error["delivered_output_tokens"] == len(res.contents)
+    assert 0 < len(res.contents) < 60 and ended_after < 1.0
     rows = fgw.attempts_logged(rid, settle_s=4.0)
-    assert len(rows) == 1 and rows[0]["tokens_written"] > len(res.contents)
+    # The replica was cancelled (Envoy closed it) and nothing it wrote after the end of
+    # the stream reached the client.
+    assert len(rows) == 1 and rows[0]["tokens_written"] >= len(res.contents)
+    assert rows[0]["tokens_written"] < 60 and rows[0]["peer_closed"] is True
+    j = fgw.journal(rid)
+    assert (j["outcome"], j["cause"]) == ("upstream_decode_interrupted", "fenced")
     log = (fgw.stack.workdir / "processor.log").read_text()
     assert "attempt fenced: its lease was revoked or replaced" in log

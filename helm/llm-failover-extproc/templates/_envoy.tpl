@@ -100,6 +100,7 @@ static_resources:
                   - x-gateway-request-id
                   - x-gateway-attempt-id
                   - x-envoy-attempt-count
+                  - x-gateway-preadmitted
           route_config:
             name: local
             virtual_hosts:
