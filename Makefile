@@ -11,7 +11,7 @@ include proto/gen.mk
 include vllm/vllm.mk
 include sweep.mk
 
-.PHONY: help install run test lint typecheck unit e2e bench bench-quick envoy-config clean
+.PHONY: help install run test lint typecheck unit e2e bench bench-quick profile envoy-config clean
 
 help:
 	@echo "make run        etcd + processor + Envoy (:10000) + demo replicas on loopback"
@@ -59,6 +59,10 @@ bench: install
 
 bench-quick: install
 	$(PY) -m bench.run --quick
+
+## Where the processor's time goes under load (py-spy; docs/benchmarks.md, "Profile").
+profile: install
+	$(PY) -m bench.profile
 
 ## Regenerate envoy/envoy.yaml from envoy/extproc.yaml (a test checks they agree).
 envoy-config: install

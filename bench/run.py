@@ -65,10 +65,10 @@ class Params:
     sat_duration_s: float = 8.0
     sat_max_requests: int = 20_000
     # per-chunk latency at a fixed rate
-    lat_streams: int = 16
-    # 16 streams x 1 chunk / 8 ms = 2000 chunks/s offered (moderate: the processor sees one
-    # gRPC message per chunk per filter, unbatched), and 1 / 4 ms = 4000 chunks/s (heavy).
-    lat_delays_ms: tuple[float, ...] = (8.0, 4.0)
+    lat_streams: int = 20
+    # 20 streams x 1 chunk / 10 ms = 2000 chunks/s offered, and 1 / 4 ms = 5000 chunks/s
+    # (the issue's "moderate fixed rate"); paced, so every chunk is its own body message.
+    lat_delays_ms: tuple[float, ...] = (10.0, 4.0)
     lat_tokens: int = 128
     lat_warmup_s: float = 1.0
     lat_duration_s: float = 6.0
@@ -78,6 +78,10 @@ class Params:
     ttfd_warmup_requests: int = 10
     ttfd_tokens: int = 8
     ttfd_max_s: float = 15.0
+    # failover before the first delta: the replica serving attempt 1 is killed after its
+    # headers (SIGKILL); paired with a normal request each time
+    failover_requests: int = 12
+    failover_max_s: float = 60.0
     request_timeout_s: float = 30.0
     # before each figure, wait (bounded) until the machine is idle: other load skews everything
     idle_wait_s: float = 20.0
@@ -92,7 +96,8 @@ class Params:
 
 
 QUICK = Params(repeats=1, idle_wait_s=5.0, budget_s=45.0, sat_warmup_s=0.5, sat_duration_s=3.0,
-               lat_warmup_s=0.5, lat_duration_s=3.0, ttfd_requests=60, ttfd_max_s=5.0)
+               lat_warmup_s=0.5, lat_duration_s=3.0, ttfd_requests=60, ttfd_max_s=5.0,
+               failover_requests=4, failover_max_s=20.0)
 
 
 # --- stacks -----------------------------------------------------------------------------
@@ -110,9 +115,17 @@ class TsStack(Stack):
         return Proc(name, argv, self.workdir / f"upstream-{name}.log", env=env)
 
 
-def start_stack(kind: str, plain: bool, workdir: Path) -> Stack:
+def start_stack(kind: str, plain: bool, workdir: Path,
+                config: dict[str, Any] | None = None) -> Stack:
     cls = TsStack if kind == "ts" else Stack
-    return cls(workdir=workdir, config={}, replicas=2, plain=plain).start()
+    return cls(workdir=workdir, config=config or {}, replicas=2, plain=plain).start()
+
+
+# The failover figure fails every other request on purpose: the default retry budget (20 %
+# of requests, at least 3 per window) would refuse most of its retries, which is the budget
+# doing its job, not the failover path we time.
+FIGURE_CONFIG: dict[str, dict[str, Any]] = {
+    "failover": {"policy": {"retry_budget": {"min_retries": 1000}}}}
 
 
 # --- process accounting -------------------------------------------------------------------
@@ -366,6 +379,29 @@ async def latency(stack: Stack, p: Params, delay_ms: float) -> dict[str, Any]:
             "died_after_s": watch.died_after_s, **tally.as_dict()}
 
 
+ETCD_CALLS = ("Range", "Put", "DeleteRange", "Txn", "Compact", "LeaseGrant", "LeaseRevoke",
+              "LeaseKeepAlive")
+
+
+def etcd_calls(stack: Stack) -> dict[str, int]:
+    """etcd's own count of finished gRPC calls (RPCs; a keep-alive stream counts once)."""
+    if stack.plain or not stack.etcd_endpoint:
+        return {}
+    try:
+        with urllib.request.urlopen(f"http://{stack.etcd_endpoint}/metrics", timeout=5) as r:
+            text = r.read().decode()
+    except OSError:
+        return {}
+    out: dict[str, int] = {}
+    for line in text.splitlines():
+        if line.startswith("grpc_server_handled_total{"):
+            labels, _, val = line.rpartition(" ")
+            m = labels.split('grpc_method="', 1)[1].split('"', 1)[0]
+            if m in ETCD_CALLS:
+                out[m] = out.get(m, 0) + int(float(val))
+    return out
+
+
 async def ttfd(stack: Stack, p: Params) -> dict[str, Any]:
     req = build_request(HOST, stack.envoy_port, p.ttfd_tokens, None)
     tally = Tally()
@@ -373,12 +409,17 @@ async def ttfd(stack: Stack, p: Params) -> dict[str, Any]:
     conn = Conn(HOST, stack.envoy_port)
     deadline = time.monotonic() + p.ttfd_max_s
     dead: list[str] = []
+    calls0: dict[str, int] = {}
+    t_measured = 0.0
     try:
         for i in range(p.ttfd_warmup_requests + p.ttfd_requests):
             dead = [n for n in ("envoy", "processor", "etcd")
                     if n in stack.procs and not stack.procs[n].alive()]
             if time.monotonic() >= deadline or dead:
                 break
+            if i == p.ttfd_warmup_requests:
+                await asyncio.sleep(0.3)  # the warm-up's last records are written
+                calls0, t_measured = etcd_calls(stack), time.monotonic()
             o: Outcome = await conn.request(req, timeout_s=p.request_timeout_s)
             if i < p.ttfd_warmup_requests:
                 continue
@@ -387,8 +428,64 @@ async def ttfd(stack: Stack, p: Params) -> dict[str, Any]:
                 samples.append((o.first_content_ns - o.t_sent_ns) / 1e6)
     finally:
         await conn.close()
-    return {"samples": len(samples), "p50_ms": pct(samples, 50), "p99_ms": pct(samples, 99),
-            "mean_ms": statistics.fmean(samples) if samples else float("nan"),
+    out = {"samples": len(samples), "p50_ms": pct(samples, 50), "p99_ms": pct(samples, 99),
+           "mean_ms": statistics.fmean(samples) if samples else float("nan"),
+           "died": dead, "died_after_s": None, "budget_exhausted": False, **tally.as_dict()}
+    if calls0:
+        await asyncio.sleep(0.3)  # the last request's finish transaction lands
+        calls1, secs = etcd_calls(stack), time.monotonic() - t_measured
+        by = {k: calls1.get(k, 0) - calls0.get(k, 0) for k in calls1}
+        n = max(1, tally.requests)
+        # Background calls (lease keep-alives every TTL/3, the retry-budget exchange once a
+        # second) are not per request: counted apart, over the same window.
+        background = by.get("LeaseKeepAlive", 0) + round(secs)  # 1 budget Txn per second
+        per_req = (sum(by.values()) - background) / n
+        out["etcd"] = {"calls": by, "window_s": round(secs, 2), "requests": tally.requests,
+                       "background_calls": background, "round_trips_per_request": per_req}
+    return out
+
+
+async def failover(stack: Stack, p: Params) -> dict[str, Any]:
+    """Attempt 1's replica dies after sending its headers (before any delta); Envoy retries
+    on the other replica. Each failover request is paired with a normal one right before
+    it, so "beyond" = failover TTFD - the surviving path's own TTFD, measured alike."""
+    tally = Tally()
+    pairs: list[tuple[float, float]] = []
+    dead: list[str] = []
+    if stack.plain:
+        # Plain Envoy cannot fail over once headers arrived (the client sees a cut stream):
+        # there is nothing to compare against.
+        return {"skipped": "plain Envoy has no failover after headers", "died": [],
+                "died_after_s": None, "budget_exhausted": False, **tally.as_dict()}
+    normal = build_request(HOST, stack.envoy_port, p.ttfd_tokens, None)
+    killed = normal.replace(b"\r\n\r\n", b"\r\nx-replica-fault: kill-after-headers\r\n\r\n", 1)
+    deadline = time.monotonic() + p.failover_max_s
+    for _ in range(p.failover_requests):
+        dead = [n for n in ("envoy", "processor", "etcd")
+                if n in stack.procs and not stack.procs[n].alive()]
+        if time.monotonic() >= deadline or dead:
+            break
+        try:
+            await asyncio.to_thread(stack.wait_replicas_healthy, 15.0)
+        except Exception:  # a replica that stays down ends the figure
+            break
+        await asyncio.sleep(0.3)  # Envoy's health check sees the restarted replica
+        got: list[float] = []
+        for req in (normal, killed):
+            conn = Conn(HOST, stack.envoy_port)  # fresh: the kill closes pooled upstreams
+            try:
+                o: Outcome = await conn.request(req, timeout_s=p.request_timeout_s)
+            finally:
+                await conn.close()
+            tally.add(o, p.ttfd_tokens)
+            if o.first_content_ns and o.status == 200:
+                got.append((o.first_content_ns - o.t_sent_ns) / 1e6)
+        if len(got) == 2:
+            pairs.append((got[0], got[1]))
+    beyond = [b - a for a, b in pairs]
+    return {"pairs": len(pairs), "normal_p50_ms": pct([a for a, _ in pairs], 50),
+            "failover_p50_ms": pct([b for _, b in pairs], 50),
+            "beyond_p50_ms": pct(beyond, 50), "beyond_max_ms": max(beyond, default=float("nan")),
             "died": dead, "died_after_s": None, "budget_exhausted": False, **tally.as_dict()}
 
 
@@ -404,6 +501,7 @@ def run_loop(coro: Any) -> Any:
 def figures(p: Params) -> dict[str, tuple[str, Any]]:
     """figure -> (upstream kind, measurement(stack, params))"""
     out: dict[str, tuple[str, Any]] = {"ttfd": ("demo", ttfd),
+                                       "failover": ("demo", failover),
                                        "saturation": ("demo", saturation)}
     for d in p.lat_delays_ms:
         out[f"latency@{lat_rate(p, d)}"] = ("ts", functools.partial(latency, delay_ms=d))
@@ -432,7 +530,7 @@ def measure_figure(fig: str, side: str, p: Params, work: Path, log: Any) -> dict
         wd = work / f"{fig}-{side}-a{n}"
         patient = time.monotonic() < DEADLINE[0]
         idle = wait_idle(p, log) if patient else {"waited_s": 0.0, "busy_before": -1.0}
-        stack = start_stack(kind, side == "plain", wd)
+        stack = start_stack(kind, side == "plain", wd, FIGURE_CONFIG.get(fig))
         try:
             time.sleep(0.3)
             log(f"  {side}: {fig}" + (f" (attempt {n})" if n > 1 else "") + " ...")
@@ -441,8 +539,10 @@ def measure_figure(fig: str, side: str, p: Params, work: Path, log: Any) -> dict
             msgs = sum(v for k, v in c.items() if k.endswith("ext_proc.stream_msgs_sent"))
             r["extproc_msgs_per_content_event"] = (msgs / r["content_events"]
                                                    if r["content_events"] else 0.0)
+            # The failover figure kills replicas on purpose (the supervisor restarts them).
             r["died"] = sorted(set(r["died"]) | {k for k, pr in stack.procs.items()
-                                                 if not pr.alive()})
+                                                 if not pr.alive() and not (
+                                                     fig == "failover" and k.startswith("r"))})
         finally:
             stack.stop()
         r["processor_log_levels"] = log_levels(wd / "processor.log")
@@ -548,6 +648,13 @@ def table_rows(p: Params) -> list[Row]:
 ROWS: list[Row] = [
     ("time to first delta p50 (ms)", "ttfd", ("p50_ms",), ".3f", "delta"),
     ("time to first delta p99 (ms)", "ttfd", ("p99_ms",), ".3f", "delta"),
+    ("etcd round trips per request", "ttfd", ("etcd", "round_trips_per_request"), ".2f",
+     "ours"),
+    ("failover: TTFD beyond survivor p50 (ms)", "failover", ("beyond_p50_ms",), ".1f", "ours"),
+    ("failover: TTFD beyond survivor max (ms)", "failover", ("beyond_max_ms",), ".1f", "ours"),
+    ("  failover: survivor's own TTFD p50 (ms)", "failover", ("normal_p50_ms",), ".1f", "ours"),
+    ("  failover: TTFD with failover p50 (ms)", "failover", ("failover_p50_ms",), ".1f",
+     "ours"),
     ("processor CPU us/chunk (saturation)", "saturation", ("cpu_us_per_chunk", "processor"),
      ".1f", "ours"),
     ("etcd CPU us/chunk (saturation)", "saturation", ("cpu_us_per_chunk", "etcd"), ".1f",
@@ -576,6 +683,8 @@ def _get(r: dict[str, Any], fig: str, path: tuple[str, ...]) -> float | None:
         return None
     v: Any = f
     for k in path:
+        if not isinstance(v, dict) or k not in v:
+            return None  # a figure this side does not have (e.g. failover on plain)
         v = v[k]
     return float(v)
 
@@ -704,6 +813,28 @@ def render_table(meta: dict[str, Any], p: Params, summary: dict[str, Any],
     return "\n".join(lines)
 
 
+def render_extras(x: dict[str, Any]) -> str:
+    from bench import curve
+
+    lines = [curve.table(x["curve"]["rows"]), f"(plot: {x['curve']['png']})", ""]
+    st = x["streams"]
+    lines.append("open streams held by one processor process (driven directly over ext_proc; "
+                 f"baseline RSS {st['baseline_rss_kib'] / 1024:.1f} MiB):")
+    for pt in st["points"]:
+        lines.append(f"  {pt['open_ok']:>6}/{pt['streams']:<6} open   RSS "
+                     f"{pt['rss_kib'] / 1024:7.1f} MiB   {pt['kib_per_stream']:6.2f} KiB/stream")
+    f = x["floor"]
+    lines += ["", "floor: bare grpc.aio ext_proc server (no processor logic), same machine:",
+              f"  one stream ping-pong: {f['pingpong']['msgs_per_s']:.0f} msgs/s, "
+              f"{f['pingpong']['server_cpu_us_per_msg']:.1f} us server CPU per message",
+              f"  64 concurrent streams: {f['concurrent64']['msgs_per_s']:.0f} msgs/s, "
+              f"{f['concurrent64']['server_cpu_us_per_msg']:.1f} us server CPU per message "
+              f"({f['concurrent64']['server_cores']:.2f} cores)",
+              f"  {f['idle_streams']['streams']} idle open streams: "
+              f"{f['idle_streams']['kib_per_stream']:.2f} KiB per stream"]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -712,6 +843,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clients", type=int, help="saturation concurrency (default 32)")
     ap.add_argument("--duration", type=float, help="saturation window seconds (default 8)")
     ap.add_argument("--out", default=str(RESULTS / "latest.json"))
+    ap.add_argument("--streams", type=int, help="open streams for the memory figure "
+                    "(default 10000; 1000 with --quick)")
+    ap.add_argument("--no-extras", action="store_true",
+                    help="skip the scaling curve, the open-streams figure and the grpc floor")
     a = ap.parse_args(argv)
     p = QUICK if a.quick else Params()
     over: dict[str, Any] = {}
@@ -743,16 +878,35 @@ def main(argv: list[str] | None = None) -> int:
             r = measure_side(side, p, work / f"rep{rep + 1}", log)
             r["repeat"] = rep + 1
             runs.append(r)
+    extras: dict[str, Any] = {}
+    if not a.no_extras:
+        from bench import curve, grpc_floor, streams
+
+        log("scaling curve ...")
+        rows = curve.measure(work, log, curve.POINTS[:3] if a.quick else curve.POINTS,
+                             2.0 if a.quick else 3.0)
+        png = RESULTS / "curve.png"
+        curve.plot(rows, png, f"plain Envoy vs Envoy + processor, {meta['date_utc']}, "
+                   f"{meta['nproc']} CPUs, paced 4 ms/token")
+        extras["curve"] = {"rows": rows, "png": str(png)}
+        n = a.streams or (1000 if a.quick else 10_000)
+        log(f"open streams ({n}) ...")
+        extras["streams"] = streams.measure(max(10, min(n, 10_000)), work / "streams", log)
+        log("grpc.aio floor ...")
+        extras["floor"] = grpc_floor.measure(min(n, 5000))
     meta["elapsed_s"] = round(time.monotonic() - started, 1)
     meta["code_sha256_end"] = code_digest()
     summary = summarize(runs, p)
     table = render_table(meta, p, summary, runs)
+    if extras:
+        table += "\n\n" + render_extras(extras)
     print(table)
     print(f"\n(total {meta['elapsed_s']} s; logs in {work}; json in {a.out})")
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "params": p.__dict__, "summary": summary,
-                               "runs": runs, "table": table}, indent=2, default=str))
+                               "runs": runs, "extras": extras, "table": table}, indent=2,
+                              default=str))
     return 0
 
 

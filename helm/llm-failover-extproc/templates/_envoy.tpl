@@ -221,6 +221,7 @@ static_resources:
         '@type': type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
         explicit_http_config:
           http2_protocol_options: {}
+    per_connection_buffer_limit_bytes: 67108864
     circuit_breakers:
       thresholds:
       - max_requests: 1000000
