@@ -25,6 +25,9 @@ if __package__ in (None, ""):
 from bench.run import RESULTS, Params, latency, run_loop, saturation, start_stack
 
 BUCKETS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    # Self time in these frames is grpc.aio's Cython (no Python frames below them).
+    ("grpc.aio write (awaited send)", ("Session.write",)),
+    ("grpc.aio read", ("Session.run",)),
     ("etcd (aetcd stubs, our store)", ("etcd_store.py", "aetcd")),
     ("logging / telemetry", ("logging/", "logs.py", "telemetry.py", "opentelemetry")),
     ("SSE parsing", ("core/sse.py",)),

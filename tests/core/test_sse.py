@@ -489,3 +489,76 @@ def test_an_aborted_finish_is_an_interruption_not_a_complete_answer() -> None:
     assert classify(data) == (EventKind.ERROR, 0)
     ok = data.replace(b'"abort"', b'"length"')
     assert classify(ok) == (EventKind.NON_CONTENT, 0)
+
+
+# --- the fast path agrees with the reference classification ---------------------------------
+
+from extproc.core.sse import _FAST_CONTENT, classify_slow  # noqa: E402
+
+_TEXT = st.one_of(
+    st.text(max_size=12),
+    st.sampled_from(["", " ", "\\", '"', "\n", "\u2028", "\ud800", "é", "\x00", "\x1f"]),
+)
+
+
+def _render_str(s: str, data: st.DataObject, canonical: bool = False) -> bytes:
+    """A JSON string literal, sometimes hand-broken (raw controls, bad escapes)."""
+    how = data.draw(st.sampled_from(["json", "ascii"] if canonical else
+                                    ["json", "ascii", "raw", "bad-escape", "latin1"]))
+    if how == "json":
+        return json.dumps(s, ensure_ascii=False).encode("utf-8", "surrogatepass")
+    if how == "ascii":
+        return json.dumps(s).encode()
+    if how == "raw":
+        return b'"' + s.encode("utf-8", "surrogatepass") + b'"'
+    if how == "bad-escape":
+        return b'"' + s.encode("utf-8", "surrogatepass") + b'\\x"'
+    return b'"' + s.encode("latin-1", "replace") + b'\xff"'
+
+
+@given(data=st.data())
+@settings(max_examples=1500)
+def test_fast_path_agrees_with_the_reference(data: st.DataObject) -> None:
+    # Half the examples are well-formed token events (the fast path's domain), half anything.
+    canon = data.draw(st.booleans())
+
+    def pick(canonical: list[bytes], other: list[bytes]) -> bytes:
+        return data.draw(st.sampled_from(canonical if canon else canonical + other))
+
+    content = _render_str(data.draw(_TEXT), data, canon)
+    parts = [b'{"id":' + _render_str(data.draw(_TEXT), data, canon),
+             b',"object":"chat.completion.chunk"',
+             b',"created":' + pick([b"0", b"1700000000", b"-1"],
+                                   [b"01", b"1e3", b"99999999999999999999"]),
+             b',"model":' + _render_str(data.draw(_TEXT), data, canon)]
+    if data.draw(st.booleans()):
+        parts.append(b',"system_fingerprint":null')
+    delta = pick([b'{"content":' + content + b"}",
+                  b'{"role":"assistant","content":' + content + b"}"],
+                 [b'{"content":' + content + b',"tool_calls":[]}', b"{}"])
+    finish = pick([b"null"], [b'"stop"', b'"abort"', b'"error"'])
+    choice = b'{"index":0,"delta":' + delta
+    if data.draw(st.booleans()):
+        choice += b',"logprobs":null'
+    choice += b',"finish_reason":' + finish
+    if data.draw(st.booleans()):
+        choice += b',"stop_reason":null'
+    choice += b"}"
+    parts.append(b',"choices":[' + choice + b"]")
+    tail = pick([b"", b',"usage":null'], [b',"error":null', b',"error":{"message":"x"}', b","])
+    event = b"".join(parts) + tail + b"}"
+    if not canon and data.draw(st.booleans()):
+        cut = data.draw(st.integers(0, len(event)))
+        event = event[:cut]
+    assert classify(event) == classify_slow(event), event
+
+
+def test_fast_path_takes_the_usual_token_event() -> None:
+    usual = (b'{"id":"chatcmpl-1","object":"chat.completion.chunk","created":1700000000,'
+             b'"model":"m","choices":[{"index":0,"delta":{"content":" sierra"},'
+             b'"logprobs":null,"finish_reason":null}]}')
+    assert _FAST_CONTENT.fullmatch(usual) is not None
+    assert classify(usual) == classify_slow(usual) == (EventKind.CONTENT, 1)
+    # Invalid UTF-8 inside the content: the regex matches, the bytes check refuses it.
+    bad = usual.replace(b" sierra", b"\xff")
+    assert classify(bad) == classify_slow(bad) == (EventKind.MALFORMED, 0)
