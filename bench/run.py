@@ -830,7 +830,7 @@ def render_extras(x: dict[str, Any]) -> str:
               f"  64 concurrent streams: {f['concurrent64']['msgs_per_s']:.0f} msgs/s, "
               f"{f['concurrent64']['server_cpu_us_per_msg']:.1f} us server CPU per message "
               f"({f['concurrent64']['server_cores']:.2f} cores)",
-              f"  {f['idle_streams']['streams']} idle open streams: "
+              f"  {f['idle_streams']['streams']} open streams after 5 messages each: "
               f"{f['idle_streams']['kib_per_stream']:.2f} KiB per stream"]
     return "\n".join(lines)
 

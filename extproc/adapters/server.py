@@ -101,6 +101,9 @@ INVALID = NonRecordingSpan(INVALID_SPAN_CONTEXT)
 
 
 OUTCOME_RETRY_S = 60.0
+# llmgw.chunk.processing_time is recorded for one body message in this many (a histogram
+# record per message would cost more than the message's own processing).
+CHUNK_TIME_SAMPLE = 64
 # Test-only: proves the fault sweep can fail (docs/sweep.md). Logged loudly at start-up.
 UNSAFE_RELEASE_WITHOUT_FENCE = os.environ.get("EXTPROC_UNSAFE_RELEASE_WITHOUT_FENCE") == "1"
 
@@ -210,8 +213,12 @@ class Processor:
 
 
 class Session:
-    """One Envoy ext_proc stream: read messages in order, answer them, clean up at the end."""
+    """One Envoy ext_proc stream: read messages in order, answer them, clean up at the end.
 
+    Sessions use __slots__: one exists per open stream, and 10,000 open streams is a target.
+    """
+
+    __slots__ = ("cfg", "closed", "ctx", "detach", "lock", "md", "p", "rid", "span")
     ctx: grpc.aio.ServicerContext[Any, Any]
     lock: asyncio.Lock
     closed: bool
@@ -219,7 +226,9 @@ class Session:
     # Set by the gate once it handed its attempt to the guard: returning from the handler
     # closes the gRPC stream with OK, and Envoy processes the rest of this HTTP stream
     # without us (ext_proc's onGrpcClose; chunks in flight are passed on unchanged).
-    detach: bool = False
+    detach: bool
+    md: dict[str, str]
+    span: Span
 
     async def write(self, resp: ep.ProcessingResponse) -> None:
         if self.closed:
@@ -253,7 +262,28 @@ class Session:
 
 
 class GuardSession(Session):
+    __slots__ = (
+        "_unwatch",
+        "aid1",
+        "attempt",
+        "attempt_machine",
+        "attempt_span",
+        "envoy_request_id",
+        "finished",
+        "first_delta_evented",
+        "gen",
+        "m",
+        "permit",
+        "progress_at",
+        "progress_inflight",
+        "progress_sent",
+        "tool",
+        "watchdog",
+        "watchdog_at",
+    )
+
     def __init__(self, proc: Processor, ctx: grpc.aio.ServicerContext[Any, Any]) -> None:
+        self.detach = False
         self.p = proc
         self.cfg = proc.cfg
         self.ctx = ctx
@@ -323,7 +353,14 @@ class GuardSession(Session):
             if permit is not None and not permit.valid():
                 self.fenced_log()
                 await self.feed(Fenced())
-            await self.feed(ResponseBody(body.body, body.end_of_stream))
+            tel = self.p.tel
+            tel.chunks_seen += 1
+            if tel.enabled and tel.chunks_seen % CHUNK_TIME_SAMPLE == 0:
+                t0 = time.perf_counter()
+                await self.feed(ResponseBody(body.body, body.end_of_stream))
+                tel.chunk_time.record((time.perf_counter() - t0) * 1000)
+            else:
+                await self.feed(ResponseBody(body.body, body.end_of_stream))
         elif which == "response_trailers":
             await self.write(codec.trailers_response())
         elif which == "request_trailers":
@@ -683,7 +720,31 @@ class GuardSession(Session):
 
 
 class GateSession(Session):
+    __slots__ = (
+        "_hard_timer",
+        "_soft_timer",
+        "_unwatch",
+        "aid",
+        "attempt",
+        "failed_on_purpose",
+        "first_admitted",
+        "http_status",
+        "lease",
+        "m",
+        "model_revision",
+        "parent_tp",
+        "preadmitted",
+        "prompt_tokens",
+        "replica",
+        "slow",
+        "started_at",
+        "started_wall",
+        "waited_for_previous_s",
+        "want_fingerprint",
+    )
+
     def __init__(self, proc: Processor, ctx: grpc.aio.ServicerContext[Any, Any]) -> None:
+        self.detach = False
         self.p = proc
         self.cfg = proc.cfg
         self.ctx = ctx
@@ -1116,7 +1177,8 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc
         role = md.get(H.ROLE_METADATA, "guard")
         session: GuardSession | GateSession
         session = GateSession(self.p, context) if role == "gate" else GuardSession(self.p, context)
-        session.md = md
+        # The metadata is only read again for trace context: do not keep it per stream.
+        session.md = md if self.p.tel.enabled else {}
         self.p.open_streams += 1
         try:
             await session.run()

@@ -66,8 +66,9 @@ class Telemetry:
             description="pool-wide retries / limit at each retry decision")
         self.chunk_time = meter.create_histogram(
             "llmgw.chunk.processing_time", unit="ms",
-            description="processor time per response chunk")
+            description="processor time per response body message (1 in 64 sampled)")
         self.outcomes = meter.create_counter("llmgw.requests", description="by outcome")
+        self.chunks_seen = 0
 
     def parent_from(self, carrier: Mapping[str, str]) -> Context | None:
         if not self.enabled:
