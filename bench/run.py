@@ -820,9 +820,14 @@ def render_extras(x: dict[str, Any]) -> str:
     st = x["streams"]
     lines.append("open streams held by one processor process (driven directly over ext_proc; "
                  f"baseline RSS {st['baseline_rss_kib'] / 1024:.1f} MiB):")
+    prev: dict[str, Any] | None = None
     for pt in st["points"]:
+        marginal = ("" if prev is None else "   marginal {:6.2f} KiB/stream".format(
+            (pt["rss_kib"] - prev["rss_kib"]) / max(1, pt["open_ok"] - prev["open_ok"])))
         lines.append(f"  {pt['open_ok']:>6}/{pt['streams']:<6} open   RSS "
-                     f"{pt['rss_kib'] / 1024:7.1f} MiB   {pt['kib_per_stream']:6.2f} KiB/stream")
+                     f"{pt['rss_kib'] / 1024:7.1f} MiB   {pt['kib_per_stream']:6.2f} KiB/stream"
+                     + marginal)
+        prev = pt
     f = x["floor"]
     lines += ["", "floor: bare grpc.aio ext_proc server (no processor logic), same machine:",
               f"  one stream ping-pong: {f['pingpong']['msgs_per_s']:.0f} msgs/s, "
@@ -831,7 +836,9 @@ def render_extras(x: dict[str, Any]) -> str:
               f"{f['concurrent64']['server_cpu_us_per_msg']:.1f} us server CPU per message "
               f"({f['concurrent64']['server_cores']:.2f} cores)",
               f"  {f['idle_streams']['streams']} open streams after 5 messages each: "
-              f"{f['idle_streams']['kib_per_stream']:.2f} KiB per stream"]
+              f"{f['idle_streams']['kib_per_stream']:.2f} KiB per stream on average, "
+              f"{f['idle_streams']['kib_per_stream_marginal']:.2f} KiB per stream from "
+              f"{f['idle_streams']['streams'] // 2} to {f['idle_streams']['streams']}"]
     return "\n".join(lines)
 
 
@@ -893,7 +900,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"open streams ({n}) ...")
         extras["streams"] = streams.measure(max(10, min(n, 10_000)), work / "streams", log)
         log("grpc.aio floor ...")
-        extras["floor"] = grpc_floor.measure(min(n, 5000))
+        extras["floor"] = grpc_floor.measure(max(10, min(n, 10_000)))
     meta["elapsed_s"] = round(time.monotonic() - started, 1)
     meta["code_sha256_end"] = code_digest()
     summary = summarize(runs, p)
