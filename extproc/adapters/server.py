@@ -154,7 +154,7 @@ class Processor:
 
     def trace_budget(self) -> int:
         t = self.cfg.telemetry
-        return 0 if t.record_traces == "off" else t.max_trace_bytes
+        return 0 if t.record_traces == "none" else t.max_trace_bytes
 
     def keep_trace(self, clean: bool) -> bool:
         mode = self.cfg.telemetry.record_traces
