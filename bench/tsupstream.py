@@ -19,10 +19,11 @@ import argparse
 import asyncio
 import contextlib
 import json
-import signal
 import time
 
 from aiohttp import web
+
+from extproc.demo.serving import until_signalled
 
 DELAY_HEADER = "x-replica-token-delay-ms"
 MAX_TOKENS_CAP = 4096
@@ -80,14 +81,7 @@ async def serve(host: str, port: int) -> None:
                            shutdown_timeout=1.0)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        await stop.wait()
-    finally:
-        await runner.cleanup()
+    await until_signalled(runner)
 
 
 def main() -> None:
