@@ -350,7 +350,8 @@ class GuardSession(Session):
                 await self.write(codec.streamed_response_body(body.body, body.end_of_stream))
                 return
             permit = self.permit
-            if permit is not None and not permit.valid():
+            if permit is not None and not permit.revoked and not permit.valid():
+                permit.revoked = True  # its lease ran out locally: said once, acted on once
                 self.fenced_log()
                 await self.feed(Fenced())
             tel = self.p.tel
@@ -638,6 +639,10 @@ class GuardSession(Session):
         if self.finished or self.rid is None:
             return
         self.finished = True
+        if self._unwatch is not None:
+            # Our own finish deletes `live`: that is no revocation to react to.
+            self._unwatch()
+            self._unwatch = None
         body: dict[str, Any] = {
             "outcome": str(f.outcome),
             "delivered_output_tokens": f.delivered_output_tokens,
