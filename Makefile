@@ -17,6 +17,7 @@ help:
 	@echo "make run        etcd + processor + Envoy (:10000) + demo replicas on loopback"
 	@echo "make test       ruff, mypy --strict, and every test (unit + real Envoy/etcd e2e)"
 	@echo "make bench      plain Envoy vs Envoy + processor, ratios (docs/benchmarks.md)"
+	@echo "make profile    where the processor's time goes under load (py-spy)"
 	@echo "make sweep      the full fault sweep (docs/sweep.md)"
 	@echo "make test-vllm  the scenarios against real vLLM replicas (docs/real-engine.md)"
 
