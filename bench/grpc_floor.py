@@ -27,10 +27,10 @@ if __package__ in (None, ""):
 
 import grpc
 
+from bench.run import proc_cpu_s
+from bench.streams import rss_kib
 from extproc.gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from extproc.gen.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
-
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 class Echo(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
@@ -50,18 +50,6 @@ async def _serve(port: int) -> None:
     await s.wait_for_termination()
 
 
-def _rss_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    return 0
-
-
-def _cpu_s(pid: int) -> float:
-    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(f[11]) + int(f[12])) / CLK_TCK
-
-
 async def _client(port: int, pid: int, streams: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     msg = ep.ProcessingRequest(response_body=ep.HttpBody(body=b"x" * 200))
@@ -75,29 +63,29 @@ async def _client(port: int, pid: int, streams: int) -> dict[str, Any]:
 
         call = stub.Process()
         await pingpong(call, 2000)
-        t0, c0 = time.perf_counter(), _cpu_s(pid)
+        t0, c0 = time.perf_counter(), proc_cpu_s(pid)
         await pingpong(call, 10000)
-        dt, dc = time.perf_counter() - t0, _cpu_s(pid) - c0
+        dt, dc = time.perf_counter() - t0, proc_cpu_s(pid) - c0
         out["pingpong"] = {"msgs_per_s": 10000 / dt, "server_cpu_us_per_msg": dc / 10000 * 1e6}
         call.cancel()
         calls = [stub.Process() for _ in range(64)]
         await asyncio.gather(*(pingpong(c, 100) for c in calls))
-        t0, c0 = time.perf_counter(), _cpu_s(pid)
+        t0, c0 = time.perf_counter(), proc_cpu_s(pid)
         await asyncio.gather(*(pingpong(c, 400) for c in calls))
-        dt, dc = time.perf_counter() - t0, _cpu_s(pid) - c0
+        dt, dc = time.perf_counter() - t0, proc_cpu_s(pid) - c0
         n = 64 * 400
         out["concurrent64"] = {"msgs_per_s": n / dt, "server_cpu_us_per_msg": dc / n * 1e6,
                                "server_cores": dc / dt}
         for c in calls:
             c.cancel()
         await asyncio.sleep(1.0)
-        base = _rss_kib(pid)
+        base = rss_kib(pid)
         held = []
         half_rss = 0
         for i in range(streams):
             if i == streams // 2:
                 await asyncio.sleep(1.0)
-                half_rss = _rss_kib(pid)
+                half_rss = rss_kib(pid)
             c = stub.Process()
             # As many messages as a real guard stream has exchanged once it is streaming
             # (request headers, body, response headers, two body chunks): gRPC's per-call
@@ -107,7 +95,7 @@ async def _client(port: int, pid: int, streams: int) -> dict[str, Any]:
                 await c.read()
             held.append(c)
         await asyncio.sleep(1.0)
-        full_rss = _rss_kib(pid)
+        full_rss = rss_kib(pid)
         # The slope between N/2 and N streams: heap freed by the phases above and reused by
         # the first streams would otherwise make the average look cheaper than a stream is.
         out["idle_streams"] = {"streams": streams,

@@ -138,7 +138,7 @@ def measure(n: int, work: Path, log: Any) -> dict[str, Any]:
     stack = Stack(workdir=work, config={"timeouts": {"stall_after_first_delta_s": 600.0}},
                   replicas=1).start()
     try:
-        out = run_loop(hold(stack, n, checkpoints, log))
+        out: dict[str, Any] = run_loop(hold(stack, n, checkpoints, log))
         out["processor_alive"] = stack.procs["processor"].alive()
     finally:
         stack.stop()

@@ -386,6 +386,27 @@ class Stack:
 
     # --- conveniences ----------------------------------------------------------------
 
+    def etcd_calls(self) -> dict[str, int]:
+        """etcd's own count of finished gRPC calls per method (a stream counts once).
+
+        The benchmarks and the hot-path tests count etcd round trips with it, so the count
+        comes from etcd, not from us. Empty when this stack has no etcd or it cannot answer.
+        """
+        if self.plain or not self.etcd_endpoint:
+            return {}
+        try:
+            with urllib.request.urlopen(f"http://{self.etcd_endpoint}/metrics", timeout=5) as r:
+                text = r.read().decode()
+        except OSError:
+            return {}
+        out: dict[str, int] = {}
+        for line in text.splitlines():
+            if line.startswith("grpc_server_handled_total{"):
+                labels, _, val = line.rpartition(" ")
+                method = labels.split('grpc_method="', 1)[1].split('"', 1)[0]
+                out[method] = out.get(method, 0) + int(float(val))
+        return out
+
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.envoy_port}"

@@ -24,18 +24,6 @@ def envoy_stats(stack: Stack, prefix: str) -> dict[str, int]:
             if s["name"].startswith(prefix) and "value" in s}
 
 
-def etcd_calls(stack: Stack) -> dict[str, int]:
-    with urllib.request.urlopen(f"http://{stack.etcd_endpoint}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    out: dict[str, int] = {}
-    for line in text.splitlines():
-        if line.startswith("grpc_server_handled_total{"):
-            labels, _, val = line.rpartition(" ")
-            method = labels.split('grpc_method="', 1)[1].split('"', 1)[0]
-            out[method] = out.get(method, 0) + int(float(val))
-    return out
-
-
 GATE = "cluster.replicas.ext_proc."
 GUARD = "http.ingress.ext_proc."
 
@@ -68,12 +56,12 @@ def test_three_etcd_round_trips_per_successful_request(gw: Gateway) -> None:
     for _ in range(2):  # warm: the process lease and the retention lease exist
         gw.post(gw.body(max_tokens=4))
     time.sleep(0.3)
-    before = etcd_calls(st)
+    before = st.etcd_calls()
     n = 5
     t0 = time.monotonic()
     results = [gw.post(gw.body(max_tokens=4), key=None) for _ in range(n)]
     time.sleep(0.5)  # the last finish transaction lands
-    after = etcd_calls(st)
+    after = st.etcd_calls()
     elapsed = time.monotonic() - t0
     calls = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     for r in results:  # (read after counting: a journal read is a Txn too)
