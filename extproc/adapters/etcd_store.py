@@ -228,21 +228,25 @@ class EtcdStore:
         period = max(0.5, self.cfg.session_ttl_s / 3)
         while True:
             await asyncio.sleep(period)
-            if not self._session:
-                continue
-            try:
-                call = self._lease.LeaseKeepAlive(
-                    iter([rpc.LeaseKeepAliveRequest(ID=self._session)]), timeout=self.timeout)
-                async for reply in call:
-                    if reply.TTL <= 0:
-                        # Our session expired (etcd unreachable longer than its TTL): the
-                        # next request grants a new one. Requests in flight lost their guard
-                        # key; see docs/fencing.md ("processor liveness").
-                        log.error("session lease expired; granting a new one", extra=_NOID)
-                        self._session = 0
-                    break
-            except grpc.aio.AioRpcError as e:
-                log.warning("session keep-alive failed", extra={**_NOID, "error": str(e.code())})
+            if self._session and await self._keep_alive(self._session, "session") == 0:
+                # Our session expired (etcd unreachable longer than its TTL): the next
+                # request grants a new one. Requests in flight lost their guard key; see
+                # docs/fencing.md ("processor liveness").
+                log.error("session lease expired; granting a new one", extra=_NOID)
+                self._session = 0
+
+    async def _keep_alive(self, lease_id: int, what: str) -> int | None:
+        """One keep-alive: the lease's new TTL, 0 if etcd says it expired, None if no answer."""
+        try:
+            call = self._lease.LeaseKeepAlive(iter([rpc.LeaseKeepAliveRequest(ID=lease_id)]),
+                                              timeout=self.timeout)
+            async for reply in call:
+                return max(0, int(reply.TTL))
+        except grpc.aio.AioRpcError as e:
+            # Keep trying; a lease's local deadline stops publishing if this goes on.
+            log.warning(f"{what} lease keep-alive failed", extra={**_NOID,
+                                                                   "error": str(e.code())})
+        return None
 
     async def process_lease(self) -> ProcessLease:
         """The lease this process's live attempts hang on (granted on first use)."""
@@ -268,33 +272,22 @@ class EtcdStore:
     async def attempt_lease(self) -> AttemptLease:
         return AttemptLease(await self.process_lease())
 
-    async def _keep_alive_once(self, lease: ProcessLease) -> None:
-        sent = time.monotonic()
-        try:
-            call = self._lease.LeaseKeepAlive(iter([rpc.LeaseKeepAliveRequest(ID=lease.lease_id)]),
-                                              timeout=self.timeout)
-            async for reply in call:
-                if reply.TTL <= 0:
-                    # Expired in etcd (we were cut off longer than its TTL): every key on it
-                    # is gone, so every attempt on it is fenced. The next admission grants
-                    # a new lease.
-                    log.error("attempt lease expired; its attempts are fenced", extra=_NOID)
-                    lease.lost()
-                else:
-                    lease.renewed(sent, int(reply.TTL))
-                break
-        except grpc.aio.AioRpcError as e:
-            # Keep trying; the local deadline stops publishing if this goes on too long.
-            log.warning("attempt lease keep-alive failed", extra={**_NOID,
-                                                                 "error": str(e.code())})
-
     async def _attempts_loop(self) -> None:
         period = max(0.3, self.cfg.attempt_lease_ttl_s / 3)
         while True:
             await asyncio.sleep(period)
             lease = self._attempts
-            if lease is not None and lease.deadline > 0:
-                await self._keep_alive_once(lease)
+            if lease is None or lease.deadline <= 0:
+                continue
+            sent = time.monotonic()
+            ttl = await self._keep_alive(lease.lease_id, "attempt")
+            if ttl == 0:
+                # Expired in etcd (we were cut off longer than its TTL): every key on it is
+                # gone, so every attempt on it is fenced. The next admission grants anew.
+                log.error("attempt lease expired; its attempts are fenced", extra=_NOID)
+                lease.lost()
+            elif ttl is not None:
+                lease.renewed(sent, ttl)
 
     # --- the revocation watch ----------------------------------------------------------
 
