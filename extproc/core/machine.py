@@ -277,6 +277,11 @@ class _Base:
         return actions
 
 
+def _counting_decoder() -> SseDecoder:
+    """The machines count and forward events, so runs of token events may come merged."""
+    return SseDecoder(merge_content=True)
+
+
 @dataclass(slots=True)
 class GateMachine(_Base):
     """One attempt: hold the response until the first content delta is fenced in etcd."""
@@ -284,7 +289,7 @@ class GateMachine(_Base):
     attempt: int = 0
     max_buffer: int = 4 << 20
     streaming: bool = False
-    decoder: SseDecoder = field(default_factory=SseDecoder)
+    decoder: SseDecoder = field(default_factory=_counting_decoder)
     held: int = 0  # body messages received and not yet answered
     buffered: bytearray = field(default_factory=bytearray)  # non-streaming body so far
     body_bytes: int = 0
@@ -316,7 +321,7 @@ class GuardMachine(_Base):
 
     stall_after_first_delta_s: float = 15.0
     streaming: bool = False
-    decoder: SseDecoder = field(default_factory=SseDecoder)
+    decoder: SseDecoder = field(default_factory=_counting_decoder)
     delivered: int = 0  # content units forwarded downstream
     status: int = 0
     body: bytearray = field(default_factory=bytearray)  # non-streaming body (bounded)
@@ -380,8 +385,10 @@ def _gate_body_holding(m: GateMachine, ev: ResponseBody) -> list[Action]:
     if m.body_bytes > m.max_buffer:
         return m.fail("response exceeded the gateway's buffer before the first delta")
     if m.streaming:
-        events = m.decoder.feed(ev.data)
-        if ev.end_of_stream:
+        # Only what comes before the first content matters here (the guard parses the
+        # released bytes itself): the decoder stops there.
+        events = m.decoder.feed_to_first_content(ev.data)
+        if ev.end_of_stream and not (events and events[-1].kind is EventKind.CONTENT):
             events += m.decoder.finish()
         for e in events:
             if e.kind is EventKind.CONTENT:

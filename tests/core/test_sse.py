@@ -562,3 +562,116 @@ def test_fast_path_takes_the_usual_token_event() -> None:
     # Invalid UTF-8 inside the content: the regex matches, the bytes check refuses it.
     bad = usual.replace(b" sierra", b"\xff")
     assert classify(bad) == classify_slow(bad) == (EventKind.MALFORMED, 0)
+
+
+# --- merged runs of token events (the machines' decoder) -------------------------------------
+
+
+def _token_event(data: st.DataObject) -> bytes:
+    """A usual token event, sometimes broken in ways only the reference path may judge."""
+    content = _render_str(data.draw(_TEXT), data, data.draw(st.booleans()))
+    role = data.draw(st.sampled_from([b"", b'"role":"assistant",']))
+    body = (b'{"id":"chatcmpl-7","object":"chat.completion.chunk","created":1700000000,'
+            b'"model":"m","choices":[{"index":0,"delta":{' + role + b'"content":' + content
+            + b'},"finish_reason":null}]}')
+    sep = data.draw(st.sampled_from([b"data: ", b"data: ", b"data:"]))
+    end = data.draw(st.sampled_from([b"\n\n", b"\n\n", b"\r\n\r\n", b"\n\n\n"]))
+    return sep + body + end
+
+
+def _normalized(events: list[SseEvent]) -> list[tuple[EventKind, int, bytes, bytes, str | None]]:
+    """Consecutive CONTENT events folded into one: what merging may change, nothing more."""
+    out: list[tuple[EventKind, int, bytes, bytes, str | None]] = []
+    for e in events:
+        if e.kind is EventKind.CONTENT and out and out[-1][0] is EventKind.CONTENT:
+            k, units, raw, _, _ = out[-1]
+            out[-1] = (k, units + e.content_units, raw + e.raw, b"", None)
+        elif e.kind is EventKind.CONTENT:
+            out.append((e.kind, e.content_units, e.raw, b"", None))
+        else:
+            out.append((e.kind, e.content_units, e.raw, e.data, e.event))
+    return out
+
+
+@settings(max_examples=500, deadline=None)
+@given(data=st.data())
+def test_merged_runs_agree_with_the_event_by_event_decoder(data: st.DataObject) -> None:
+    parts = [b"\xef\xbb\xbf"] if data.draw(st.integers(0, 9)) == 0 else []
+    for _ in range(data.draw(st.integers(0, 8))):
+        if data.draw(st.integers(0, 3)):
+            parts += [_token_event(data) for _ in range(data.draw(st.integers(1, 6)))]
+        else:
+            parts.append(data.draw(_stream())[0])
+    stream = b"".join(parts)
+    sizes = data.draw(_splits(len(stream)))
+    plain, merging = SseDecoder(), SseDecoder(merge_content=True)
+    fed = 0
+    for size in [*sizes, len(stream) - sum(sizes)]:
+        piece = stream[fed : fed + size]
+        fed += size
+        # Per feed, not only in total: both hand out exactly the complete events so far.
+        assert _normalized(merging.feed(piece)) == _normalized(plain.feed(piece))
+        assert merging.pending() == plain.pending()
+    assert _normalized(merging.finish()) == _normalized(plain.finish())
+
+
+def test_a_run_of_token_events_is_one_value() -> None:
+    ev = (b'data: {"id":"c","object":"chat.completion.chunk","created":0,"model":"m",'
+          b'"choices":[{"index":0,"delta":{"content":"hi \\u00e9 \xc3\xa9"},'
+          b'"finish_reason":null}]}\n\n')
+    done = b"data: [DONE]\n\n"
+    dec = SseDecoder(merge_content=True)
+    got = dec.feed(ev * 9 + done + ev[:20])
+    assert [(e.kind, e.content_units, e.raw) for e in got] == [
+        (EventKind.CONTENT, 9, ev * 9), (EventKind.DONE, 0, done)]
+    assert dec.pending() == ev[:20]
+    # The unfinished first line waits in the decoder and starts the next run.
+    got = dec.feed(ev[20:] + ev * 2)
+    assert [(e.kind, e.content_units, e.raw) for e in got] == [(EventKind.CONTENT, 3, ev * 3)]
+    # A line already parsed (the `data:` line of a split event): that event the
+    # event-by-event way, then a run again; also after any other kind of event.
+    assert dec.feed(ev[:-1]) == []
+    got = dec.feed(b"\n" + ev * 2 + b": comment\n\n" + ev * 3)
+    assert [(e.kind, e.content_units, e.data != b"") for e in got] == [
+        (EventKind.CONTENT, 1, True), (EventKind.CONTENT, 2, False),
+        (EventKind.NON_CONTENT, 0, False), (EventKind.CONTENT, 3, False)]
+    # Invalid UTF-8 inside a run is never merged: the reference path calls it malformed.
+    bad = ev.replace(b"hi", b"h\xff")
+    got = SseDecoder(merge_content=True).feed(ev + bad + ev)
+    assert [(e.kind, e.content_units) for e in got] == [
+        (EventKind.CONTENT, 1), (EventKind.MALFORMED, 0), (EventKind.CONTENT, 1)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_feed_to_first_content_is_feed_cut_at_the_first_content(data: st.DataObject) -> None:
+    parts = []
+    for _ in range(data.draw(st.integers(0, 5))):
+        if data.draw(st.booleans()):
+            parts += [_token_event(data) for _ in range(data.draw(st.integers(1, 4)))]
+        else:
+            parts.append(data.draw(_stream())[0])
+    stream = b"".join(parts)
+    sizes = data.draw(_splits(len(stream)))
+    plain, gate = SseDecoder(), SseDecoder(merge_content=True)
+    expected = _normalized(plain.feed(stream) + plain.finish())
+    upto = next((i for i, e in enumerate(expected) if e[0] is EventKind.CONTENT), None)
+    got: list[SseEvent] = []
+    fed = 0
+    for size in [*sizes, len(stream) - sum(sizes)]:
+        got += gate.feed_to_first_content(stream[fed : fed + size])
+        fed += size
+        if got and got[-1].kind is EventKind.CONTENT:
+            with pytest.raises(RuntimeError):
+                gate.feed_to_first_content(b"data: x\n\n")
+            break
+    else:
+        got += gate.finish()
+    if upto is None:
+        assert _normalized(got) == expected
+    else:
+        # The events before the first content exactly; then that content event itself
+        # (its run may be cut to its first event).
+        assert _normalized(got[:-1]) == expected[:upto]
+        assert got[-1].kind is EventKind.CONTENT and got[-1].content_units >= 1
+        assert expected[upto][2].startswith(got[-1].raw)
