@@ -24,7 +24,7 @@ def measure(work: Path, log: Any, points: tuple[int, ...] = POINTS,
                    lat_tokens=128)
         row: dict[str, Any] = {"streams": n, "offered": n * 1000.0 / DELAY_MS}
         for side in ("plain", "ours"):
-            stack = start_stack("ts", side == "plain", work / f"curve-{n}-{side}")
+            stack = start_stack("ts", side, work / f"curve-{n}-{side}")
             try:
                 r = run_loop(latency(stack, p, DELAY_MS))
             finally:

@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
                    lat_duration_s=secs)
         work = RESULTS / f"profile-{load}"
         shutil.rmtree(work, ignore_errors=True)
-        stack = start_stack("ts" if load == "paced" else "demo", False, work)
+        stack = start_stack("ts" if load == "paced" else "demo", "ours", work)
         raw = RESULTS / f"profile-{load}.txt"
         try:
             pid = stack.procs["processor"].pid

@@ -1,16 +1,18 @@
-"""One-command benchmark: plain Envoy vs Envoy + our processor, on this machine.
+"""One-command benchmark: plain Envoy vs Envoy + our processor vs the floor, on this machine.
 
-    .venv/bin/python -m bench.run            # full: 3 repeats, ~3.5 min (more on retries)
-    .venv/bin/python -m bench.run --quick    # smoke: 1 repeat, short windows, ~35 s
+    .venv/bin/python -m bench.run            # full: 3 repeats + extras, ~10 min
+    .venv/bin/python -m bench.run --quick    # smoke: 1 repeat, short windows, ~3 min
 
-Per repeat and per side (plain, then ours; the order alternates between repeats) it
-measures each figure on a fresh stack, started just before and stopped just after, so the two
-sides never share the cores:
+Three sides, measured per repeat in turn (the order reverses between repeats), each figure on
+a fresh stack started just before and stopped just after, so no two sides share the cores:
+plain (Envoy alone), ours (Envoy + our processor + etcd) and floor (the same Envoy config and
+ext_proc messages answered by bench/nullproc.py: no logic, no etcd). Figures:
   - added time-to-first-delta: sequential requests (demo replicas);
   - delivered chunks/s at saturation: C concurrent looping streams (demo replicas), with
     per-process CPU accounting from /proc;
   - per-chunk delivery latency at fixed rates: bench/tsupstream.py (timestamps every event)
-    replaces the demo replicas behind the identical Envoy config (same Stack code path).
+    replaces the demo replicas behind the identical Envoy config (same Stack code path);
+  - failover before the first delta and etcd round trips (ours only).
 A figure whose stack loses a process (Envoy has segfaulted under load) is re-measured on a
 fresh stack, up to 3 attempts; every attempt's errors and crashes are counted and printed.
 Prints a table (min/median/max over repeats) and writes bench/results/latest.json.
@@ -44,6 +46,7 @@ if __package__ in (None, ""):  # `python bench/run.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.client import Conn, Outcome, Tally, build_request
+from bench.nullproc import NullStack
 from extproc.devstack import Proc, Stack, _bin
 
 ROOT = Path(__file__).resolve().parent
@@ -115,10 +118,22 @@ class TsStack(Stack):
         return Proc(name, argv, self.workdir / f"upstream-{name}.log", env=env)
 
 
-def start_stack(kind: str, plain: bool, workdir: Path,
+class NullTsStack(NullStack, TsStack):
+    """The floor side with timestamping upstreams."""
+
+
+# plain: Envoy alone; ours: Envoy + our processor + etcd; floor: Envoy + the null processor
+# (bench/nullproc.py: the same ext_proc messages answered with no logic and no etcd).
+SIDES = ("plain", "ours", "floor")
+
+
+def start_stack(kind: str, side: str, workdir: Path,
                 config: dict[str, Any] | None = None) -> Stack:
-    cls = TsStack if kind == "ts" else Stack
-    return cls(workdir=workdir, config=config or {}, replicas=2, plain=plain).start()
+    if side == "floor":
+        cls: type[Stack] = NullTsStack if kind == "ts" else NullStack
+    else:
+        cls = TsStack if kind == "ts" else Stack
+    return cls(workdir=workdir, config=config or {}, replicas=2, plain=side == "plain").start()
 
 
 # The failover figure fails every other request on purpose: the default retry budget (20 %
@@ -484,11 +499,12 @@ def run_loop(coro: Any) -> Any:
         return asyncio.run(coro)
 
 
-def figures(p: Params) -> dict[str, tuple[str, Any]]:
-    """figure -> (upstream kind, measurement(stack, params))"""
-    out: dict[str, tuple[str, Any]] = {"ttfd": ("demo", ttfd),
-                                       "failover": ("demo", failover),
-                                       "saturation": ("demo", saturation)}
+def figures(p: Params, side: str = "ours") -> dict[str, tuple[str, Any]]:
+    """figure -> (upstream kind, measurement(stack, params)); the floor cannot fail over."""
+    out: dict[str, tuple[str, Any]] = {"ttfd": ("demo", ttfd)}
+    if side != "floor":
+        out["failover"] = ("demo", failover)
+    out["saturation"] = ("demo", saturation)
     for d in p.lat_delays_ms:
         out[f"latency@{lat_rate(p, d)}"] = ("ts", functools.partial(latency, delay_ms=d))
     return out
@@ -510,13 +526,13 @@ def measure_figure(fig: str, side: str, p: Params, work: Path, log: Any) -> dict
     """Measure one figure on a fresh stack. If a stack process dies mid-run (Envoy has been
     seen to segfault under load with the processor), the attempt is kept - its errors count -
     and the figure is retried on a fresh stack, up to `p.attempts` times."""
-    kind, fn = figures(p)[fig]
+    kind, fn = figures(p, side)[fig]
     attempts: list[dict[str, Any]] = []
     for n in range(1, p.attempts + 1):
         wd = work / f"{fig}-{side}-a{n}"
         patient = time.monotonic() < DEADLINE[0]
         idle = wait_idle(p, log) if patient else {"waited_s": 0.0, "busy_before": -1.0}
-        stack = start_stack(kind, side == "plain", wd, FIGURE_CONFIG.get(fig))
+        stack = start_stack(kind, side, wd, FIGURE_CONFIG.get(fig))
         try:
             time.sleep(0.3)
             log(f"  {side}: {fig}" + (f" (attempt {n})" if n > 1 else "") + " ...")
@@ -565,7 +581,7 @@ def measure_figure(fig: str, side: str, p: Params, work: Path, log: Any) -> dict
 
 def measure_side(side: str, p: Params, work: Path, log: Any) -> dict[str, Any]:
     out: dict[str, Any] = {"side": side}
-    for fig in figures(p):
+    for fig in figures(p, side):
         out[fig] = measure_figure(fig, side, p, work, log)
     return out
 
@@ -664,7 +680,9 @@ ROWS: list[Row] = [
 
 
 def _get(r: dict[str, Any], fig: str, path: tuple[str, ...]) -> float | None:
-    f = r[fig]
+    f = r.get(fig)
+    if f is None:
+        return None  # a figure this side does not measure (failover on the floor)
     if not f.get("valid", True):
         return None
     v: Any = f
@@ -676,28 +694,34 @@ def _get(r: dict[str, Any], fig: str, path: tuple[str, ...]) -> float | None:
 
 
 def summarize(runs: list[dict[str, Any]], p: Params) -> dict[str, Any]:
-    by: dict[str, dict[int, dict[str, Any]]] = {"plain": {}, "ours": {}}
+    by: dict[str, dict[int, dict[str, Any]]] = {s: {} for s in SIDES}
     for r in runs:
         by[r["side"]][r["repeat"]] = r
-    reps = sorted(set(by["plain"]) & set(by["ours"]))
+    reps = sorted(set(by["plain"]) & set(by["ours"]) & set(by["floor"]))
     rows = []
-    for label, fig, path, spec, op in table_rows(p):
-        vals = {s: [v for rep in reps if (v := _get(by[s][rep], fig, path)) is not None]
-                for s in ("plain", "ours")}
+
+    def paired(side: str, fig: str, path: tuple[str, ...], op: str) -> list[float]:
         rel = []
         for rep in reps:
-            a, b = _get(by["plain"][rep], fig, path), _get(by["ours"][rep], fig, path)
+            a, b = _get(by["plain"][rep], fig, path), _get(by[side][rep], fig, path)
             if a is not None and b is not None and op in ("ratio", "delta"):
                 rel.append(b / a if op == "ratio" else b - a)
+        return rel
+
+    for label, fig, path, spec, op in table_rows(p):
+        vals = {s: [v for rep in reps if (v := _get(by[s][rep], fig, path)) is not None]
+                for s in SIDES}
         rows.append({"figure": label, "spec": spec, "op": op,
                      "plain": None if op == "ours" else mmm(vals["plain"]),
-                     "ours": mmm(vals["ours"]), "vs": mmm(rel) if op != "ours" else None,
-                     "n": {s: len(vals[s]) for s in vals}})
+                     "ours": mmm(vals["ours"]), "floor": mmm(vals["floor"]),
+                     "vs": mmm(paired("ours", fig, path, op)) if op != "ours" else None,
+                     "floor_vs": mmm(paired("floor", fig, path, op)) if op != "ours" else None,
+                     "n": {s: len(vals[s]) for s in ("plain", "ours")}})
     errors: dict[str, dict[str, int]] = {}
-    for side in ("plain", "ours"):
+    for side in SIDES:
         e = {k: 0 for k in (*ERROR_KEYS, "crashes")}
         for r in by[side].values():
-            for fig in figures(p):
+            for fig in figures(p, side):
                 for k in e:
                     e[k] += int(r[fig][k])
         errors[side] = e
@@ -722,29 +746,37 @@ def render_table(meta: dict[str, Any], p: Params, summary: dict[str, Any],
         f"{p.ttfd_tokens} tokens",
         "cells: min / median / max over repeats; 'ours vs plain' is computed per repeat "
         "(paired back-to-back runs), then min / median / max",
+        "floor: the same Envoy config and ext_proc messages answered by bench/nullproc.py "
+        "(no logic, no etcd): the cheapest any processor of this design on grpc.aio can be",
         "",
     ]
-    w0, w1 = 38, 26
-    lines.append(f"{'figure':<{w0}} {'plain':<{w1}} {'ours':<{w1}} ours vs plain")
-    lines.append("-" * (w0 + 2 * w1 + 28))
+    w0, w1, w2 = 38, 26, 28
+    lines.append(f"{'figure':<{w0}} {'plain':<{w1}} {'ours':<{w1}} {'ours vs plain':<{w2}} "
+                 "floor vs plain")
+    lines.append("-" * (w0 + 2 * w1 + 2 * w2 + 4))
     for r in summary["rows"]:
         spec, op = r["spec"], r["op"]
         plain = "-" if op == "ours" else fmt3(r["plain"], spec)
         ours = fmt3(r["ours"], spec)
         if op == "ratio":
-            vs = "x " + fmt3(r["vs"], ".3f")
+            vs, fvs = "x " + fmt3(r["vs"], ".3f"), "x " + fmt3(r["floor_vs"], ".3f")
         elif op == "delta":
-            vs = fmt3(r["vs"], spec, signed=True)
+            vs, fvs = fmt3(r["vs"], spec, signed=True), fmt3(r["floor_vs"], spec, signed=True)
         else:
-            vs = ""
+            vs = fvs = ""
+        if op == "ours" and r["floor"] is not None:
+            fvs = "floor " + fmt3(r["floor"], spec)  # the null processor's own figure
+        elif r["floor_vs"] is None:
+            fvs = ""
         short = [s for s in ("plain", "ours") if r["n"][s] < summary["repeats"]
                  and not (op == "ours" and s == "plain")]
         if short:
-            vs += "  (valid runs: " + ", ".join(f"{s} {r['n'][s]}/{summary['repeats']}"
-                                                 for s in short) + ")"
-        lines.append(f"{r['figure']:<{w0}} {plain:<{w1}} {ours:<{w1}} {vs}")
+            fvs += "  (valid runs: " + ", ".join(f"{s} {r['n'][s]}/{summary['repeats']}"
+                                                  for s in short) + ")"
+        lines.append(f"{r['figure']:<{w0}} {plain:<{w1}} {ours:<{w1}} {vs:<{w2}} {fvs}"
+                     .rstrip())
     lines.append("")
-    for side in ("plain", "ours"):
+    for side in SIDES:
         e = summary["errors"][side]
         lines.append(f"errors {side:<5}: requests={e['requests']} ok={e['ok']} "
                      f"non_200={e['non_200']} transport={e['transport_errors']} "
@@ -752,7 +784,7 @@ def render_table(meta: dict[str, Any], p: Params, summary: dict[str, Any],
                      f"stack_crashes={e['crashes']}")
     started = resets = 0
     for r in runs:
-        for fig in figures(p):
+        for fig in figures(p, r["side"]):
             c = r[fig]["envoy_counters"]
             started += sum(v for k, v in c.items() if k.endswith("ext_proc.streams_started"))
             resets += c.get("cluster.extproc.upstream_rq_tx_reset", 0)
@@ -762,7 +794,7 @@ def render_table(meta: dict[str, Any], p: Params, summary: dict[str, Any],
                      "closeStream()+resetStream(); not a client-visible error)")
     for r in runs:
         notes = []
-        for fig in figures(p):
+        for fig in figures(p, r["side"]):
             f = r[fig]
             for a in f["attempts"]:
                 if a["died"]:
@@ -865,7 +897,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, _terminate)
     runs: list[dict[str, Any]] = []
     for rep in range(p.repeats):
-        order = ("plain", "ours") if rep % 2 == 0 else ("ours", "plain")
+        order = SIDES if rep % 2 == 0 else SIDES[::-1]
         log(f"repeat {rep + 1}/{p.repeats} ({' then '.join(order)})")
         for side in order:
             r = measure_side(side, p, work / f"rep{rep + 1}", log)
