@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 _STD = frozenset(vars(logging.makeLogRecord({})).keys()) | {"message", "asctime"}
+_ENCODER = json.JSONEncoder(default=str, separators=(",", ":"))
 
 
 class JsonFormatter(logging.Formatter):
@@ -24,21 +25,50 @@ class JsonFormatter(logging.Formatter):
                 out[k] = v
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
-        return json.dumps(out, default=str, separators=(",", ":"))
+        return _ENCODER.encode(out)
+
+
+# The handler `setup` installed, while it is the root logger's only one: request lines then
+# skip the logging machinery (a LogRecord, handler and formatter calls: about two thirds of a
+# line's cost, and a processor writes five lines per request) and write the same JSON object
+# the formatter would. Anyone who adds a handler or filter gets the ordinary path.
+_direct: logging.StreamHandler[Any] | None = None
 
 
 def setup(level: str = "INFO") -> None:
+    global _direct
     h = logging.StreamHandler(sys.stderr)
     h.setFormatter(JsonFormatter())
     root = logging.getLogger()
     root.handlers[:] = [h]
     root.setLevel(level)
     logging.Formatter.converter = time.gmtime
+    _direct = h
+
+
+def _direct_handler(logger: logging.Logger) -> logging.StreamHandler[Any] | None:
+    h = _direct
+    if h is None or logger.filters or logger.handlers or not logger.propagate:
+        return None
+    root = logging.getLogger()
+    if root.handlers != [h] or root.filters or h.filters:
+        return None
+    return h
 
 
 def rlog(logger: logging.Logger, level: int, msg: str, request_id: str | None,
          attempt_id: str | None, **fields: Any) -> None:
     """Log a line about a request; both ids are always present (null when not yet known)."""
-    if logger.isEnabledFor(level):
+    if not logger.isEnabledFor(level):
+        return
+    h = _direct_handler(logger)
+    if h is None:
         logger.log(level, msg, extra={"request_id": request_id, "attempt_id": attempt_id,
                                       **fields})
+        return
+    line = _ENCODER.encode({"ts": round(time.time(), 6), "level": logging.getLevelName(level),
+                            "logger": logger.name, "msg": msg, "request_id": request_id,
+                            "attempt_id": attempt_id, **fields})
+    with h.lock:  # type: ignore[union-attr]  # set by Handler.createLock
+        h.stream.write(line + "\n")
+        h.flush()

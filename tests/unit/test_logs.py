@@ -1,0 +1,63 @@
+"""Request log lines: the direct write and the logging path give the same JSON object."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from extproc.adapters import logs
+
+
+@pytest.fixture()
+def captured(monkeypatch: pytest.MonkeyPatch) -> Iterator[io.StringIO]:
+    buf = io.StringIO()
+    root = logging.getLogger()
+    saved = (root.handlers[:], root.level, logs._direct)
+    monkeypatch.setattr(sys, "stderr", buf)
+    logs.setup("INFO")
+    yield buf
+    root.handlers[:], _, logs._direct = saved
+    root.setLevel(saved[1])
+
+
+def _line(log: logging.Logger) -> None:
+    logs.rlog(log, logging.INFO, "attempt ended", "req_1", "att_1", attempt=1, released=True,
+              cause=None, odd={1, 2})  # a value JSON cannot encode: written with str()
+
+
+def test_direct_and_logging_paths_write_the_same_object(captured: io.StringIO) -> None:
+    log = logging.getLogger("extproc.test")
+    root = logging.getLogger()
+    pytest_handlers = [h for h in root.handlers if h is not logs._direct]
+    for h in pytest_handlers:  # pytest's own capture handlers, added for the test's call
+        root.removeHandler(h)
+    _line(log)
+    assert logs._direct_handler(log) is not None  # the direct path was taken
+    direct = json.loads(captured.getvalue())
+    captured.seek(0)
+    captured.truncate()
+    other = logging.StreamHandler(io.StringIO())
+    logging.getLogger().addHandler(other)  # someone else listens: the ordinary path
+    assert logs._direct_handler(log) is None
+    _line(log)
+    ordinary = json.loads(captured.getvalue())
+    logging.getLogger().removeHandler(other)
+    for h in pytest_handlers:
+        root.addHandler(h)
+    for d in (direct, ordinary):
+        assert isinstance(d.pop("ts"), float)
+    assert list(direct.items()) == list(ordinary.items())
+    assert direct == {"level": "INFO", "logger": "extproc.test", "msg": "attempt ended",
+                      "request_id": "req_1", "attempt_id": "att_1", "attempt": 1,
+                      "released": True, "cause": None, "odd": "{1, 2}"}
+
+
+def test_below_the_level_nothing_is_written(captured: io.StringIO) -> None:
+    log = logging.getLogger("extproc.test")
+    logs.rlog(log, logging.DEBUG, "chatty", "req_1", None)
+    assert captured.getvalue() == ""
