@@ -10,7 +10,10 @@ request headers, request body (the intake: validation, the journal record and at
 admission in the real etcd), response headers, then a role event and two content events, so
 every stream is past its first delta with its stall watchdog armed, as a real open stream is.
 The streams stay open while the processor's resident memory (VmRSS) is read; per-stream cost =
-(RSS with N open - RSS before) / N, at several N to show it is linear. The processor runs its
+(RSS with N open - RSS before) / N, at several N to show it is linear. Then 1,000 of them go
+on for 200 more token messages each (what a stream a few hundred tokens in holds: its event
+trace grows up to `telemetry.max_trace_bytes`), and the RSS growth per long stream is read
+too. The processor runs its
 default configuration except `stall_after_first_delta_s` (raised so that the watchdog does
 not end streams that the driver keeps silent while it opens the rest).
 """
@@ -73,6 +76,11 @@ def rss_kib(pid: int) -> int:
     return 0
 
 
+TOKEN = ep.ProcessingRequest(response_body=ep.HttpBody(body=_event({"content": " more"}),
+                                                        end_of_stream=False))
+LONG_STREAMS, LONG_TOKENS = 1000, 200
+
+
 class Held:
     """One guard stream, opened and then kept open until `release` is set."""
 
@@ -80,9 +88,20 @@ class Held:
         self.stub, self.release = stub, release
         self.ok = False
         self.opened = asyncio.Event()
+        self.call: Any = None
+
+    async def more(self, k: int) -> bool:
+        """k more token messages on the open stream (while `run` waits for release)."""
+        try:
+            for _ in range(k):
+                await self.call.write(TOKEN)
+                await self.call.read()
+        except grpc.aio.AioRpcError:
+            return False
+        return True
 
     async def run(self) -> None:
-        call = self.stub.Process(metadata=(("x-extproc-role", "guard"),))
+        call = self.call = self.stub.Process(metadata=(("x-extproc-role", "guard"),))
         try:
             for msg in MESSAGES:
                 await call.write(msg)
@@ -128,9 +147,22 @@ async def hold(stack: Stack, n: int, checkpoints: list[int], log: Any) -> dict[s
                            "kib_per_stream": (rss - base) / max(1, ok)})
             log(f"  {ok}/{target} streams open, processor RSS {rss / 1024:.1f} MiB, "
                 f"{(rss - base) / max(1, ok):.2f} KiB/stream ({time.monotonic() - t0:.0f} s)")
+        long = [h for h in held if h.ok][:LONG_STREAMS]
+        before = rss_kib(pid)
+        went_on = 0
+        for i in range(0, len(long), 100):  # 100 at a time: bounded concurrency
+            went_on += sum(await asyncio.gather(*(h.more(LONG_TOKENS)
+                                                  for h in long[i:i + 100])))
+        await asyncio.sleep(1.0)
+        after = rss_kib(pid)
+        longer = {"streams": len(long), "went_on": went_on, "tokens_each": LONG_TOKENS,
+                  "rss_before_kib": before, "rss_after_kib": after,
+                  "extra_kib_per_stream": (after - before) / max(1, went_on)}
+        log(f"  {went_on} streams went on for {LONG_TOKENS} more tokens: "
+            f"+{longer['extra_kib_per_stream']:.2f} KiB/stream")
         release.set()
         await asyncio.gather(*tasks, return_exceptions=True)
-    return {"baseline_rss_kib": base, "points": points}
+    return {"baseline_rss_kib": base, "points": points, "long": longer}
 
 
 def measure(n: int, work: Path, log: Any) -> dict[str, Any]:

@@ -154,7 +154,9 @@ class TelemetryConfig:
     service_name: str = "llm-failover-extproc"
     # Which event traces to keep in etcd for `extproc replay`: failures | all | none.
     record_traces: str = "failures"
-    max_trace_bytes: int = 262144
+    # Per machine, in memory while its stream is open (decision 0009): the whole history of
+    # a typical request up to and past its first delta; raise it to debug long streams.
+    max_trace_bytes: int = 16384
     metrics_interval_s: float = 10.0
 
 
