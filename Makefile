@@ -16,7 +16,7 @@ include sweep.mk
 help:
 	@echo "make run        etcd + processor + Envoy (:10000) + demo replicas on loopback"
 	@echo "make test       ruff, mypy --strict, and every test (unit + real Envoy/etcd e2e)"
-	@echo "make bench      plain Envoy vs Envoy + processor, ratios (docs/benchmarks.md)"
+	@echo "make bench      plain Envoy vs Envoy + processor vs the floor, ratios (docs/benchmarks.md)"
 	@echo "make profile    where the processor's time goes under load (py-spy)"
 	@echo "make sweep      the full fault sweep (docs/sweep.md)"
 	@echo "make test-vllm  the scenarios against real vLLM replicas (docs/real-engine.md)"
@@ -54,7 +54,7 @@ unit: install
 e2e: install
 	$(BIN)/pytest -q tests/e2e
 
-## Plain Envoy vs Envoy+processor, same run; prints ratios (docs/benchmarks.md).
+## Plain Envoy vs Envoy+processor vs the null-processor floor, same run; prints ratios (docs/benchmarks.md).
 bench: install
 	$(PY) -m bench.run
 
