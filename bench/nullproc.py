@@ -30,7 +30,7 @@ import grpc
 
 from extproc.adapters import envoy_codec as codec
 from extproc.core.headers import ROLE_METADATA
-from extproc.devstack import Proc, Stack
+from extproc.devstack import Stack
 from extproc.gen.envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from extproc.gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from extproc.gen.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
@@ -95,21 +95,9 @@ class NullStack(Stack):
         self.etcd_endpoint = "127.0.0.1:1"  # never dialled: the null processor has no store
         super()._start()
 
-    def _start_processor(self) -> None:
-        from extproc.core.config import load_config
-        from extproc.devstack import _tcp_open, wait_until
-
-        raw = self._processor_config()
-        self.cfg = load_config(raw)  # the same config renders the same Envoy bootstrap
-        self.processor_addr = self.cfg.server.listen
-        p = Proc("processor", [sys.executable, str(Path(__file__).resolve()), "--listen",
-                               self.processor_addr], self.workdir / "processor.log")
-        p.start()
-        self.procs["processor"] = p
-        host, _, port = self.processor_addr.rpartition(":")
-        wait_until(lambda: _tcp_open(host, int(port)) or not p.alive(), 20, "null processor")
-        if not p.alive():
-            raise RuntimeError(f"null processor exited: see {p.log_path}")
+    def processor_argv(self, config_path: Path) -> list[str]:
+        # The same config renders the same Envoy bootstrap; the null processor only listens.
+        return [sys.executable, str(Path(__file__).resolve()), "--listen", self.processor_addr]
 
     def etcd_calls(self) -> dict[str, int]:
         return {}

@@ -237,14 +237,18 @@ class Stack:
         path = self.workdir / "extproc.yaml"
         path.write_text(yaml.safe_dump(raw, sort_keys=False))
         env = {**os.environ, **self.processor_env} if self.processor_env else None
-        p = Proc("processor", [sys.executable, "-m", "extproc", "serve", "--config", str(path)],
-                 self.workdir / "processor.log", env=env)
+        p = Proc("processor", self.processor_argv(path), self.workdir / "processor.log",
+                 env=env)
         p.start()
         self.procs["processor"] = p
         host, _, port = self.processor_addr.rpartition(":")
         wait_until(lambda: _tcp_open(host, int(port)) or not p.alive(), 20, "processor port")
         if not p.alive():
             raise RuntimeError(f"processor exited: see {p.log_path}")
+
+    def processor_argv(self, config_path: Path) -> list[str]:
+        """The processor's command line (the benchmark's floor side runs another one)."""
+        return [sys.executable, "-m", "extproc", "serve", "--config", str(config_path)]
 
     def _start_tool_server(self) -> None:
         self.tool_port = free_port()

@@ -579,6 +579,17 @@ def _token_event(data: st.DataObject) -> bytes:
     return sep + body + end
 
 
+def _mixed_stream(data: st.DataObject, parts: int, run: int) -> bytes:
+    """Runs of usual token events (mostly) between arbitrary streams of any event kind."""
+    out: list[bytes] = []
+    for _ in range(data.draw(st.integers(0, parts))):
+        if data.draw(st.integers(0, 3)):
+            out += [_token_event(data) for _ in range(data.draw(st.integers(1, run)))]
+        else:
+            out.append(data.draw(_stream())[0])
+    return b"".join(out)
+
+
 def _normalized(events: list[SseEvent]) -> list[tuple[EventKind, int, bytes, bytes, str | None]]:
     """Consecutive CONTENT events folded into one: what merging may change, nothing more."""
     out: list[tuple[EventKind, int, bytes, bytes, str | None]] = []
@@ -596,13 +607,8 @@ def _normalized(events: list[SseEvent]) -> list[tuple[EventKind, int, bytes, byt
 @settings(max_examples=500, deadline=None)
 @given(data=st.data())
 def test_merged_runs_agree_with_the_event_by_event_decoder(data: st.DataObject) -> None:
-    parts = [b"\xef\xbb\xbf"] if data.draw(st.integers(0, 9)) == 0 else []
-    for _ in range(data.draw(st.integers(0, 8))):
-        if data.draw(st.integers(0, 3)):
-            parts += [_token_event(data) for _ in range(data.draw(st.integers(1, 6)))]
-        else:
-            parts.append(data.draw(_stream())[0])
-    stream = b"".join(parts)
+    bom = b"\xef\xbb\xbf" if data.draw(st.integers(0, 9)) == 0 else b""
+    stream = bom + _mixed_stream(data, parts=8, run=6)
     sizes = data.draw(_splits(len(stream)))
     plain, merging = SseDecoder(), SseDecoder(merge_content=True)
     fed = 0
@@ -645,13 +651,7 @@ def test_a_run_of_token_events_is_one_value() -> None:
 @settings(max_examples=300, deadline=None)
 @given(data=st.data())
 def test_feed_to_first_content_is_feed_cut_at_the_first_content(data: st.DataObject) -> None:
-    parts = []
-    for _ in range(data.draw(st.integers(0, 5))):
-        if data.draw(st.booleans()):
-            parts += [_token_event(data) for _ in range(data.draw(st.integers(1, 4)))]
-        else:
-            parts.append(data.draw(_stream())[0])
-    stream = b"".join(parts)
+    stream = _mixed_stream(data, parts=5, run=4)
     sizes = data.draw(_splits(len(stream)))
     plain, gate = SseDecoder(), SseDecoder(merge_content=True)
     expected = _normalized(plain.feed(stream) + plain.finish())

@@ -211,12 +211,19 @@ def _etcd_freeze(env: SweepEnv, stack: Stack, case: Case) -> Plan:
             t.join(ETCD_FREEZE_S + 1)
         thaw()  # whatever happened, etcd runs again
 
+    # Index 0: admitted, waiting for the first delta (0.5 s in) when etcd stops at 0.3 s: the
+    # fence transaction meets a frozen etcd and times out (etcd.timeout_s = 1 s) before etcd
+    # wakes at 1.8 s.
+    return _fire_at(case, once, after, marks, first_delta_after_s=0.5, fire_at_s=0.3)
+
+
+def _fire_at(case: Case, once: Callable[[], None], after: Callable[[], None],
+             marks: dict[str, float], first_delta_after_s: float, fire_at_s: float) -> Plan:
+    """Index 0: fire while the attempt waits for a slow first delta; index i: fire once
+    content delta i has reached the client."""
     if case.index == 0:
-        # Admitted, waiting for the first delta (0.5 s in) when etcd stops at 0.3 s: the
-        # fence transaction meets a frozen etcd and times out (etcd.timeout_s = 1 s) before
-        # etcd wakes at 1.8 s.
-        return Plan(headers={"x-replica-fault": "slow-first-delta:0.5"},
-                    timers=[(0.3, once)], after=after, marks=marks)
+        return Plan(headers={"x-replica-fault": f"slow-first-delta:{first_delta_after_s}"},
+                    timers=[(fire_at_s, once)], after=after, marks=marks)
     i = case.index
 
     def on_delta(k: int) -> bool:
@@ -244,18 +251,7 @@ def _processor_kill(env: SweepEnv, stack: Stack, case: Case) -> Plan:
         proc.start()
         env.wait_gateway(stack, 30.0)
 
-    if case.index == 0:
-        return Plan(headers={"x-replica-fault": "slow-first-delta:1.0"},
-                    timers=[(0.4, once)], after=after, marks=marks)
-    i = case.index
-
-    def on_delta(k: int) -> bool:
-        if k >= i:
-            once()
-        return False
-
-    return Plan(headers={"x-replica-token-delay-ms": TOKEN_DELAY_MS}, on_delta=on_delta,
-                after=after, marks=marks)
+    return _fire_at(case, once, after, marks, first_delta_after_s=1.0, fire_at_s=0.4)
 
 
 def _tool(then: str) -> Callable[[SweepEnv, Stack, Case], Plan]:
