@@ -40,6 +40,10 @@ class StoreUnavailable(Exception):
     """etcd did not answer within the deadline (down, frozen, or partitioned)."""
 
 
+# etcd's answer to a put on a lease it no longer has (it expired while we could not reach it).
+_LEASE_NOT_FOUND = "requested lease not found"
+
+
 def _dumps(obj: Mapping[str, Any]) -> bytes:
     return json.dumps(obj, separators=(",", ":"), sort_keys=True).encode()
 
@@ -235,6 +239,30 @@ class EtcdStore:
                 log.error("session lease expired; granting a new one", extra=_NOID)
                 self._session = 0
 
+    async def _forget_expired_leases(self) -> None:
+        """Ask etcd which of our cached leases it still has; forget the ones it expired.
+
+        A lease etcd expired while it was unreachable (frozen, partitioned) is only found by
+        the keep-alive loops, up to a third of its TTL later; a write on it fails meanwhile.
+        """
+        cached = [("session", self._session)] if self._session else []
+        if self._attempts is not None and self._attempts.deadline > 0:
+            cached.append(("attempt", self._attempts.lease_id))
+        cached += [("retention", lid) for lid, _ in self._retention.values()]
+        for what, lid in cached:
+            resp = await self._call(self._lease.LeaseTimeToLive,
+                                    rpc.LeaseTimeToLiveRequest(ID=lid))
+            if int(resp.TTL) > 0:
+                continue
+            log.error(f"{what} lease expired in etcd; granting a new one", extra=_NOID)
+            if what == "session" and self._session == lid:
+                self._session = 0
+            elif what == "attempt" and self._attempts is not None \
+                    and self._attempts.lease_id == lid:
+                self._attempts.lost()  # every key on it is gone: its attempts are fenced
+            else:
+                self._retention = {t: v for t, v in self._retention.items() if v[0] != lid}
+
     async def _keep_alive(self, lease_id: int, what: str) -> int | None:
         """One keep-alive: the lease's new TTL, 0 if etcd says it expired, None if no answer."""
         try:
@@ -342,21 +370,33 @@ class EtcdStore:
         key goes on this process's lease, so the gate of attempt 1 needs no etcd call of its
         own (one round trip fewer before the first byte).
         """
-        rl = await self._retention_lease()
-        sl = await self.session_lease()
         key = self._k(rid, "meta")
-        ops = [_put(key, _dumps(meta), rl), _put(self._k(rid, "guard"), self.owner.encode(), sl)]
-        if first_attempt is not None:
-            pl = await self.process_lease()
-            aid, record = first_attempt
-            ops += [_put(self._live(rid), aid.encode(), pl.lease_id),
-                    _put(self._k(rid, "attempts/001"), _dumps(record), rl)]
-        req = rpc.TxnRequest(
-            compare=[_eq_version(key, 0)],
-            success=ops,
-            failure=[_range(self._req_prefix(rid), prefix=True), _range(self._live(rid))],
-        )
-        resp = await self._call(self._kv.Txn, req)
+
+        async def txn() -> rpc.TxnRequest:
+            rl = await self._retention_lease()
+            sl = await self.session_lease()
+            ops = [_put(key, _dumps(meta), rl),
+                   _put(self._k(rid, "guard"), self.owner.encode(), sl)]
+            if first_attempt is not None:
+                pl = await self.process_lease()
+                aid, record = first_attempt
+                ops += [_put(self._live(rid), aid.encode(), pl.lease_id),
+                        _put(self._k(rid, "attempts/001"), _dumps(record), rl)]
+            return rpc.TxnRequest(
+                compare=[_eq_version(key, 0)],
+                success=ops,
+                failure=[_range(self._req_prefix(rid), prefix=True), _range(self._live(rid))],
+            )
+
+        try:
+            resp = await self._call(self._kv.Txn, await txn())
+        except StoreUnavailable as e:
+            # A lease of ours expired while etcd was unreachable: nothing was written (a
+            # transaction is all or nothing), so re-grant what is gone and try once more.
+            if _LEASE_NOT_FOUND not in str(e):
+                raise
+            await self._forget_expired_leases()
+            resp = await self._call(self._kv.Txn, await txn())
         if resp.succeeded:
             return None
         return self._assemble(rid, list(resp.responses[0].response_range.kvs)
