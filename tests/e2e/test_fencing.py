@@ -25,7 +25,11 @@ pytestmark = pytest.mark.e2e
 
 TTL = 3
 CONFIG: dict[str, Any] = {
-    "etcd": {"attempt_lease_ttl_s": TTL, "session_ttl_s": 3},
+    # The session TTL stays well above the longest etcd freeze below (~2.5 s at the fence:
+    # two etcd deadlines and a retry): a freeze longer than it makes a live processor's
+    # requests look orphaned, and a reader may settle one first (docs/fencing.md, "residual
+    # risk"). At 3 s that happened in about 1 run in 10.
+    "etcd": {"attempt_lease_ttl_s": TTL, "session_ttl_s": 8},
     "timeouts": {"first_delta_s": 2.0, "soft_first_delta_s": 0.5,
                  "stall_after_first_delta_s": 1.0, "access_log_wait_s": 0.5,
                  "fence_wait_s": 3.5, "progress_interval_s": 0.2},
