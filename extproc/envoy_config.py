@@ -115,8 +115,11 @@ def render(cfg: Config, topo: Topology, plain: bool = False) -> dict[str, Any]:
                 "failure_mode_allow": False,
                 # The guard writes override_host's ordered host list into envoy.lb.
                 "metadata_options": {"receiving_namespaces": {"untyped": ["envoy.lb"]}},
-                # The guard answers from memory or after one bounded etcd call.
-                "message_timeout": _dur(max(2.0, cfg.etcd.timeout_s * 3)),
+                # The guard answers from memory or after one bounded etcd call, except a
+                # repeated tool call, which waits up to tools.wait_s for the one executing
+                # it: Envoy must not cut that wait short with its own 504.
+                "message_timeout": _dur(max(2.0, cfg.etcd.timeout_s * 3,
+                                            cfg.tools.wait_s + 2 * cfg.etcd.timeout_s)),
                 "processing_mode": {
                     "request_header_mode": "SEND",
                     "response_header_mode": "SEND",

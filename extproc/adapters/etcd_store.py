@@ -40,6 +40,15 @@ class StoreUnavailable(Exception):
     """etcd did not answer within the deadline (down, frozen, or partitioned)."""
 
 
+# How long a take-back of a timed-out write (undo_fence, undo_admission, a tool ledger's
+# undo_claim) keeps being applied after etcd first answered it. A transaction queued in a
+# frozen etcd and our take-back, sent after it, may be applied in either order when etcd
+# wakes (each is its own stream); a take-back applied first finds nothing, and the late write
+# would then stay (seen in the tool tests: a claim nobody executes, "in progress" forever).
+# Applying it again for a while catches that write: etcd applies its backlog within
+# milliseconds of waking.
+UNDO_SETTLE_S = 3.0
+
 # etcd's answer to a put on a lease it no longer has (it expired while we could not reach it).
 _LEASE_NOT_FOUND = "requested lease not found"
 

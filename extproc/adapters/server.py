@@ -91,7 +91,14 @@ from ..gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from ..gen.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from . import envoy_codec as codec
 from .causes import NO_GATE, CauseRegistry
-from .etcd_store import AttemptLease, EtcdStore, ProcessLease, StoreUnavailable, ToolLedger
+from .etcd_store import (
+    UNDO_SETTLE_S,
+    AttemptLease,
+    EtcdStore,
+    ProcessLease,
+    StoreUnavailable,
+    ToolLedger,
+)
 from .logs import rlog
 from .telemetry import TRACEPARENT_HEADER, Telemetry, end_span
 from .tools import ToolCallHandler
@@ -109,19 +116,30 @@ UNSAFE_RELEASE_WITHOUT_FENCE = os.environ.get("EXTPROC_UNSAFE_RELEASE_WITHOUT_FE
 
 
 async def retrying(fn: Callable[[], Awaitable[Any]], what: str, rid: str | None,
-                   aid: str | None, limit_s: float = OUTCOME_RETRY_S) -> bool:
-    """Retry an etcd write while etcd is briefly away (frozen, electing), for a bounded time."""
+                   aid: str | None, limit_s: float = OUTCOME_RETRY_S,
+                   settle_s: float = 0.0) -> bool:
+    """Retry an etcd write while etcd is briefly away (frozen, electing), for a bounded time.
+
+    With `settle_s` (take-backs, which are idempotent compare-and-deletes), the write is
+    applied again every 0.25 s for that long after its first answer (UNDO_SETTLE_S).
+    """
     delay, deadline = 0.1, time.monotonic() + limit_s
     while True:
         try:
             await fn()
-            return True
+            break
         except StoreUnavailable as e:
             if time.monotonic() + delay > deadline:
                 rlog(log, logging.ERROR, f"gave up: {what}", rid, aid, error=str(e))
                 return False
             await asyncio.sleep(delay)
             delay = min(delay * 2, 2.0)
+    settled = time.monotonic() + settle_s
+    while time.monotonic() < settled:
+        await asyncio.sleep(0.25)
+        with contextlib.suppress(StoreUnavailable):
+            await fn()
+    return True
 
 
 def _now() -> float:
@@ -1011,7 +1029,8 @@ class GateSession(Session):
             rlog(log, logging.WARNING, "journal unavailable at admission", rid, self.aid,
                  error=str(e))
             self.p.spawn(retrying(lambda: self.p.store.undo_admission(rid, attempt, aid),
-                                  "undo an unconfirmed admission", rid, aid),
+                                  "undo an unconfirmed admission", rid, aid,
+                                  settle_s=UNDO_SETTLE_S),
                          f"gate-undo-admit-{aid}")
             return AdmitDecided(False, self._journal_down(e))
         if not res.admitted:
@@ -1091,7 +1110,8 @@ class GateSession(Session):
                  self.aid, error=str(e))
             # The transaction may still apply when etcd wakes: take it back once it can.
             self.p.spawn(retrying(lambda: self.p.store.undo_fence(rid, record),
-                                  "undo an unconfirmed fence", rid, self.aid),
+                                  "undo an unconfirmed fence", rid, self.aid,
+                                  settle_s=UNDO_SETTLE_S),
                          f"gate-undo-fence-{self.aid}")
             return False
 

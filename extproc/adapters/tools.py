@@ -29,7 +29,7 @@ from ..core.tools import (
 )
 from ..gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from . import envoy_codec as codec
-from .etcd_store import StoreUnavailable, ToolLedger
+from .etcd_store import UNDO_SETTLE_S, StoreUnavailable, ToolLedger
 from .logs import rlog
 
 log = logging.getLogger("extproc.tools")
@@ -77,7 +77,8 @@ class ToolCallHandler:
             ledger, key = self.ledger, call.key
             self.spawn(self.retrying(lambda: ledger.undo_claim(key, entry),
                                      "undo an unconfirmed tool claim", call.request_id,
-                                     call.attempt_id), f"tool-undo-{key}")
+                                     call.attempt_id, settle_s=UNDO_SETTLE_S),
+                       f"tool-undo-{key}")
             return
         if claimed:
             self.entry = entry

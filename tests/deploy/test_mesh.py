@@ -308,7 +308,7 @@ def _eg_standin() -> dict[str, dict[str, dict[str, Any]]]:
         "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3."
                  "ExternalProcessor",
         "grpc_service": {"envoy_grpc": {"cluster_name": EG_BACKEND}},
-        "failure_mode_allow": False, "message_timeout": "3s",
+        "failure_mode_allow": False, "message_timeout": "12s",
         "processing_mode": {"request_header_mode": "SEND", "response_header_mode": "SEND",
                             "request_body_mode": "BUFFERED", "response_body_mode": "STREAMED",
                             "request_trailer_mode": "SKIP", "response_trailer_mode": "SKIP"}}})

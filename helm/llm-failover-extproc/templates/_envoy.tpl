@@ -14,7 +14,8 @@ the Python renderer cannot express yet). Change one, change the other.
 {{- $fence := float64 $t.fence_wait_s -}}
 {{- $stall := float64 $t.stall_after_first_delta_s -}}
 {{- $idle := addf (mulf $first $attempts) $stall 30.0 -}}
-{{- $guardTimeout := maxf 2.0 (mulf (float64 $c.etcd.timeout_s) 3) -}}
+{{- $etcdT := float64 $c.etcd.timeout_s -}}
+{{- $guardTimeout := maxf 2.0 (mulf $etcdT 3) (addf (float64 $c.tools.wait_s) (mulf $etcdT 2)) -}}
 {{- $bufLimit := max 1048576 (mul 2 (int64 $c.limits.max_request_body_bytes)) -}}
 {{- $dnsNeeded := false -}}
 {{- range .Values.replicas.endpoints -}}

@@ -1,4 +1,4 @@
-"""Our leases against a real etcd: a lease etcd expired while it was unreachable."""
+"""The etcd store against a real etcd, where timing alone cannot make the case happen."""
 
 from __future__ import annotations
 
@@ -7,9 +7,15 @@ import uuid
 
 from aetcd import rpc
 
-from extproc.adapters.etcd_store import EtcdStore
-from extproc.core.config import load_config
+from extproc.adapters.etcd_store import UNDO_SETTLE_S, EtcdStore, ToolLedger
+from extproc.adapters.server import retrying
+from extproc.core.config import EtcdConfig, load_config
 from extproc.devstack import Stack
+
+
+def _cfg(stack: Stack) -> EtcdConfig:
+    return load_config({"etcd": {"endpoints": [stack.etcd_endpoint],
+                                 "prefix": f"/test-store/{uuid.uuid4().hex}"}}).etcd
 
 
 def test_intake_after_etcd_expired_our_leases_writes_on_new_ones(stack: Stack) -> None:
@@ -17,11 +23,8 @@ def test_intake_after_etcd_expired_our_leases_writes_on_new_ones(stack: Stack) -
     waking; the keep-alive loops notice only a third of a TTL later. A request arriving in
     between must not fail with `journal_unavailable`: the intake finds the expired leases,
     re-grants them and writes its record (found by the fencing tests' etcd freeze)."""
-    cfg = load_config({"etcd": {"endpoints": [stack.etcd_endpoint],
-                                "prefix": f"/test-leases/{uuid.uuid4().hex}"}}).etcd
-
     async def run() -> None:
-        store = EtcdStore(cfg, owner="test")
+        store = EtcdStore(_cfg(stack), owner="test")
         await store.connect()  # no background loops: nothing else notices the expiry
         try:
             old_session = await store.session_lease()
@@ -41,6 +44,36 @@ def test_intake_after_etcd_expired_our_leases_writes_on_new_ones(stack: Stack) -
             pl = store.current_process_lease()
             assert pl is not None and pl.lease_id == new_process and pl.valid()
             assert (await store.session_lease()) == new_session
+        finally:
+            await store.close()
+
+    asyncio.run(run())
+
+
+def test_a_take_back_catches_the_write_etcd_applies_after_it(stack: Stack) -> None:
+    """A tool claim timed out in a frozen etcd; when etcd wakes it may apply our take-back
+    first and the queued claim right after (seen in the tool tests: a claim nobody executes
+    stayed "in progress" for good). The take-back goes on being applied for UNDO_SETTLE_S
+    after its first answer, so it removes the late claim too."""
+    async def run() -> None:
+        store = EtcdStore(_cfg(stack), owner="test")
+        await store.connect()
+        ledger = ToolLedger(store, 3600)
+        rid, aid, key = "req_t2", "att_t2", "req_t2:call_1"
+        entry = {"state": "running", "attempt_id": aid}
+        try:
+            await store._kv.Put(rpc.PutRequest(key=store._live(rid), value=aid.encode()))
+            answers: list[bool] = []
+
+            async def undo() -> None:
+                answers.append(await ledger.undo_claim(key, entry))
+                if len(answers) == 1:  # etcd applies the queued claim just after
+                    claimed, _, _, _ = await ledger.claim(key, rid, aid, entry)
+                    assert claimed
+
+            assert await retrying(undo, "undo a claim", rid, aid, settle_s=UNDO_SETTLE_S)
+            assert answers[0] is False and True in answers[1:]
+            assert await ledger.get(key) == (None, False)  # no claim, no executor marker
         finally:
             await store.close()
 
