@@ -286,14 +286,24 @@ class EtcdStore:
         return None
 
     async def process_lease(self) -> ProcessLease:
-        """The lease this process's live attempts hang on (granted on first use)."""
+        """The lease this process's live attempts hang on (granted on first use).
+
+        A new attempt is not put on a lease about to lapse locally (keep-alives failed while
+        etcd was away): it is renewed first, or the attempt would be fenced moments after
+        its admission, mid-stream.
+        """
         cur = self._attempts
-        if cur is not None and cur.valid():
+        now = time.monotonic()
+        if cur is not None and cur.deadline - now > self._renew_period():
             return cur
         async with self._attempts_lock:
             cur = self._attempts
-            if cur is not None and cur.valid():
+            if cur is not None and cur.deadline - time.monotonic() > self._renew_period():
                 return cur
+            if cur is not None and cur.deadline > 0:
+                await self._renew(cur)
+                if cur.valid():
+                    return cur
             sent = time.monotonic()
             ttl = self.cfg.attempt_lease_ttl_s
             resp = await self._call(self._lease.LeaseGrant, rpc.LeaseGrantRequest(TTL=ttl))
@@ -309,22 +319,35 @@ class EtcdStore:
     async def attempt_lease(self) -> AttemptLease:
         return AttemptLease(await self.process_lease())
 
+    def _renew_period(self) -> float:
+        return max(0.3, self.cfg.attempt_lease_ttl_s / 3)
+
+    async def _renew(self, lease: ProcessLease) -> bool | None:
+        """One keep-alive of the process lease: True renewed, False lost, None no answer."""
+        sent = time.monotonic()
+        ttl = await self._keep_alive(lease.lease_id, "attempt")
+        if ttl == 0:
+            # Expired in etcd (we were cut off longer than its TTL): every key on it is
+            # gone, so every attempt on it is fenced. The next admission grants anew.
+            log.error("attempt lease expired; its attempts are fenced", extra=_NOID)
+            lease.lost()
+            return False
+        if ttl is None:
+            return None
+        lease.renewed(sent, ttl)
+        return True
+
     async def _attempts_loop(self) -> None:
-        period = max(0.3, self.cfg.attempt_lease_ttl_s / 3)
+        period = self._renew_period()
+        delay = period
         while True:
-            await asyncio.sleep(period)
+            await asyncio.sleep(delay)
             lease = self._attempts
             if lease is None or lease.deadline <= 0:
+                delay = period
                 continue
-            sent = time.monotonic()
-            ttl = await self._keep_alive(lease.lease_id, "attempt")
-            if ttl == 0:
-                # Expired in etcd (we were cut off longer than its TTL): every key on it is
-                # gone, so every attempt on it is fenced. The next admission grants anew.
-                log.error("attempt lease expired; its attempts are fenced", extra=_NOID)
-                lease.lost()
-            elif ttl is not None:
-                lease.renewed(sent, ttl)
+            # After a failed keep-alive, try again soon: the local deadline is running out.
+            delay = period if await self._renew(lease) is not None else min(period, 0.25)
 
     # --- the revocation watch ----------------------------------------------------------
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 
 from aetcd import rpc
@@ -74,6 +75,25 @@ def test_a_take_back_catches_the_write_etcd_applies_after_it(stack: Stack) -> No
             assert await retrying(undo, "undo a claim", rid, aid, settle_s=UNDO_SETTLE_S)
             assert answers[0] is False and True in answers[1:]
             assert await ledger.get(key) == (None, False)  # no claim, no executor marker
+        finally:
+            await store.close()
+
+    asyncio.run(run())
+
+
+def test_a_new_attempt_is_not_put_on_a_lease_about_to_lapse(stack: Stack) -> None:
+    """Keep-alives failed while etcd was frozen, so the process lease's local deadline is
+    close. An attempt admitted on it now would be fenced moments later, mid-stream (seen in
+    the fencing tests); the lease is renewed before it is handed out."""
+    async def run() -> None:
+        store = EtcdStore(_cfg(stack), owner="test")
+        await store.connect()
+        try:
+            lease = await store.process_lease()
+            lease.deadline = time.monotonic() + 0.1  # as after failed keep-alives
+            again = await store.process_lease()
+            assert again is lease  # the same lease: attempts already on it stay valid
+            assert lease.deadline - time.monotonic() > lease.ttl_s / 2
         finally:
             await store.close()
 
