@@ -80,6 +80,49 @@ def _http2() -> dict[str, Any]:
     }}
 
 
+# Envoy's per-try timeout fires this long after the gate's own first-delta limit, so the
+# gate (which knows more) normally decides, and Envoy only ends what the gate cannot.
+PER_TRY_MARGIN_S = 0.25
+
+
+def health_checks(cfg: Config) -> list[dict[str, Any]]:
+    hc = cfg.pool.health_check
+    if not hc.enabled:
+        return []
+    return [{
+        "timeout": _dur(hc.timeout_s), "interval": _dur(hc.interval_s),
+        "unhealthy_threshold": hc.unhealthy_threshold,
+        "healthy_threshold": hc.healthy_threshold,
+        # A host Envoy has not yet checked is not assumed healthy for a full interval.
+        "no_traffic_interval": _dur(hc.interval_s),
+        "http_health_check": {"path": hc.path},
+    }]
+
+
+def outlier_detection(cfg: Config) -> dict[str, Any] | None:
+    od = cfg.pool.outlier_detection
+    if not od.enabled:
+        return None
+    return {
+        # Refused, reset and timed-out attempts are counted apart from the replica's own
+        # 5xx: a dead or frozen host is ejected after a couple of attempts, not five.
+        "split_external_local_origin_errors": True,
+        "consecutive_local_origin_failure": od.consecutive_local_origin_failure,
+        "enforcing_consecutive_local_origin_failure": 100,
+        "consecutive_5xx": od.consecutive_5xx,
+        "enforcing_consecutive_5xx": 100,
+        # 502/503/504 answered by a live replica (e.g. overloaded 503) are in consecutive_5xx;
+        # not ejected twice over.
+        "enforcing_consecutive_gateway_failure": 0,
+        "enforcing_success_rate": 0,
+        "enforcing_local_origin_success_rate": 0,
+        "interval": _dur(od.interval_s),
+        "base_ejection_time": _dur(od.base_ejection_time_s),
+        "max_ejection_time": _dur(od.max_ejection_time_s),
+        "max_ejection_percent": od.max_ejection_percent,
+    }
+
+
 def render(cfg: Config, topo: Topology, plain: bool = False) -> dict[str, Any]:
     t = cfg.timeouts
     attempts = cfg.policy.max_attempts
@@ -151,11 +194,11 @@ def render(cfg: Config, topo: Topology, plain: bool = False) -> dict[str, Any]:
             "max_interval": _dur(min(10.0, t.first_delta_s)),
         },
         "num_retries": attempts - 1,
-        # The gate enforces first_delta_s itself, from admission, once the replica sent its
-        # headers. This per-try timeout is the backstop for a replica that sends nothing at
-        # all; it also covers a retry's wait for the previous attempt's lease
-        # (fence_wait_s), which Envoy counts inside the attempt (docs/failure-classes.md).
-        "per_try_timeout": _dur(t.first_delta_s + t.fence_wait_s),
+        # The gate enforces first_delta_s itself from the attempt's start (a retry's wait
+        # for the previous attempt's fence comes out of it). A replica that never sends
+        # headers leaves the gate nothing to answer: this per-try timeout, a moment after
+        # the gate's limit, resets such an attempt and retries (docs/failure-classes.md).
+        "per_try_timeout": _dur(t.first_delta_s + PER_TRY_MARGIN_S),
         "retry_host_predicate": [{
             "name": "envoy.retry_host_predicates.previous_hosts",
             "typed_config": {"@type": _t("envoy.extensions.retry.host."
@@ -248,6 +291,14 @@ def render(cfg: Config, topo: Topology, plain: bool = False) -> dict[str, Any]:
         "load_assignment": {"cluster_name": "replicas", "endpoints": [{"lb_endpoints": [
             {"endpoint": {"address": _addr(h, p)}} for h, p in topo.replicas]}]},
     }
+    # Pool health in Envoy's own terms, the same with or without the processor (the plain
+    # side of the benchmarks is this exact cluster with no ext_proc).
+    hcs = health_checks(cfg)
+    if hcs:
+        replica_cluster["health_checks"] = hcs
+    od = outlier_detection(cfg)
+    if od is not None:
+        replica_cluster["outlier_detection"] = od
     if cfg.pool.replicas and not plain:
         # The guard lists compatible hosts in order; attempt n takes the n-th. Requests
         # without a list (e.g. /v1/models) fall back to round robin.

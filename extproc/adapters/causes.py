@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 
 from ..core.headers import ATTEMPT_ID, PREADMITTED, REQUEST_ID
 from ..gen.envoy.data.accesslog.v3 import accesslog_pb2 as al
@@ -43,7 +44,11 @@ def cause_of(entry: al.HTTPAccessLogEntry) -> str:
 class CauseRegistry:
     """Meets access-log entries and guard streams halfway, in whichever order they come."""
 
-    def __init__(self, keep: int = 10000, ttl_s: float = 30.0) -> None:
+    def __init__(self, keep: int = 10000, ttl_s: float = 30.0,
+                 on_attempt: Callable[[str, str, int], None] | None = None) -> None:
+        # on_attempt(replica address, cause, HTTP status) for every per-attempt entry of the
+        # replicas cluster, attempts that never reached a gate included (pool health).
+        self.on_attempt = on_attempt
         self._early: OrderedDict[str, tuple[str, float]] = OrderedDict()
         self._waiting: dict[str, asyncio.Future[str]] = {}
         self._keep = keep
@@ -57,6 +62,11 @@ class CauseRegistry:
                 # e.g. a tool call made by the attempt carries its attempt id too: its entry
                 # says nothing about how the attempt ended (found by the fault sweep).
                 return
+            if self.on_attempt is not None:
+                sa = entry.common_properties.upstream_remote_address.socket_address
+                if sa.address:
+                    self.on_attempt(f"{sa.address}:{sa.port_value}", cause_of(entry),
+                                    entry.response.response_code.value)
             rid = hdrs.get(ATTEMPT_ID)
             if not rid and hdrs.get(PREADMITTED):
                 # No gate ran for this attempt (its upstream filters never started, e.g. the
@@ -82,6 +92,11 @@ class CauseRegistry:
         return rid in self._early
 
     async def wait(self, rid: str, timeout_s: float) -> str:
+        entry = await self.wait_entry(rid, timeout_s)
+        return "unknown" if entry is None else entry
+
+    async def wait_entry(self, rid: str, timeout_s: float) -> str | None:
+        """The cause from `rid`'s entry, or None if Envoy said nothing within the time."""
         early = self._early.pop(rid, None)
         if early is not None:
             return early[0]
@@ -90,6 +105,6 @@ class CauseRegistry:
         try:
             return await asyncio.wait_for(fut, timeout_s)
         except TimeoutError:
-            return "unknown"
+            return None
         finally:
             self._waiting.pop(rid, None)

@@ -30,11 +30,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from opentelemetry.trace import INVALID_SPAN_CONTEXT, NonRecordingSpan, Span, SpanKind
 
 from ..core import headers as H
-from ..core.budget import RetryBudget, budget_exhausted, no_compatible_replica, too_expensive
+from ..core.admission import Admitted, AttemptRequest, decide
+from ..core.budget import RetryBudget, no_compatible_replica
 from ..core.config import Config
 from ..core.errors import ErrorCode, GatewayError
 from ..core.failure import AttemptEnd, FailureClass, classify, fence_for
 from ..core.failure import Fence as FenceKind
+from ..core.health import HealthPolicy, HostHealth
 from ..core.intake import (
     Generation,
     PassThrough,
@@ -100,6 +102,7 @@ from .etcd_store import (
     ToolLedger,
 )
 from .logs import rlog
+from .prober import probe_forever
 from .telemetry import TRACEPARENT_HEADER, Telemetry, end_span
 from .tools import ToolCallHandler
 
@@ -157,12 +160,43 @@ class Processor:
         rb = cfg.policy.retry_budget
         self.budget = RetryBudget(rb.fraction, rb.min_retries, rb.window_s)
         self.tel = Telemetry(cfg.telemetry, cfg.server.gateway_id)
-        self.causes = CauseRegistry()
+        od, hc = cfg.pool.outlier_detection, cfg.pool.health_check
+        self.health = HostHealth(HealthPolicy(
+            consecutive_failures=od.consecutive_local_origin_failure if od.enabled else 1 << 30,
+            base_ejection_s=od.base_ejection_time_s, max_ejection_s=od.max_ejection_time_s,
+            unhealthy_threshold=hc.unhealthy_threshold, healthy_threshold=hc.healthy_threshold))
+        self.causes = CauseRegistry(on_attempt=self.attempt_seen)
+        # Requests with an attempt that reached a replica (a gate let it go upstream): a
+        # later attempt of theirs is a re-prefill, charged to the retry budget.
+        self.reached: OrderedDict[str, None] = OrderedDict()
         self._tasks: set[asyncio.Task[Any]] = set()
         self.open_streams = 0
         # attempt id -> (span, machine) of a gate that handed its attempt to the guard (same
         # process); the guard ends the span, and keeps the trace, at the attempt's real end.
         self.handed_off: OrderedDict[str, tuple[Span, GateMachine]] = OrderedDict()
+
+    def mark_reached(self, rid: str) -> None:
+        self.reached[rid] = None
+        while len(self.reached) > 20000:
+            self.reached.popitem(last=False)
+
+    def attempt_seen(self, replica: str, cause: str, status: int) -> None:
+        """Envoy's per-attempt access-log entry: passive health evidence, as its outlier
+        detection counts it (refused, reset or timed out: a local-origin failure)."""
+        now = time.monotonic()
+        if cause in ("upstream", "timeout"):
+            if self.health.attempt_failed(replica, now):
+                rlog(log, logging.WARNING, "replica ejected after failed attempts", None, None,
+                     replica=replica, cause=cause)
+        elif status == 200:
+            self.health.attempt_succeeded(replica, now)
+
+    def host_order(self, hosts: list[str]) -> list[str]:
+        return self.health.order(hosts, time.monotonic())
+
+    async def probe_pool(self) -> None:
+        addrs = [r.address for r in self.pool.replicas]
+        await probe_forever(addrs, self.cfg.pool.health_check, self.health)
 
     def hand_off(self, aid: str, span: Span, m: GateMachine) -> None:
         self.handed_off[aid] = (span, m)
@@ -428,7 +462,7 @@ class GuardSession(Session):
         self.envoy_request_id = hd.get(H.ENVOY_REQUEST_ID)
         await self.write(codec.continue_request_headers(
             {H.REQUEST_ID: intake.request_id},
-            remove=(H.ATTEMPT_ID, H.FINGERPRINT, H.PROMPT_TOKENS, H.PREADMITTED, H.HANDOFF)))
+            remove=tuple(h for h in H.OWNED if h != H.REQUEST_ID)))
 
     async def on_status_lookup(self, q: StatusLookup) -> None:
         try:
@@ -469,6 +503,8 @@ class GuardSession(Session):
                 err = no_compatible_replica(rid, f"no replica declared for model {meta.model!r}")
                 await self.write(codec.immediate(err, {H.REQUEST_ID: rid}))
                 return
+            # Hosts known to be down go last: attempt 1 should not be spent on them.
+            route = (route[0], self.p.host_order(route[1]))
         record = {
             "request_id": rid,
             "tenant": _tenant_tag(gen.tenant),
@@ -514,7 +550,8 @@ class GuardSession(Session):
             "llmgw.stream": meta.stream, "llmgw.fingerprint": route[0] if route else None,
             "llmgw.gateway_id": self.cfg.server.gateway_id})
         self.span.add_event("request.accepted")
-        set_headers = {H.PROMPT_TOKENS: str(meta.estimated_prompt_tokens), H.PREADMITTED: aid1}
+        set_headers = {H.PROMPT_TOKENS: str(meta.estimated_prompt_tokens), H.PREADMITTED: aid1,
+                       H.ACCEPTED_AT: f"{record['created_at']:.6f}"}
         tp = self.p.tel.traceparent(self.span)
         if tp:
             set_headers[TRACEPARENT_HEADER] = tp
@@ -750,6 +787,8 @@ class GateSession(Session):
         "_hard_timer",
         "_soft_timer",
         "_unwatch",
+        "accepted_at",
+        "admitted",
         "aid",
         "attempt",
         "failed_on_purpose",
@@ -799,6 +838,8 @@ class GateSession(Session):
         self.md: dict[str, str] = {}
         self.span: Span = INVALID
         self.parent_tp: str | None = None
+        self.accepted_at: float | None = None  # wall clock, from the guard
+        self.admitted: Admitted | None = None
 
     async def on_closed(self) -> None:
         for timer in (self._soft_timer, self._hard_timer):
@@ -834,6 +875,10 @@ class GateSession(Session):
                 self.prompt_tokens = int(hd.get(H.PROMPT_TOKENS, "0"))
             except ValueError:
                 self.prompt_tokens = 0
+            try:
+                self.accepted_at = float(hd.get(H.ACCEPTED_AT, ""))
+            except ValueError:
+                self.accepted_at = None
             self.m = GateMachine.new(rid, self.cfg.limits.max_buffered_response_bytes)
             await self.feed(RequestStarted(self.attempt))
         elif which == "response_headers":
@@ -928,6 +973,7 @@ class GateSession(Session):
                                                              else b""))
             return None
         if isinstance(a, ContinueRequest):
+            self.p.mark_reached(rid)
             await self.write(codec.continue_request_headers({H.ATTEMPT_ID: self.aid or ""},
                                                             remove=(H.PREADMITTED,)))
             return None
@@ -988,27 +1034,28 @@ class GateSession(Session):
     async def _admit(self, attempt: int) -> AdmitDecided:
         rid = self.rid or ""
         aid = self.aid or ""
-        if attempt > self.cfg.policy.max_attempts:
-            return self._refuse(ErrorCode.RETRY_BUDGET_EXHAUSTED,
-                                f"attempt {attempt} exceeds max_attempts "
-                                f"{self.cfg.policy.max_attempts}")
-        pool = self.p.pool
-        if pool.enabled and self.want_fingerprint:
-            have = pool.fingerprint_of(self.replica or "")
-            if have != self.want_fingerprint:
-                # Defense in depth: Envoy's host list holds only compatible replicas, but
-                # whatever picked this host, a cross-fingerprint attempt never runs.
-                return self._refused(no_compatible_replica(
-                    rid, f"replica {self.replica} has fingerprint {have}, this request "
-                    f"needs {self.want_fingerprint}"))
-        if attempt > 1:
-            limit = self.cfg.policy.retry_cost.max_prompt_tokens
-            if limit and self.prompt_tokens > limit:
-                return self._refused(too_expensive(rid, self.prompt_tokens, limit))
-            decision = self.p.budget.try_retry(time.monotonic())
-            self.p.tel.budget_used.record(decision.retries / max(1, decision.limit))
-            if not decision.allowed:
-                return self._refused(budget_exhausted(rid, decision))
+        cfg, pool = self.cfg, self.p.pool
+        t = cfg.timeouts
+        elapsed = (max(0.0, time.time() - self.accepted_at) if self.accepted_at is not None
+                   else 0.0)
+        verdict = decide(AttemptRequest(
+            request_id=rid, attempt=attempt, max_attempts=cfg.policy.max_attempts,
+            reached_before=rid in self.p.reached, elapsed_s=elapsed,
+            total_first_delta_s=t.total_first_delta_s(cfg.policy.max_attempts),
+            first_delta_s=t.first_delta_s, fence_wait_s=t.fence_wait_s,
+            want_fingerprint=self.want_fingerprint if pool.enabled else None,
+            replica_fingerprint=pool.fingerprint_of(self.replica or ""),
+            replica=self.replica, prompt_tokens=self.prompt_tokens,
+            max_prompt_tokens=cfg.policy.retry_cost.max_prompt_tokens),
+            self.p.budget, time.monotonic())
+        last = self.p.budget.last
+        if isinstance(verdict, GatewayError):
+            if verdict.code is ErrorCode.RETRY_BUDGET_EXHAUSTED and last is not None:
+                self.p.tel.budget_used.record(last.retries / max(1, last.limit))
+            return self._refused(verdict)
+        if verdict.counts_as_retry and last is not None:
+            self.p.tel.budget_used.record(last.retries / max(1, last.limit))
+        self.admitted = verdict
         self.started_wall = _now()
         record = {"attempt": attempt, "attempt_id": self.aid, "replica": self.replica,
                   "gateway_id": self.cfg.server.gateway_id, "started_at": self.started_wall,
@@ -1023,8 +1070,7 @@ class GateSession(Session):
             return self._admitted(0.0)
         try:
             res = await self.p.store.admit_attempt(rid, attempt, aid, record,
-                                                   self.cfg.timeouts.fence_wait_s,
-                                                   self._never_started)
+                                                   verdict.fence_wait_s, self._never_started)
         except StoreUnavailable as e:
             rlog(log, logging.WARNING, "journal unavailable at admission", rid, self.aid,
                  error=str(e))
@@ -1057,8 +1103,10 @@ class GateSession(Session):
         loop = asyncio.get_running_loop()
         if soft > 0:
             self._soft_timer = loop.call_later(soft, self._on_soft_limit)
+        deadline = (self.admitted.deadline_s if self.admitted is not None
+                    else self.cfg.timeouts.first_delta_s)
         self._hard_timer = loop.call_later(
-            self.cfg.timeouts.first_delta_s,
+            max(0.0, deadline - waited_s),
             lambda: self.p.spawn(self._on_first_delta_limit(), f"gate-limit-{self.aid}"))
         rlog(log, logging.INFO, "attempt admitted", rid, self.aid, attempt=attempt,
              replica=self.replica, waited_ms=round(waited_s * 1000, 2),
@@ -1077,7 +1125,10 @@ class GateSession(Session):
         async with self.lock:
             if self.m is None or self.closed:
                 return
-            await self.feed(FirstDeltaTimeout())
+            waited = (time.time() - self.accepted_at if self.accepted_at is not None
+                      else time.monotonic() - self.started_at)
+            final = self.admitted.final if self.admitted is not None else False
+            await self.feed(FirstDeltaTimeout(final=final, waited_s=round(waited, 3)))
 
     def _on_soft_limit(self) -> None:
         # Slow is not dead: record it, change nothing (only first_delta_s fails over).
@@ -1134,11 +1185,14 @@ class GateSession(Session):
             or self.model_revision, "released": False,
             "upstream_finished": a.upstream_finished, "http_status": self.http_status,
             "slow": self.slow, "waited_for_previous_s": round(self.waited_for_previous_s, 4)}
-        needs_cause = not self.failed_on_purpose and self.http_status in (0, 200)
+        # An end that may leave the replica decoding (no answer, or our own first-delta
+        # limit) needs Envoy's word that it closed the attempt (docs/fencing.md).
+        needs_cause = ((not self.failed_on_purpose or a.timed_out)
+                       and self.http_status in (0, 200))
         # Ended before the first-delta limit and not by us: Envoy's per-try timeout (the
-        # only "uncertain" end, first_delta_s + fence_wait_s) cannot be the cause, so the
-        # end is confirmed (a reset, a refused connection, or the client leaving) and the
-        # attempt is revoked at once; a retry waits for nothing but this transaction.
+        # only "uncertain" end Envoy makes, just past first_delta_s) cannot be the cause,
+        # so the end is confirmed (a reset, a refused connection, or the client leaving)
+        # and the attempt is revoked at once; a retry waits for nothing but this txn.
         early = (needs_cause and not a.timed_out
                  and time.monotonic() - self.started_at < self.cfg.timeouts.first_delta_s)
         revoked_early = False
@@ -1150,17 +1204,22 @@ class GateSession(Session):
                     **record, "fence": str(FenceKind.REVOKE),
                     "failure_class": "pending"}, False),
                 "fence the ended attempt", rid, aid)
-        cause = "n/a"
+        cause, envoy_closed = "n/a", True
         if needs_cause:
-            # Envoy's per-attempt access-log entry says reset (dead) vs timeout (uncertain).
-            cause = await self.p.causes.wait(aid, self.cfg.timeouts.access_log_wait_s)
+            # Envoy's per-attempt access-log entry says reset (dead) vs timeout (uncertain),
+            # and that Envoy has closed the attempt at all.
+            entry = await self.p.causes.wait_entry(aid, self.cfg.timeouts.access_log_wait_s)
+            cause, envoy_closed = entry or "unknown", entry is not None
         cls = classify(AttemptEnd(released=a.released, upstream_finished=a.upstream_finished,
                                   failed_on_purpose=self.failed_on_purpose,
                                   http_status=self.http_status, cause=cause,
                                   timed_out=a.timed_out))
-        fence = FenceKind.REVOKE if revoked_early else fence_for(cls)
+        if a.timed_out and self.replica:
+            self.p.health.attempt_failed(self.replica, time.monotonic())
+        fence = FenceKind.REVOKE if revoked_early else fence_for(cls, envoy_closed)
         record.setdefault("ended_at", _now())
-        record.update({"failure_class": str(cls), "envoy_cause": cause, "fence": str(fence)})
+        record.update({"failure_class": str(cls), "envoy_cause": cause, "fence": str(fence),
+                       "envoy_closed": envoy_closed})
         if fence is FenceKind.EXPIRE:
             record["lease_expires_by"] = round(_now() + self.cfg.etcd.attempt_lease_ttl_s, 3)
         rlog(log, logging.INFO, "attempt ended", rid, aid, attempt=attempt,
@@ -1242,6 +1301,8 @@ async def serve(cfg: Config, ready: Callable[[str], None] | None = None) -> None
     store.start_background()
     proc = Processor(cfg, store)
     proc.spawn(proc.share_budget(), "budget-exchange")
+    if proc.pool.enabled and cfg.pool.health_check.enabled:
+        proc.spawn(proc.probe_pool(), "pool-probe")
     server = grpc.aio.server(options=[("grpc.max_concurrent_streams", 100000),
                                       ("grpc.so_reuseport", 0)])
     ep_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(proc), server)

@@ -1,10 +1,13 @@
 """Retry budget and retry cost: a mass GPU failure must not become a re-prefill storm.
 
-The budget admits a retry only while retries stay below `fraction` of requests over the
-last `window_s`, with a floor of `min_retries` so a quiet pool can still fail over. Counts
-are per gateway; gateways publish theirs to etcd and each decides on the pool-wide sum
-(a second-old view of the others, an exact view of itself: see docs/retry-budget.md).
-Time is passed in, so this stays pure.
+The budget admits a re-prefill only while re-prefills stay below `fraction` of requests
+over the last `window_s`, with a floor of `min_retries` per window so a quiet pool can
+still fail over: Envoy's retry-budget shape (`budget_percent`, `min_retry_concurrency`)
+over Finagle's time window instead of in-flight counts. Only re-prefills are counted: a
+first attempt is never refused by the budget, and neither is an attempt whose predecessors
+never reached a replica (decision 0010). Counts are per gateway; gateways publish theirs to
+etcd and each decides on the pool-wide sum (a second-old view of the others, an exact view
+of itself). Time is passed in, so this stays pure.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ class RetryBudget:
         self.retries = WindowCounter(window_s)
         # Other gateways' latest published counts: gateway id -> (requests, retries).
         self.others: dict[str, tuple[int, int]] = {}
+        self.last: BudgetDecision | None = None  # the latest decision, for metrics
 
     def note_request(self, now: float) -> None:
         self.requests.add(now)
@@ -59,9 +63,11 @@ class RetryBudget:
         ret = self.retries.count(now) + sum(t for _, t in self.others.values())
         limit = max(self.min_retries, int(self.fraction * req))
         if ret + 1 > limit:
-            return BudgetDecision(False, ret, req, limit)
+            self.last = BudgetDecision(False, ret, req, limit)
+            return self.last
         self.retries.add(now)
-        return BudgetDecision(True, ret + 1, req, limit)
+        self.last = BudgetDecision(True, ret + 1, req, limit)
+        return self.last
 
     def snapshot(self, now: float) -> tuple[int, int]:
         return self.requests.count(now), self.retries.count(now)

@@ -113,6 +113,15 @@ class TimeoutsConfig:
     soft_first_delta_s: float = 5.0
     # How often the guard checkpoints the delivered count while streaming (0: never).
     progress_interval_s: float = 2.0
+    # The whole request's wait for its first delta, across every attempt (null: max_attempts
+    # x first_delta_s). Once it has passed, the client gets `upstream_timeout` and no
+    # further attempt starts (docs/failure-classes.md, "Bounds").
+    first_delta_total_s: float | None = None
+
+    def total_first_delta_s(self, max_attempts: int) -> float:
+        if self.first_delta_total_s is not None:
+            return self.first_delta_total_s
+        return self.first_delta_s * max_attempts
 
 
 @dataclass(frozen=True)
@@ -161,10 +170,39 @@ class TelemetryConfig:
 
 
 @dataclass(frozen=True)
+class HealthCheckConfig:
+    # Active HTTP health checks of every replica: Envoy's on the replicas cluster, and the
+    # processor's own on the compatibility pool's hosts (it orders override_host lists).
+    enabled: bool = True
+    path: str = "/health"  # vLLM and SGLang serve it
+    interval_s: float = 1.0
+    timeout_s: float = 1.0
+    unhealthy_threshold: int = 2
+    healthy_threshold: int = 1
+
+
+@dataclass(frozen=True)
+class OutlierDetectionConfig:
+    # Envoy's outlier detection on the replicas cluster, local-origin errors split out, and
+    # the processor's passive view of the same evidence (extproc.core.health).
+    enabled: bool = True
+    # Refused, reset or timed-out attempts in a row before a host is ejected.
+    consecutive_local_origin_failure: int = 2
+    # 5xx answered by the replica (or by the gate for it) in a row; 429 never counts.
+    consecutive_5xx: int = 5
+    interval_s: float = 1.0
+    base_ejection_time_s: float = 5.0
+    max_ejection_time_s: float = 60.0
+    max_ejection_percent: int = 50
+
+
+@dataclass(frozen=True)
 class PoolConfig:
     # Replicas and their compatibility fingerprints (extproc.core.pool). Empty: one
     # undifferentiated pool (Envoy's round robin, any replica may serve a retry).
     replicas: tuple[Any, ...] = ()
+    health_check: HealthCheckConfig = field(default_factory=HealthCheckConfig)
+    outlier_detection: OutlierDetectionConfig = field(default_factory=OutlierDetectionConfig)
 
 
 @dataclass(frozen=True)
@@ -230,6 +268,12 @@ class _Reader:
         if not isinstance(v, str) or not v:
             raise ConfigError(self._p(key), f"must be a non-empty string or null, got {v!r}")
         return v
+
+    def opt_float(self, key: str, default: float | None, lo: float, hi: float) -> float | None:
+        if self.raw.get(key, default) is None:
+            self.used.add(key)
+            return None
+        return self.float_(key, default if default is not None else lo, lo, hi)
 
     def bool_(self, key: str, default: bool) -> bool:
         self.used.add(key)
@@ -376,7 +420,13 @@ def load_config(raw: Mapping[str, Any] | None) -> Config:
                                     0.0, 3600.0),
         progress_interval_s=t.float_("progress_interval_s",
                                      TimeoutsConfig.progress_interval_s, 0.0, 3600.0),
+        first_delta_total_s=t.opt_float("first_delta_total_s",
+                                        TimeoutsConfig.first_delta_total_s, 0.5, 36000.0),
     )
+    if (timeouts.first_delta_total_s is not None
+            and timeouts.first_delta_total_s < timeouts.first_delta_s):
+        raise ConfigError("timeouts.first_delta_total_s",
+                          f"must be >= timeouts.first_delta_s ({timeouts.first_delta_s})")
     if timeouts.soft_first_delta_s > timeouts.first_delta_s:
         raise ConfigError("timeouts.soft_first_delta_s",
                           f"must be <= timeouts.first_delta_s ({timeouts.first_delta_s})")
@@ -435,7 +485,38 @@ def load_config(raw: Mapping[str, Any] | None) -> Config:
     except FingerprintError as e:
         path, _, problem = str(e).partition(": ")
         raise ConfigError(path, problem) from e
-    pool = PoolConfig(replicas=tuple(reps))
+    hc = pl.section("health_check")
+    d_hc = HealthCheckConfig()
+    health = HealthCheckConfig(
+        enabled=hc.bool_("enabled", d_hc.enabled),
+        path=hc.str_("path", d_hc.path),
+        interval_s=hc.float_("interval_s", d_hc.interval_s, 0.1, 300.0),
+        timeout_s=hc.float_("timeout_s", d_hc.timeout_s, 0.05, 60.0),
+        unhealthy_threshold=hc.int_("unhealthy_threshold", d_hc.unhealthy_threshold, 1, 100),
+        healthy_threshold=hc.int_("healthy_threshold", d_hc.healthy_threshold, 1, 100),
+    )
+    if not health.path.startswith("/"):
+        raise ConfigError("pool.health_check.path", f"must start with '/', got {health.path!r}")
+    hc.done()
+    od = pl.section("outlier_detection")
+    d_od = OutlierDetectionConfig()
+    outlier = OutlierDetectionConfig(
+        enabled=od.bool_("enabled", d_od.enabled),
+        consecutive_local_origin_failure=od.int_(
+            "consecutive_local_origin_failure", d_od.consecutive_local_origin_failure, 1, 1000),
+        consecutive_5xx=od.int_("consecutive_5xx", d_od.consecutive_5xx, 1, 1000),
+        interval_s=od.float_("interval_s", d_od.interval_s, 0.1, 300.0),
+        base_ejection_time_s=od.float_("base_ejection_time_s", d_od.base_ejection_time_s,
+                                       0.1, 3600.0),
+        max_ejection_time_s=od.float_("max_ejection_time_s", d_od.max_ejection_time_s,
+                                      0.1, 86400.0),
+        max_ejection_percent=od.int_("max_ejection_percent", d_od.max_ejection_percent, 0, 100),
+    )
+    if outlier.max_ejection_time_s < outlier.base_ejection_time_s:
+        raise ConfigError("pool.outlier_detection.max_ejection_time_s",
+                          f"must be >= base_ejection_time_s ({outlier.base_ejection_time_s})")
+    od.done()
+    pool = PoolConfig(replicas=tuple(reps), health_check=health, outlier_detection=outlier)
     pl.done()
     policy = _policy(root.section("policy"))
     root.done()

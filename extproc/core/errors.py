@@ -18,6 +18,7 @@ class ErrorCode(StrEnum):
     UPSTREAM_DECODE_INTERRUPTED = "upstream_decode_interrupted"
     GATEWAY_INTERRUPTED = "gateway_interrupted"
     UPSTREAM_UNAVAILABLE = "upstream_unavailable"
+    UPSTREAM_TIMEOUT = "upstream_timeout"
     REQUEST_IN_PROGRESS = "request_in_progress"
     REQUEST_ALREADY_COMPLETED = "request_already_completed"
     REQUEST_ALREADY_FINISHED = "request_already_finished"
@@ -95,3 +96,12 @@ def decode_interrupted(request_id: str, delivered_output_tokens: int) -> Gateway
 def bad_request(code: ErrorCode, message: str, request_id: str | None = None,
                 status: int = 400) -> GatewayError:
     return GatewayError(code=code, message=message, http_status=status, request_id=request_id)
+
+
+def upstream_timeout(request_id: str | None, waited_s: float, attempts: int) -> GatewayError:
+    """The request's first-delta budget ran out; nothing reached the client."""
+    return GatewayError(
+        code=ErrorCode.UPSTREAM_TIMEOUT,
+        message=f"no replica produced a first delta within {waited_s:.1f} s "
+                f"({attempts} attempt{'s' if attempts != 1 else ''}); nothing was sent",
+        http_status=504, request_id=request_id, retryable=True)

@@ -64,8 +64,17 @@ def classify(end: AttemptEnd) -> FailureClass:
     return FailureClass.NETWORK_UNCERTAIN
 
 
-def fence_for(cls: FailureClass) -> Fence:
-    """policy.uncertain_source_liveness: wait for lease expiry unless the end is confirmed."""
-    if cls is FailureClass.NETWORK_UNCERTAIN:
+def fence_for(cls: FailureClass, envoy_closed: bool) -> Fence:
+    """policy.uncertain_source_liveness: wait for lease expiry unless the end is confirmed.
+
+    `envoy_closed`: Envoy's own per-attempt access-log entry for this attempt arrived, so
+    Envoy has torn the attempt's upstream stream down. Only this processor's gate could
+    release that attempt's bytes, and the gate is gone; its tool calls are refused by the
+    fenced `live` value. So even a replica that may still be decoding (partitioned, stuck)
+    can no longer publish: revoking is a fence (docs/fencing.md, "Envoy closed it"). With
+    no word from Envoy (the ext_proc stream or Envoy itself lost), the publisher's state is
+    unknown: the lease must expire.
+    """
+    if cls is FailureClass.NETWORK_UNCERTAIN and not envoy_closed:
         return Fence.EXPIRE
     return Fence.REVOKE

@@ -14,4 +14,7 @@ PROMPT_TOKENS = "x-gateway-prompt-tokens"
 PREADMITTED = "x-gateway-preadmitted"
 # Gate -> guard on the released response headers: the attempt the guard now owns (JSON).
 HANDOFF = "x-gateway-attempt-handoff"
-OWNED = (REQUEST_ID, ATTEMPT_ID, FINGERPRINT, PROMPT_TOKENS, PREADMITTED, HANDOFF)
+# Guard -> gate: when the request was accepted (epoch seconds): the start of its
+# whole first-delta budget (timeouts.first_delta_total_s).
+ACCEPTED_AT = "x-gateway-accepted-at"
+OWNED = (REQUEST_ID, ATTEMPT_ID, FINGERPRINT, PROMPT_TOKENS, PREADMITTED, HANDOFF, ACCEPTED_AT)

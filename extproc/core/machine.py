@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any, Literal, TypeAlias
 
-from .errors import ErrorCode, GatewayError, decode_interrupted
+from .errors import ErrorCode, GatewayError, decode_interrupted, upstream_timeout
 from .journal import Outcome
 from .sse import EventKind, SseDecoder, SseEvent
 
@@ -56,7 +56,14 @@ class FenceDecided:
 
 @dataclass(frozen=True, slots=True)
 class FirstDeltaTimeout:
-    """Gate: the first-delta limit passed since admission (policy: timeouts.first_delta_s)."""
+    """Gate: the attempt's first-delta deadline passed (extproc.core.admission).
+
+    `final`: no attempt or no request budget is left, so the request ends with
+    `upstream_timeout` instead of a retry; `waited_s` is the request's wait so far.
+    """
+
+    final: bool = False
+    waited_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -447,10 +454,29 @@ def _gate_fence(m: GateMachine, ev: FenceDecided) -> list[Action]:
 
 def _gate_first_delta_timeout(m: GateMachine, ev: FirstDeltaTimeout) -> list[Action]:
     # Headers (maybe a role event) came, no content within the limit: fail the attempt so
-    # the router retries; the replica may be partitioned or stuck, so it is fenced by
-    # lease expiry, not revocation.
+    # the router retries, or, with nothing left to retry with, end the request cleanly.
+    # The replica may be partitioned or stuck: liveness uncertain (docs/fencing.md).
     m.timed_out = True
+    if ev.final:
+        return _gate_timed_out_final(m, ev)
     return m.fail("no first delta within the first-delta limit")
+
+
+def _gate_timed_out_final(m: GateMachine, ev: FirstDeltaTimeout) -> list[Action]:
+    # An ImmediateResponse from the upstream filter is never retried by the router: the
+    # client gets our error at once, whether or not the replica ever sent headers.
+    m.timed_out = True
+    m.held = 0
+    m.state = State.GATE_FAILED
+    return [Refuse(upstream_timeout(m.request_id, ev.waited_s, m.attempt))]
+
+
+def _gate_forwarded_timeout(m: GateMachine, ev: FirstDeltaTimeout) -> list[Action]:
+    # No response headers: nothing to answer with a 503. Envoy's per-try timeout (the
+    # same limit, a moment later) resets the attempt and retries; the last attempt ends here.
+    if ev.final:
+        return _gate_timed_out_final(m, ev)
+    return []
 
 
 def _gate_ignore(m: GateMachine, ev: Any) -> list[Action]:
@@ -488,8 +514,10 @@ def _guard_headers(m: GuardMachine, ev: ResponseHeaders) -> list[Action]:
     m.streaming = ev.content_type.split(";", 1)[0].strip().lower() == "text/event-stream"
     m.state = State.GUARD_RESPONDING
     if ev.status >= 500 and ev.content_type.startswith("text/plain") and not ev.end_of_stream:
+        # Envoy's own local reply (no host answered, or its per-try timeout on the last
+        # attempt): our error shape instead of its plain text.
         m.replaced_error = GatewayError(
-            code=ErrorCode.UPSTREAM_UNAVAILABLE,
+            code=ErrorCode.UPSTREAM_TIMEOUT if ev.status == 504 else ErrorCode.UPSTREAM_UNAVAILABLE,
             message=f"no replica produced an answer (gateway status {ev.status})",
             http_status=ev.status, request_id=m.request_id, retryable=True).json_bytes()
     if ev.end_of_stream:
@@ -645,10 +673,10 @@ TABLE: dict[tuple[str, State, type], Callable[[Any, Any], list[Action]]] = {
     (_G, S.GATE_PASSTHROUGH, ResponseBody): _gate_pass,
     (_G, S.GATE_FAILED, ResponseBody): _gate_drop,
     (_G, S.GATE_HOLDING, FirstDeltaTimeout): _gate_first_delta_timeout,
-    # No response headers yet: nothing to answer with a 503; Envoy's per-try timeout is the
-    # backstop. Fencing (etcd txn in flight), released or over: too late to matter.
+    (_G, S.GATE_FORWARDED, FirstDeltaTimeout): _gate_forwarded_timeout,
+    # Fencing (etcd txn in flight), released or over: too late to matter.
     **{(_G, s, FirstDeltaTimeout): _gate_ignore for s in (
-        S.GATE_NEW, S.GATE_ADMITTING, S.GATE_FORWARDED, S.GATE_FENCING, S.GATE_RELEASED,
+        S.GATE_NEW, S.GATE_ADMITTING, S.GATE_FENCING, S.GATE_RELEASED,
         S.GATE_PASSTHROUGH, S.GATE_FAILED, S.GATE_CLOSED)},
     **{(_G, s, StreamClosed): _gate_closed for s in (
         S.GATE_NEW, S.GATE_ADMITTING, S.GATE_FORWARDED, S.GATE_HOLDING, S.GATE_FENCING,

@@ -42,11 +42,15 @@ def test_classes(e: AttemptEnd, cls: FailureClass) -> None:
     assert classify(e) is cls
 
 
-def test_only_uncertain_liveness_waits_for_expiry() -> None:
-    assert fence_for(FailureClass.NETWORK_UNCERTAIN) is Fence.EXPIRE
+def test_only_uncertain_liveness_with_no_word_from_envoy_waits_for_expiry() -> None:
+    assert fence_for(FailureClass.NETWORK_UNCERTAIN, envoy_closed=False) is Fence.EXPIRE
+    # Envoy's own entry for the attempt says it tore the upstream stream down: the gate
+    # (the only publisher) is gone, so revoking fences it (docs/fencing.md).
+    assert fence_for(FailureClass.NETWORK_UNCERTAIN, envoy_closed=True) is Fence.REVOKE
     for c in FailureClass:
         if c is not FailureClass.NETWORK_UNCERTAIN:
-            assert fence_for(c) is Fence.REVOKE
+            for closed in (False, True):
+                assert fence_for(c, closed) is Fence.REVOKE
 
 
 def test_never_dead_without_evidence() -> None:

