@@ -110,6 +110,7 @@ class Proc:
             return
         if self.popen.poll() is None:
             self.signal(signal.SIGTERM)
+            self.signal(signal.SIGCONT)  # a frozen (SIGSTOPped) process takes it only now
             try:
                 self.popen.wait(timeout_s)
             except subprocess.TimeoutExpired:
@@ -372,6 +373,13 @@ class Stack:
 
     def release(self, name: str) -> None:
         self._held.discard(name)
+
+    def freeze(self, name: str) -> None:
+        """SIGSTOP a replica: the kernel still accepts its connections, nothing answers."""
+        self.procs[name].signal(signal.SIGSTOP)
+
+    def thaw(self, name: str) -> None:
+        self.procs[name].signal(signal.SIGCONT)
 
     def wait_replicas_healthy(self, timeout_s: float = 10.0) -> None:
         for port in self.replica_ports:

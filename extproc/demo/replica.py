@@ -78,7 +78,10 @@ Outcome = Literal[
     "overloaded",
 ]
 
-NO_ARG_FAULTS: Final = frozenset({"kill-before-headers", "kill-after-headers"})
+# silent-before-headers reads the whole request, then sends nothing at all (no status line)
+# until the peer gives up: a replica stuck before its first byte.
+NO_ARG_FAULTS: Final = frozenset({"kill-before-headers", "kill-after-headers",
+                                  "silent-before-headers"})
 # reset-after-deltas:N dies like kill-after-deltas:N, but closes the connection with an RST
 # (SO_LINGER {1, 0}) instead of the FIN a plain SIGKILL leaves.
 COUNT_FAULTS: Final = frozenset(
@@ -482,6 +485,8 @@ class Replica:
             return resp
         if fault is not None and fault.kind == "kill-before-headers":
             await self.die(att, wrote=False)
+        if fault is not None and fault.kind == "silent-before-headers":
+            return await self._stall(request, att)
         if fault is not None and fault.kind == "kill-after-compute":
             if await self._compute(request, att, min(fault.count, len(tokens))):
                 self.finish(att, "peer_closed")

@@ -85,6 +85,10 @@ proc_config = obj({
         "fence_wait_s": num(0.0, 600.0),
         "soft_first_delta_s": num(0.0, 3600.0),
         "progress_interval_s": num(0.0, 3600.0),
+        "first_delta_total_s": {
+            "type": ["number", "null"], "minimum": 0.5, "maximum": 36000.0,
+            "description": "whole-request wait for the first delta, all attempts; "
+                           "null = max_attempts x first_delta_s; >= first_delta_s"},
     }),
     "limits": obj({
         "max_request_body_bytes": integer(1024, 64 << 20),
@@ -106,27 +110,50 @@ proc_config = obj({
         "max_trace_bytes": integer(1024, 64 << 20),
         "metrics_interval_s": num(0.5, 3600.0),
     }),
-    "pool": obj({"replicas": {
-        "type": "array",
-        "description": "replicas and compatibility fingerprints; non-empty enables override_host",
-        "items": obj({
-            "address": {"type": "string", "pattern": "^.+:[0-9]+$",
-                        "description": "host:port as Envoy reports upstream.address"},
-            "models": {"type": "array", "items": {"type": "string"}},
-            "fingerprint": obj({
-                "weights_revision": {"type": "string", "minLength": 1},
-                "quantization": {"type": "string"},
-                "tokenizer_hash": {"type": "string"},
-                "chat_template_hash": {"type": "string"},
-                "attention": {"type": "string"},
-                "kv_cache_dtype": {"type": "string"},
-                "tensor_parallel_size": integer(1, 1 << 20),
-                "pipeline_parallel_size": integer(1, 1 << 20),
-                "kv_block_size": integer(1, 1 << 20),
-                "lora_adapters": {"type": "array", "items": {"type": "string"}},
-            }, required=["weights_revision"]),
-        }, required=["address", "fingerprint"]),
-    }}),
+    "pool": obj({
+        "replicas": {
+            "type": "array",
+            "description": "replicas and compatibility fingerprints; "
+                           "non-empty enables override_host",
+            "items": obj({
+                "address": {"type": "string", "pattern": "^.+:[0-9]+$",
+                            "description": "host:port as Envoy reports upstream.address"},
+                "models": {"type": "array", "items": {"type": "string"}},
+                "fingerprint": obj({
+                    "weights_revision": {"type": "string", "minLength": 1},
+                    "quantization": {"type": "string"},
+                    "tokenizer_hash": {"type": "string"},
+                    "chat_template_hash": {"type": "string"},
+                    "attention": {"type": "string"},
+                    "kv_cache_dtype": {"type": "string"},
+                    "tensor_parallel_size": integer(1, 1 << 20),
+                    "pipeline_parallel_size": integer(1, 1 << 20),
+                    "kv_block_size": integer(1, 1 << 20),
+                    "lora_adapters": {"type": "array", "items": {"type": "string"}},
+                }, required=["weights_revision"]),
+            }, required=["address", "fingerprint"]),
+        },
+        "health_check": obj({
+            "enabled": {"type": "boolean",
+                        "description": "Envoy's health_checks on the replicas cluster and "
+                                       "the processor's own probes"},
+            "path": {"type": "string", "pattern": "^/"},
+            "interval_s": num(0.1, 300.0, "also Envoy's no_traffic_interval"),
+            "timeout_s": num(0.05, 60.0),
+            "unhealthy_threshold": integer(1, 100),
+            "healthy_threshold": integer(1, 100),
+        }),
+        "outlier_detection": obj({
+            "enabled": {"type": "boolean",
+                        "description": "Envoy's outlier_detection on the replicas cluster"},
+            "consecutive_local_origin_failure": integer(1, 1000),
+            "consecutive_5xx": integer(1, 1000),
+            "interval_s": num(0.1, 300.0),
+            "base_ejection_time_s": num(0.1, 3600.0),
+            "max_ejection_time_s": num(0.1, 86400.0, "must be >= base_ejection_time_s"),
+            "max_ejection_percent": integer(0, 100),
+        }),
+    }),
     "policy": obj({"on_upstream_failure": obj({
         "before_first_delta": obj({
             "require": {"type": "array", "minItems": 1, "uniqueItems": True,

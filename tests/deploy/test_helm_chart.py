@@ -242,7 +242,8 @@ def test_values_drive_the_bootstrap() -> None:
     route = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
         "typed_config"]["route_config"]["virtual_hosts"][0]["routes"][-1]["route"]
     assert route["retry_policy"]["num_retries"] == 3
-    assert route["retry_policy"]["per_try_timeout"] == "18.500s"
+    # first_delta_s 12.5 + envoy_config.PER_TRY_MARGIN_S (0.25)
+    assert route["retry_policy"]["per_try_timeout"] == "12.750s"
     boot = _bootstrap("tls-etcd-4-replicas-tenancy-values.yaml")
     cluster = boot["static_resources"]["clusters"][0]
     assert len(cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]) == 4

@@ -12,6 +12,10 @@ the Python renderer cannot express yet). Change one, change the other.
 {{- $attempts := int $c.policy.on_upstream_failure.before_first_delta.max_attempts -}}
 {{- $first := float64 $t.first_delta_s -}}
 {{- $fence := float64 $t.fence_wait_s -}}
+{{- /* envoy_config.PER_TRY_MARGIN_S: Envoy's per-try timeout fires this long after the gate's own first-delta limit */ -}}
+{{- $perTry := addf $first 0.25 -}}
+{{- $hc := $c.pool.health_check -}}
+{{- $od := $c.pool.outlier_detection -}}
 {{- $stall := float64 $t.stall_after_first_delta_s -}}
 {{- $idle := addf (mulf $first $attempts) $stall 30.0 -}}
 {{- $etcdT := float64 $c.etcd.timeout_s -}}
@@ -129,7 +133,7 @@ static_resources:
                         format: SECONDS
                       max_interval: {{ printf "%.3fs" (minf 10.0 $first) }}
                     num_retries: {{ sub $attempts 1 }}
-                    per_try_timeout: {{ printf "%.3fs" (addf $first $fence) }}
+                    per_try_timeout: {{ printf "%.3fs" $perTry }}
                     retry_host_predicate:
                     - name: envoy.retry_host_predicates.previous_hosts
                       typed_config:
@@ -214,6 +218,31 @@ static_resources:
                 address: {{ .host | quote }}
                 port_value: {{ int .port }}
         {{- end }}
+    {{- if $hc.enabled }}
+    health_checks:
+    - timeout: {{ printf "%.3fs" (float64 $hc.timeout_s) }}
+      interval: {{ printf "%.3fs" (float64 $hc.interval_s) }}
+      unhealthy_threshold: {{ int $hc.unhealthy_threshold }}
+      healthy_threshold: {{ int $hc.healthy_threshold }}
+      no_traffic_interval: {{ printf "%.3fs" (float64 $hc.interval_s) }}
+      http_health_check:
+        path: {{ $hc.path | quote }}
+    {{- end }}
+    {{- if $od.enabled }}
+    outlier_detection:
+      split_external_local_origin_errors: true
+      consecutive_local_origin_failure: {{ int $od.consecutive_local_origin_failure }}
+      enforcing_consecutive_local_origin_failure: 100
+      consecutive_5xx: {{ int $od.consecutive_5xx }}
+      enforcing_consecutive_5xx: 100
+      enforcing_consecutive_gateway_failure: 0
+      enforcing_success_rate: 0
+      enforcing_local_origin_success_rate: 0
+      interval: {{ printf "%.3fs" (float64 $od.interval_s) }}
+      base_ejection_time: {{ printf "%.3fs" (float64 $od.base_ejection_time_s) }}
+      max_ejection_time: {{ printf "%.3fs" (float64 $od.max_ejection_time_s) }}
+      max_ejection_percent: {{ int $od.max_ejection_percent }}
+    {{- end }}
   - name: extproc
     type: STATIC
     connect_timeout: 1s
