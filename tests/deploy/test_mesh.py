@@ -70,6 +70,8 @@ def _expected() -> dict[str, Any]:
         "route_timeout": hcm["route_config"]["virtual_hosts"][0]["routes"][-1]["route"][
             "timeout"],
         "circuit_breakers": replicas["circuit_breakers"],
+        "health_checks": replicas["health_checks"],
+        "outlier_detection": replicas["outlier_detection"],
         "protocol_options": replicas["typed_extension_protocol_options"],
         "extproc_cluster": extproc,
         "buffer_limit": full["static_resources"]["listeners"][0][
@@ -162,6 +164,8 @@ def _istio_standin() -> dict[str, Any]:
     cl["name"] = ISTIO_CLUSTER
     cl["load_assignment"]["cluster_name"] = ISTIO_CLUSTER
     cl.pop("circuit_breakers")
+    cl.pop("health_checks")  # the mesh's cluster has none of ours: the patches add them
+    cl.pop("outlier_detection")
     return boot
 
 
@@ -244,6 +248,8 @@ def test_istio_fragments_equal_the_renderer() -> None:
                        "typed_extension_protocol_options": exp["protocol_options"]}
     assert {"per_connection_buffer_limit_bytes": exp["buffer_limit"]} in values
     assert {"include_request_attempt_count": True} in values
+    assert {"health_checks": exp["health_checks"],
+            "outlier_detection": exp["outlier_detection"]} in values
 
 
 def test_istio_patched_gateway_is_our_bootstrap_and_validates(tmp_path: Path) -> None:
@@ -325,6 +331,8 @@ def _eg_standin() -> dict[str, dict[str, dict[str, Any]]]:
     cl = boot["static_resources"]["clusters"][0]
     cl["name"] = cl["load_assignment"]["cluster_name"] = EG_CLUSTER
     cl.pop("circuit_breakers")
+    cl.pop("health_checks")
+    cl.pop("outlier_detection")
     backend = copy.deepcopy(_expected()["extproc_cluster"])
     backend["name"] = backend["load_assignment"]["cluster_name"] = EG_BACKEND
     return {"Listener": {EG_LISTENER: listener},
@@ -419,6 +427,8 @@ def test_envoy_gateway_fragments_equal_the_renderer() -> None:
     route = f"..routes[?(@.route.cluster=='{EG_CLUSTER}')]"
     assert by_path[(EG_LISTENER, route, "/route/retry_policy")] == exp["retry_policy"]
     assert by_path[(EG_CLUSTER, None, "/circuit_breakers")] == exp["circuit_breakers"]
+    assert by_path[(EG_CLUSTER, None, "/health_checks")] == exp["health_checks"]
+    assert by_path[(EG_CLUSTER, None, "/outlier_detection")] == exp["outlier_detection"]
     assert by_path[(EG_CLUSTER, None, "/typed_extension_protocol_options")] == \
         exp["protocol_options"]
     # What the EnvoyExtensionPolicy itself says agrees with the renderer where it can.

@@ -89,13 +89,19 @@ def test_killed_after_the_first_delta_no_second_attempt_one_execution(tgw: Gatew
 
 
 def test_a_fenced_attempt_cannot_trigger_the_side_effect(tgw: Gateway) -> None:
-    # Attempt 1 is partitioned after its headers; it is fenced (by expiry) when the
-    # first-delta limit passes; it calls the tool 3 s in, after the fence.
+    # Attempt 1 is partitioned after its headers; it is fenced when the first-delta limit
+    # passes (revoked once Envoy confirms it closed the attempt); it calls the tool 3 s in,
+    # after the fence, while attempt 2 runs.
     res = tgw.post(agent_body(tgw), headers={
         "x-partition": "after-deltas:0", "x-partition-attempt": "1",
         "x-replica-tool-call": "call_09@0+3.0", "x-replica-tool-delay-attempt": "1"})
     assert res.status == 200 and len(res.contents) == MAX
-    rows = tgw.attempts_logged(res.request_id, settle_s=6.0)
+    # Attempt 2 answered long before the partitioned attempt 1 ends (3 s + its tokens).
+    deadline = time.monotonic() + 10
+    while len(rows := tgw.attempts_logged(res.request_id, settle_s=1.0)) < 2:
+        assert time.monotonic() < deadline, rows
+        time.sleep(0.2)
+    rows.sort(key=lambda r: r["attempt"])
     assert [r["attempt"] for r in rows] == [1, 2]
     a1 = rows[0]["tool_calls"][0]
     assert a1["status"] == 409 and "a fenced attempt may not trigger" in a1["result"]
@@ -104,7 +110,8 @@ def test_a_fenced_attempt_cannot_trigger_the_side_effect(tgw: Gateway) -> None:
     ex = executions(tgw, f"{res.request_id}:call_09")
     assert len(ex) == 1  # only the live attempt's call ran; the fenced one ran nothing
     j = tgw.journal(res.request_id)
-    assert j["attempts"][0]["fence"] == "expiry" and j["outcome"] == "completed"
+    assert j["attempts"][0]["fence"] == "revoked" and j["attempts"][0]["envoy_closed"] is True
+    assert j["outcome"] == "completed"
 
 
 class LiveAttempt:
