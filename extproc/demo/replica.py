@@ -76,6 +76,7 @@ Outcome = Literal[
     "peer_closed",
     "bad_request",
     "overloaded",
+    "frozen",
 ]
 
 # silent-before-headers reads the whole request, then sends nothing at all (no status line)
@@ -84,9 +85,12 @@ NO_ARG_FAULTS: Final = frozenset({"kill-before-headers", "kill-after-headers",
                                   "silent-before-headers"})
 # reset-after-deltas:N dies like kill-after-deltas:N, but closes the connection with an RST
 # (SO_LINGER {1, 0}) instead of the FIN a plain SIGKILL leaves.
+# freeze-after-deltas:N SIGSTOPs the whole replica process after writing N deltas (unary:
+# after computing N tokens, before the headers): the kernel still accepts connections, and
+# nothing answers, health checks included, until someone sends SIGCONT.
 COUNT_FAULTS: Final = frozenset(
     {"kill-after-compute", "kill-after-deltas", "stall-after-deltas", "error-after-deltas",
-     "reset-after-deltas"}
+     "reset-after-deltas", "freeze-after-deltas"}
 )
 SECONDS_FAULTS: Final = frozenset({"slow-first-delta"})
 # overloaded:STATUS[:RETRY_AFTER_SECONDS] answers at once with 429 or 503 (alive, busy).
@@ -371,6 +375,20 @@ class Replica:
         os.kill(os.getpid(), signal.SIGKILL)
         raise AssertionError("unreachable: SIGKILL did not stop the process")
 
+    async def freeze(self, request: web.BaseRequest, att: Attempt,
+                     *, wrote: bool) -> web.Response:
+        """SIGSTOP this whole process (its log line written first); once continued, drop
+        the connection: whatever it would still send belongs to a fenced attempt."""
+        if wrote:
+            await asyncio.sleep(PRE_KILL_SETTLE_S)
+        att.outcome = "frozen"
+        self.log_attempt(att, fsync=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
+        transport = request.transport
+        if transport is not None:
+            transport.close()
+        return web.Response(status=499)
+
     async def reset(self, request: web.BaseRequest, att: Attempt, *, wrote: bool) -> NoReturn:
         """Die like `die`, but the connection ends with an RST, not a FIN.
 
@@ -590,6 +608,8 @@ class Replica:
             await self.reset(request, att, wrote=False)
         if fault is not None and fault.kind == "stall-after-deltas":
             return await self._stall(request, att)
+        if fault is not None and fault.kind == "freeze-after-deltas":
+            return await self.freeze(request, att, wrote=False)
         if fault is not None and fault.kind == "error-after-deltas":
             self.finish(att, "error_injected")
             return _json(_error_body(FAULT_MESSAGE, "InternalServerError", 500), status=500)
@@ -720,6 +740,9 @@ class Replica:
                 await self.reset(request, att, wrote=True)
             if fault.kind == "stall-after-deltas":
                 return await self._stall(request, att)
+            if fault.kind == "freeze-after-deltas":
+                await self.freeze(request, att, wrote=True)
+                return resp
             if fault.kind == "error-after-deltas":
                 error = {
                     "error": {"message": FAULT_MESSAGE, "type": "InternalServerError", "code": 500}

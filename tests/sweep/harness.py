@@ -254,6 +254,16 @@ def _processor_kill(env: SweepEnv, stack: Stack, case: Case) -> Plan:
     return _fire_at(case, once, after, marks, first_delta_after_s=1.0, fire_at_s=0.4)
 
 
+def _freeze(env: SweepEnv, stack: Stack, case: Case) -> Plan:
+    # The replica SIGSTOPs itself at the exact point (extproc.demo.replica); whatever
+    # happens, every replica runs again once the client is done.
+    def after() -> None:
+        for i in range(len(stack.replica_ports)):
+            stack.thaw(f"r{i + 1}")
+
+    return Plan(headers={"x-replica-fault": f"freeze-after-deltas:{case.index}"}, after=after)
+
+
 def _tool(then: str) -> Callable[[SweepEnv, Stack, Case], Plan]:
     def build(env: SweepEnv, stack: Stack, case: Case) -> Plan:
         # The replica calls the tool after computing i tokens, then dies after i+1 tokens:
@@ -281,6 +291,11 @@ KINDS: dict[str, Kind] = {k.name: k for k in [
          ALL, ALL, QUICK, QUICK_UNARY, True, UDI, _fault(lambda i: f"error-after-deltas:{i}")),
     Kind("stall-after-deltas", "alive and silent after i deltas", "main",
          ALL, ALL, QUICK, (0,), True, UDI, _fault(lambda i: f"stall-after-deltas:{i}")),
+    Kind("silent-before-headers", "reads the request, never sends a byte", "main",
+         (0,), (0,), (0,), (0,), True, UDI, _fault(lambda i: "silent-before-headers")),
+    Kind("replica-frozen", "the whole replica SIGSTOPped after i deltas (unary: before "
+         "its headers), SIGCONT after the case", "main",
+         ALL, (0,), QUICK, (0,), True, UDI, _freeze),
     Kind("partition", "gateway-replica network cut after i deltas, replica alive",
          "partition", ALL, (0,), QUICK, (), True, UDI, _partition),
     Kind("client-disconnect", "the client closes after reading i deltas", "main",
