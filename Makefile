@@ -11,12 +11,14 @@ include proto/gen.mk
 include vllm/vllm.mk
 include sweep.mk
 
-.PHONY: help install run test lint typecheck unit e2e bench bench-quick profile envoy-config clean
+.PHONY: help install run test lint typecheck unit e2e bench bench-quick bench-pool profile \
+	envoy-config clean
 
 help:
 	@echo "make run        etcd + processor + Envoy (:10000) + demo replicas on loopback"
 	@echo "make test       ruff, mypy --strict, and every test (unit + real Envoy/etcd e2e)"
 	@echo "make bench      plain Envoy vs Envoy + processor vs the floor, ratios (docs/benchmarks.md)"
+	@echo "make bench-pool pool availability, one replica of three dead / frozen, plain vs ours"
 	@echo "make profile    where the processor's time goes under load (py-spy)"
 	@echo "make sweep      the full fault sweep (docs/sweep.md)"
 	@echo "make test-vllm  the scenarios against real vLLM replicas (docs/real-engine.md)"
@@ -60,6 +62,10 @@ bench: install
 
 bench-quick: install
 	$(PY) -m bench.run --quick
+
+## Pool availability alone: plain Envoy vs ours with one replica of three dead, then frozen.
+bench-pool: install
+	$(PY) -m bench.pool
 
 ## Where the processor's time goes under load (py-spy; docs/benchmarks.md, "Profile").
 profile: install

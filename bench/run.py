@@ -832,9 +832,11 @@ def render_table(meta: dict[str, Any], p: Params, summary: dict[str, Any],
 
 
 def render_extras(x: dict[str, Any]) -> str:
-    from bench import curve
+    from bench import curve, pool
 
     lines = [curve.table(x["curve"]["rows"]), f"(plot: {x['curve']['png']})", ""]
+    if x.get("pool"):
+        lines += [pool.table(x["pool"]), ""]
     st = x["streams"]
     lines.append("open streams held by one processor process (driven directly over ext_proc; "
                  f"baseline RSS {st['baseline_rss_kib'] / 1024:.1f} MiB):")
@@ -876,7 +878,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--streams", type=int, help="open streams for the memory figure "
                     "(default 10000; 1000 with --quick)")
     ap.add_argument("--no-extras", action="store_true",
-                    help="skip the scaling curve, the open-streams figure and the grpc floor")
+                    help="skip pool availability, the scaling curve, the open-streams figure "
+                    "and the grpc floor")
     a = ap.parse_args(argv)
     p = QUICK if a.quick else Params()
     over: dict[str, Any] = {}
@@ -910,7 +913,9 @@ def main(argv: list[str] | None = None) -> int:
             runs.append(r)
     extras: dict[str, Any] = {}
     if not a.no_extras:
-        from bench import curve, grpc_floor, streams
+        from bench import curve, grpc_floor, pool, streams
+
+        extras["pool"] = pool.measure(60, 4, log)
 
         log("scaling curve ...")
         rows = curve.measure(work, log, curve.POINTS[:3] if a.quick else curve.POINTS,

@@ -382,9 +382,30 @@ class Stack:
         self.procs[name].signal(signal.SIGCONT)
 
     def wait_replicas_healthy(self, timeout_s: float = 10.0) -> None:
+        """Every replica answers its health path, and Envoy sees every one healthy (its
+        health checks passed, none ejected by outlier detection)."""
         for port in self.replica_ports:
             wait_until(lambda port=port: _http_ok(f"http://127.0.0.1:{port}{self.health_path}"),
                        timeout_s, f"replica on {port}")
+        if "envoy" in self.procs and self.admin_port:
+            wait_until(self.envoy_sees_replicas_healthy, timeout_s,
+                       "Envoy seeing every replica healthy")
+
+    def envoy_sees_replicas_healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}/clusters",
+                                        timeout=2) as r:
+                text = r.read().decode()
+        except OSError:
+            return False
+        flags = {}
+        for line in text.splitlines():
+            parts = line.split("::")
+            if len(parts) == 4 and parts[0] == "replicas" and parts[2] == "health_flags":
+                flags[parts[1]] = parts[3]
+        ports = set(self.proxy_ports or self.replica_ports)
+        seen = {int(a.rsplit(":", 1)[1]) for a in flags}
+        return ports <= seen and all(f == "healthy" for f in flags.values())
 
     def stop(self) -> None:
         self._stop.set()

@@ -79,9 +79,10 @@ class HostHealth:
         if ok:
             h.probe_good += 1
             h.probe_bad = 0
-            if h.probe_down and h.probe_good >= p.healthy_threshold:
+            if h.probe_good >= p.healthy_threshold:
+                # A host whose probe answers is tried again at once (a restarted pod), as
+                # Envoy un-ejects a host on a successful active check by default.
                 h.probe_down = False
-                # A host its probe saw come back is tried again at once (a restarted pod).
                 h.ejected_until = 0.0
                 h.failures = 0
         else:
