@@ -14,7 +14,7 @@ from typing import Any
 
 from extproc.devstack import Stack
 
-from .conftest import MEASURED, TTL, Client, Engines, Result, assert_same_stream
+from .conftest import MEASURED, Client, Engines, Result, assert_same_stream
 
 MAX = 16
 
@@ -73,13 +73,14 @@ def test_client_disconnect_aborts_in_vllm_and_starts_nothing(gw: Client,
     assert engines.who_received(res.xrid) == [name]  # and nothing new ran elsewhere
 
 
-def test_partition_before_first_delta_retries_after_lease_expiry(
+def test_partition_before_first_delta_is_fenced_by_envoys_close(
         gw: Client, engines: Engines, vstack: Stack) -> None:
     ref = gw.post(Client.body(max_tokens=MAX))
     assert ref.status == 200 and ref.transport_error is None
     # Attempt 1's connection is cut after vLLM's headers and role-only event crossed, before
-    # any content: the gate's first-delta limit fails the attempt over; the replica's
-    # liveness is uncertain, so the retry waits for the old lease to expire.
+    # any content: the gate's first-delta limit fails the attempt over. The replica's
+    # liveness is uncertain, but Envoy's own entry confirms it closed the attempt, so it is
+    # revoked and the retry waits for no lease (docs/fencing.md, "Envoy closed it").
     res = gw.post(Client.body(max_tokens=MAX),
                   headers={"x-partition": "after-deltas:0", "x-partition-attempt": "1"})
     assert res.status == 200 and res.transport_error is None
@@ -87,10 +88,10 @@ def test_partition_before_first_delta_retries_after_lease_expiry(
     j = gw.journal(res.request_id)
     assert j["outcome"] == "completed" and j["delivered_output_tokens"] == len(res.contents)
     a1, a2 = j["attempts"]
-    assert a1["failure_class"] == "network_uncertain" and a1["fence"] == "expiry"
-    assert a1["released"] is False
-    assert a2["waited_for_previous_s"] >= TTL * 2 / 3 - 0.5
-    assert a2["admitted_at"] >= a1["ended_at"] + TTL * 2 / 3 - 0.5
+    assert a1["failure_class"] == "network_uncertain" and a1["fence"] == "revoked"
+    assert a1["envoy_closed"] is True and a1["released"] is False
+    assert a2["waited_for_previous_s"] < 1.0
+    assert a2["admitted_at"] >= a1["ended_at"]  # never two at once
     cut, other = replica_of(vstack, a1), replica_of(vstack, a2)
     assert cut != other
     # Both replicas ran the request; the partitioned one decoded to the end into the void
