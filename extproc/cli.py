@@ -105,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 async def _inspect_or_replay(args: argparse.Namespace, file_trace: Any) -> int:
-    from .adapters.etcd_store import EtcdStore, StoreUnavailable
+    from .adapters.etcd_store import EtcdStore
+    from .adapters.leases import StoreUnavailable
     from .core.replay import replay
 
     traces: dict[str, Any]

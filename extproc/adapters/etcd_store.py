@@ -22,7 +22,6 @@ import json
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -30,24 +29,12 @@ from aetcd import rpc
 
 from ..core.config import EtcdConfig
 from ..core.journal import JournalView
+from .leases import AdmitResult, AttemptLease, ProcessLease, StoreUnavailable
 
 log = logging.getLogger("extproc.etcd")
 
 _NOID = {"request_id": None, "attempt_id": None}
 
-
-class StoreUnavailable(Exception):
-    """etcd did not answer within the deadline (down, frozen, or partitioned)."""
-
-
-# How long a take-back of a timed-out write (undo_fence, undo_admission, a tool ledger's
-# undo_claim) keeps being applied after etcd first answered it. A transaction queued in a
-# frozen etcd and our take-back, sent after it, may be applied in either order when etcd
-# wakes (each is its own stream); a take-back applied first finds nothing, and the late write
-# would then stay (seen in the tool tests: a claim nobody executes, "in progress" forever).
-# Applying it again for a while catches that write: etcd applies its backlog within
-# milliseconds of waking.
-UNDO_SETTLE_S = 3.0
 
 # etcd's answer to a put on a lease it no longer has (it expired while we could not reach it).
 _LEASE_NOT_FOUND = "requested lease not found"
@@ -69,62 +56,6 @@ def _put(key: bytes, value: bytes, lease: int = 0) -> Any:
 def _range(key: bytes, prefix: bool = False) -> Any:
     return rpc.RequestOp(request_range=rpc.RangeRequest(
         key=key, range_end=_prefix_end(key) if prefix else b""))
-
-
-@dataclass(slots=True)
-class ProcessLease:
-    """One etcd lease per processor process that every `live/<rid>` key it writes hangs on.
-
-    A lease per attempt would cost a grant and a revoke per request and one keep-alive per
-    open stream; one shared lease costs one keep-alive per TTL/3 for the whole process
-    (docs/decisions/0007-process-lease.md). Its local deadline is computed from the monotonic
-    time *before* the grant (or keep-alive) was sent, minus a safety margin: etcd starts the
-    TTL when it receives the request, later than we sent it, so our deadline always falls
-    before etcd's expiry (docs/fencing.md).
-    """
-
-    lease_id: int
-    ttl_s: int
-    deadline: float  # monotonic
-    margin_s: float = 1.0
-
-    def valid(self, now: float | None = None) -> bool:
-        return (time.monotonic() if now is None else now) < self.deadline
-
-    def renewed(self, sent_at: float, ttl_s: int) -> None:
-        if self.deadline > 0:
-            self.deadline = sent_at + ttl_s - self.margin_s
-
-    def lost(self) -> None:
-        self.deadline = 0.0
-
-
-@dataclass(slots=True)
-class AttemptLease:
-    """An attempt's permission to publish: its process lease is locally unexpired, and
-    nobody revoked, replaced or fenced its `live` key (the watch sets `revoked`)."""
-
-    process: ProcessLease
-    revoked: bool = False
-
-    @property
-    def lease_id(self) -> int:
-        return self.process.lease_id
-
-    @property
-    def ttl_s(self) -> int:
-        return self.process.ttl_s
-
-    def valid(self, now: float | None = None) -> bool:
-        return not self.revoked and self.process.valid(now)
-
-
-@dataclass(frozen=True, slots=True)
-class AdmitResult:
-    admitted: bool
-    reason: str
-    lease: AttemptLease | None = None
-    waited_s: float = 0.0
 
 
 class EtcdStore:

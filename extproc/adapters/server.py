@@ -93,14 +93,8 @@ from ..gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from ..gen.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from . import envoy_codec as codec
 from .causes import NO_GATE, CauseRegistry
-from .etcd_store import (
-    UNDO_SETTLE_S,
-    AttemptLease,
-    EtcdStore,
-    ProcessLease,
-    StoreUnavailable,
-    ToolLedger,
-)
+from .etcd_store import EtcdStore, ToolLedger
+from .leases import UNDO_SETTLE_S, AttemptLease, ProcessLease, StoreUnavailable
 from .logs import rlog
 from .prober import probe_forever
 from .telemetry import TRACEPARENT_HEADER, Telemetry, end_span

@@ -29,7 +29,8 @@ from ..core.tools import (
 )
 from ..gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from . import envoy_codec as codec
-from .etcd_store import UNDO_SETTLE_S, StoreUnavailable, ToolLedger
+from .etcd_store import ToolLedger
+from .leases import UNDO_SETTLE_S, StoreUnavailable
 from .logs import rlog
 
 log = logging.getLogger("extproc.tools")

@@ -8,7 +8,8 @@ import uuid
 
 from aetcd import rpc
 
-from extproc.adapters.etcd_store import UNDO_SETTLE_S, EtcdStore, ToolLedger
+from extproc.adapters.etcd_store import EtcdStore, ToolLedger
+from extproc.adapters.leases import UNDO_SETTLE_S
 from extproc.adapters.server import retrying
 from extproc.core.config import EtcdConfig, load_config
 from extproc.devstack import Stack
