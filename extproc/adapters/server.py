@@ -31,9 +31,15 @@ from opentelemetry.trace import INVALID_SPAN_CONTEXT, NonRecordingSpan, Span, Sp
 
 from ..core import headers as H
 from ..core.admission import Admitted, AttemptRequest, decide
-from ..core.budget import RetryBudget, no_compatible_replica
+from ..core.budget import RetryBudget
 from ..core.config import Config
-from ..core.errors import ErrorCode, GatewayError
+from ..core.errors import (
+    ErrorCode,
+    GatewayError,
+    attempt_not_admitted,
+    journal_unavailable,
+    no_compatible_replica,
+)
 from ..core.failure import AttemptEnd, FailureClass, classify, fence_for
 from ..core.failure import Fence as FenceKind
 from ..core.health import HealthPolicy, HostHealth
@@ -476,9 +482,7 @@ class GuardSession(Session):
 
     def _journal_down(self, rid: str | None, e: Exception) -> GatewayError:
         rlog(log, logging.WARNING, "journal unavailable", rid, None, error=str(e))
-        return GatewayError(ErrorCode.JOURNAL_UNAVAILABLE,
-                            "the request journal is unavailable; nothing was run",
-                            503, request_id=rid, retryable=True)
+        return journal_unavailable(rid)
 
     async def on_request_body(self, body: bytes) -> None:
         gen, rid = self.gen, self.rid
@@ -1074,7 +1078,7 @@ class GateSession(Session):
                          f"gate-undo-admit-{aid}")
             return AdmitDecided(False, self._journal_down(e))
         if not res.admitted:
-            return self._refuse(ErrorCode.ATTEMPT_NOT_ADMITTED, res.reason)
+            return self._refused(attempt_not_admitted(rid, res.reason))
         self.lease = res.lease
         return self._admitted(res.waited_s)
 
@@ -1084,10 +1088,8 @@ class GateSession(Session):
         return first is not None and live == first and self.p.causes.seen(NO_GATE + first)
 
     def _journal_down(self, e: Exception) -> GatewayError:
-        return GatewayError(
-            ErrorCode.JOURNAL_UNAVAILABLE,
-            "the request journal is unavailable; the attempt could not be fenced, "
-            "so nothing was run", 503, request_id=self.rid, retryable=True)
+        return journal_unavailable(self.rid, "the attempt could not be fenced, so nothing "
+                                             "was run")
 
     def _admitted(self, waited_s: float) -> AdmitDecided:
         rid, attempt = self.rid or "", self.attempt
@@ -1135,12 +1137,6 @@ class GateSession(Session):
         rlog(log, logging.WARNING, "attempt refused", self.rid, self.aid, attempt=self.attempt,
              code=str(err.code), reason=err.message, replica=self.replica)
         return AdmitDecided(False, err)
-
-    def _refuse(self, code: ErrorCode, reason: str) -> AdmitDecided:
-        rlog(log, logging.WARNING, "attempt refused", self.rid, self.aid, attempt=self.attempt,
-             reason=reason)
-        return AdmitDecided(False, GatewayError(code, reason, 503, request_id=self.rid,
-                                                retryable=False))
 
     async def fence(self) -> bool:
         rid = self.rid or ""

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from ..core.config import Config
-from ..core.errors import ErrorCode, GatewayError
+from ..core.errors import GatewayError, tool_ledger_unavailable
 from ..core.tools import (
     Replay,
     ResultCapture,
@@ -129,10 +129,7 @@ class ToolCallHandler:
         rlog(log, logging.WARNING, "tool ledger unavailable: not executing", self.rid,
              self.aid, error=str(e))
         # Fail closed: no execution without a ledger record.
-        await self.write(codec.immediate(GatewayError(
-            ErrorCode.JOURNAL_UNAVAILABLE,
-            "the tool ledger is unavailable; the tool was not called", 503,
-            request_id=self.rid, retryable=True)))
+        await self.write(codec.immediate(tool_ledger_unavailable(self.rid)))
 
     async def on_response_headers(self, hd: dict[str, str], end_of_stream: bool) -> None:
         self.status = int(hd.get(":status", "0") or 0)

@@ -17,8 +17,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .budget import RetryBudget, budget_exhausted, no_compatible_replica, too_expensive
-from .errors import ErrorCode, GatewayError, upstream_timeout
+from .budget import RetryBudget
+from .errors import (
+    GatewayError,
+    attempts_exhausted,
+    budget_exhausted,
+    no_compatible_replica,
+    too_expensive,
+    upstream_timeout,
+)
 
 # An attempt that would have less than this left of the request's budget is not started:
 # it could not produce a first delta in time, and it would cost a prefill.
@@ -60,9 +67,7 @@ class Admitted:
 def decide(req: AttemptRequest, budget: RetryBudget, now: float) -> Admitted | GatewayError:
     rid = req.request_id
     if req.attempt > req.max_attempts:
-        return GatewayError(ErrorCode.RETRY_BUDGET_EXHAUSTED,
-                            f"attempt {req.attempt} exceeds max_attempts {req.max_attempts}",
-                            503, request_id=rid, retryable=False)
+        return attempts_exhausted(rid, req.attempt, req.max_attempts)
     if req.want_fingerprint and req.replica_fingerprint != req.want_fingerprint:
         # Defense in depth: Envoy's host list holds only compatible replicas, but whatever
         # picked this host, a cross-fingerprint attempt never runs.
@@ -79,7 +84,7 @@ def decide(req: AttemptRequest, budget: RetryBudget, now: float) -> Admitted | G
             return too_expensive(rid, req.prompt_tokens, limit)
         decision = budget.try_retry(now)
         if not decision.allowed:
-            return budget_exhausted(rid, decision)
+            return budget_exhausted(rid, decision.retries, decision.requests, decision.limit)
     # The fence wait comes out of this attempt's own time: it may not eat all of it.
     window = min(req.first_delta_s, remaining)
     fence_wait = max(0.0, min(req.fence_wait_s, window - MIN_ATTEMPT_S))

@@ -16,8 +16,6 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import ErrorCode, GatewayError
-
 
 class WindowCounter:
     """Events in the last `window_s` seconds (timestamps passed in)."""
@@ -98,26 +96,3 @@ def estimate_prompt_tokens(body: Any, chars_per_token: float) -> int:
         elif isinstance(p, list):
             chars += sum(len(x) for x in p if isinstance(x, str))
     return int(chars / chars_per_token) + 4 * messages
-
-
-def budget_exhausted(rid: str, d: BudgetDecision) -> GatewayError:
-    return GatewayError(
-        ErrorCode.RETRY_BUDGET_EXHAUSTED,
-        f"the pool's retry budget is exhausted ({d.retries} retries for {d.requests} requests "
-        f"in the window, limit {d.limit}); nothing was sent to the client",
-        503, request_id=rid, retryable=True)
-
-
-def too_expensive(rid: str, tokens: int, limit: int) -> GatewayError:
-    return GatewayError(
-        ErrorCode.RETRY_TOO_EXPENSIVE,
-        f"re-running this request's prefill (~{tokens} prompt tokens) exceeds the retry cost "
-        f"limit ({limit}); nothing was sent to the client",
-        503, request_id=rid, retryable=True,
-        extra=(("estimated_prompt_tokens", tokens),))
-
-
-def no_compatible_replica(rid: str | None, why: str) -> GatewayError:
-    return GatewayError(ErrorCode.NO_COMPATIBLE_REPLICA,
-                        f"no compatible healthy replica: {why}", 503, request_id=rid,
-                        retryable=True)

@@ -105,3 +105,50 @@ def upstream_timeout(request_id: str | None, waited_s: float, attempts: int) -> 
         message=f"no replica produced a first delta within {waited_s:.1f} s "
                 f"({attempts} attempt{'s' if attempts != 1 else ''}); nothing was sent",
         http_status=504, request_id=request_id, retryable=True)
+
+
+def budget_exhausted(rid: str, retries: int, requests: int, limit: int) -> GatewayError:
+    return GatewayError(
+        ErrorCode.RETRY_BUDGET_EXHAUSTED,
+        f"the pool's retry budget is exhausted ({retries} retries for {requests} requests "
+        f"in the window, limit {limit}); nothing was sent to the client",
+        503, request_id=rid, retryable=True)
+
+
+def too_expensive(rid: str, tokens: int, limit: int) -> GatewayError:
+    return GatewayError(
+        ErrorCode.RETRY_TOO_EXPENSIVE,
+        f"re-running this request's prefill (~{tokens} prompt tokens) exceeds the retry cost "
+        f"limit ({limit}); nothing was sent to the client",
+        503, request_id=rid, retryable=True,
+        extra=(("estimated_prompt_tokens", tokens),))
+
+
+def no_compatible_replica(rid: str | None, why: str) -> GatewayError:
+    return GatewayError(ErrorCode.NO_COMPATIBLE_REPLICA,
+                        f"no compatible healthy replica: {why}", 503, request_id=rid,
+                        retryable=True)
+
+
+def journal_unavailable(rid: str | None, what: str = "nothing was run") -> GatewayError:
+    """etcd did not answer: fail closed, before anything ran or was sent."""
+    return GatewayError(ErrorCode.JOURNAL_UNAVAILABLE,
+                        f"the request journal is unavailable; {what}", 503,
+                        request_id=rid, retryable=True)
+
+
+def tool_ledger_unavailable(rid: str | None) -> GatewayError:
+    return GatewayError(ErrorCode.JOURNAL_UNAVAILABLE,
+                        "the tool ledger is unavailable; the tool was not called", 503,
+                        request_id=rid, retryable=True)
+
+
+def attempt_not_admitted(rid: str | None, reason: str) -> GatewayError:
+    return GatewayError(ErrorCode.ATTEMPT_NOT_ADMITTED, reason, 503, request_id=rid,
+                        retryable=False)
+
+
+def attempts_exhausted(rid: str | None, attempt: int, max_attempts: int) -> GatewayError:
+    return GatewayError(ErrorCode.RETRY_BUDGET_EXHAUSTED,
+                        f"attempt {attempt} exceeds max_attempts {max_attempts}",
+                        503, request_id=rid, retryable=False)
