@@ -30,6 +30,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from opentelemetry.trace import INVALID_SPAN_CONTEXT, NonRecordingSpan, Span, SpanKind
 
 from ..core import headers as H
+from ..core import records
 from ..core.admission import Admitted, AttemptRequest, decide
 from ..core.budget import RetryBudget
 from ..core.config import Config
@@ -40,7 +41,7 @@ from ..core.errors import (
     journal_unavailable,
     no_compatible_replica,
 )
-from ..core.failure import AttemptEnd, FailureClass, classify, fence_for
+from ..core.failure import FailureClass
 from ..core.failure import Fence as FenceKind
 from ..core.health import HealthPolicy, HostHealth
 from ..core.intake import (
@@ -81,6 +82,7 @@ from ..core.machine import (
     GateMachine,
     GuardMachine,
     HoldChunk,
+    LeaseLost,
     PassChunk,
     PassHeaders,
     Refuse,
@@ -90,6 +92,7 @@ from ..core.machine import (
     ResponseHeaders,
     Send,
     StallTimeout,
+    State,
     StreamClosed,
 )
 from ..core.pool import pool_from_config
@@ -519,8 +522,7 @@ class GuardSession(Session):
         # Attempt 1 is admitted in the same transaction as the record (its gate finds it
         # in a header we set): one etcd round trip fewer before the first byte.
         self.aid1 = aid1 = "att_" + new_request_id()[4:]
-        first = {"attempt": 1, "attempt_id": aid1, "gateway_id": self.cfg.server.gateway_id,
-                 "admitted_at": _now(), "admitted_with_request": True}
+        first = records.first_attempt(aid1, self.cfg.server.gateway_id, _now())
         try:
             existing = await self.p.settled(await self.p.store.open_request(
                 rid, record, (aid1, first)))
@@ -742,18 +744,9 @@ class GuardSession(Session):
             return None
         finished = self.m is not None and (self.m.done_seen
                                            or f.outcome is Outcome.COMPLETED)
-        cause = {"client": "client", "upstream": "upstream"}.get(f.cause or "", "unknown")
-        cls = classify(AttemptEnd(
-            released=True, upstream_finished=finished,
-            failed_on_purpose=f.cause in ("in-band error", "malformed event"),
-            http_status=200, cause=cause, timed_out=f.cause == "stall"))
-        record = {k: v for k, v in info.items() if k != "lease_id"}
-        record.update({"ended_at": _now(), "released": True, "upstream_finished": finished,
-                       "http_status": 200, "failure_class": str(cls),
-                       "envoy_cause": f.cause or "n/a",
-                       # After the first delta nothing else may run; the request's end
-                       # deletes `live` (docs/fencing.md).
-                       "fence": "ended_with_request"})
+        cls, record = records.released_end(info, upstream_finished=finished, cause=f.cause,
+                                           ended_at=_now())
+        cause = record["envoy_cause"]
         rlog(log, logging.INFO, "attempt ended", self.rid, str(info["attempt_id"]),
              attempt=info["attempt"], released=True, failure_class=str(cls),
              fence="ended_with_request", cause=f.cause)
@@ -897,6 +890,12 @@ class GateSession(Session):
             if self.m is None:
                 await self.write(codec.continue_response_body())
                 return
+            m, lease = self.m, self.lease
+            if (m.state is State.GATE_RELEASED and not m.lease_lost and lease is not None
+                    and not lease.valid()):
+                rlog(log, logging.WARNING, "lease lost after release: dropping the rest",
+                     self.rid, self.aid)
+                await self.feed(LeaseLost())
             await self.feed(ResponseBody(msg.response_body.body,
                                          msg.response_body.end_of_stream))
         elif which == "request_body":
@@ -920,14 +919,7 @@ class GateSession(Session):
         if isinstance(a, HoldChunk):
             return None
         if isinstance(a, PassChunk):
-            if self.lease is not None and not self.lease.valid():
-                # Our lease is gone: publish nothing more. The guard's watchdog ends the
-                # stream for the client with the terminal error.
-                rlog(log, logging.WARNING, "lease lost after release: dropping chunk", rid,
-                     self.aid)
-                await self.write(codec.replace_response_body(b""))
-            else:
-                await self.write(codec.continue_response_body())
+            await self.write(codec.continue_response_body())
             return None
         if isinstance(a, PassHeaders):
             # Only the gate may say which attempt the guard owns, never the replica.
@@ -982,15 +974,17 @@ class GateSession(Session):
             return await self.admit(a.attempt)
         return None
 
+    def facts(self) -> records.AttemptFacts:
+        return records.AttemptFacts(
+            attempt=self.attempt, attempt_id=self.aid or "", replica=self.replica,
+            gateway_id=self.cfg.server.gateway_id, started_at=self.started_wall,
+            waited_for_previous_s=self.waited_for_previous_s,
+            model_revision=self.p.pool.fingerprint_of(self.replica or "") or self.model_revision,
+            slow=self.slow)
+
     def handoff(self) -> str:
-        return json.dumps({
-            "attempt": self.attempt, "attempt_id": self.aid, "replica": self.replica,
-            "gateway_id": self.cfg.server.gateway_id, "started_at": self.started_wall,
-            "admitted_at": round(self.started_wall + self.waited_for_previous_s, 6),
-            "model_revision": self.p.pool.fingerprint_of(self.replica or "")
-            or self.model_revision, "slow": self.slow,
-            "waited_for_previous_s": round(self.waited_for_previous_s, 4),
-            "lease_id": self.lease.lease_id if self.lease else 0}, separators=(",", ":"))
+        return json.dumps(self.facts().handoff(self.lease.lease_id if self.lease else 0),
+                          separators=(",", ":"))
 
     async def admit(self, attempt: int) -> AdmitDecided:
         rid = self.rid or ""
@@ -1016,9 +1010,8 @@ class GateSession(Session):
             if self.preadmitted is not None:
                 # The guard admitted it with the request: give `live` back.
                 aid, store = self.aid or "", self.p.store
-                rec = {"attempt": 1, "attempt_id": aid, "replica": self.replica,
-                       "ended_at": _now(), "refused": str(res.error.code) if res.error
-                       else "unknown", "fence": "revoked"}
+                rec = records.refused_first_attempt(
+                    aid, self.replica, _now(), str(res.error.code) if res.error else "unknown")
                 self.p.spawn(retrying(lambda: store.end_attempt(rid, 1, aid, rec, False),
                                       "give back a refused attempt", rid, aid),
                              f"gate-refused-{aid}")
@@ -1055,9 +1048,7 @@ class GateSession(Session):
             self.p.tel.budget_used.record(last.retries / max(1, last.limit))
         self.admitted = verdict
         self.started_wall = _now()
-        record = {"attempt": attempt, "attempt_id": self.aid, "replica": self.replica,
-                  "gateway_id": self.cfg.server.gateway_id, "started_at": self.started_wall,
-                  "model_revision": self.p.pool.fingerprint_of(self.replica or "")}
+        record = self.facts().admission()
         if self.preadmitted is not None:
             # Admitted in the guard's intake transaction; the live key hangs on the process
             # lease (granted already, or granted now if another process admitted it).
@@ -1142,8 +1133,7 @@ class GateSession(Session):
         rid = self.rid or ""
         if self.lease is None or not self.lease.valid():
             return False
-        record = {"attempt": self.attempt, "attempt_id": self.aid, "replica": self.replica,
-                  "model_revision": self.model_revision, "at": _now()}
+        record = self.facts().fence(_now())
         try:
             return await self.p.store.fence_first_delta(rid, self.aid or "", record)
         except StoreUnavailable as e:
@@ -1167,59 +1157,44 @@ class GateSession(Session):
             # Handed to the guard at release: it ends the attempt with the request.
             return
         aid, attempt, store = self.aid, self.attempt, self.p.store
-        record: dict[str, Any] = {
-            "attempt": attempt, "attempt_id": aid, "replica": self.replica,
-            "gateway_id": self.cfg.server.gateway_id, "started_at": self.started_wall,
-            "admitted_at": round(self.started_wall + self.waited_for_previous_s, 6),
-            "model_revision": self.p.pool.fingerprint_of(self.replica or "")
-            or self.model_revision, "released": False,
-            "upstream_finished": a.upstream_finished, "http_status": self.http_status,
-            "slow": self.slow, "waited_for_previous_s": round(self.waited_for_previous_s, 4)}
-        # An end that may leave the replica decoding (no answer, or our own first-delta
-        # limit) needs Envoy's word that it closed the attempt (docs/fencing.md).
-        needs_cause = ((not self.failed_on_purpose or a.timed_out)
-                       and self.http_status in (0, 200))
-        # Ended before the first-delta limit and not by us: Envoy's per-try timeout (the
-        # only "uncertain" end Envoy makes, just past first_delta_s) cannot be the cause,
-        # so the end is confirmed (a reset, a refused connection, or the client leaving)
-        # and the attempt is revoked at once; a retry waits for nothing but this txn.
-        early = (needs_cause and not a.timed_out
-                 and time.monotonic() - self.started_at < self.cfg.timeouts.first_delta_s)
-        revoked_early = False
-        if early:
+        facts = records.EndFacts(
+            released=False, upstream_finished=a.upstream_finished, timed_out=a.timed_out,
+            failed_on_purpose=self.failed_on_purpose, http_status=self.http_status,
+            elapsed_s=time.monotonic() - self.started_at,
+            first_delta_s=self.cfg.timeouts.first_delta_s)
+        plan = records.plan_end(facts)
+        base = self.facts().base()
+        if plan.revoke_now:
             self.lease.revoked = True
-            record["ended_at"] = _now()  # when `live` went: what any overlap check needs
-            revoked_early = await retrying(
-                lambda: store.end_attempt(rid, attempt, aid, {
-                    **record, "fence": str(FenceKind.REVOKE),
-                    "failure_class": "pending"}, False),
+            # `ended_at` is when `live` went: what any overlap check needs.
+            ended_at = _now()
+            pending = records.pending_revoke(base, ended_at)
+            revoked = await retrying(
+                lambda: store.end_attempt(rid, attempt, aid, pending, False),
                 "fence the ended attempt", rid, aid)
-        cause, envoy_closed = "n/a", True
-        if needs_cause:
+            if not revoked:  # never confirmed: the lease will lapse by itself
+                plan = records.EndPlan(False, False, plan.needs_cause)
+        entry = None
+        if plan.needs_cause:
             # Envoy's per-attempt access-log entry says reset (dead) vs timeout (uncertain),
             # and that Envoy has closed the attempt at all.
             entry = await self.p.causes.wait_entry(aid, self.cfg.timeouts.access_log_wait_s)
-            cause, envoy_closed = entry or "unknown", entry is not None
-        cls = classify(AttemptEnd(released=a.released, upstream_finished=a.upstream_finished,
-                                  failed_on_purpose=self.failed_on_purpose,
-                                  http_status=self.http_status, cause=cause,
-                                  timed_out=a.timed_out))
+        cancel_ack = (self.cfg.policy.uncertain_source_liveness.wait_for
+                      == "cancel_ack_or_lease_expiry")
+        done = records.settle_end(facts, plan, entry, cancel_ack)
+        cls, fence = done.failure_class, done.fence
         if a.timed_out and self.replica:
             self.p.health.attempt_failed(self.replica, time.monotonic())
-        fence = FenceKind.REVOKE if revoked_early else fence_for(cls, envoy_closed)
-        record.setdefault("ended_at", _now())
-        record.update({"failure_class": str(cls), "envoy_cause": cause, "fence": str(fence),
-                       "envoy_closed": envoy_closed})
-        if fence is FenceKind.EXPIRE:
-            record["lease_expires_by"] = round(_now() + self.cfg.etcd.attempt_lease_ttl_s, 3)
+        record = records.attempt_end(base, facts, done, ended_at if plan.revoke_now else _now(),
+                                     self.cfg.etcd.attempt_lease_ttl_s)
         rlog(log, logging.INFO, "attempt ended", rid, aid, attempt=attempt,
-             released=a.released, failure_class=str(cls), fence=str(fence), cause=cause)
+             released=False, failure_class=str(cls), fence=str(fence), cause=done.cause)
         self.span.add_event("lease.revoked" if fence is FenceKind.REVOKE
                             else "lease.fenced_until_expiry")
         self.p.tel.fences.add(1, {"kind": str(fence), "class": str(cls)})
         end_span(self.span, None if cls is FailureClass.COMPLETED else str(cls),
-                 **{"llmgw.failure_class": str(cls), "llmgw.released": a.released,
-                    "llmgw.fence": str(fence), "llmgw.envoy_cause": cause,
+                 **{"llmgw.failure_class": str(cls), "llmgw.released": False,
+                    "llmgw.fence": str(fence), "llmgw.envoy_cause": done.cause,
                     "llmgw.model_revision": record.get("model_revision"),
                     "http.response.status_code": self.http_status or None})
         if self.m is not None and self.p.keep_trace(cls is FailureClass.COMPLETED):
@@ -1227,15 +1202,16 @@ class GateSession(Session):
                 "attempt_id": aid, "replica": self.replica,
                 "failure_class": str(cls)}), f"trace-{aid}")
         self.lease.revoked = True
-        if revoked_early:
+        if plan.revoke_now:
             await retrying(lambda: store.update_attempt(rid, attempt, record),
                            "close the attempt record", rid, aid)
             return
-        # Confirmed end (the replica closed, answered, or the client left): `live` is
-        # deleted, so a retry may start now. Uncertain (policy.uncertain_source_liveness):
-        # the replica may still be decoding; fenced now, and a retry is admitted only once
-        # the fence's lease expires. etcd may be briefly away: retried for a bounded time,
-        # so the record does not keep an attempt without its end (found by the fault sweep).
+        # Confirmed end (the replica closed, answered, the client left, or Envoy closed an
+        # uncertain one): `live` is deleted, so a retry may start now. Unknown
+        # (policy.uncertain_source_liveness): the replica may still be decoding and may
+        # still publish; fenced now, a retry is admitted only once the fence's lease
+        # expires. etcd may be briefly away: retried for a bounded time, so the record does
+        # not keep an attempt without its end (found by the fault sweep).
         await retrying(lambda: store.end_attempt(rid, attempt, aid, record,
                                                  fence is FenceKind.EXPIRE),
                        "fence the ended attempt", rid, aid)

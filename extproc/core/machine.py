@@ -83,6 +83,12 @@ class Fenced:
 
 
 @dataclass(frozen=True, slots=True)
+class LeaseLost:
+    """Gate: after release, its attempt's lease is gone (lapsed locally, or revoked): the
+    rest of what the replica sends may not be published."""
+
+
+@dataclass(frozen=True, slots=True)
 class CauseLearned:
     """Guard: the termination cause, from Envoy's access log (or 'unknown' on timeout)."""
 
@@ -90,7 +96,8 @@ class CauseLearned:
 
 
 Event: TypeAlias = (RequestStarted | AdmitDecided | ResponseHeaders | ResponseBody | FenceDecided
-                    | FirstDeltaTimeout | StallTimeout | StreamClosed | CauseLearned | Fenced)
+                    | FirstDeltaTimeout | StallTimeout | StreamClosed | CauseLearned | Fenced
+                    | LeaseLost)
 
 # --- actions --------------------------------------------------------------------------
 
@@ -311,6 +318,7 @@ class GateMachine(_Base):
     saw_done: bool = False
     ended: bool = False  # upstream sent end_of_stream
     timed_out: bool = False  # failed by the first-delta limit: liveness uncertain
+    lease_lost: bool = False  # after release: publish nothing more
 
     @classmethod
     def new(cls, request_id: str, max_buffer: int = 4 << 20) -> GateMachine:
@@ -486,7 +494,16 @@ def _gate_ignore(m: GateMachine, ev: Any) -> list[Action]:
 def _gate_pass(m: GateMachine, ev: ResponseBody) -> list[Action]:
     if ev.end_of_stream:
         m.ended = True
+    if m.lease_lost:
+        # The guard's watchdog (or its own fence check) ends the stream for the client with
+        # the terminal error; nothing more of this attempt goes out.
+        return [DropChunk()]
     return [PassChunk()]
+
+
+def _gate_lease_lost(m: GateMachine, ev: LeaseLost) -> list[Action]:
+    m.lease_lost = True
+    return []
 
 
 def _gate_drop(m: GateMachine, ev: ResponseBody) -> list[Action]:
@@ -672,6 +689,11 @@ TABLE: dict[tuple[str, State, type], Callable[[Any, Any], list[Action]]] = {
     (_G, S.GATE_RELEASED, ResponseBody): _gate_pass,
     (_G, S.GATE_PASSTHROUGH, ResponseBody): _gate_pass,
     (_G, S.GATE_FAILED, ResponseBody): _gate_drop,
+    (_G, S.GATE_RELEASED, LeaseLost): _gate_lease_lost,
+    # Before release the fence transaction itself checks the lease; after the end, moot.
+    **{(_G, s, LeaseLost): _gate_ignore for s in (
+        S.GATE_NEW, S.GATE_ADMITTING, S.GATE_FORWARDED, S.GATE_HOLDING, S.GATE_FENCING,
+        S.GATE_PASSTHROUGH, S.GATE_FAILED, S.GATE_CLOSED)},
     (_G, S.GATE_HOLDING, FirstDeltaTimeout): _gate_first_delta_timeout,
     (_G, S.GATE_FORWARDED, FirstDeltaTimeout): _gate_forwarded_timeout,
     # Fencing (etcd txn in flight), released or over: too late to matter.

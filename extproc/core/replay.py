@@ -23,6 +23,7 @@ from .machine import (
     FirstDeltaTimeout,
     GateMachine,
     GuardMachine,
+    LeaseLost,
     ProtocolViolation,
     RequestStarted,
     ResponseBody,
@@ -54,7 +55,9 @@ def event_from_record(d: Mapping[str, Any]) -> Event:
     if t == "FenceDecided":
         return FenceDecided(bool(d["committed"]))
     if t == "FirstDeltaTimeout":
-        return FirstDeltaTimeout()
+        return FirstDeltaTimeout(bool(d.get("final", False)), float(d.get("waited_s", 0.0)))
+    if t == "LeaseLost":
+        return LeaseLost()
     if t == "StallTimeout":
         return StallTimeout()
     if t == "Fenced":

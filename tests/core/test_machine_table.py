@@ -30,6 +30,7 @@ from extproc.core.machine import (
     GateMachine,
     GuardMachine,
     HoldChunk,
+    LeaseLost,
     PassChunk,
     PassHeaders,
     ProtocolViolation,
@@ -86,6 +87,7 @@ CANONICAL: dict[type, Any] = {
     StreamClosed: StreamClosed(),
     CauseLearned: CauseLearned("client"),
     Fenced: Fenced(),
+    LeaseLost: LeaseLost(),
 }
 
 
@@ -574,3 +576,19 @@ def test_gate_drop_records_the_upstream_end() -> None:
     assert g.handle(ResponseBody(b"", True)) == [DropChunk()]
     [end] = g.handle(StreamClosed())
     assert end == EndAttempt(released=False, upstream_finished=True, last_state="gate_failed")
+
+
+def test_a_lost_lease_after_release_drops_the_rest() -> None:
+    m = GateMachine.new(RID)
+    m.handle(RequestStarted(1))
+    m.handle(AdmitDecided(True))
+    m.handle(ResponseHeaders(200, SSE))
+    m.handle(ResponseBody(b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n', False))
+    m.handle(FenceDecided(True))
+    assert m.state is State.GATE_RELEASED
+    assert m.handle(ResponseBody(b"x", False)) == [PassChunk()]
+    assert m.handle(LeaseLost()) == []
+    assert m.handle(ResponseBody(b"y", False)) == [DropChunk()]
+    assert m.handle(ResponseBody(b"", True)) == [DropChunk()]
+    # Replayable: the loss is an event in the trace, the drops are its decisions.
+    assert [e["type"] for e in m.trace][-3:] == ["LeaseLost", "ResponseBody", "ResponseBody"]

@@ -1,0 +1,158 @@
+"""The journal's records, built once, and the plan for an attempt's end.
+
+Every record the processor writes about an attempt or a request's outcome is assembled
+here from plain facts, so the gate, the guard and `extproc replay` agree on its fields, and
+the decisions about an attempt's end (revoke at once, wait for Envoy's word, which fence)
+are made here, not in the adapters. Times are passed in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .failure import AttemptEnd, FailureClass, Fence, classify, fence_for
+
+# --- attempt records ------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptFacts:
+    """What the gate knows of its attempt once admitted."""
+
+    attempt: int
+    attempt_id: str
+    replica: str | None
+    gateway_id: str
+    started_at: float  # wall clock, the attempt's start (before any fence wait)
+    waited_for_previous_s: float = 0.0
+    model_revision: str | None = None
+    slow: bool = False
+
+    def admission(self) -> dict[str, Any]:
+        """Written by the admission transaction (etcd adds `admitted_at`)."""
+        return {"attempt": self.attempt, "attempt_id": self.attempt_id,
+                "replica": self.replica, "gateway_id": self.gateway_id,
+                "started_at": self.started_at, "model_revision": self.model_revision}
+
+    def base(self) -> dict[str, Any]:
+        return {**self.admission(),
+                "admitted_at": round(self.started_at + self.waited_for_previous_s, 6),
+                "slow": self.slow,
+                "waited_for_previous_s": round(self.waited_for_previous_s, 4)}
+
+    def handoff(self, lease_id: int) -> dict[str, Any]:
+        """What the gate hands the guard at release (the attempt's record so far)."""
+        return {**self.base(), "lease_id": lease_id}
+
+    def fence(self, at: float) -> dict[str, Any]:
+        return {"attempt": self.attempt, "attempt_id": self.attempt_id,
+                "replica": self.replica, "model_revision": self.model_revision, "at": at}
+
+
+def first_attempt(attempt_id: str, gateway_id: str, at: float) -> dict[str, Any]:
+    """Attempt 1, admitted with the request in the guard's intake transaction."""
+    return {"attempt": 1, "attempt_id": attempt_id, "gateway_id": gateway_id,
+            "admitted_at": at, "admitted_with_request": True}
+
+
+def refused_first_attempt(attempt_id: str, replica: str | None, at: float,
+                          code: str) -> dict[str, Any]:
+    """Attempt 1 pre-admitted by the guard and refused by its gate: `live` is given back."""
+    return {"attempt": 1, "attempt_id": attempt_id, "replica": replica, "ended_at": at,
+            "refused": code, "fence": str(Fence.REVOKE)}
+
+
+# --- an attempt's end -----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class EndFacts:
+    released: bool
+    upstream_finished: bool
+    timed_out: bool  # the gate's own first-delta deadline ended it
+    failed_on_purpose: bool  # the gate answered 503 itself
+    http_status: int  # what the replica answered (0: nothing)
+    elapsed_s: float  # since the attempt started
+    first_delta_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class EndPlan:
+    handed_off: bool  # released: the guard ends it with the request
+    # Ended before the first-delta limit and not by us: Envoy's per-try timeout (the only
+    # uncertain end Envoy makes, just past first_delta_s) cannot be the cause, so the end is
+    # confirmed (a reset, a refused connection, the client or Envoy gone): revoke before
+    # Envoy's entry arrives; a retry waits for nothing but this transaction.
+    revoke_now: bool
+    # An end that may leave the replica decoding needs Envoy's word that it closed it.
+    needs_cause: bool
+
+
+def plan_end(f: EndFacts) -> EndPlan:
+    if f.released:
+        return EndPlan(handed_off=True, revoke_now=False, needs_cause=False)
+    needs = (not f.failed_on_purpose or f.timed_out) and f.http_status in (0, 200)
+    early = needs and not f.timed_out and f.elapsed_s < f.first_delta_s
+    return EndPlan(handed_off=False, revoke_now=early, needs_cause=needs)
+
+
+@dataclass(frozen=True, slots=True)
+class Settled:
+    failure_class: FailureClass
+    fence: Fence
+    cause: str  # Envoy's cause, "unknown" (no entry), or "n/a" (not asked)
+    envoy_closed: bool
+
+
+def settle_end(f: EndFacts, plan: EndPlan, entry: str | None,
+               cancel_ack: bool = True) -> Settled:
+    """Class and fence once Envoy's per-attempt entry arrived (`entry`) or did not (None).
+
+    `cancel_ack` is policy.uncertain_source_liveness.wait_for: with
+    `cancel_ack_or_lease_expiry`, Envoy's confirmed close is the cancel ack (docs/fencing.md);
+    with `lease_expiry`, an uncertain end always waits for the lease.
+    """
+    cause, closed = "n/a", True
+    if plan.needs_cause:
+        cause, closed = (entry or "unknown"), entry is not None
+    cls = classify(AttemptEnd(released=f.released, upstream_finished=f.upstream_finished,
+                              failed_on_purpose=f.failed_on_purpose,
+                              http_status=f.http_status, cause=cause, timed_out=f.timed_out))
+    fence = Fence.REVOKE if plan.revoke_now else fence_for(cls, closed and cancel_ack)
+    return Settled(cls, fence, cause, closed)
+
+
+def attempt_end(base: Mapping[str, Any], f: EndFacts, s: Settled, ended_at: float,
+                lease_ttl_s: int) -> dict[str, Any]:
+    rec = {**base, "released": False, "upstream_finished": f.upstream_finished,
+           "http_status": f.http_status, "ended_at": ended_at,
+           "failure_class": str(s.failure_class), "envoy_cause": s.cause,
+           "fence": str(s.fence), "envoy_closed": s.envoy_closed}
+    if s.fence is Fence.EXPIRE:
+        rec["lease_expires_by"] = round(ended_at + lease_ttl_s, 3)
+    return rec
+
+
+def pending_revoke(base: Mapping[str, Any], ended_at: float) -> dict[str, Any]:
+    """The record written with an early revoke, before Envoy's entry completes it."""
+    return {**base, "released": False, "ended_at": ended_at, "fence": str(Fence.REVOKE),
+            "failure_class": "pending"}
+
+
+def released_end(handoff: Mapping[str, Any], *, upstream_finished: bool, cause: str | None,
+                 ended_at: float) -> tuple[FailureClass, dict[str, Any]]:
+    """The record of an attempt the guard owned after release, when the request ended."""
+    envoy = {"client": "client", "upstream": "upstream"}.get(cause or "", "unknown")
+    cls = classify(AttemptEnd(
+        released=True, upstream_finished=upstream_finished,
+        failed_on_purpose=cause in ("in-band error", "malformed event"),
+        http_status=200, cause=envoy, timed_out=cause == "stall"))
+    rec = {k: v for k, v in handoff.items() if k != "lease_id"}
+    rec.update({"ended_at": ended_at, "released": True, "upstream_finished": upstream_finished,
+                "http_status": 200, "failure_class": str(cls), "envoy_cause": cause or "n/a",
+                # After the first delta nothing else may run; the request's end deletes
+                # `live` (docs/fencing.md).
+                "fence": "ended_with_request"})
+    return cls, rec
