@@ -331,22 +331,29 @@ def _policy(outer: _Reader) -> Policy:
             raise ConfigError(
                 f"{b.path}.require[{i}]", f"must be one of {sorted(BEFORE_REQUIRES)}, got {item!r}"
             )
-    if "source_attempt_fenced" not in require:
-        # Retrying without a fence is exactly how two live attempts happen.
-        raise ConfigError(f"{b.path}.require", "must include source_attempt_fenced")
+    for needed, why in (("source_attempt_fenced",
+                         "retrying without a fence is how two live attempts happen"),
+                        ("retry_budget_available",
+                         "without the budget a mass failure becomes a re-prefill storm")):
+        # Both are always enforced: a list without one would say something that is not so.
+        if needed not in require:
+            raise ConfigError(f"{b.path}.require", f"must include {needed}: {why}")
+    action = b.str_("action", BeforeFirstDelta.action)
+    if action != BeforeFirstDelta.action:
+        hint = " (to never retry, set max_attempts: 1)" if action == "terminate_request" else ""
+        raise ConfigError(f"{b.path}.action",
+                          f"must be {BeforeFirstDelta.action!r}, got {action!r}{hint}")
     before = BeforeFirstDelta(
-        require=require,
-        action=b.str_("action", "retry_prefill_on_healthy_replica",
-                      frozenset({"retry_prefill_on_healthy_replica", "terminate_request"})),
-        max_attempts=b.int_("max_attempts", 2, 1, 10),
+        require=require, action=action,
+        max_attempts=b.int_("max_attempts", BeforeFirstDelta.max_attempts, 1, 10),
     )
     b.done()
     a = r.section("after_first_delta")
     after = AfterFirstDelta(
-        action=a.str_("action", "terminate_stream", frozenset({"terminate_stream"})),
-        client_error=a.str_("client_error", "upstream_decode_interrupted",
-                            frozenset({"upstream_decode_interrupted"})),
-        automatic_retry=a.bool_("automatic_retry", False),
+        action=a.str_("action", AfterFirstDelta.action, frozenset({AfterFirstDelta.action})),
+        client_error=a.str_("client_error", AfterFirstDelta.client_error,
+                            frozenset({AfterFirstDelta.client_error})),
+        automatic_retry=a.bool_("automatic_retry", AfterFirstDelta.automatic_retry),
     )
     if after.automatic_retry:
         # No verified decode-state transfer exists: a retry here would stitch two runs.
@@ -355,11 +362,14 @@ def _policy(outer: _Reader) -> Policy:
     a.done()
     u = r.section("uncertain_source_liveness")
     unc = UncertainSourceLiveness(
-        action=u.str_("action", "fence_source_attempt", frozenset({"fence_source_attempt"})),
-        wait_for=u.str_("wait_for", "cancel_ack_or_lease_expiry",
+        action=u.str_("action", UncertainSourceLiveness.action,
+                      frozenset({UncertainSourceLiveness.action})),
+        # cancel_ack_or_lease_expiry: Envoy's confirmed close of the attempt counts as the
+        # cancel ack (docs/fencing.md); lease_expiry: an uncertain end always waits.
+        wait_for=u.str_("wait_for", UncertainSourceLiveness.wait_for,
                         frozenset({"cancel_ack_or_lease_expiry", "lease_expiry"})),
-        then=u.str_("then", "retry_only_if_no_delta_was_sent",
-                    frozenset({"retry_only_if_no_delta_was_sent", "terminate_request"})),
+        then=u.str_("then", UncertainSourceLiveness.then,
+                    frozenset({UncertainSourceLiveness.then})),
     )
     u.done()
     r.done()
@@ -372,8 +382,10 @@ def _policy(outer: _Reader) -> Policy:
     rb.done()
     rc = outer.section("retry_cost")
     cost = RetryCostConfig(
-        max_prompt_tokens=rc.int_("max_prompt_tokens", 0, 0, 10_000_000),
-        chars_per_token=rc.float_("chars_per_token", 4.0, 0.5, 32.0),
+        max_prompt_tokens=rc.int_("max_prompt_tokens", RetryCostConfig.max_prompt_tokens, 0,
+                                  10_000_000),
+        chars_per_token=rc.float_("chars_per_token", RetryCostConfig.chars_per_token, 0.5,
+                                  32.0),
     )
     rc.done()
     outer.done()
@@ -388,7 +400,7 @@ def load_config(raw: Mapping[str, Any] | None) -> Config:
     server = ServerConfig(
         listen=s.str_("listen", ServerConfig.listen),
         gateway_id=s.str_("gateway_id", ServerConfig.gateway_id),
-        log_level=s.str_("log_level", "INFO",
+        log_level=s.str_("log_level", ServerConfig.log_level,
                          frozenset({"DEBUG", "INFO", "WARNING", "ERROR"})),
     )
     s.done()
@@ -445,10 +457,11 @@ def load_config(raw: Mapping[str, Any] | None) -> Config:
     )
     lim.done()
     idr = root.section("idempotency")
-    idem = IdempotencyConfig(required=idr.bool_("required", False))
+    idem = IdempotencyConfig(required=idr.bool_("required", IdempotencyConfig.required))
     idr.done()
     ten = root.section("tenancy")
-    th, tk = ten.opt_str("header", None), ten.opt_str("api_key_header", None)
+    th = ten.opt_str("header", TenancyConfig.header)
+    tk = ten.opt_str("api_key_header", TenancyConfig.api_key_header)
     if th is not None and tk is not None:
         raise ConfigError("tenancy.api_key_header", "set either header or api_key_header")
     tenancy = TenancyConfig(header=th.lower() if th else None,
@@ -468,13 +481,14 @@ def load_config(raw: Mapping[str, Any] | None) -> Config:
     tl.done()
     te = root.section("telemetry")
     telemetry = TelemetryConfig(
-        otlp_endpoint=te.opt_str("otlp_endpoint", None),
+        otlp_endpoint=te.opt_str("otlp_endpoint", TelemetryConfig.otlp_endpoint),
         service_name=te.str_("service_name", TelemetryConfig.service_name),
-        record_traces=te.str_("record_traces", "failures",
+        record_traces=te.str_("record_traces", TelemetryConfig.record_traces,
                               frozenset({"failures", "all", "none"})),
         max_trace_bytes=te.int_("max_trace_bytes", TelemetryConfig.max_trace_bytes,
                                 1024, 64 << 20),
-        metrics_interval_s=te.float_("metrics_interval_s", 10.0, 0.5, 3600.0),
+        metrics_interval_s=te.float_("metrics_interval_s", TelemetryConfig.metrics_interval_s,
+                                     0.5, 3600.0),
     )
     te.done()
     pl = root.section("pool")

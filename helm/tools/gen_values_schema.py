@@ -156,11 +156,12 @@ proc_config = obj({
     }),
     "policy": obj({"on_upstream_failure": obj({
         "before_first_delta": obj({
-            "require": {"type": "array", "minItems": 1, "uniqueItems": True,
+            # Two distinct items out of these two: both, in any order.
+            "require": {"type": "array", "minItems": 2, "uniqueItems": True,
                         "items": enum("source_attempt_fenced", "retry_budget_available"),
-                        "contains": {"const": "source_attempt_fenced"},
-                        "description": "must include source_attempt_fenced"},
-            "action": enum("retry_prefill_on_healthy_replica", "terminate_request"),
+                        "description": "must include source_attempt_fenced and "
+                                       "retry_budget_available"},
+            "action": {"const": "retry_prefill_on_healthy_replica"},
             "max_attempts": integer(1, 10, "becomes Envoy's num_retries + 1"),
         }),
         "after_first_delta": obj({
@@ -173,7 +174,7 @@ proc_config = obj({
         "uncertain_source_liveness": obj({
             "action": {"const": "fence_source_attempt"},
             "wait_for": enum("cancel_ack_or_lease_expiry", "lease_expiry"),
-            "then": enum("retry_only_if_no_delta_was_sent", "terminate_request"),
+            "then": {"const": "retry_only_if_no_delta_was_sent"},
         }),
     }),
         "retry_budget": obj({

@@ -118,6 +118,12 @@ BAD: list[tuple[str, Any, str]] = [
      f"{POLICY}.before_first_delta.max_attempts"),
     (f"{POLICY}.before_first_delta.require", ["retry_budget_available"],
      f"{POLICY}.before_first_delta.require"),
+    (f"{POLICY}.before_first_delta.require", ["source_attempt_fenced"],
+     f"{POLICY}.before_first_delta.require"),
+    (f"{POLICY}.before_first_delta.action", "terminate_request",
+     f"{POLICY}.before_first_delta.action"),
+    (f"{POLICY}.uncertain_source_liveness.then", "terminate_request",
+     f"{POLICY}.uncertain_source_liveness.then"),
     (f"{POLICY}.before_first_delta.require", [],
      f"{POLICY}.before_first_delta.require"),
     (f"{POLICY}.before_first_delta.require", ["source_attempt_fenced", "vibes"],
@@ -186,10 +192,16 @@ def test_fence_wait_relative_to_the_lease_ttl() -> None:
         load_config({"etcd": {"attempt_lease_ttl_s": 20}, "timeouts": {"fence_wait_s": 19.9}})
 
 
-def test_require_may_list_only_the_fence() -> None:
-    cfg = load_config(with_value(f"{POLICY}.before_first_delta.require",
-                                 ["source_attempt_fenced"]))
-    assert cfg.policy.before_first_delta.require == ("source_attempt_fenced",)
+def test_require_must_list_what_is_enforced() -> None:
+    # Both requirements are always enforced, so a list without one would not mean it.
+    with pytest.raises(ConfigError, match="re-prefill storm"):
+        load_config(with_value(f"{POLICY}.before_first_delta.require",
+                               ["source_attempt_fenced"]))
+    with pytest.raises(ConfigError, match="max_attempts: 1"):
+        load_config(with_value(f"{POLICY}.before_first_delta.action", "terminate_request"))
+    cfg = load_config(with_value(f"{POLICY}.uncertain_source_liveness.wait_for",
+                                 "lease_expiry"))
+    assert cfg.policy.uncertain_source_liveness.wait_for == "lease_expiry"
 
 
 # --- environment overrides ----------------------------------------------------------------
