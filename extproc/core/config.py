@@ -536,6 +536,14 @@ def load_config(raw: Mapping[str, Any] | None) -> Config:
     pl.done()
     policy = _policy(root.section("policy"))
     root.done()
+    if (policy.uncertain_source_liveness.wait_for == "lease_expiry"
+            and timeouts.first_delta_s < etcd.attempt_lease_ttl_s + 1.0):
+        # Every uncertain end then waits for its lease, inside the retry's own first-delta
+        # time (decision 0010): with less, no such retry could ever start.
+        raise ConfigError("timeouts.first_delta_s",
+                          f"must be >= etcd.attempt_lease_ttl_s + 1 "
+                          f"({etcd.attempt_lease_ttl_s + 1}) with "
+                          f"uncertain_source_liveness.wait_for: lease_expiry")
     if etcd.attempt_lease_ttl_s > timeouts.fence_wait_s and timeouts.fence_wait_s > 0:
         # A retry may have to wait out the old lease; waiting less than its TTL would refuse
         # retries that are perfectly safe a moment later.

@@ -263,3 +263,13 @@ def test_override_into_an_empty_yaml_section() -> None:
     assert load_config(raw).etcd.endpoints == ("127.0.0.1:2379",)
     cfg = load_config(apply_env_overrides(raw, {"EXTPROC_ETCD__ENDPOINTS": "e:1"}))
     assert cfg.etcd.endpoints == ("e:1",)
+
+
+def test_lease_expiry_policy_needs_first_delta_time_for_the_wait() -> None:
+    raw = with_value(f"{POLICY}.uncertain_source_liveness.wait_for", "lease_expiry")
+    raw["timeouts"] = {"first_delta_s": 10.0}
+    with pytest.raises(ConfigError, match=r"^timeouts\.first_delta_s: must be >= "
+                                          r"etcd\.attempt_lease_ttl_s \+ 1 \(11\)"):
+        load_config(raw)
+    raw["timeouts"] = {"first_delta_s": 11.0}
+    assert load_config(raw).timeouts.first_delta_s == 11.0

