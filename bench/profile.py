@@ -34,7 +34,8 @@ BUCKETS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("state machine", ("core/machine.py",)),
     ("protobuf build/parse", ("envoy_codec.py", "google/protobuf", "_pb2")),
     ("grpc.aio read/write", ("grpc/aio", "grpc/_cython", "_server.py", "_call.py")),
-    ("our session code", ("adapters/server.py",)),
+    ("our session code", ("adapters/session.py", "adapters/guard.py", "adapters/gate.py",
+                          "adapters/server.py")),
     ("asyncio / uvloop", ("asyncio/", "uvloop")),
 )
 

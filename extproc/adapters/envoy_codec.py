@@ -1,6 +1,7 @@
 """Translation between Envoy's ext_proc messages and plain Python values.
 
-Only this module (and the server) touch the generated protobuf classes.
+Only this module builds the generated protobuf messages; the sessions read incoming ones
+(their `WhichOneof` and fields) and write what this module returns.
 """
 
 from __future__ import annotations
@@ -101,6 +102,10 @@ def streamed_response_body(data: bytes, end_of_stream: bool) -> ep.ProcessingRes
 
 def trailers_response() -> ep.ProcessingResponse:
     return ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
+
+
+def request_trailers_response() -> ep.ProcessingResponse:
+    return ep.ProcessingResponse(request_trailers=ep.TrailersResponse())
 
 
 def fail_attempt_headers(request_id: str) -> ep.ProcessingResponse:

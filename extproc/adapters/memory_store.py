@@ -384,7 +384,7 @@ class MemoryStore:
                     reason = "unknown request (no journal record)"
                 elif deliv_k in self._kv:
                     reason = "first delta already sent: no second attempt"
-                elif False:
+                elif att_k in self._kv:
                     reason = f"attempt {attempt} was already admitted"
                 elif (never_started is not None and live is not None
                       and never_started(live.decode())):

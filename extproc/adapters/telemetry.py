@@ -20,8 +20,9 @@ from opentelemetry.trace import NonRecordingSpan, Span, SpanKind, Status, Status
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from ..core.config import TelemetryConfig
+from ..core.headers import TRACEPARENT
 
-TRACEPARENT_HEADER = "x-gateway-traceparent"
+TRACEPARENT_HEADER = TRACEPARENT  # gateway-owned: the guard strips a client's copy
 _prop = TraceContextTextMapPropagator()
 
 

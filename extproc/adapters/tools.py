@@ -29,15 +29,15 @@ from ..core.tools import (
 )
 from ..gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from . import envoy_codec as codec
-from .etcd_store import ToolLedger
 from .leases import UNDO_SETTLE_S, StoreUnavailable
 from .logs import rlog
+from .ports import Ledger
 
 log = logging.getLogger("extproc.tools")
 
 
 class ToolCallHandler:
-    def __init__(self, cfg: Config, ledger: ToolLedger,
+    def __init__(self, cfg: Config, ledger: Ledger,
                  write: Callable[[ep.ProcessingResponse], Awaitable[None]],
                  spawn: Callable[[Awaitable[Any], str], Any],
                  retrying: Callable[..., Awaitable[bool]]) -> None:

@@ -17,4 +17,8 @@ HANDOFF = "x-gateway-attempt-handoff"
 # Guard -> gate: when the request was accepted (epoch seconds): the start of its
 # whole first-delta budget (timeouts.first_delta_total_s).
 ACCEPTED_AT = "x-gateway-accepted-at"
-OWNED = (REQUEST_ID, ATTEMPT_ID, FINGERPRINT, PROMPT_TOKENS, PREADMITTED, HANDOFF, ACCEPTED_AT)
+# Guard -> gate: the request span's W3C trace context, so the attempt spans join its trace
+# (a client's own traceparent is the parent of the request span, not of the attempts).
+TRACEPARENT = "x-gateway-traceparent"
+OWNED = (REQUEST_ID, ATTEMPT_ID, FINGERPRINT, PROMPT_TOKENS, PREADMITTED, HANDOFF, ACCEPTED_AT,
+         TRACEPARENT)

@@ -126,9 +126,6 @@ class Env:
         self.raw.expire_leases()
         await asyncio.sleep(0.02)  # and see the new time
 
-    async def session_lease(self) -> int:
-        return await self.raw.session_lease()
-
     async def revoke_session(self) -> None:
         """What etcd does to the session lease of a processor that died."""
         lid = await self.raw.session_lease()

@@ -10,7 +10,7 @@ from aetcd import rpc
 
 from extproc.adapters.etcd_store import EtcdStore, ToolLedger
 from extproc.adapters.leases import UNDO_SETTLE_S
-from extproc.adapters.server import retrying
+from extproc.adapters.session import retrying
 from extproc.core.config import EtcdConfig, load_config
 from extproc.devstack import Stack
 

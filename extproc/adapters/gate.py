@@ -1,0 +1,514 @@
+"""The gate: the upstream ext_proc stream of one attempt.
+
+It asks the core whether the attempt may run (`core.admission.decide`), runs the admission
+transaction, holds the response headers until the first content delta, fences it in etcd,
+releases and hands the attempt to the guard; or fails it so Envoy retries, and closes its
+record as `core.records` plans. Decisions come from `core.machine.GateMachine`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+from opentelemetry.trace import Span, SpanKind
+
+from ..core import headers as H
+from ..core import records
+from ..core.admission import Admitted, AttemptRequest, decide
+from ..core.errors import (
+    ErrorCode,
+    GatewayError,
+    attempt_not_admitted,
+    journal_unavailable,
+)
+from ..core.failure import FailureClass
+from ..core.failure import Fence as FenceKind
+from ..core.machine import (
+    Action,
+    Admit,
+    AdmitDecided,
+    ContinueRequest,
+    DropChunk,
+    EndAttempt,
+    Event,
+    FailAttempt,
+    Fence,
+    FenceDecided,
+    FirstDeltaTimeout,
+    GateMachine,
+    HoldChunk,
+    LeaseLost,
+    PassChunk,
+    PassHeaders,
+    Refuse,
+    Release,
+    RequestStarted,
+    ResponseBody,
+    ResponseHeaders,
+    State,
+    StreamClosed,
+)
+from ..gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from . import envoy_codec as codec
+from .causes import NO_GATE
+from .leases import UNDO_SETTLE_S, AttemptLease, StoreUnavailable
+from .logs import rlog
+from .session import INVALID, HandedOff, Processor, Session, log, retrying
+from .telemetry import TRACEPARENT_HEADER, end_span
+
+# Test-only: proves the fault sweep can fail (docs/sweep.md). Logged loudly at start-up.
+UNSAFE_RELEASE_WITHOUT_FENCE = os.environ.get("EXTPROC_UNSAFE_RELEASE_WITHOUT_FENCE") == "1"
+
+
+# --- gate ----------------------------------------------------------------------------
+
+
+class GateSession(Session):
+    __slots__ = (
+        "_hard_timer",
+        "_soft_timer",
+        "_unwatch",
+        "accepted_at",
+        "admitted",
+        "aid",
+        "attempt",
+        "failed_on_purpose",
+        "first_admitted",
+        "http_status",
+        "lease",
+        "m",
+        "model_revision",
+        "parent_tp",
+        "preadmitted",
+        "prompt_tokens",
+        "replica",
+        "slow",
+        "started_at",
+        "started_wall",
+        "waited_for_previous_s",
+        "want_fingerprint",
+    )
+
+    def __init__(self, proc: Processor, ctx: grpc.aio.ServicerContext[Any, Any]) -> None:
+        self.detach = False
+        self.p = proc
+        self.cfg = proc.cfg
+        self.ctx = ctx
+        self.m: GateMachine | None = None
+        self.rid: str | None = None
+        self.aid: str | None = None
+        self.attempt = 0
+        self.replica: str | None = None
+        self.lease: AttemptLease | None = None
+        self.preadmitted: str | None = None  # attempt 1's id, admitted by the guard
+        self.first_admitted: str | None = None  # the same, as later attempts see it
+        self.model_revision: str | None = None
+        self.started_at = 0.0
+        self.started_wall = 0.0
+        self.closed = False
+        self.http_status = 0
+        self.failed_on_purpose = False
+        self.slow = False
+        self.waited_for_previous_s = 0.0
+        self._unwatch: Callable[[], None] | None = None
+        self._soft_timer: asyncio.TimerHandle | None = None
+        self._hard_timer: asyncio.TimerHandle | None = None
+        self.lock = asyncio.Lock()
+        self.want_fingerprint: str | None = None
+        self.prompt_tokens = 0
+        self.md: dict[str, str] = {}
+        self.span: Span = INVALID
+        self.parent_tp: str | None = None
+        self.accepted_at: float | None = None  # wall clock, from the guard
+        self.admitted: Admitted | None = None
+
+    async def on_closed(self) -> None:
+        for timer in (self._soft_timer, self._hard_timer):
+            if timer is not None:
+                timer.cancel()
+        if self.m is not None:
+            for a in self.m.handle(StreamClosed()):
+                if isinstance(a, EndAttempt):
+                    self.p.spawn(self.end(a), f"gate-end-{self.aid}")
+
+    async def on_message(self, msg: ep.ProcessingRequest) -> None:
+        which = msg.WhichOneof("request")
+        if which == "request_headers":
+            hd = codec.headers_dict(msg.request_headers.headers)
+            rid = hd.get(H.REQUEST_ID)
+            if not rid:
+                # Not a journaled request (e.g. /v1/models): nothing to gate.
+                await self.write(codec.continue_request_headers())
+                return
+            self.rid = rid
+            try:
+                self.attempt = int(hd.get(H.ENVOY_ATTEMPT_COUNT, "1"))
+            except ValueError:
+                self.attempt = 1
+            attrs = codec.attributes(msg)
+            self.replica = str(attrs.get("upstream.address") or "") or None
+            self.want_fingerprint = hd.get(H.FINGERPRINT)
+            self.parent_tp = hd.get(TRACEPARENT_HEADER)
+            self.first_admitted = hd.get(H.PREADMITTED) or None
+            if self.attempt == 1:
+                self.preadmitted = self.first_admitted
+            try:
+                self.prompt_tokens = int(hd.get(H.PROMPT_TOKENS, "0"))
+            except ValueError:
+                self.prompt_tokens = 0
+            try:
+                self.accepted_at = float(hd.get(H.ACCEPTED_AT, ""))
+            except ValueError:
+                self.accepted_at = None
+            self.m = GateMachine.new(rid, self.cfg.limits.max_buffered_response_bytes)
+            await self.feed(RequestStarted(self.attempt))
+        elif which == "response_headers":
+            hd = codec.headers_dict(msg.response_headers.headers)
+            if self.m is not None and UNSAFE_RELEASE_WITHOUT_FENCE:
+                # Test-only sabotage (docs/sweep.md): release at once, no hold, no fence.
+                # The fault sweep must catch what this breaks; never set it in production.
+                self.m = None
+            if self.m is None:
+                await self.write(codec.continue_response_headers(remove=(H.HANDOFF,)))
+                return
+            self.model_revision = hd.get("x-model-revision")
+            self.http_status = int(hd.get(":status", "0") or 0)
+            await self.feed(ResponseHeaders(int(hd.get(":status", "0") or 0),
+                                            hd.get("content-type", ""),
+                                            msg.response_headers.end_of_stream))
+        elif which == "response_body":
+            if self.m is None:
+                await self.write(codec.continue_response_body())
+                return
+            m, lease = self.m, self.lease
+            if (m.state is State.GATE_RELEASED and not m.lease_lost and lease is not None
+                    and not lease.valid()):
+                rlog(log, logging.WARNING, "lease lost after release: dropping the rest",
+                     self.rid, self.aid)
+                await self.feed(LeaseLost())
+            await self.feed(ResponseBody(msg.response_body.body,
+                                         msg.response_body.end_of_stream))
+        elif which == "request_body":
+            await self.write(codec.continue_request_body())
+        elif which == "response_trailers":
+            await self.write(codec.trailers_response())
+        elif which == "request_trailers":
+            await self.write(codec.request_trailers_response())
+
+    async def feed(self, ev: Event) -> None:
+        assert self.m is not None
+        queue = [ev]
+        while queue:
+            for a in self.m.handle(queue.pop(0)):
+                nxt = await self.act(a)
+                if nxt is not None:
+                    queue.append(nxt)
+
+    async def act(self, a: Action) -> Event | None:
+        rid = self.rid or ""
+        if isinstance(a, HoldChunk):
+            return None
+        if isinstance(a, PassChunk):
+            await self.write(codec.continue_response_body())
+            return None
+        if isinstance(a, PassHeaders):
+            # Only the gate may say which attempt the guard owns, never the replica.
+            await self.write(codec.continue_response_headers(remove=(H.HANDOFF,)))
+            return None
+        if isinstance(a, DropChunk):
+            await self.write(codec.replace_response_body(b""))
+            return None
+        if isinstance(a, Fence):
+            return FenceDecided(await self.fence())
+        if isinstance(a, Release):
+            for timer in (self._soft_timer, self._hard_timer):
+                if timer is not None:
+                    timer.cancel()
+            self.span.add_event("first_delta.fenced", {"llmgw.held_chunks": a.held_chunks})
+            rlog(log, logging.INFO, "first delta fenced: released", rid, self.aid,
+                 attempt=self.attempt, replica=self.replica, held_chunks=a.held_chunks,
+                 ttfd_ms=round((self.p.clock.monotonic() - self.started_at) * 1000, 2))
+            # From here the guard owns the attempt: it sees the rest of the response, its end,
+            # and writes the attempt's record with the request's outcome (one etcd txn).
+            # Registered before the headers go out: the guard looks for it when they arrive.
+            self.span.add_event("attempt.handed_off")
+            if self.aid is not None and self.m is not None:
+                self.p.handoffs.put(self.aid, HandedOff(self.span, self.m))
+                self.span = INVALID
+            await self.write(codec.continue_response_headers(
+                {H.ATTEMPT_ID: self.aid or "", H.HANDOFF: self.handoff()}))
+            for _ in range(a.held_chunks):
+                await self.write(codec.continue_response_body())
+            if a.hand_off:
+                self.detach = True
+            return None
+        if isinstance(a, FailAttempt):
+            self.failed_on_purpose = True
+            self.span.add_event("attempt.failed", {"llmgw.reason": a.reason})
+            rlog(log, logging.WARNING, "attempt failed before first delta", rid, self.aid,
+                 attempt=self.attempt, replica=self.replica, reason=a.reason)
+            await self.write(codec.fail_attempt_headers(rid))
+            for i in range(a.held_chunks):
+                await self.write(codec.replace_response_body(a.error.json_bytes() if i == 0
+                                                             else b""))
+            return None
+        if isinstance(a, ContinueRequest):
+            self.p.mark_reached(rid)
+            await self.write(codec.continue_request_headers({H.ATTEMPT_ID: self.aid or ""},
+                                                            remove=(H.PREADMITTED,)))
+            return None
+        if isinstance(a, Refuse):
+            await self.write(codec.immediate(a.error, {H.REQUEST_ID: rid}))
+            return None
+        if isinstance(a, Admit):
+            return await self.admit(a.attempt)
+        return None
+
+    def facts(self) -> records.AttemptFacts:
+        return records.AttemptFacts(
+            attempt=self.attempt, attempt_id=self.aid or "", replica=self.replica,
+            gateway_id=self.cfg.server.gateway_id, started_at=self.started_wall,
+            waited_for_previous_s=self.waited_for_previous_s,
+            model_revision=self.p.pool.fingerprint_of(self.replica or "") or self.model_revision,
+            slow=self.slow)
+
+    def handoff(self) -> str:
+        return json.dumps(self.facts().handoff(self.lease.lease_id if self.lease else 0),
+                          separators=(",", ":"))
+
+    async def admit(self, attempt: int) -> AdmitDecided:
+        rid = self.rid or ""
+        self.aid = self.preadmitted or self.p.ids.attempt_id()
+        self.started_at = self.p.clock.monotonic()
+        tel = self.p.tel
+        parent = tel.parent_from({"traceparent": self.parent_tp} if self.parent_tp
+                                 else self.md)
+        host, _, port = (self.replica or "").rpartition(":")
+        self.span = tel.start("llm.attempt", parent, SpanKind.CLIENT, {
+            "llmgw.request_id": rid, "llmgw.attempt_id": self.aid, "llmgw.attempt": attempt,
+            "server.address": host or None, "server.port": int(port) if port.isdigit() else None,
+            "llmgw.fingerprint": self.p.pool.fingerprint_of(self.replica or "")})
+        res = await self._admit(attempt)
+        if res.admitted:
+            self.span.add_event("attempt.admitted",
+                                {"llmgw.waited_for_previous_ms":
+                                 round(self.waited_for_previous_s * 1000, 2)})
+            self.span.add_event("lease.granted")
+            if attempt > 1:
+                tel.retries.add(1, {"decision": "admitted"})
+        else:
+            if self.preadmitted is not None:
+                # The guard admitted it with the request: give `live` back.
+                aid, store = self.aid or "", self.p.journal
+                code = str(res.error.code) if res.error else "unknown"
+                rec = records.refused_first_attempt(aid, self.replica, self.p.clock.wall(), code)
+                self.p.spawn(retrying(lambda: store.end_attempt(rid, 1, aid, rec, False),
+                                      "give back a refused attempt", rid, aid),
+                             f"gate-refused-{aid}")
+            code = str(res.error.code) if res.error else "unknown"
+            self.span.add_event("attempt.refused", {"llmgw.reason": code})
+            if attempt > 1:
+                tel.retries.add(1, {"decision": "refused", "reason": code})
+            end_span(self.span, code)
+        return res
+
+    async def _admit(self, attempt: int) -> AdmitDecided:
+        rid = self.rid or ""
+        aid = self.aid or ""
+        cfg, pool = self.cfg, self.p.pool
+        t = cfg.timeouts
+        elapsed = (max(0.0, self.p.clock.wall() - self.accepted_at) if self.accepted_at is not None
+                   else 0.0)
+        verdict = decide(AttemptRequest(
+            request_id=rid, attempt=attempt, max_attempts=cfg.policy.max_attempts,
+            reached_before=rid in self.p.reached, elapsed_s=elapsed,
+            total_first_delta_s=t.total_first_delta_s(cfg.policy.max_attempts),
+            first_delta_s=t.first_delta_s, fence_wait_s=t.fence_wait_s,
+            want_fingerprint=self.want_fingerprint if pool.enabled else None,
+            replica_fingerprint=pool.fingerprint_of(self.replica or ""),
+            replica=self.replica, prompt_tokens=self.prompt_tokens,
+            max_prompt_tokens=cfg.policy.retry_cost.max_prompt_tokens),
+            self.p.budget, self.p.clock.monotonic())
+        last = self.p.budget.last
+        if isinstance(verdict, GatewayError):
+            if verdict.code is ErrorCode.RETRY_BUDGET_EXHAUSTED and last is not None:
+                self.p.tel.budget_used.record(last.retries / max(1, last.limit))
+            return self._refused(verdict)
+        if verdict.counts_as_retry and last is not None:
+            self.p.tel.budget_used.record(last.retries / max(1, last.limit))
+        self.admitted = verdict
+        self.started_wall = self.p.clock.wall()
+        record = self.facts().admission()
+        if self.preadmitted is not None:
+            # Admitted in the guard's intake transaction; the live key hangs on the process
+            # lease (granted already, or granted now if another process admitted it).
+            try:
+                self.lease = await self.p.journal.attempt_lease()
+            except StoreUnavailable as e:
+                return AdmitDecided(False, self._journal_down(e))
+            return self._admitted(0.0)
+        try:
+            res = await self.p.journal.admit_attempt(rid, attempt, aid, record,
+                                                   verdict.fence_wait_s, self._never_started)
+        except StoreUnavailable as e:
+            rlog(log, logging.WARNING, "journal unavailable at admission", rid, self.aid,
+                 error=str(e))
+            self.p.spawn(retrying(lambda: self.p.journal.undo_admission(rid, attempt, aid),
+                                  "undo an unconfirmed admission", rid, aid,
+                                  settle_s=UNDO_SETTLE_S),
+                         f"gate-undo-admit-{aid}")
+            return AdmitDecided(False, self._journal_down(e))
+        if not res.admitted:
+            return self._refused(attempt_not_admitted(rid, res.reason))
+        self.lease = res.lease
+        return self._admitted(res.waited_s)
+
+    def _never_started(self, live: str) -> bool:
+        """`live` is attempt 1 as the guard admitted it, and no gate ever ran for it."""
+        first = self.first_admitted
+        return first is not None and live == first and self.p.causes.seen(NO_GATE + first)
+
+    def _journal_down(self, e: Exception) -> GatewayError:
+        return journal_unavailable(self.rid, "the attempt could not be fenced, so nothing "
+                                             "was run")
+
+    def _admitted(self, waited_s: float) -> AdmitDecided:
+        rid, attempt = self.rid or "", self.attempt
+        self.waited_for_previous_s = waited_s
+        self._unwatch = self.p.journal.on_live_change(rid, self._on_live_change)
+        soft = self.cfg.timeouts.soft_first_delta_s
+        loop = asyncio.get_running_loop()
+        if soft > 0:
+            self._soft_timer = loop.call_later(soft, self._on_soft_limit)
+        deadline = (self.admitted.deadline_s if self.admitted is not None
+                    else self.cfg.timeouts.first_delta_s)
+        self._hard_timer = loop.call_later(
+            max(0.0, deadline - waited_s),
+            lambda: self.p.spawn(self._on_first_delta_limit(), f"gate-limit-{self.aid}"))
+        rlog(log, logging.INFO, "attempt admitted", rid, self.aid, attempt=attempt,
+             replica=self.replica, waited_ms=round(waited_s * 1000, 2),
+             with_request=self.preadmitted is not None)
+        return AdmitDecided(True)
+
+    def _on_live_change(self, value: str | None) -> None:
+        """The revocation watch: someone fenced this attempt (revoked, expired, replaced)."""
+        lease = self.lease
+        if lease is not None and value != self.aid and not lease.revoked:
+            lease.revoked = True
+            rlog(log, logging.WARNING, "attempt fenced: its lease was revoked or replaced",
+                 self.rid, self.aid, live=value)
+
+    async def _on_first_delta_limit(self) -> None:
+        async with self.lock:
+            if self.m is None or self.closed:
+                return
+            waited = (self.p.clock.wall() - self.accepted_at if self.accepted_at is not None
+                      else self.p.clock.monotonic() - self.started_at)
+            final = self.admitted.final if self.admitted is not None else False
+            await self.feed(FirstDeltaTimeout(final=final, waited_s=round(waited, 3)))
+
+    def _on_soft_limit(self) -> None:
+        # Slow is not dead: record it, change nothing (only first_delta_s fails over).
+        self.slow = True
+        rlog(log, logging.INFO, "first delta slower than the soft expectation (not a failure)",
+             self.rid, self.aid, soft_first_delta_s=self.cfg.timeouts.soft_first_delta_s,
+             replica=self.replica)
+
+    def _refused(self, err: GatewayError) -> AdmitDecided:
+        rlog(log, logging.WARNING, "attempt refused", self.rid, self.aid, attempt=self.attempt,
+             code=str(err.code), reason=err.message, replica=self.replica)
+        return AdmitDecided(False, err)
+
+    async def fence(self) -> bool:
+        rid = self.rid or ""
+        if self.lease is None or not self.lease.valid():
+            return False
+        record = self.facts().fence(self.p.clock.wall())
+        try:
+            return await self.p.journal.fence_first_delta(rid, self.aid or "", record)
+        except StoreUnavailable as e:
+            rlog(log, logging.WARNING, "journal unavailable at the fence: not releasing", rid,
+                 self.aid, error=str(e))
+            # The transaction may still apply when etcd wakes: take it back once it can.
+            self.p.spawn(retrying(lambda: self.p.journal.undo_fence(rid, record),
+                                  "undo an unconfirmed fence", rid, self.aid,
+                                  settle_s=UNDO_SETTLE_S),
+                         f"gate-undo-fence-{self.aid}")
+            return False
+
+    async def end(self, a: EndAttempt) -> None:
+        """Classify how the attempt ended, fence it accordingly, and close its record."""
+        rid = self.rid or ""
+        if self._unwatch is not None:
+            self._unwatch()
+        if self.aid is None or self.lease is None:
+            return
+        if a.released:
+            # Handed to the guard at release: it ends the attempt with the request.
+            return
+        aid, attempt, store = self.aid, self.attempt, self.p.journal
+        facts = records.EndFacts(
+            released=False, upstream_finished=a.upstream_finished, timed_out=a.timed_out,
+            failed_on_purpose=self.failed_on_purpose, http_status=self.http_status,
+            elapsed_s=self.p.clock.monotonic() - self.started_at,
+            first_delta_s=self.cfg.timeouts.first_delta_s)
+        plan = records.plan_end(facts)
+        base = self.facts().base()
+        if plan.revoke_now:
+            self.lease.revoked = True
+            # `ended_at` is when `live` went: what any overlap check needs.
+            ended_at = self.p.clock.wall()
+            pending = records.pending_revoke(base, ended_at)
+            revoked = await retrying(
+                lambda: store.end_attempt(rid, attempt, aid, pending, False),
+                "fence the ended attempt", rid, aid)
+            if not revoked:  # never confirmed: the lease will lapse by itself
+                plan = records.EndPlan(False, False, plan.needs_cause)
+        entry = None
+        if plan.needs_cause:
+            # Envoy's per-attempt access-log entry says reset (dead) vs timeout (uncertain),
+            # and that Envoy has closed the attempt at all.
+            entry = await self.p.causes.wait_entry(aid, self.cfg.timeouts.access_log_wait_s)
+        cancel_ack = (self.cfg.policy.uncertain_source_liveness.wait_for
+                      == "cancel_ack_or_lease_expiry")
+        done = records.settle_end(facts, plan, entry, cancel_ack)
+        cls, fence = done.failure_class, done.fence
+        if a.timed_out and self.replica:
+            self.p.health.attempt_failed(self.replica, self.p.clock.monotonic())
+        record = records.attempt_end(base, facts, done,
+                                     ended_at if plan.revoke_now else self.p.clock.wall(),
+                                     self.cfg.etcd.attempt_lease_ttl_s)
+        rlog(log, logging.INFO, "attempt ended", rid, aid, attempt=attempt,
+             released=False, failure_class=str(cls), fence=str(fence), cause=done.cause)
+        self.span.add_event("lease.revoked" if fence is FenceKind.REVOKE
+                            else "lease.fenced_until_expiry")
+        self.p.tel.fences.add(1, {"kind": str(fence), "class": str(cls)})
+        end_span(self.span, None if cls is FailureClass.COMPLETED else str(cls),
+                 **{"llmgw.failure_class": str(cls), "llmgw.released": False,
+                    "llmgw.fence": str(fence), "llmgw.envoy_cause": done.cause,
+                    "llmgw.model_revision": record.get("model_revision"),
+                    "http.response.status_code": self.http_status or None})
+        if self.m is not None and self.p.keep_trace(cls is FailureClass.COMPLETED):
+            self.p.spawn(self.p.save_trace(rid, f"attempt-{attempt:03d}", self.m, {
+                "attempt_id": aid, "replica": self.replica,
+                "failure_class": str(cls)}), f"trace-{aid}")
+        self.lease.revoked = True
+        if plan.revoke_now:
+            await retrying(lambda: store.update_attempt(rid, attempt, record),
+                           "close the attempt record", rid, aid)
+            return
+        # Confirmed end (the replica closed, answered, the client left, or Envoy closed an
+        # uncertain one): `live` is deleted, so a retry may start now. Unknown
+        # (policy.uncertain_source_liveness): the replica may still be decoding and may
+        # still publish; fenced now, a retry is admitted only once the fence's lease
+        # expires. etcd may be briefly away: retried for a bounded time, so the record does
+        # not keep an attempt without its end (found by the fault sweep).
+        await retrying(lambda: store.end_attempt(rid, attempt, aid, record,
+                                                 fence is FenceKind.EXPIRE),
+                       "fence the ended attempt", rid, aid)

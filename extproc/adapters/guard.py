@@ -1,0 +1,535 @@
+"""The guard: the downstream ext_proc stream that owns a logical request.
+
+It validates the request, opens its journal record (attempt 1 admitted in the same
+transaction), orders the compatible hosts for Envoy, counts what reaches the client, owns
+the attempt the gate released, and ends a started stream with the terminal error event when
+the upstream stalls, errs or loses its fence. Decisions come from `core.machine.GuardMachine`
+and `core.records`; this module carries them out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+from opentelemetry.trace import Span, SpanKind
+
+from ..core import headers as H
+from ..core import records
+from ..core.errors import (
+    ErrorCode,
+    GatewayError,
+    journal_unavailable,
+    no_compatible_replica,
+)
+from ..core.failure import FailureClass
+from ..core.intake import (
+    Generation,
+    PassThrough,
+    Rejected,
+    StatusLookup,
+    classify_request,
+    parse_body,
+)
+from ..core.journal import (
+    Outcome,
+    key_digest,
+    repeat_answer,
+    tenant_digest,
+)
+from ..core.machine import (
+    Action,
+    ArmWatchdog,
+    AwaitCause,
+    CauseLearned,
+    DisarmWatchdog,
+    Event,
+    Fenced,
+    Finish,
+    GateMachine,
+    GuardMachine,
+    PassHeaders,
+    ResponseBody,
+    ResponseHeaders,
+    Send,
+    StallTimeout,
+    StreamClosed,
+)
+from ..gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from . import envoy_codec as codec
+from .leases import AttemptLease, ProcessLease, StoreUnavailable
+from .logs import rlog
+from .session import CHUNK_TIME_SAMPLE, INVALID, Processor, Session, log, retrying
+from .telemetry import TRACEPARENT_HEADER, end_span
+from .tools import ToolCallHandler
+
+# --- guard ---------------------------------------------------------------------------
+
+
+class GuardSession(Session):
+    __slots__ = (
+        "_unwatch",
+        "aid1",
+        "attempt",
+        "attempt_machine",
+        "attempt_span",
+        "envoy_request_id",
+        "finished",
+        "first_delta_evented",
+        "gen",
+        "m",
+        "permit",
+        "progress_at",
+        "progress_inflight",
+        "progress_sent",
+        "tool",
+        "watchdog",
+        "watchdog_at",
+    )
+
+    def __init__(self, proc: Processor, ctx: grpc.aio.ServicerContext[Any, Any]) -> None:
+        self.detach = False
+        self.p = proc
+        self.cfg = proc.cfg
+        self.ctx = ctx
+        self.lock = asyncio.Lock()
+        self.m: GuardMachine | None = None
+        self.rid: str | None = None
+        self.gen: Generation | None = None
+        self.watchdog: asyncio.TimerHandle | None = None
+        self.finished = False
+        self.closed = False
+        self.progress_at = self.p.clock.monotonic()
+        self.progress_sent = 0
+        self.progress_inflight = False
+        self.tool: ToolCallHandler | None = None
+        self.md: dict[str, str] = {}
+        self.span: Span = INVALID
+        self.first_delta_evented = False
+        self.envoy_request_id: str | None = None
+        self.watchdog_at = 0.0  # monotonic deadline of the stall watchdog (0: disarmed)
+        # The attempt the gate handed over at release: its record, and its permission to
+        # publish (process lease + the revocation watch).
+        self.aid1: str | None = None
+        self.attempt: dict[str, Any] | None = None
+        self.permit: AttemptLease | None = None
+        self.attempt_span: Span | None = None
+        self.attempt_machine: GateMachine | None = None
+        self._unwatch: Callable[[], None] | None = None
+
+    async def on_closed(self) -> None:
+        self._disarm()
+        if self._unwatch is not None:
+            self._unwatch()
+            self._unwatch = None
+        if self.m is not None:
+            self.p.spawn(self.close_out(), f"guard-close-{self.rid}")
+        if self.tool is not None:
+            self.p.spawn(self.tool.on_closed(), f"tool-close-{self.rid}")
+
+    async def on_message(self, msg: ep.ProcessingRequest) -> None:
+        which = msg.WhichOneof("request")
+        if self.tool is not None and which in ("request_body", "response_headers",
+                                               "response_body"):
+            await self.on_tool_message(which, msg)
+            return
+        if which == "request_headers":
+            await self.on_request_headers(codec.headers_dict(msg.request_headers.headers),
+                                          msg.request_headers.end_of_stream)
+        elif which == "request_body":
+            await self.on_request_body(msg.request_body.body)
+        elif which == "response_headers":
+            hd = codec.headers_dict(msg.response_headers.headers)
+            if self.m is None:
+                await self.write(codec.continue_response_headers(remove=(H.HANDOFF,)))
+                return
+            status = int(hd.get(":status", "0") or 0)
+            if status == 200:
+                self.take_over(hd.get(H.HANDOFF))
+            await self.feed(ResponseHeaders(status=status,
+                                            content_type=hd.get("content-type", ""),
+                                            end_of_stream=msg.response_headers.end_of_stream))
+        elif which == "response_body":
+            body = msg.response_body
+            if self.m is None:
+                await self.write(codec.streamed_response_body(body.body, body.end_of_stream))
+                return
+            permit = self.permit
+            if permit is not None and not permit.revoked and not permit.valid():
+                permit.revoked = True  # its lease ran out locally: said once, acted on once
+                self.fenced_log()
+                await self.feed(Fenced())
+            tel = self.p.tel
+            sample = False
+            if tel.enabled:  # nothing per chunk unless metrics are exported
+                tel.chunks_seen += 1
+                sample = tel.chunks_seen % CHUNK_TIME_SAMPLE == 0
+            if sample:
+                t0 = time.perf_counter()
+                await self.feed(ResponseBody(body.body, body.end_of_stream))
+                tel.chunk_time.record((time.perf_counter() - t0) * 1000)
+            else:
+                await self.feed(ResponseBody(body.body, body.end_of_stream))
+        elif which == "response_trailers":
+            await self.write(codec.trailers_response())
+        elif which == "request_trailers":
+            await self.write(codec.request_trailers_response())
+
+    async def on_tool_message(self, which: str, msg: ep.ProcessingRequest) -> None:
+        assert self.tool is not None
+        if which == "request_body":
+            await self.write(codec.continue_request_body())
+        elif which == "response_headers":
+            await self.tool.on_response_headers(codec.headers_dict(msg.response_headers.headers),
+                                                msg.response_headers.end_of_stream)
+        else:
+            await self.tool.on_response_body(msg.response_body.body,
+                                             msg.response_body.end_of_stream)
+
+    async def on_request_headers(self, hd: dict[str, str], end_of_stream: bool) -> None:
+        if hd.get(":path", "").startswith(self.cfg.tools.path_prefix):
+            self.tool = ToolCallHandler(self.cfg, self.p.ledger, self.write, self.p.spawn,
+                                        retrying)
+            await self.tool.on_request_headers(hd)
+            self.rid = self.tool.rid
+            return
+        intake = classify_request(hd, self.cfg)
+        if isinstance(intake, Rejected):
+            rlog(log, logging.INFO, "request rejected", intake.error.request_id, None,
+                 code=str(intake.error.code))
+            await self.write(codec.immediate(intake.error))
+            return
+        if isinstance(intake, StatusLookup):
+            await self.on_status_lookup(intake)
+            return
+        if isinstance(intake, PassThrough):
+            await self.write(codec.continue_request_headers(remove=H.OWNED))
+            return
+        self.gen = intake
+        self.rid = intake.request_id
+        if end_of_stream:
+            await self.write(codec.immediate(GatewayError(
+                ErrorCode.INVALID_REQUEST_BODY, "a JSON request body is required", 400,
+                request_id=self.rid)))
+            return
+        self.envoy_request_id = hd.get(H.ENVOY_REQUEST_ID)
+        await self.write(codec.continue_request_headers(
+            {H.REQUEST_ID: intake.request_id},
+            remove=tuple(h for h in H.OWNED if h != H.REQUEST_ID)))
+
+    async def on_status_lookup(self, q: StatusLookup) -> None:
+        try:
+            view = await self.p.settled(await self.p.journal.get(q.request_id))
+        except StoreUnavailable as e:
+            await self.write(codec.immediate(self._journal_down(q.request_id, e)))
+            return
+        if view is None or view.meta.get("tenant") != _tenant_tag(q.tenant):
+            # Another tenant's request is indistinguishable from a missing one.
+            await self.write(codec.immediate(GatewayError(
+                ErrorCode.REQUEST_NOT_FOUND, "no request with this id", 404,
+                request_id=q.request_id)))
+            return
+        await self.write(codec.immediate_json(
+            200, json.dumps(view.to_dict(), separators=(",", ":")).encode(),
+            {H.REQUEST_ID: q.request_id}))
+
+    def _journal_down(self, rid: str | None, e: Exception) -> GatewayError:
+        rlog(log, logging.WARNING, "journal unavailable", rid, None, error=str(e))
+        return journal_unavailable(rid)
+
+    async def on_request_body(self, body: bytes) -> None:
+        gen, rid = self.gen, self.rid
+        if gen is None or rid is None:
+            await self.write(codec.continue_request_body())
+            return
+        meta = parse_body(body, self.cfg, rid)
+        if isinstance(meta, GatewayError):
+            rlog(log, logging.INFO, "request body rejected", rid, None, code=str(meta.code))
+            await self.write(codec.immediate(meta, {H.REQUEST_ID: rid}))
+            return
+        route: tuple[str, list[str]] | None = None
+        if self.p.pool.enabled:
+            route = self.p.pool.choose(meta.model, rid)
+            if route is None:
+                err = no_compatible_replica(rid, f"no replica declared for model {meta.model!r}")
+                await self.write(codec.immediate(err, {H.REQUEST_ID: rid}))
+                return
+            # Hosts known to be down go last: attempt 1 should not be spent on them.
+            route = (route[0], self.p.host_order(route[1]))
+        record = {
+            "request_id": rid,
+            "tenant": _tenant_tag(gen.tenant),
+            "idempotency_key_sha256": _key_tag(gen.idempotency_key),
+            "endpoint": gen.path,
+            "max_attempts": self.cfg.policy.max_attempts,
+            "gateway_id": self.cfg.server.gateway_id,
+            "envoy_request_id": self.envoy_request_id,
+            "created_at": self.p.clock.wall(),
+            **meta.to_dict(),
+        }
+        if route is not None:
+            record["fingerprint"], record["hosts"] = route[0], route[1]
+        # Attempt 1 is admitted in the same transaction as the record (its gate finds it
+        # in a header we set): one etcd round trip fewer before the first byte.
+        self.aid1 = aid1 = self.p.ids.attempt_id()
+        first = records.first_attempt(aid1, self.cfg.server.gateway_id, self.p.clock.wall())
+        try:
+            existing = await self.p.settled(await self.p.journal.open_request(
+                rid, record, (aid1, first)))
+        except StoreUnavailable as e:
+            await self.write(codec.immediate(self._journal_down(rid, e), {H.REQUEST_ID: rid}))
+            return
+        if existing is not None:
+            err = repeat_answer(existing)
+            rlog(log, logging.INFO, "repeat of a known request", rid, None,
+                 code=str(err.code), outcome=existing.outcome_value)
+            await self.write(codec.immediate(err, {H.REQUEST_ID: rid}))
+            return
+        self.m = GuardMachine.new(rid, self.cfg.timeouts.stall_after_first_delta_s,
+                                  self.cfg.limits.max_buffered_response_bytes)
+        self.m.trace_budget = self.p.trace_budget()
+        self.p.budget.note_request(self.p.clock.monotonic())
+        rlog(log, logging.INFO, "request accepted", rid, None, stream=meta.stream,
+             model=meta.model, fingerprint=route[0] if route else None)
+        self.span = self.p.tel.start("llm.request", self.p.tel.parent_from(self.md),
+                                     SpanKind.SERVER, {
+            "llmgw.request_id": rid, "gen_ai.request.model": meta.model,
+            "gen_ai.operation.name": "chat" if gen.path.endswith("chat/completions")
+            else "text_completion",
+            "http.request.method": "POST", "url.path": gen.path,
+            "llmgw.stream": meta.stream, "llmgw.fingerprint": route[0] if route else None,
+            "llmgw.gateway_id": self.cfg.server.gateway_id})
+        self.span.add_event("request.accepted")
+        set_headers = {H.PROMPT_TOKENS: str(meta.estimated_prompt_tokens), H.PREADMITTED: aid1,
+                       H.ACCEPTED_AT: f"{record['created_at']:.6f}"}
+        tp = self.p.tel.traceparent(self.span)
+        if tp:
+            set_headers[TRACEPARENT_HEADER] = tp
+        lb: dict[str, Any] | None = None
+        if route is not None:
+            # Attempt n goes to hosts[n-1]: every host listed shares one fingerprint, so no
+            # retry can land on an incompatible replica.
+            set_headers[H.FINGERPRINT] = route[0]
+            lb = {"envoy.lb": {"x-gateway-destination-endpoint": ",".join(route[1])}}
+        await self.write(codec.continue_request_body_with(set_headers, lb))
+
+    def take_over(self, handoff: str | None) -> None:
+        """The gate released its attempt to us: own its end, its record and its fence."""
+        if not handoff:
+            return
+        try:
+            info = json.loads(handoff)
+            aid = str(info["attempt_id"])
+            int(info["attempt"])
+        except (ValueError, KeyError, TypeError):
+            rlog(log, logging.ERROR, "unreadable attempt hand-off", self.rid, None)
+            return
+        self.attempt = info
+        got = self.p.handoffs.take(aid)
+        self.attempt_span = got.span if got is not None else None
+        self.attempt_machine = got.machine if got is not None else None
+        pl = self.p.journal.current_process_lease()
+        # The attempt's `live` key hangs on the lease of the process that admitted it; when
+        # that is us, its local deadline also bounds publishing (etcd unreachable).
+        self.permit = AttemptLease(pl if pl is not None and pl.lease_id == info.get("lease_id")
+                                   else ProcessLease(0, 0, float("inf")))
+
+        def on_live(value: str | None) -> None:
+            permit = self.permit
+            if permit is not None and value != aid and not permit.revoked:
+                permit.revoked = True
+                self.fenced_log()
+                self.p.spawn(self.on_fenced(), f"guard-fenced-{self.rid}")
+        self._unwatch = self.p.journal.on_live_change(self.rid or "", on_live)
+
+    def fenced_log(self) -> None:
+        rlog(log, logging.WARNING, "attempt fenced: its lease was revoked or replaced",
+             self.rid, self.attempt.get("attempt_id") if self.attempt else None)
+
+    async def on_fenced(self) -> None:
+        async with self.lock:
+            if not self.closed and self.m is not None:
+                await self.feed(Fenced())
+
+    async def feed(self, ev: Event) -> None:
+        assert self.m is not None
+        actions = self.m.handle(ev)
+        # The outcome is recorded first, in its own task: once our terminal event is
+        # written Envoy may close this stream and cancel us mid-await (found by the sweep).
+        for a in actions:
+            if isinstance(a, Finish):
+                self.p.spawn(self.record(a), f"guard-finish-{self.rid}")
+        for a in actions:
+            if not isinstance(a, Finish):
+                await self.act(a)
+
+    async def act(self, a: Action) -> None:
+        rid = self.rid or ""
+        if isinstance(a, PassHeaders):
+            if self.m is not None and self.m.replaced_error is not None:
+                await self.write(codec.continue_response_headers(
+                    {H.REQUEST_ID: rid, "content-type": "application/json"},
+                    remove=("content-length", H.HANDOFF)))
+            else:
+                await self.write(codec.continue_response_headers({H.REQUEST_ID: rid},
+                                                                 remove=(H.HANDOFF,)))
+        elif isinstance(a, Send):
+            if a.data or a.end_of_stream:
+                await self.write(codec.streamed_response_body(a.data, a.end_of_stream))
+                self._maybe_checkpoint()
+                if (not self.first_delta_evented and self.m is not None
+                        and self.m.delivered > 0):
+                    self.first_delta_evented = True
+                    self.span.add_event("first_delta.delivered")
+        elif isinstance(a, ArmWatchdog):
+            self._arm(a.seconds)
+        elif isinstance(a, DisarmWatchdog):
+            self._disarm()
+        elif isinstance(a, AwaitCause):
+            cause = await self.p.causes.wait(rid, self.cfg.timeouts.access_log_wait_s)
+            await self.feed(CauseLearned(cause))
+
+    def _maybe_checkpoint(self) -> None:
+        """Now and then record the delivered count, in case this process dies mid-stream."""
+        every = self.cfg.timeouts.progress_interval_s
+        m = self.m
+        if every <= 0 or m is None or self.progress_inflight or m.delivered <= self.progress_sent:
+            return
+        now = self.p.clock.monotonic()
+        if now - self.progress_at < every:
+            return
+        self.progress_at, self.progress_sent, self.progress_inflight = now, m.delivered, True
+
+        async def put(n: int) -> None:
+            try:
+                await self.p.journal.progress(self.rid or "", {"delivered_output_tokens": n,
+                                                             "at": self.p.clock.wall()})
+            except StoreUnavailable:
+                pass  # a missed checkpoint only weakens the lower bound
+            finally:
+                self.progress_inflight = False
+        self.p.spawn(put(m.delivered), f"guard-progress-{self.rid}")
+
+    def _arm(self, seconds: float) -> None:
+        # Re-armed on every chunk: move a deadline, keep one timer (a timer per chunk was
+        # a measurable share of the per-chunk cost).
+        loop = asyncio.get_running_loop()
+        self.watchdog_at = loop.time() + seconds
+        if self.watchdog is None:
+            self.watchdog = loop.call_at(self.watchdog_at, self._watchdog_fired)
+
+    def _watchdog_fired(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self.watchdog_at > loop.time():
+            self.watchdog = loop.call_at(self.watchdog_at, self._watchdog_fired)
+            return
+        self.watchdog = None
+        self.p.spawn(self.on_stall(), f"guard-stall-{self.rid}")
+
+    def _disarm(self) -> None:
+        self.watchdog_at = 0.0
+        if self.watchdog is not None:
+            self.watchdog.cancel()
+            self.watchdog = None
+
+    async def on_stall(self) -> None:
+        async with self.lock:
+            if self.closed or self.m is None:
+                return
+            rlog(log, logging.WARNING, "upstream silent after first delta: ending stream",
+                 self.rid, None, delivered_output_tokens=self.m.delivered)
+            await self.feed(StallTimeout())
+
+    async def close_out(self) -> None:
+        async with self.lock:
+            if self.m is not None:
+                await self.feed(StreamClosed())
+
+    async def record(self, f: Finish) -> None:
+        if self.finished or self.rid is None:
+            return
+        self.finished = True
+        if self._unwatch is not None:
+            # Our own finish deletes `live`: that is no revocation to react to.
+            self._unwatch()
+            self._unwatch = None
+        body: dict[str, Any] = {
+            "outcome": str(f.outcome),
+            "delivered_output_tokens": f.delivered_output_tokens,
+            "cause": f.cause,
+            "finished_at": self.p.clock.wall(),
+            "gateway_id": self.cfg.server.gateway_id,
+        }
+        if f.cause == "unknown":
+            # Envoy (or the network to it) vanished with bytes in flight: what we handed
+            # to Envoy is an upper bound of what the client got.
+            body["delivered_output_tokens_exact"] = False
+        rlog(log, logging.INFO, "request finished", self.rid, None, outcome=str(f.outcome),
+             delivered_output_tokens=f.delivered_output_tokens, cause=f.cause)
+        if f.cause in ("stall", "in-band error", "malformed event"):
+            self.span.add_event("terminal_error.injected", {"llmgw.cause": f.cause})
+        if f.outcome is Outcome.CLIENT_DISCONNECTED:
+            self.span.add_event("client.gone")
+        if f.outcome is Outcome.UPSTREAM_DECODE_INTERRUPTED:
+            self.p.tel.interruptions.add(1, {"cause": f.cause or "unknown"})
+        self.p.tel.outcomes.add(1, {"outcome": str(f.outcome)})
+        end_span(self.span, None if f.outcome is Outcome.COMPLETED else str(f.outcome),
+                 **{"llmgw.outcome": str(f.outcome), "llmgw.cause": f.cause,
+                    "llmgw.delivered_output_tokens": f.delivered_output_tokens,
+                    "llmgw.first_delta_sent": f.delivered_output_tokens > 0,
+                    "http.response.status_code": self.m.status if self.m else None})
+        if self.m is not None and self.p.keep_trace(f.outcome is Outcome.COMPLETED):
+            self.p.spawn(self.p.save_trace(self.rid, "guard", self.m, {
+                "outcome": str(f.outcome), "gateway_id": self.cfg.server.gateway_id}),
+                f"trace-{self.rid}")
+        attempt_end = self.attempt_end(f)
+        # etcd may be briefly away (frozen, electing a leader): keep trying for a bounded
+        # time. Until it lands, the record shows no outcome rather than a wrong one.
+        rid = self.rid
+        await retrying(lambda: self.p.journal.finish(rid, body, attempt_end),
+                       "record the outcome", rid, None)
+
+    def attempt_end(self, f: Finish) -> tuple[int, dict[str, Any]] | None:
+        """The record of the attempt the gate handed over, now that its end is known."""
+        info = self.attempt
+        if info is None:
+            return None
+        finished = self.m is not None and (self.m.done_seen
+                                           or f.outcome is Outcome.COMPLETED)
+        cls, record = records.released_end(info, upstream_finished=finished, cause=f.cause,
+                                           ended_at=self.p.clock.wall())
+        cause = record["envoy_cause"]
+        rlog(log, logging.INFO, "attempt ended", self.rid, str(info["attempt_id"]),
+             attempt=info["attempt"], released=True, failure_class=str(cls),
+             fence="ended_with_request", cause=f.cause)
+        span = self.attempt_span
+        if span is not None:
+            self.attempt_span = None
+            span.add_event("lease.revoked")
+            self.p.tel.fences.add(1, {"kind": "ended_with_request", "class": str(cls)})
+            end_span(span, None if cls is FailureClass.COMPLETED else str(cls),
+                     **{"llmgw.failure_class": str(cls), "llmgw.released": True,
+                        "llmgw.fence": "ended_with_request", "llmgw.envoy_cause": cause,
+                        "llmgw.model_revision": record.get("model_revision"),
+                        "http.response.status_code": 200})
+        gm = self.attempt_machine
+        if gm is not None and self.p.keep_trace(cls is FailureClass.COMPLETED):
+            self.attempt_machine = None
+            n = int(info["attempt"])
+            self.p.spawn(self.p.save_trace(self.rid or "", f"attempt-{n:03d}", gm, {
+                "attempt_id": info["attempt_id"], "replica": info.get("replica"),
+                "failure_class": str(cls)}), f"trace-{info['attempt_id']}")
+        return int(info["attempt"]), record
+
+
+def _tenant_tag(tenant: str) -> str:
+    return tenant_digest(tenant)
+
+
+def _key_tag(key: str | None) -> str | None:
+    return key_digest(key) if key is not None else None

@@ -1,0 +1,266 @@
+"""What every ext_proc stream of one processor process shares, and how a stream is read.
+
+`Processor` holds the services the sessions use, each behind the port the sessions declare
+(`ports.py`): the journal, the tool ledger, the cause log, the clock and the ids, plus the
+pool, its health, the retry budget and telemetry. `Session` is the read loop: messages in
+order, one at a time, answered by the role's `on_message`, cleaned up by `on_closed`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from opentelemetry.trace import INVALID_SPAN_CONTEXT, NonRecordingSpan, Span
+
+from ..core.budget import RetryBudget
+from ..core.config import Config
+from ..core.health import HealthPolicy, HostHealth
+from ..core.journal import (
+    JournalView,
+    orphan_outcome,
+)
+from ..core.machine import (
+    GateMachine,
+    GuardMachine,
+)
+from ..core.pool import pool_from_config
+from ..core.replay import record as trace_record
+from ..gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from .causes import CauseRegistry
+from .leases import StoreUnavailable
+from .logs import rlog
+from .ports import Clock, Ids, Journal, Ledger, RandomIds, SystemClock
+from .prober import probe_forever
+from .telemetry import Telemetry, end_span
+
+log = logging.getLogger("extproc")
+INVALID = NonRecordingSpan(INVALID_SPAN_CONTEXT)
+
+
+OUTCOME_RETRY_S = 60.0
+# llmgw.chunk.processing_time is recorded for one body message in this many (a histogram
+# record per message would cost more than the message's own processing).
+CHUNK_TIME_SAMPLE = 64
+
+
+
+async def retrying(fn: Callable[[], Awaitable[Any]], what: str, rid: str | None,
+                   aid: str | None, limit_s: float = OUTCOME_RETRY_S,
+                   settle_s: float = 0.0) -> bool:
+    """Retry an etcd write while etcd is briefly away (frozen, electing), for a bounded time.
+
+    With `settle_s` (take-backs, which are idempotent compare-and-deletes), the write is
+    applied again every 0.25 s for that long after its first answer (UNDO_SETTLE_S).
+    """
+    # Real waiting, on the event loop's own clock (the one asyncio.sleep uses).
+    now = asyncio.get_running_loop().time
+    delay, deadline = 0.1, now() + limit_s
+    while True:
+        try:
+            await fn()
+            break
+        except StoreUnavailable as e:
+            if now() + delay > deadline:
+                rlog(log, logging.ERROR, f"gave up: {what}", rid, aid, error=str(e))
+                return False
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+    settled = now() + settle_s
+    while now() < settled:
+        await asyncio.sleep(0.25)
+        with contextlib.suppress(StoreUnavailable):
+            await fn()
+    return True
+
+
+
+
+
+@dataclass(frozen=True, slots=True)
+class HandedOff:
+    """A gate's attempt, released and handed to the guard of the same request."""
+
+    span: Span
+    machine: GateMachine
+
+
+class HandOffs:
+    """Attempt id -> what the gate handed over; the guard takes it when the released headers
+    reach it and ends the span, and keeps the trace, at the attempt's real end. Bounded: a
+    guard that never saw the headers (its stream died first) must not pin them forever."""
+
+    def __init__(self, keep: int = 10000) -> None:
+        self._items: OrderedDict[str, HandedOff] = OrderedDict()
+        self._keep = keep
+
+    def put(self, attempt_id: str, item: HandedOff) -> None:
+        self._items[attempt_id] = item
+        while len(self._items) > self._keep:
+            end_span(self._items.popitem(last=False)[1].span, None)
+
+    def take(self, attempt_id: str) -> HandedOff | None:
+        return self._items.pop(attempt_id, None)
+
+
+class Processor:
+    """Shared services of one processor process, each behind the port the sessions use."""
+
+    def __init__(self, cfg: Config, journal: Journal, ledger: Ledger,
+                 clock: Clock | None = None, ids: Ids | None = None) -> None:
+        self.cfg = cfg
+        self.journal = journal
+        self.ledger = ledger
+        self.clock: Clock = clock or SystemClock()
+        self.ids: Ids = ids or RandomIds()
+        self.pool = pool_from_config(cfg.pool.replicas)
+        rb = cfg.policy.retry_budget
+        self.budget = RetryBudget(rb.fraction, rb.min_retries, rb.window_s)
+        self.tel = Telemetry(cfg.telemetry, cfg.server.gateway_id)
+        od, hc = cfg.pool.outlier_detection, cfg.pool.health_check
+        self.health = HostHealth(HealthPolicy(
+            consecutive_failures=od.consecutive_local_origin_failure if od.enabled else 1 << 30,
+            base_ejection_s=od.base_ejection_time_s, max_ejection_s=od.max_ejection_time_s,
+            unhealthy_threshold=hc.unhealthy_threshold, healthy_threshold=hc.healthy_threshold))
+        self.causes = CauseRegistry(on_attempt=self.attempt_seen)
+        # Requests with an attempt that reached a replica (a gate let it go upstream): a
+        # later attempt of theirs is a re-prefill, charged to the retry budget.
+        self.reached: OrderedDict[str, None] = OrderedDict()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.open_streams = 0
+        self.handoffs = HandOffs()
+
+    def mark_reached(self, rid: str) -> None:
+        self.reached[rid] = None
+        while len(self.reached) > 20000:
+            self.reached.popitem(last=False)
+
+    def attempt_seen(self, replica: str, cause: str, status: int) -> None:
+        """Envoy's per-attempt access-log entry: passive health evidence, as its outlier
+        detection counts it (refused, reset or timed out: a local-origin failure)."""
+        now = self.clock.monotonic()
+        if cause in ("upstream", "timeout"):
+            if self.health.attempt_failed(replica, now):
+                rlog(log, logging.WARNING, "replica ejected after failed attempts", None, None,
+                     replica=replica, cause=cause)
+        elif status == 200:
+            self.health.attempt_succeeded(replica, now)
+
+    def host_order(self, hosts: list[str]) -> list[str]:
+        return self.health.order(hosts, self.clock.monotonic())
+
+    async def probe_pool(self) -> None:
+        addrs = [r.address for r in self.pool.replicas]
+        await probe_forever(addrs, self.cfg.pool.health_check, self.health)
+
+    def trace_budget(self) -> int:
+        t = self.cfg.telemetry
+        return 0 if t.record_traces == "none" else t.max_trace_bytes
+
+    def keep_trace(self, clean: bool) -> bool:
+        mode = self.cfg.telemetry.record_traces
+        return mode == "all" or (mode == "failures" and not clean)
+
+    async def save_trace(self, rid: str, name: str, m: GateMachine | GuardMachine,
+                         meta: dict[str, Any]) -> None:
+        try:
+            await self.journal.put_trace(rid, name, trace_record(
+                m, meta, self.cfg.telemetry.max_trace_bytes))
+        except StoreUnavailable as e:
+            rlog(log, logging.WARNING, "could not keep the event trace", rid, None,
+                 error=str(e))
+
+    def spawn(self, coro: Awaitable[Any], name: str) -> asyncio.Task[Any]:
+        """Run work that must outlive a cancelled gRPC handler (journal writes, revokes)."""
+        t: asyncio.Task[Any] = asyncio.ensure_future(coro)
+        t.set_name(name)
+        self._tasks.add(t)
+        t.add_done_callback(self._done)
+        return t
+
+    def _done(self, t: asyncio.Task[Any]) -> None:
+        self._tasks.discard(t)
+        if not t.cancelled() and t.exception() is not None:
+            log.error("background task failed", exc_info=t.exception(),
+                      extra={"task": t.get_name(), "request_id": None, "attempt_id": None})
+
+    async def settled(self, view: JournalView | None) -> JournalView | None:
+        """A record whose processor died is settled (gateway_interrupted) when first read."""
+        if view is None or not view.orphaned:
+            return view
+        oc = orphan_outcome(view, self.clock.wall())
+        if await self.journal.settle_orphan(view.request_id, oc):
+            rlog(log, logging.WARNING, "settled a request whose processor died",
+                 view.request_id, None, outcome=oc["outcome"],
+                 delivered_output_tokens=oc["delivered_output_tokens"])
+        return await self.journal.get(view.request_id)
+
+    async def share_budget(self) -> None:
+        """Every second: publish our retry-budget counts, learn the other gateways'."""
+        while True:
+            await asyncio.sleep(1.0)
+            req, ret = self.budget.snapshot(self.clock.monotonic())
+            # On failure keep the last view of the others; our own counts stay exact.
+            with contextlib.suppress(StoreUnavailable):
+                self.budget.others = await self.journal.exchange_budget(
+                    self.cfg.server.gateway_id, req, ret)
+
+    async def drain(self, timeout_s: float = 5.0) -> None:
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=timeout_s)
+
+
+
+# --- sessions ------------------------------------------------------------------------
+
+
+class Session:
+    """One Envoy ext_proc stream: read messages in order, answer them, clean up at the end.
+
+    Sessions use __slots__: one exists per open stream, and 10,000 open streams is a target.
+    """
+
+    __slots__ = ("cfg", "closed", "ctx", "detach", "lock", "md", "p", "rid", "span")
+    ctx: grpc.aio.ServicerContext[Any, Any]
+    lock: asyncio.Lock
+    closed: bool
+    rid: str | None
+    # Set by the gate once it handed its attempt to the guard: returning from the handler
+    # closes the gRPC stream with OK, and Envoy processes the rest of this HTTP stream
+    # without us (ext_proc's onGrpcClose; chunks in flight are passed on unchanged).
+    detach: bool
+    md: dict[str, str]
+    span: Span
+
+    async def write(self, resp: ep.ProcessingResponse) -> None:
+        if self.closed:
+            return
+        try:
+            await self.ctx.write(resp)
+        except (grpc.aio.AioRpcError, RuntimeError, asyncio.InvalidStateError):
+            self.closed = True
+
+    async def run(self) -> None:
+        read, lock = self.ctx.read, self.lock
+        try:
+            while not self.detach:
+                msg = await read()
+                if msg is grpc.aio.EOF:
+                    break
+                async with lock:
+                    await self.on_message(msg)
+        finally:
+            self.closed = True
+            await self.on_closed()
+
+    async def on_message(self, msg: ep.ProcessingRequest) -> None:
+        raise NotImplementedError
+
+    async def on_closed(self) -> None:
+        raise NotImplementedError
