@@ -38,7 +38,6 @@ from ..core.intake import (
 )
 from ..core.journal import (
     Outcome,
-    key_digest,
     repeat_answer,
     tenant_digest,
 )
@@ -54,10 +53,15 @@ from ..core.machine import (
     GateMachine,
     GuardMachine,
     PassHeaders,
+    Refuse,
+    RequestBodySeen,
+    RequestHeadersSeen,
+    RequestOpened,
     ResponseBody,
     ResponseHeaders,
     Send,
     StallTimeout,
+    State,
     StreamClosed,
 )
 from ..gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
@@ -145,7 +149,7 @@ class GuardSession(Session):
             await self.on_request_body(msg.request_body.body)
         elif which == "response_headers":
             hd = codec.headers_dict(msg.response_headers.headers)
-            if self.m is None:
+            if self.m is None or not self.m.accepted:
                 await self.write(codec.continue_response_headers(remove=(H.HANDOFF,)))
                 return
             status = int(hd.get(":status", "0") or 0)
@@ -156,7 +160,7 @@ class GuardSession(Session):
                                             end_of_stream=msg.response_headers.end_of_stream))
         elif which == "response_body":
             body = msg.response_body
-            if self.m is None:
+            if self.m is None or not self.m.accepted:
                 await self.write(codec.streamed_response_body(body.body, body.end_of_stream))
                 return
             permit = self.permit
@@ -191,8 +195,18 @@ class GuardSession(Session):
             await self.tool.on_response_body(msg.response_body.body,
                                              msg.response_body.end_of_stream)
 
+    def _machine(self, rid: str, kind: str) -> GuardMachine:
+        """The request's machine, from its headers on (its request phase is in the table)."""
+        m = self.m = GuardMachine.new(rid, self.cfg.timeouts.stall_after_first_delta_s,
+                                      self.cfg.limits.max_buffered_response_bytes,
+                                      at_request=True)
+        m.trace_budget = self.p.trace_budget()
+        m.handle(RequestHeadersSeen(kind))
+        return m
+
     async def on_request_headers(self, hd: dict[str, str], end_of_stream: bool) -> None:
         if hd.get(":path", "").startswith(self.cfg.tools.path_prefix):
+            self._machine("", "tool")
             self.tool = ToolCallHandler(self.cfg, self.p.ledger, self.write, self.p.spawn,
                                         retrying)
             await self.tool.on_request_headers(hd)
@@ -200,20 +214,24 @@ class GuardSession(Session):
             return
         intake = classify_request(hd, self.cfg)
         if isinstance(intake, Rejected):
+            self._machine(intake.error.request_id or "", "rejected")
             rlog(log, logging.INFO, "request rejected", intake.error.request_id, None,
                  code=str(intake.error.code))
             await self.write(codec.immediate(intake.error))
             return
         if isinstance(intake, StatusLookup):
+            self._machine(intake.request_id, "status")
             await self.on_status_lookup(intake)
             return
         if isinstance(intake, PassThrough):
+            self._machine("", "passthrough")
             await self.write(codec.continue_request_headers(remove=H.OWNED))
             return
         self.gen = intake
         self.rid = intake.request_id
+        self._machine(intake.request_id, "generation")
         if end_of_stream:
-            await self.write(codec.immediate(GatewayError(
+            await self.feed(RequestBodySeen(GatewayError(
                 ErrorCode.INVALID_REQUEST_BODY, "a JSON request body is required", 400,
                 request_id=self.rid)))
             return
@@ -228,7 +246,7 @@ class GuardSession(Session):
         except StoreUnavailable as e:
             await self.write(codec.immediate(self._journal_down(q.request_id, e)))
             return
-        if view is None or view.meta.get("tenant") != _tenant_tag(q.tenant):
+        if view is None or view.meta.get("tenant") != tenant_digest(q.tenant):
             # Another tenant's request is indistinguishable from a missing one.
             await self.write(codec.immediate(GatewayError(
                 ErrorCode.REQUEST_NOT_FOUND, "no request with this id", 404,
@@ -243,37 +261,30 @@ class GuardSession(Session):
         return journal_unavailable(rid)
 
     async def on_request_body(self, body: bytes) -> None:
-        gen, rid = self.gen, self.rid
-        if gen is None or rid is None:
+        gen, rid, m = self.gen, self.rid, self.m
+        if gen is None or rid is None or m is None or m.state is not State.GUARD_AWAITING_BODY:
             await self.write(codec.continue_request_body())
             return
         meta = parse_body(body, self.cfg, rid)
         if isinstance(meta, GatewayError):
             rlog(log, logging.INFO, "request body rejected", rid, None, code=str(meta.code))
-            await self.write(codec.immediate(meta, {H.REQUEST_ID: rid}))
+            await self.feed(RequestBodySeen(meta))
             return
         route: tuple[str, list[str]] | None = None
         if self.p.pool.enabled:
             route = self.p.pool.choose(meta.model, rid)
             if route is None:
-                err = no_compatible_replica(rid, f"no replica declared for model {meta.model!r}")
-                await self.write(codec.immediate(err, {H.REQUEST_ID: rid}))
+                await self.feed(RequestBodySeen(no_compatible_replica(
+                    rid, f"no replica declared for model {meta.model!r}")))
                 return
             # Hosts known to be down go last: attempt 1 should not be spent on them.
             route = (route[0], self.p.host_order(route[1]))
-        record = {
-            "request_id": rid,
-            "tenant": _tenant_tag(gen.tenant),
-            "idempotency_key_sha256": _key_tag(gen.idempotency_key),
-            "endpoint": gen.path,
-            "max_attempts": self.cfg.policy.max_attempts,
-            "gateway_id": self.cfg.server.gateway_id,
-            "envoy_request_id": self.envoy_request_id,
-            "created_at": self.p.clock.wall(),
-            **meta.to_dict(),
-        }
-        if route is not None:
-            record["fingerprint"], record["hosts"] = route[0], route[1]
+        await self.feed(RequestBodySeen(None))
+        record = records.request_meta(
+            request_id=rid, tenant=gen.tenant, idempotency_key=gen.idempotency_key,
+            endpoint=gen.path, max_attempts=self.cfg.policy.max_attempts,
+            gateway_id=self.cfg.server.gateway_id, envoy_request_id=self.envoy_request_id,
+            created_at=self.p.clock.wall(), body_meta=meta.to_dict(), route=route)
         # Attempt 1 is admitted in the same transaction as the record (its gate finds it
         # in a header we set): one etcd round trip fewer before the first byte.
         self.aid1 = aid1 = self.p.ids.attempt_id()
@@ -282,17 +293,17 @@ class GuardSession(Session):
             existing = await self.p.settled(await self.p.journal.open_request(
                 rid, record, (aid1, first)))
         except StoreUnavailable as e:
+            await self.feed(RequestOpened(False))
             await self.write(codec.immediate(self._journal_down(rid, e), {H.REQUEST_ID: rid}))
             return
         if existing is not None:
             err = repeat_answer(existing)
             rlog(log, logging.INFO, "repeat of a known request", rid, None,
                  code=str(err.code), outcome=existing.outcome_value)
+            await self.feed(RequestOpened(False))
             await self.write(codec.immediate(err, {H.REQUEST_ID: rid}))
             return
-        self.m = GuardMachine.new(rid, self.cfg.timeouts.stall_after_first_delta_s,
-                                  self.cfg.limits.max_buffered_response_bytes)
-        self.m.trace_budget = self.p.trace_budget()
+        await self.feed(RequestOpened(True))
         self.p.budget.note_request(self.p.clock.monotonic())
         rlog(log, logging.INFO, "request accepted", rid, None, stream=meta.stream,
              model=meta.model, fingerprint=route[0] if route else None)
@@ -390,6 +401,8 @@ class GuardSession(Session):
             self._arm(a.seconds)
         elif isinstance(a, DisarmWatchdog):
             self._disarm()
+        elif isinstance(a, Refuse):
+            await self.write(codec.immediate(a.error, {H.REQUEST_ID: rid} if rid else None))
         elif isinstance(a, AwaitCause):
             cause = await self.p.causes.wait(rid, self.cfg.timeouts.access_log_wait_s)
             await self.feed(CauseLearned(cause))
@@ -458,17 +471,10 @@ class GuardSession(Session):
             # Our own finish deletes `live`: that is no revocation to react to.
             self._unwatch()
             self._unwatch = None
-        body: dict[str, Any] = {
-            "outcome": str(f.outcome),
-            "delivered_output_tokens": f.delivered_output_tokens,
-            "cause": f.cause,
-            "finished_at": self.p.clock.wall(),
-            "gateway_id": self.cfg.server.gateway_id,
-        }
-        if f.cause == "unknown":
-            # Envoy (or the network to it) vanished with bytes in flight: what we handed
-            # to Envoy is an upper bound of what the client got.
-            body["delivered_output_tokens_exact"] = False
+        body = records.outcome(outcome=str(f.outcome),
+                               delivered_output_tokens=f.delivered_output_tokens,
+                               cause=f.cause, finished_at=self.p.clock.wall(),
+                               gateway_id=self.cfg.server.gateway_id)
         rlog(log, logging.INFO, "request finished", self.rid, None, outcome=str(f.outcome),
              delivered_output_tokens=f.delivered_output_tokens, cause=f.cause)
         if f.cause in ("stall", "in-band error", "malformed event"):
@@ -525,11 +531,3 @@ class GuardSession(Session):
                 "attempt_id": info["attempt_id"], "replica": info.get("replica"),
                 "failure_class": str(cls)}), f"trace-{info['attempt_id']}")
         return int(info["attempt"]), record
-
-
-def _tenant_tag(tenant: str) -> str:
-    return tenant_digest(tenant)
-
-
-def _key_tag(key: str | None) -> str | None:
-    return key_digest(key) if key is not None else None

@@ -14,7 +14,7 @@ import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
-from typing import Any, Literal, TypeAlias
+from typing import Any, Literal, NamedTuple, TypeAlias
 
 from .errors import ErrorCode, GatewayError, decode_interrupted, upstream_timeout
 from .journal import Outcome
@@ -28,6 +28,32 @@ class RequestStarted:
     """Gate: an attempt's request headers reached the upstream filter."""
 
     attempt: int
+
+
+@dataclass(frozen=True, slots=True)
+class RequestHeadersSeen:
+    """Guard: the request's headers, classified by the intake (core.intake).
+
+    `kind`: "generation" (a journaled request: its body comes next) or anything else
+    ("passthrough", "status", "tool", "rejected"): not a logical request of ours.
+    """
+
+    kind: str
+
+
+@dataclass(frozen=True, slots=True)
+class RequestBodySeen:
+    """Guard: the request body, parsed; `error` if it cannot be run."""
+
+    error: GatewayError | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOpened:
+    """Guard: the intake transaction's answer: a new request (accepted), or not (a repeat
+    answered from the journal, no compatible replica, or the journal unavailable)."""
+
+    accepted: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +123,7 @@ class CauseLearned:
 
 Event: TypeAlias = (RequestStarted | AdmitDecided | ResponseHeaders | ResponseBody | FenceDecided
                     | FirstDeltaTimeout | StallTimeout | StreamClosed | CauseLearned | Fenced
-                    | LeaseLost)
+                    | LeaseLost | RequestHeadersSeen | RequestBodySeen | RequestOpened)
 
 # --- actions --------------------------------------------------------------------------
 
@@ -235,7 +261,11 @@ class State(StrEnum):
     GATE_FAILED = "gate_failed"
     GATE_CLOSED = "gate_closed"
     # guard (the logical request, downstream)
-    GUARD_WAITING = "guard_waiting"
+    GUARD_NEW = "guard_new"  # nothing seen yet
+    GUARD_AWAITING_BODY = "guard_awaiting_body"  # a generation request: its body comes next
+    GUARD_OPENING = "guard_opening"  # the intake transaction is in flight
+    GUARD_ASIDE = "guard_aside"  # not a logical request of ours (pass-through, tool, lookup)
+    GUARD_WAITING = "guard_waiting"  # accepted: waiting for the released response headers
     GUARD_RESPONDING = "guard_responding"
     GUARD_STREAMING = "guard_streaming"
     GUARD_COMPLETE = "guard_complete"
@@ -258,8 +288,14 @@ def _event_record(ev: Event) -> dict[str, Any]:
     if type(ev) is ResponseBody:  # the hot path: one per body message
         return {"type": "ResponseBody", "data": ev.data.decode("latin-1"),
                 "end_of_stream": ev.end_of_stream}
-    d: dict[str, Any] = asdict(ev) if not isinstance(ev, AdmitDecided) else {
-        "admitted": ev.admitted, "error": ev.error.body() if ev.error else None}
+    d: dict[str, Any]
+    if isinstance(ev, AdmitDecided):
+        d = {"admitted": ev.admitted, "error": ev.error.body() if ev.error else None}
+    elif isinstance(ev, RequestBodySeen):
+        d = {"error": ev.error.body() if ev.error else None,
+             "http_status": ev.error.http_status if ev.error else None}
+    else:
+        d = asdict(ev)
     for k, v in list(d.items()):
         if isinstance(v, bytes):
             d[k] = v.decode("latin-1")
@@ -274,6 +310,7 @@ class _Base:
     decisions: list[str] = field(default_factory=list)
 
     role: Role = "gate"
+    initial_state: State | None = None  # where it started (replay starts there too)
     # Bytes the trace may still take (telemetry.max_trace_bytes; 0: no trace), counted as
     # what it costs in memory: body data plus TRACE_RECORD_COST per event. Past it events
     # are still handled, only no longer recorded: a prefix replays as a prefix, and an
@@ -282,19 +319,26 @@ class _Base:
     trace_truncated: bool = False
 
     def handle(self, ev: Event) -> list[Action]:
-        fn = TABLE.get((self.role, self.state, type(ev)))
-        if fn is None:
+        t = TABLE.get((self.role, self.state, type(ev)))
+        if t is None:
             raise ProtocolViolation(
                 f"{self.role}: no transition from {self.state} on {type(ev).__name__}")
+        before = self.state
         if self.trace_budget <= 0:
             self.trace_truncated = True
-            return fn(self, ev)
-        self.trace_budget -= TRACE_RECORD_COST + (len(ev.data) if type(ev) is ResponseBody
-                                                  else 0)
-        self.trace.append(_event_record(ev))
-        actions = fn(self, ev)
-        self.decisions.append(
-            f"{self.state}:" + ",".join([type(a).__name__ for a in actions]))
+            actions = t.fn(self, ev)
+        else:
+            self.trace_budget -= TRACE_RECORD_COST + (len(ev.data) if type(ev) is ResponseBody
+                                                      else 0)
+            self.trace.append(_event_record(ev))
+            actions = t.fn(self, ev)
+            self.decisions.append(
+                f"{self.state}:" + ",".join([type(a).__name__ for a in actions]))
+        if self.state not in t.next:
+            # The table declares every arrow; a handler that leaves by another is a bug.
+            raise ProtocolViolation(
+                f"{self.role}: {before} on {type(ev).__name__} went to {self.state}, "
+                f"the table allows {sorted(t.next)}")
         return actions
 
 
@@ -356,9 +400,17 @@ class GuardMachine(_Base):
 
     @classmethod
     def new(cls, request_id: str, stall_after_first_delta_s: float,
-            max_buffer: int = 4 << 20) -> GuardMachine:
-        return cls(request_id=request_id, state=State.GUARD_WAITING, role="guard",
+            max_buffer: int = 4 << 20, at_request: bool = False) -> GuardMachine:
+        """At the request's headers (`at_request`, as the guard runs it), or already
+        accepted and waiting for the response (tests of the response path)."""
+        state = State.GUARD_NEW if at_request else State.GUARD_WAITING
+        return cls(request_id=request_id, state=state, role="guard", initial_state=state,
                    stall_after_first_delta_s=stall_after_first_delta_s, max_buffer=max_buffer)
+
+    @property
+    def accepted(self) -> bool:
+        """A logical request of ours, past its intake."""
+        return self.state not in REQUEST_PHASE
 
     def _finish(self, outcome: Outcome, cause: str | None) -> Finish:
         self.finished = Finish(outcome=outcome, delivered_output_tokens=self.delivered,
@@ -675,53 +727,118 @@ def _guard_stall_ignored(m: GuardMachine, ev: StallTimeout) -> list[Action]:
     return []
 
 
+# --- guard: the request's intake ------------------------------------------------------
+
+
+REQUEST_PHASE = frozenset({State.GUARD_NEW, State.GUARD_AWAITING_BODY, State.GUARD_OPENING,
+                           State.GUARD_ASIDE})
+
+
+def _guard_request_headers(m: GuardMachine, ev: RequestHeadersSeen) -> list[Action]:
+    m.state = State.GUARD_AWAITING_BODY if ev.kind == "generation" else State.GUARD_ASIDE
+    return []
+
+
+def _guard_request_body(m: GuardMachine, ev: RequestBodySeen) -> list[Action]:
+    if ev.error is not None:
+        m.state = State.GUARD_ASIDE
+        return [Refuse(ev.error)]
+    m.state = State.GUARD_OPENING
+    return []
+
+
+def _guard_opened(m: GuardMachine, ev: RequestOpened) -> list[Action]:
+    m.state = State.GUARD_WAITING if ev.accepted else State.GUARD_ASIDE
+    return []
+
+
+def _guard_closed_early(m: GuardMachine, ev: StreamClosed) -> list[Action]:
+    # Before the intake committed there is no record to finish (an intake in flight
+    # finishes on its own; its record is settled like any orphan if nobody finishes it).
+    m.state = State.GUARD_CLOSED
+    return []
+
+
 _G = "gate"
-_D = "guard"
+_GD = "guard"
 S = State
 
-TABLE: dict[tuple[str, State, type], Callable[[Any, Any], list[Action]]] = {
-    (_G, S.GATE_NEW, RequestStarted): _gate_start,
-    (_G, S.GATE_ADMITTING, AdmitDecided): _gate_admit,
-    (_G, S.GATE_FORWARDED, ResponseHeaders): _gate_headers,
-    (_G, S.GATE_HOLDING, ResponseBody): _gate_body_holding,
-    (_G, S.GATE_FENCING, ResponseBody): _gate_body_fencing,
-    (_G, S.GATE_FENCING, FenceDecided): _gate_fence,
-    (_G, S.GATE_RELEASED, ResponseBody): _gate_pass,
-    (_G, S.GATE_PASSTHROUGH, ResponseBody): _gate_pass,
-    (_G, S.GATE_FAILED, ResponseBody): _gate_drop,
-    (_G, S.GATE_RELEASED, LeaseLost): _gate_lease_lost,
+
+class Transition(NamedTuple):
+    fn: Callable[[Any, Any], list[Action]]
+    next: frozenset[State]  # every state the handler may leave the machine in
+
+
+def T(fn: Callable[[Any, Any], list[Action]], *to: State) -> Transition:
+    return Transition(fn, frozenset(to))
+
+
+def _stay(fn: Callable[[Any, Any], list[Action]], states: tuple[State, ...], role: str,
+          ev: type) -> dict[tuple[str, State, type], Transition]:
+    return {(role, st, ev): T(fn, st) for st in states}
+
+
+# (role, state, event) -> the handler and the states it may lead to. Read down a role's
+# rows to draw its life; docs/architecture.md's drawing is generated from these arrows.
+TABLE: dict[tuple[str, State, type], Transition] = {
+    # --- gate: one attempt
+    (_G, S.GATE_NEW, RequestStarted): T(_gate_start, S.GATE_ADMITTING),
+    (_G, S.GATE_ADMITTING, AdmitDecided): T(_gate_admit, S.GATE_FORWARDED, S.GATE_CLOSED),
+    (_G, S.GATE_FORWARDED, ResponseHeaders): T(_gate_headers, S.GATE_PASSTHROUGH,
+                                               S.GATE_HOLDING, S.GATE_FAILED),
+    (_G, S.GATE_HOLDING, ResponseBody): T(_gate_body_holding, S.GATE_HOLDING, S.GATE_FENCING,
+                                          S.GATE_FAILED),
+    (_G, S.GATE_FENCING, ResponseBody): T(_gate_body_fencing, S.GATE_FENCING),
+    (_G, S.GATE_FENCING, FenceDecided): T(_gate_fence, S.GATE_RELEASED, S.GATE_FAILED),
+    (_G, S.GATE_RELEASED, ResponseBody): T(_gate_pass, S.GATE_RELEASED),
+    (_G, S.GATE_PASSTHROUGH, ResponseBody): T(_gate_pass, S.GATE_PASSTHROUGH),
+    (_G, S.GATE_FAILED, ResponseBody): T(_gate_drop, S.GATE_FAILED),
+    (_G, S.GATE_RELEASED, LeaseLost): T(_gate_lease_lost, S.GATE_RELEASED),
     # Before release the fence transaction itself checks the lease; after the end, moot.
-    **{(_G, s, LeaseLost): _gate_ignore for s in (
-        S.GATE_NEW, S.GATE_ADMITTING, S.GATE_FORWARDED, S.GATE_HOLDING, S.GATE_FENCING,
-        S.GATE_PASSTHROUGH, S.GATE_FAILED, S.GATE_CLOSED)},
-    (_G, S.GATE_HOLDING, FirstDeltaTimeout): _gate_first_delta_timeout,
-    (_G, S.GATE_FORWARDED, FirstDeltaTimeout): _gate_forwarded_timeout,
+    **_stay(_gate_ignore, (S.GATE_NEW, S.GATE_ADMITTING, S.GATE_FORWARDED, S.GATE_HOLDING,
+                           S.GATE_FENCING, S.GATE_PASSTHROUGH, S.GATE_FAILED, S.GATE_CLOSED),
+            _G, LeaseLost),
+    (_G, S.GATE_HOLDING, FirstDeltaTimeout): T(_gate_first_delta_timeout, S.GATE_FAILED),
+    (_G, S.GATE_FORWARDED, FirstDeltaTimeout): T(_gate_forwarded_timeout, S.GATE_FORWARDED,
+                                                 S.GATE_FAILED),
     # Fencing (etcd txn in flight), released or over: too late to matter.
-    **{(_G, s, FirstDeltaTimeout): _gate_ignore for s in (
-        S.GATE_NEW, S.GATE_ADMITTING, S.GATE_FENCING, S.GATE_RELEASED,
-        S.GATE_PASSTHROUGH, S.GATE_FAILED, S.GATE_CLOSED)},
-    **{(_G, s, StreamClosed): _gate_closed for s in (
+    **_stay(_gate_ignore, (S.GATE_NEW, S.GATE_ADMITTING, S.GATE_FENCING, S.GATE_RELEASED,
+                           S.GATE_PASSTHROUGH, S.GATE_FAILED, S.GATE_CLOSED),
+            _G, FirstDeltaTimeout),
+    **{(_G, st, StreamClosed): T(_gate_closed, S.GATE_CLOSED) for st in (
         S.GATE_NEW, S.GATE_ADMITTING, S.GATE_FORWARDED, S.GATE_HOLDING, S.GATE_FENCING,
         S.GATE_RELEASED, S.GATE_PASSTHROUGH, S.GATE_FAILED)},
-    (_G, S.GATE_CLOSED, StreamClosed): _gate_closed_again,
-    (_D, S.GUARD_WAITING, ResponseHeaders): _guard_headers,
-    (_D, S.GUARD_RESPONDING, ResponseBody): _guard_body,
-    (_D, S.GUARD_STREAMING, ResponseBody): _guard_body,
-    (_D, S.GUARD_RESPONDING, StallTimeout): _guard_stall_ignored,
-    (_D, S.GUARD_STREAMING, StallTimeout): _guard_stall,
-    (_D, S.GUARD_TERMINATED, ResponseBody): _guard_body_after_end,
-    (_D, S.GUARD_TERMINATED, StallTimeout): _guard_stall_ignored,
-    (_D, S.GUARD_COMPLETE, StallTimeout): _guard_stall_ignored,
-    (_D, S.GUARD_AWAIT_CAUSE, CauseLearned): _guard_cause,
-    (_D, S.GUARD_CLOSED, CauseLearned): _guard_cause_late,
-    (_D, S.GUARD_CLOSED, StallTimeout): _guard_stall_ignored,
-    (_D, S.GUARD_CLOSED, StreamClosed): lambda m, ev: [],
-    (_D, S.GUARD_RESPONDING, Fenced): _guard_fenced,
-    (_D, S.GUARD_STREAMING, Fenced): _guard_fenced,
-    **{(_D, s, Fenced): _guard_ignore for s in (
-        S.GUARD_WAITING, S.GUARD_COMPLETE, S.GUARD_TERMINATED, S.GUARD_AWAIT_CAUSE,
-        S.GUARD_CLOSED)},
-    **{(_D, s, StreamClosed): _guard_closed for s in (
-        S.GUARD_WAITING, S.GUARD_RESPONDING, S.GUARD_STREAMING, S.GUARD_COMPLETE,
-        S.GUARD_TERMINATED)},
+    (_G, S.GATE_CLOSED, StreamClosed): T(_gate_closed_again, S.GATE_CLOSED),
+    # --- guard: the logical request, from its headers to its recorded outcome
+    (_GD, S.GUARD_NEW, RequestHeadersSeen): T(_guard_request_headers, S.GUARD_AWAITING_BODY,
+                                              S.GUARD_ASIDE),
+    (_GD, S.GUARD_AWAITING_BODY, RequestBodySeen): T(_guard_request_body, S.GUARD_OPENING,
+                                                     S.GUARD_ASIDE),
+    (_GD, S.GUARD_OPENING, RequestOpened): T(_guard_opened, S.GUARD_WAITING, S.GUARD_ASIDE),
+    **{(_GD, st, StreamClosed): T(_guard_closed_early, S.GUARD_CLOSED) for st in (
+        S.GUARD_NEW, S.GUARD_AWAITING_BODY, S.GUARD_OPENING, S.GUARD_ASIDE)},
+    (_GD, S.GUARD_WAITING, ResponseHeaders): T(_guard_headers, S.GUARD_RESPONDING,
+                                               S.GUARD_COMPLETE),
+    (_GD, S.GUARD_RESPONDING, ResponseBody): T(_guard_body, S.GUARD_RESPONDING,
+                                               S.GUARD_STREAMING, S.GUARD_COMPLETE,
+                                               S.GUARD_TERMINATED),
+    (_GD, S.GUARD_STREAMING, ResponseBody): T(_guard_body, S.GUARD_STREAMING,
+                                              S.GUARD_COMPLETE, S.GUARD_TERMINATED),
+    (_GD, S.GUARD_RESPONDING, StallTimeout): T(_guard_stall_ignored, S.GUARD_RESPONDING),
+    (_GD, S.GUARD_STREAMING, StallTimeout): T(_guard_stall, S.GUARD_STREAMING,
+                                              S.GUARD_TERMINATED),
+    (_GD, S.GUARD_TERMINATED, ResponseBody): T(_guard_body_after_end, S.GUARD_TERMINATED),
+    **_stay(_guard_stall_ignored, (S.GUARD_TERMINATED, S.GUARD_COMPLETE, S.GUARD_CLOSED),
+            _GD, StallTimeout),
+    (_GD, S.GUARD_AWAIT_CAUSE, CauseLearned): T(_guard_cause, S.GUARD_CLOSED),
+    (_GD, S.GUARD_CLOSED, CauseLearned): T(_guard_cause_late, S.GUARD_CLOSED),
+    (_GD, S.GUARD_CLOSED, StreamClosed): T(lambda m, ev: [], S.GUARD_CLOSED),
+    (_GD, S.GUARD_RESPONDING, Fenced): T(_guard_fenced, S.GUARD_RESPONDING,
+                                         S.GUARD_TERMINATED),
+    (_GD, S.GUARD_STREAMING, Fenced): T(_guard_fenced, S.GUARD_STREAMING, S.GUARD_TERMINATED),
+    **_stay(_guard_ignore, (S.GUARD_WAITING, S.GUARD_COMPLETE, S.GUARD_TERMINATED,
+                            S.GUARD_AWAIT_CAUSE, S.GUARD_CLOSED), _GD, Fenced),
+    **{(_GD, st, StreamClosed): T(_guard_closed, S.GUARD_CLOSED, S.GUARD_AWAIT_CAUSE)
+       for st in (S.GUARD_WAITING, S.GUARD_RESPONDING, S.GUARD_STREAMING, S.GUARD_COMPLETE,
+                  S.GUARD_TERMINATED)},
 }

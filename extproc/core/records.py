@@ -13,6 +13,35 @@ from dataclasses import dataclass
 from typing import Any
 
 from .failure import AttemptEnd, FailureClass, Fence, classify, fence_for
+from .journal import key_digest, tenant_digest
+
+# --- the request ----------------------------------------------------------------------
+
+
+def request_meta(*, request_id: str, tenant: str, idempotency_key: str | None, endpoint: str,
+                 max_attempts: int, gateway_id: str, envoy_request_id: str | None,
+                 created_at: float, body_meta: Mapping[str, Any],
+                 route: tuple[str, list[str]] | None) -> dict[str, Any]:
+    """The request's record as the intake writes it (tenant and key as digests only)."""
+    rec: dict[str, Any] = {
+        "request_id": request_id, "tenant": tenant_digest(tenant),
+        "idempotency_key_sha256": key_digest(idempotency_key) if idempotency_key else None,
+        "endpoint": endpoint, "max_attempts": max_attempts, "gateway_id": gateway_id,
+        "envoy_request_id": envoy_request_id, "created_at": created_at, **body_meta}
+    if route is not None:
+        rec["fingerprint"], rec["hosts"] = route[0], list(route[1])
+    return rec
+
+
+def outcome(*, outcome: str, delivered_output_tokens: int, cause: str | None,
+            finished_at: float, gateway_id: str) -> dict[str, Any]:
+    rec: dict[str, Any] = {"outcome": outcome, "delivered_output_tokens": delivered_output_tokens,
+                           "cause": cause, "finished_at": finished_at, "gateway_id": gateway_id}
+    if cause == "unknown":
+        # Envoy (or the network to it) vanished with bytes in flight: what we handed to
+        # Envoy is an upper bound of what the client got.
+        rec["delivered_output_tokens_exact"] = False
+    return rec
 
 # --- attempt records ------------------------------------------------------------------
 

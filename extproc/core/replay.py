@@ -25,10 +25,14 @@ from .machine import (
     GuardMachine,
     LeaseLost,
     ProtocolViolation,
+    RequestBodySeen,
+    RequestHeadersSeen,
+    RequestOpened,
     RequestStarted,
     ResponseBody,
     ResponseHeaders,
     StallTimeout,
+    State,
     StreamClosed,
 )
 
@@ -58,6 +62,18 @@ def event_from_record(d: Mapping[str, Any]) -> Event:
         return FirstDeltaTimeout(bool(d.get("final", False)), float(d.get("waited_s", 0.0)))
     if t == "LeaseLost":
         return LeaseLost()
+    if t == "RequestHeadersSeen":
+        return RequestHeadersSeen(str(d["kind"]))
+    if t == "RequestBodySeen":
+        body = d.get("error")
+        if not isinstance(body, Mapping):
+            return RequestBodySeen(None)
+        e = body.get("error", {})
+        return RequestBodySeen(GatewayError(
+            ErrorCode(e.get("code", "invalid_request_body")), str(e.get("message", "")),
+            int(d.get("http_status") or 400), request_id=e.get("request_id")))
+    if t == "RequestOpened":
+        return RequestOpened(bool(d["accepted"]))
     if t == "StallTimeout":
         return StallTimeout()
     if t == "Fenced":
@@ -86,6 +102,8 @@ def record(m: GateMachine | GuardMachine, meta: Mapping[str, Any],
            max_bytes: int) -> dict[str, Any]:
     """The stored trace, cut to `max_bytes` of events (a prefix replays as a prefix)."""
     params: dict[str, Any] = {"max_buffer": m.max_buffer}
+    if m.initial_state is not None:
+        params["initial_state"] = str(m.initial_state)
     if isinstance(m, GuardMachine):
         params["stall_after_first_delta_s"] = m.stall_after_first_delta_s
     events: list[dict[str, Any]] = []
@@ -117,7 +135,8 @@ def replay(trace: Mapping[str, Any]) -> ReplayResult:
         m = GateMachine.new(rid, int(params.get("max_buffer", 4 << 20)))
     elif trace["role"] == "guard":
         m = GuardMachine.new(rid, float(params.get("stall_after_first_delta_s", 15.0)),
-                             int(params.get("max_buffer", 4 << 20)))
+                             int(params.get("max_buffer", 4 << 20)),
+                             at_request=params.get("initial_state") == str(State.GUARD_NEW))
     else:
         return ReplayResult(False, 0, f"unknown role {trace['role']!r}")
     recorded = list(trace.get("decisions") or [])

@@ -36,6 +36,9 @@ from extproc.core.machine import (
     ProtocolViolation,
     Refuse,
     Release,
+    RequestBodySeen,
+    RequestHeadersSeen,
+    RequestOpened,
     RequestStarted,
     ResponseBody,
     ResponseHeaders,
@@ -88,6 +91,9 @@ CANONICAL: dict[type, Any] = {
     CauseLearned: CauseLearned("client"),
     Fenced: Fenced(),
     LeaseLost: LeaseLost(),
+    RequestHeadersSeen: RequestHeadersSeen("generation"),
+    RequestBodySeen: RequestBodySeen(None),
+    RequestOpened: RequestOpened(True),
 }
 
 
@@ -592,3 +598,32 @@ def test_a_lost_lease_after_release_drops_the_rest() -> None:
     assert m.handle(ResponseBody(b"", True)) == [DropChunk()]
     # Replayable: the loss is an event in the trace, the drops are its decisions.
     assert [e["type"] for e in m.trace][-3:] == ["LeaseLost", "ResponseBody", "ResponseBody"]
+
+
+def test_the_guard_request_phase_is_in_the_table() -> None:
+    err = GatewayError(ErrorCode.INVALID_REQUEST_BODY, "bad", 400, request_id=RID)
+    for kind, body, opened, end in [
+            ("generation", None, True, State.GUARD_WAITING),
+            ("generation", None, False, State.GUARD_ASIDE),   # a repeat, or etcd down
+            ("generation", err, None, State.GUARD_ASIDE),     # a body we cannot run
+            ("passthrough", None, None, State.GUARD_ASIDE),
+            ("status", None, None, State.GUARD_ASIDE)]:
+        m = GuardMachine.new(RID, STALL, at_request=True)
+        assert m.state is State.GUARD_NEW and not m.accepted
+        m.handle(RequestHeadersSeen(kind))
+        if kind == "generation":
+            acts = m.handle(RequestBodySeen(body))
+            assert acts == ([Refuse(err)] if body is not None else [])
+            if opened is not None:
+                m.handle(RequestOpened(opened))
+        assert m.state is end and m.accepted is (end is State.GUARD_WAITING)
+        # Closing before the intake finished records nothing.
+        if not m.accepted:
+            assert m.handle(StreamClosed()) == [] and m.state is State.GUARD_CLOSED
+
+
+def test_every_transition_declares_where_it_may_go() -> None:
+    # The exhaustive pair test runs every handler; handle() refuses an undeclared arrow.
+    for (role, _state, _ev), t in TABLE.items():
+        assert t.next, (role, _state, _ev)
+        assert t.next <= set(GATE_STATES if role == "gate" else GUARD_STATES)

@@ -1,0 +1,25 @@
+"""Constants and small fakes shared by the hermetic adapter tests."""
+
+from __future__ import annotations
+
+RID = "req_0123456789abcdefghjkmnpqrs"
+SSE_ROLE = (b'data: {"id":"x","object":"chat.completion.chunk","choices":[{"index":0,'
+            b'"delta":{"role":"assistant","content":""},"finish_reason":null}]}\n\n')
+SSE_CONTENT = (b'data: {"id":"x","object":"chat.completion.chunk","choices":[{"index":0,'
+               b'"delta":{"content":"tok"},"finish_reason":null}]}\n\n')
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+class FixedIds:
+    """Deterministic ids: att_test_1, att_test_2, ... (request ids likewise)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def request_id(self) -> str:
+        self.n += 1
+        return f"req_test_{self.n}"
+
+    def attempt_id(self) -> str:
+        self.n += 1
+        return f"att_test_{self.n}"

@@ -1,0 +1,283 @@
+"""The guard and gate sessions, played as Envoy plays them, on the in-memory store.
+
+No sockets: a fake gRPC context feeds ProcessingRequests in and collects the exact
+ProcessingResponses out; the journal and ledger are `memory_store` (its agreement with etcd
+is tests/adapters/test_store_contract.py); the clock and ids are injected. Real Envoy runs
+the same sessions end to end in tests/e2e.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+from google.protobuf import struct_pb2
+
+from extproc.adapters.gate import GateSession
+from extproc.adapters.guard import GuardSession
+from extproc.adapters.memory_store import MemoryLedger, MemoryStore
+from extproc.adapters.session import Processor
+from extproc.core import headers as H
+from extproc.core.config import Config, load_config
+from extproc.gen.envoy.config.core.v3 import base_pb2 as core
+from extproc.gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+
+from .support import RID, SSE_CONTENT, SSE_DONE, SSE_ROLE, FixedIds
+
+REPLICA = "127.0.0.1:8001"
+
+
+class FakeContext:
+    """What a session needs of grpc.aio's ServicerContext: read, write, metadata."""
+
+    def __init__(self) -> None:
+        self.inbox: asyncio.Queue[Any] = asyncio.Queue()
+        self.out: list[ep.ProcessingResponse] = []
+        self.grew = asyncio.Event()
+
+    async def read(self) -> Any:
+        return await self.inbox.get()
+
+    async def write(self, resp: ep.ProcessingResponse) -> None:
+        self.out.append(resp)
+        self.grew.set()
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ()
+
+    def send(self, msg: ep.ProcessingRequest) -> None:
+        self.inbox.put_nowait(msg)
+
+    def close(self) -> None:
+        self.inbox.put_nowait(grpc.aio.EOF)
+
+    async def wait_for(self, n: int, timeout_s: float = 3.0) -> list[ep.ProcessingResponse]:
+        """Until `n` responses were written in all (bounded)."""
+        async def until() -> None:
+            while len(self.out) < n:
+                self.grew.clear()
+                await self.grew.wait()
+        await asyncio.wait_for(until(), timeout_s)
+        return self.out
+
+
+def hmap(h: dict[str, str]) -> core.HeaderMap:
+    return core.HeaderMap(headers=[core.HeaderValue(key=k, raw_value=v.encode())
+                                   for k, v in h.items()])
+
+
+def req_headers(h: dict[str, str], eos: bool = False,
+                attrs: dict[str, str] | None = None) -> ep.ProcessingRequest:
+    m = ep.ProcessingRequest(request_headers=ep.HttpHeaders(headers=hmap(h), end_of_stream=eos))
+    if attrs:
+        st = struct_pb2.Struct()
+        st.update(attrs)
+        m.attributes["envoy.filters.http.ext_proc"].CopyFrom(st)
+    return m
+
+
+def req_body(b: bytes) -> ep.ProcessingRequest:
+    return ep.ProcessingRequest(request_body=ep.HttpBody(body=b, end_of_stream=True))
+
+
+def resp_headers(h: dict[str, str], eos: bool = False) -> ep.ProcessingRequest:
+    return ep.ProcessingRequest(response_headers=ep.HttpHeaders(headers=hmap(h),
+                                                                end_of_stream=eos))
+
+
+def resp_body(b: bytes, eos: bool = False) -> ep.ProcessingRequest:
+    return ep.ProcessingRequest(response_body=ep.HttpBody(body=b, end_of_stream=eos))
+
+
+def set_headers(r: ep.ProcessingResponse, which: str) -> dict[str, str]:
+    mut = getattr(r, which).response.header_mutation
+    return {h.header.key: h.header.raw_value.decode() for h in mut.set_headers}
+
+
+def immediate(r: ep.ProcessingResponse) -> tuple[int, dict[str, Any]]:
+    assert r.WhichOneof("response") == "immediate_response", r
+    return r.immediate_response.status.code, json.loads(r.immediate_response.body)
+
+
+def proc(raw: dict[str, Any] | None = None) -> tuple[Processor, MemoryStore]:
+    cfg: Config = load_config({"timeouts": {"access_log_wait_s": 0.05}, **(raw or {})})
+    store = MemoryStore(cfg.etcd, owner="gw-1/test")
+    return Processor(cfg, store, MemoryLedger(store, cfg.tools.ledger_ttl_s),
+                     ids=FixedIds()), store
+
+
+def start(session_cls: Callable[[Processor, Any], Any], p: Processor
+          ) -> tuple[FakeContext, Any, asyncio.Task[None]]:
+    ctx = FakeContext()
+    s = session_cls(p, ctx)
+    return ctx, s, asyncio.ensure_future(s.run())
+
+
+CHAT = json.dumps({"model": "demo-model", "stream": True, "max_tokens": 2,
+                   "messages": [{"role": "user", "content": "hi"}]}).encode()
+DOWN = {":method": "POST", ":path": "/v1/chat/completions", "content-type": "application/json",
+        "idempotency-key": "k-1", "x-request-id": "envoy-1"}
+
+
+async def test_guard_accepts_opens_the_journal_and_streams() -> None:
+    p, store = proc()
+    ctx, _, task = start(GuardSession, p)
+    ctx.send(req_headers({**DOWN, H.PREADMITTED: "forged", H.TRACEPARENT: "forged"}))
+    (r,) = await ctx.wait_for(1)
+    rid = set_headers(r, "request_headers")[H.REQUEST_ID]
+    removed = set(r.request_headers.response.header_mutation.remove_headers)
+    assert {H.PREADMITTED, H.TRACEPARENT, H.ACCEPTED_AT, H.ATTEMPT_ID} <= removed
+    ctx.send(req_body(CHAT))
+    r = (await ctx.wait_for(2))[1]
+    sent = set_headers(r, "request_body")
+    assert sent[H.PREADMITTED] == "att_test_1" and float(sent[H.ACCEPTED_AT]) > 0
+    view = await store.get(rid)
+    assert view is not None and view.live_attempt_id == "att_test_1"
+    assert view.meta["endpoint"] == "/v1/chat/completions" and view.outcome is None
+    handoff = json.dumps({"attempt": 1, "attempt_id": "att_test_1", "replica": REPLICA,
+                          "lease_id": 0})
+    ctx.send(resp_headers({":status": "200", "content-type": "text/event-stream",
+                           H.HANDOFF: handoff}))
+    r = (await ctx.wait_for(3))[2]
+    assert set_headers(r, "response_headers") == {H.REQUEST_ID: rid}
+    assert list(r.response_headers.response.header_mutation.remove_headers) == [H.HANDOFF]
+    ctx.send(resp_body(SSE_ROLE + SSE_CONTENT + SSE_CONTENT))
+    ctx.send(resp_body(SSE_DONE, eos=True))
+    out = await ctx.wait_for(5)
+    assert [o.response_body.response.body_mutation.streamed_response.body for o in out[3:]] \
+        == [SSE_ROLE + SSE_CONTENT + SSE_CONTENT, SSE_DONE]
+    ctx.close()
+    await asyncio.wait_for(task, 3)
+    await p.drain()
+    view = await store.get(rid)
+    assert view is not None and view.outcome is not None
+    assert view.outcome["outcome"] == "completed" and view.outcome["delivered_output_tokens"] == 2
+    assert view.live_attempt_id is None  # the request's end deleted `live`
+    (att,) = view.attempts
+    assert att["fence"] == "ended_with_request" and att["released"] is True
+
+
+async def test_guard_fails_closed_when_the_journal_is_down() -> None:
+    p, store = proc()
+    ctx, _, task = start(GuardSession, p)
+    ctx.send(req_headers(DOWN))
+    await ctx.wait_for(1)
+    store.unavailable = True
+    ctx.send(req_body(CHAT))
+    status, body = immediate((await ctx.wait_for(2))[1])
+    assert status == 503 and body["error"]["code"] == "journal_unavailable"
+    assert body["error"]["retryable"] is True
+    ctx.close()
+    await asyncio.wait_for(task, 3)
+
+
+async def test_guard_status_lookup_of_an_unknown_id_is_404() -> None:
+    p, _ = proc()
+    ctx, _, task = start(GuardSession, p)
+    ctx.send(req_headers({":method": "GET", ":path": f"/v1/requests/{RID}"}, eos=True))
+    status, body = immediate((await ctx.wait_for(1))[0])
+    assert status == 404 and body["error"]["code"] == "request_not_found"
+    ctx.close()
+    await asyncio.wait_for(task, 3)
+
+
+async def open_request(store: MemoryStore, p: Processor) -> None:
+    await store.open_request(RID, {"request_id": RID, "created_at": p.clock.wall()},
+                             ("att_pre", {"attempt": 1, "attempt_id": "att_pre"}))
+
+
+def gate_headers(attempt: int, accepted_at: float, **extra: str) -> ep.ProcessingRequest:
+    h = {H.REQUEST_ID: RID, H.ENVOY_ATTEMPT_COUNT: str(attempt),
+         H.ACCEPTED_AT: f"{accepted_at:.6f}", H.PREADMITTED: "att_pre", **extra}
+    return req_headers(h, attrs={"upstream.address": REPLICA})
+
+
+async def test_gate_holds_until_the_first_delta_is_fenced_then_hands_off() -> None:
+    p, store = proc()
+    await open_request(store, p)
+    ctx, _s, task = start(GateSession, p)
+    ctx.send(gate_headers(1, p.clock.wall()))
+    (r,) = await ctx.wait_for(1)
+    assert set_headers(r, "request_headers") == {H.ATTEMPT_ID: "att_pre"}
+    assert list(r.request_headers.response.header_mutation.remove_headers) == [H.PREADMITTED]
+    ctx.send(resp_headers({":status": "200", "content-type": "text/event-stream"}))
+    ctx.send(resp_body(SSE_ROLE))  # not content: still held, nothing answered
+    await asyncio.sleep(0.05)
+    assert len(ctx.out) == 1
+    ctx.send(resp_body(SSE_CONTENT))
+    out = await ctx.wait_for(4)
+    released = set_headers(out[1], "response_headers")
+    assert released[H.ATTEMPT_ID] == "att_pre"
+    assert json.loads(released[H.HANDOFF])["attempt_id"] == "att_pre"
+    # The two held chunks, answered unchanged, in order.
+    assert [o.WhichOneof("response") for o in out[2:]] == ["response_body"] * 2
+    assert not any(o.response_body.response.HasField("body_mutation") for o in out[2:])
+    await asyncio.wait_for(task, 3)  # detached: the gate left the stream after release
+    view = await store.get(RID)
+    assert view is not None and view.first_delta_sent
+    assert view.delivery is not None and view.delivery["attempt_id"] == "att_pre"
+    assert p.handoffs.take("att_pre") is not None
+
+
+async def test_gate_refuses_a_re_prefill_past_the_budget_but_not_a_first_run() -> None:
+    raw = {"policy": {"retry_budget": {"min_retries": 0, "fraction": 0.0}}}
+    # Attempt 1 never reached a replica (no gate ran): attempt 2 is the first real run.
+    p, store = proc(raw)
+    await store.open_request(RID, {"request_id": RID}, None)
+    ctx, _, task = start(GateSession, p)
+    ctx.send(gate_headers(2, p.clock.wall()))
+    (r,) = await ctx.wait_for(1)
+    assert r.WhichOneof("response") == "request_headers"
+    ctx.close()
+    await asyncio.wait_for(task, 3)
+    # Now one that follows an attempt that did reach a replica.
+    p, store = proc(raw)
+    await store.open_request(RID, {"request_id": RID}, None)
+    p.mark_reached(RID)
+    ctx, _, task = start(GateSession, p)
+    ctx.send(gate_headers(2, p.clock.wall()))
+    status, body = immediate((await ctx.wait_for(1))[0])
+    assert status == 503 and body["error"]["code"] == "retry_budget_exhausted"
+    ctx.close()
+    await asyncio.wait_for(task, 3)
+
+
+async def test_gate_ends_a_silent_last_attempt_with_upstream_timeout() -> None:
+    p, store = proc({"timeouts": {"first_delta_s": 0.5, "soft_first_delta_s": 0.1,
+                                  "access_log_wait_s": 0.05},
+                     "policy": {"on_upstream_failure": {"before_first_delta": {
+                         "max_attempts": 1}}}})
+    await open_request(store, p)
+    ctx, _, task = start(GateSession, p)
+    ctx.send(gate_headers(1, p.clock.wall()))
+    await ctx.wait_for(1)  # forwarded; the replica never sends headers
+    status, body = immediate((await ctx.wait_for(2, timeout_s=3))[1])
+    assert status == 504 and body["error"]["code"] == "upstream_timeout"
+    assert body["error"]["request_id"] == RID
+    ctx.close()
+    await asyncio.wait_for(task, 3)
+    await p.drain()
+    view = await store.get(RID)
+    assert view is not None and not view.first_delta_sent
+    (att,) = view.attempts
+    # No word from Envoy in this test (no access log): liveness unknown, lease must expire.
+    assert att["failure_class"] == "network_uncertain" and att["fence"] == "expiry"
+    assert att["envoy_closed"] is False
+
+
+async def test_gate_refuses_a_cross_fingerprint_host() -> None:
+    fp = {"weights_revision": "w@1"}
+    p, store = proc({"pool": {"replicas": [{"address": REPLICA, "fingerprint": fp}]}})
+    await open_request(store, p)
+    ctx, _, task = start(GateSession, p)
+    ctx.send(gate_headers(1, p.clock.wall(), **{H.FINGERPRINT: "fp-other"}))
+    status, body = immediate((await ctx.wait_for(1))[0])
+    assert status == 503 and body["error"]["code"] == "no_compatible_replica"
+    ctx.close()
+    await asyncio.wait_for(task, 3)
+    await p.drain()
+    view = await store.get(RID)
+    assert view is not None and view.live_attempt_id is None  # `live` given back
