@@ -27,8 +27,9 @@ from typing import Any
 import grpc
 from aetcd import rpc
 
+from ..core import records
 from ..core.config import EtcdConfig
-from ..core.journal import JournalView
+from ..core.journal import JournalView, assemble
 from .leases import AdmitResult, AttemptLease, ProcessLease, StoreUnavailable
 
 log = logging.getLogger("extproc.etcd")
@@ -376,39 +377,10 @@ class EtcdStore:
         return self._assemble(rid, kvs)
 
     def _assemble(self, rid: str, kvs: list[Any]) -> JournalView | None:
-        pfx = self._req_prefix(rid)
-        live_k = self._live(rid)
-        meta: dict[str, Any] | None = None
-        attempts: list[dict[str, Any]] = []
-        live: str | None = None
-        delivery = outcome = progress = None
-        guard: str | None = None
-        for kv in kvs:
-            key = bytes(kv.key)
-            if key == live_k:
-                live = bytes(kv.value).decode()
-                continue
-            name = key[len(pfx):].decode()
-            if name == "guard":
-                guard = bytes(kv.value).decode()
-                continue
-            val = json.loads(kv.value)
-            if name == "meta":
-                meta = val
-            elif name.startswith("attempts/"):
-                attempts.append(val)
-            elif name == "delivery":
-                delivery = val
-            elif name == "outcome":
-                outcome = val
-            elif name == "progress":
-                progress = val
-        if meta is None:
-            return None
-        attempts.sort(key=lambda a: int(a.get("attempt", 0)))
-        return JournalView(request_id=rid, meta=meta, attempts=tuple(attempts),
-                           live_attempt_id=live, delivery=delivery, outcome=outcome,
-                           progress=progress, guard=guard)
+        pfx, live_k = self._req_prefix(rid), self._live(rid)
+        live = next((bytes(kv.value).decode() for kv in kvs if bytes(kv.key) == live_k), None)
+        return assemble(rid, ((bytes(kv.key)[len(pfx):].decode(), bytes(kv.value))
+                              for kv in kvs if bytes(kv.key) != live_k), live)
 
     async def admit_attempt(self, rid: str, attempt: int, attempt_id: str,
                             record: Mapping[str, Any], fence_wait_s: float,
@@ -468,11 +440,9 @@ class EtcdStore:
                         success=[_put(live_k, attempt_id.encode(), pl.lease_id),
                                  _put(att_k, _dumps({**record, "admitted_at": round(
                                      time.time(), 6)}), rl),
-                                 _put(self._k(rid, "attempts/001"), _dumps({
-                                     "attempt": 1, "attempt_id": stale.decode(),
-                                     "released": False, "ended_at": round(time.time(), 6),
-                                     "failure_class": "never_started",
-                                     "fence": "taken_over"}), rl)])
+                                 _put(self._k(rid, "attempts/001"), _dumps(
+                                     records.taken_over_first_attempt(
+                                         stale.decode(), round(time.time(), 6))), rl)])
                     if (await self._call(self._kv.Txn, take)).succeeded:
                         return AdmitResult(True, "admitted (attempt 1 never started)",
                                            AttemptLease(pl), time.monotonic() - start)

@@ -39,8 +39,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ..core import records
 from ..core.config import EtcdConfig
-from ..core.journal import JournalView
+from ..core.journal import JournalView, assemble
 from .leases import AdmitResult, AttemptLease, ProcessLease, StoreUnavailable
 from .ports import Clock, SystemClock
 
@@ -323,34 +324,10 @@ class MemoryStore:
 
     def _assemble(self, rid: str) -> JournalView | None:
         pfx = self._req_prefix(rid)
-        meta: dict[str, Any] | None = None
-        attempts: list[dict[str, Any]] = []
-        delivery = outcome = progress = None
-        guard: str | None = None
-        for key in sorted(k for k in self._kv if k.startswith(pfx)):
-            raw = self._kv[key].value
-            name = key[len(pfx):]
-            if name == "guard":
-                guard = raw.decode()
-                continue
-            val = json.loads(raw)
-            if name == "meta":
-                meta = val
-            elif name.startswith("attempts/"):
-                attempts.append(val)
-            elif name == "delivery":
-                delivery = val
-            elif name == "outcome":
-                outcome = val
-            elif name == "progress":
-                progress = val
-        if meta is None:
-            return None
         live = self._value(self._live(rid))
-        attempts.sort(key=lambda a: int(a.get("attempt", 0)))
-        return JournalView(request_id=rid, meta=meta, attempts=tuple(attempts),
-                           live_attempt_id=None if live is None else live.decode(),
-                           delivery=delivery, outcome=outcome, progress=progress, guard=guard)
+        return assemble(rid, ((k[len(pfx):], self._kv[k].value)
+                              for k in sorted(k for k in self._kv if k.startswith(pfx))),
+                        None if live is None else live.decode())
 
     async def admit_attempt(self, rid: str, attempt: int, attempt_id: str,
                             record: Mapping[str, Any], fence_wait_s: float,
@@ -391,10 +368,9 @@ class MemoryStore:
                     # The take-over, conditioned as etcd's (nothing can run in between here).
                     if (self._value(live_k) == live and deliv_k not in self._kv
                             and att_k not in self._kv):
-                        self._txn([*admit, _put(self._k(rid, "attempts/001"), _dumps({
-                            "attempt": 1, "attempt_id": live.decode(), "released": False,
-                            "ended_at": round(self.clock.wall(), 6),
-                            "failure_class": "never_started", "fence": "taken_over"}), rl)])
+                        self._txn([*admit, _put(self._k(rid, "attempts/001"), _dumps(
+                            records.taken_over_first_attempt(
+                                live.decode(), round(self.clock.wall(), 6))), rl)])
                         return AdmitResult(True, "admitted (attempt 1 never started)",
                                            AttemptLease(pl), self.clock.monotonic() - start)
                     continue

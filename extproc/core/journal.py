@@ -15,10 +15,11 @@ The record lives in etcd as a few keys, each written by exactly one party at one
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -231,3 +232,34 @@ def validate_request_id(rid: str) -> GatewayError | None:
         return bad_request(ErrorCode.INVALID_REQUEST_ID,
                            "request id must look like req_ followed by 26 base32 characters")
     return None
+
+
+def assemble(request_id: str, entries: Iterable[tuple[str, bytes]],
+             live: str | None) -> JournalView | None:
+    """The view of one request from its keys under `req/<id>/` (name relative to that
+    prefix, raw value) and its `live` value: what every journal store returns from get()."""
+    meta: dict[str, Any] | None = None
+    attempts: list[dict[str, Any]] = []
+    delivery = outcome = progress = None
+    guard: str | None = None
+    for name, raw in entries:
+        if name == "guard":
+            guard = raw.decode()
+            continue
+        val = json.loads(raw)
+        if name == "meta":
+            meta = val
+        elif name.startswith("attempts/"):
+            attempts.append(val)
+        elif name == "delivery":
+            delivery = val
+        elif name == "outcome":
+            outcome = val
+        elif name == "progress":
+            progress = val
+    if meta is None:
+        return None
+    attempts.sort(key=lambda a: int(a.get("attempt", 0)))
+    return JournalView(request_id=request_id, meta=meta, attempts=tuple(attempts),
+                       live_attempt_id=live, delivery=delivery, outcome=outcome,
+                       progress=progress, guard=guard)

@@ -842,3 +842,17 @@ TABLE: dict[tuple[str, State, type], Transition] = {
        for st in (S.GUARD_WAITING, S.GUARD_RESPONDING, S.GUARD_STREAMING, S.GUARD_COMPLETE,
                   S.GUARD_TERMINATED)},
 }
+
+
+def arrows(role: str) -> list[str]:
+    """The role's life as the table draws it: every transition that moves the machine,
+    `state --Event--> next | next`, in table order (docs/architecture.md shows exactly
+    these lines; a test keeps them equal)."""
+    out = []
+    for (r, state, ev), t in TABLE.items():
+        moves = sorted(str(n) for n in t.next if n is not state)
+        if r != role or not moves:
+            continue
+        stays = " (or stays)" if state in t.next else ""
+        out.append(f"{state} --{ev.__name__}--> {' | '.join(moves)}{stays}")
+    return out

@@ -93,6 +93,13 @@ def refused_first_attempt(attempt_id: str, replica: str | None, at: float,
             "refused": code, "fence": str(Fence.REVOKE)}
 
 
+def taken_over_first_attempt(attempt_id: str, at: float) -> dict[str, Any]:
+    """Attempt 1, admitted with the request, that no gate ever ran (Envoy could not connect:
+    no byte reached a replica), as the next attempt's admission closes it (decision 0007)."""
+    return {"attempt": 1, "attempt_id": attempt_id, "released": False, "ended_at": at,
+            "failure_class": "never_started", "fence": "taken_over"}
+
+
 # --- an attempt's end -----------------------------------------------------------------
 
 

@@ -13,7 +13,6 @@ import shutil
 import subprocess
 import sys
 import time
-import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from extproc.adapters.leases import AdmitResult, StoreUnavailable
 from extproc.adapters.memory_store import MemoryLedger, MemoryStore
 from extproc.adapters.ports import Journal, Ledger
 from extproc.core.config import EtcdConfig, load_config
-from extproc.devstack import free_port, wait_until
+from extproc.devstack import _http_ok, free_port, wait_until
 
 OWNER = "contract/1"
 TTL_S = 2  # attempt_lease_ttl_s: a `fenced:` marker lives this long (etcd's minimum)
@@ -63,14 +62,6 @@ def _cfg(endpoint: str) -> EtcdConfig:
 def _etcd_binary() -> str | None:
     cand = Path(sys.executable).parent / "etcd"
     return str(cand) if cand.exists() else shutil.which("etcd")
-
-
-def _http_ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=0.5) as r:
-            return bool(200 <= r.status < 300)
-    except OSError:
-        return False
 
 
 @pytest.fixture(scope="module")
