@@ -30,7 +30,7 @@ from aetcd import rpc
 from ..core import records
 from ..core.config import EtcdConfig
 from ..core.journal import JournalView, assemble
-from .leases import AdmitResult, AttemptLease, ProcessLease, StoreUnavailable
+from .leases import AdmitResult, AttemptLease, LiveListeners, ProcessLease, StoreUnavailable
 
 log = logging.getLogger("extproc.etcd")
 
@@ -78,7 +78,7 @@ class EtcdStore:
         self._attempts_lock = asyncio.Lock()
         self._tasks: list[asyncio.Task[None]] = []
         # rid -> callbacks run when live/<rid> is deleted or changes (revocation, expiry).
-        self._live_listeners: dict[str, list[Callable[[str | None], None]]] = {}
+        self._live_listeners = LiveListeners()
         self.watch_connected = asyncio.Event()
 
     # --- connection ---------------------------------------------------------------
@@ -285,15 +285,7 @@ class EtcdStore:
 
     def on_live_change(self, rid: str, cb: Callable[[str | None], None]) -> Callable[[], None]:
         """Call `cb(new_value_or_None)` when live/<rid> changes; returns an unsubscribe."""
-        self._live_listeners.setdefault(rid, []).append(cb)
-
-        def off() -> None:
-            cbs = self._live_listeners.get(rid)
-            if cbs and cb in cbs:
-                cbs.remove(cb)
-                if not cbs:
-                    del self._live_listeners[rid]
-        return off
+        return self._live_listeners.subscribe(rid, cb)
 
     async def _watch_live_loop(self) -> None:
         """One watch on <prefix>/live/ for the whole process, re-created on failure."""
@@ -310,8 +302,7 @@ class EtcdStore:
                     for ev in resp.events:
                         rid = bytes(ev.kv.key)[len(self.live_prefix):].decode()
                         value = None if ev.type == 1 else bytes(ev.kv.value).decode()
-                        for cb in list(self._live_listeners.get(rid, ())):
-                            cb(value)
+                        self._live_listeners.fire(rid, value)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # etcd down: the local lease deadline still protects

@@ -6,10 +6,15 @@ them, the sessions consult them before every publish (docs/fencing.md).
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["UNDO_SETTLE_S", "AdmitResult", "AttemptLease", "ProcessLease", "StoreUnavailable"]
+log = logging.getLogger("extproc.leases")
+
+__all__ = ["UNDO_SETTLE_S", "AdmitResult", "AttemptLease", "LiveListeners", "ProcessLease",
+           "StoreUnavailable"]
 
 
 class StoreUnavailable(Exception):
@@ -81,3 +86,31 @@ class AdmitResult:
     waited_s: float = 0.0
 
 
+class LiveListeners:
+    """Who wants to hear that `live/<rid>` changed (the revocation watch's subscribers)."""
+
+    def __init__(self) -> None:
+        self._by_rid: dict[str, list[Callable[[str | None], None]]] = {}
+
+    def subscribe(self, rid: str, cb: Callable[[str | None], None]) -> Callable[[], None]:
+        """Call `cb(new_value_or_None)` when live/<rid> changes; returns an unsubscribe."""
+        self._by_rid.setdefault(rid, []).append(cb)
+
+        def off() -> None:
+            cbs = self._by_rid.get(rid)
+            if cbs and cb in cbs:
+                cbs.remove(cb)
+                if not cbs:
+                    del self._by_rid[rid]
+        return off
+
+    def fire(self, rid: str, value: str | None) -> None:
+        for cb in list(self._by_rid.get(rid, ())):
+            try:
+                cb(value)
+            except Exception:
+                log.exception("live change callback failed",
+                              extra={"request_id": rid, "attempt_id": None})
+
+    def clear(self) -> None:
+        self._by_rid.clear()

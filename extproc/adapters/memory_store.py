@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 from ..core import records
 from ..core.config import EtcdConfig
 from ..core.journal import JournalView, assemble
-from .leases import AdmitResult, AttemptLease, ProcessLease, StoreUnavailable
+from .leases import AdmitResult, AttemptLease, LiveListeners, ProcessLease, StoreUnavailable
 from .ports import Clock, SystemClock
 
 if TYPE_CHECKING:
@@ -98,7 +98,7 @@ class MemoryStore:
         self._retention: dict[int, tuple[int, float]] = {}  # ttl -> (lease id, granted)
         self._session = 0
         self._attempts: ProcessLease | None = None
-        self._live_listeners: dict[str, list[Callable[[str | None], None]]] = {}
+        self._live_listeners = LiveListeners()
         self._waiters: set[asyncio.Event] = set()  # admissions waiting for `live` to go
 
     # --- test controls ----------------------------------------------------------------
@@ -200,12 +200,7 @@ class MemoryStore:
 
     def _fire(self, events: list[tuple[str, str | None]]) -> None:
         for rid, value in events:
-            for cb in list(self._live_listeners.get(rid, ())):
-                try:
-                    cb(value)
-                except Exception:
-                    log.exception("live change callback failed",
-                                  extra={"request_id": rid, "attempt_id": None})
+            self._live_listeners.fire(rid, value)
 
     # --- leases -------------------------------------------------------------------------
 
@@ -278,15 +273,7 @@ class MemoryStore:
 
     def on_live_change(self, rid: str, cb: Callable[[str | None], None]) -> Callable[[], None]:
         """Call `cb(new_value_or_None)` when live/<rid> changes; returns an unsubscribe."""
-        self._live_listeners.setdefault(rid, []).append(cb)
-
-        def off() -> None:
-            cbs = self._live_listeners.get(rid)
-            if cbs and cb in cbs:
-                cbs.remove(cb)
-                if not cbs:
-                    del self._live_listeners[rid]
-        return off
+        return self._live_listeners.subscribe(rid, cb)
 
     # --- journal ------------------------------------------------------------------------
 
