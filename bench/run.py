@@ -84,7 +84,7 @@ class Params:
     # failover before the first delta: the replica serving attempt 1 is killed after its
     # headers (SIGKILL); paired with a normal request each time
     failover_requests: int = 12
-    failover_max_s: float = 60.0
+    failover_max_s: float = 90.0
     request_timeout_s: float = 30.0
     # before each figure, wait (bounded) until the machine is idle: other load skews everything
     idle_wait_s: float = 20.0
@@ -467,10 +467,11 @@ async def failover(stack: Stack, p: Params) -> dict[str, Any]:
         if time.monotonic() >= deadline or dead:
             break
         try:
+            # Both replicas up and healthy in Envoy's view, its checks caught up with the
+            # last kill (Stack.wait_replicas_healthy).
             await asyncio.to_thread(stack.wait_replicas_healthy, 15.0)
         except Exception:  # a replica that stays down ends the figure
             break
-        await asyncio.sleep(0.3)  # Envoy's health check sees the restarted replica
         got: list[float] = []
         for req in (normal, killed):
             conn = Conn(HOST, stack.envoy_port)  # fresh: the kill closes pooled upstreams

@@ -158,6 +158,9 @@ class Stack:
     replica_ports: list[int] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _held: set[str] = field(default_factory=set)
+    # When the supervisor last restarted a replica (monotonic): Envoy's active health checks
+    # lag behind a death and a restart by up to (thresholds x interval).
+    _restarted_at: float = 0.0
     _sup: threading.Thread | None = None
     cfg: Config | None = None
     processor_addr: str = ""
@@ -320,8 +323,9 @@ class Stack:
     def _start_envoy(self) -> None:
         self.envoy_port = self.envoy_port or free_port()
         self.admin_port = free_port()
-        cfg = self.cfg or load_config(self._processor_config() if not self.plain else
-                                      {k: v for k, v in self.config.items() if k != "server"})
+        cfg = self.cfg = self.cfg or load_config(
+            self._processor_config() if not self.plain
+            else {k: v for k, v in self.config.items() if k != "server"})
         topo = Topology(listen=("127.0.0.1", self.envoy_port),
                         admin=("127.0.0.1", self.admin_port),
                         processor=self.processor_addr or "127.0.0.1:1",
@@ -362,6 +366,7 @@ class Stack:
                 if not p.alive() and not self._stop.is_set():
                     p.restarts += 1
                     p.start()
+                    self._restarted_at = time.monotonic()
 
     def hold_down(self, name: str) -> None:
         """Kill a replica and keep it down (the supervisor leaves it alone)."""
@@ -388,6 +393,15 @@ class Stack:
             wait_until(lambda port=port: _http_ok(f"http://127.0.0.1:{port}{self.health_path}"),
                        timeout_s, f"replica on {port}")
         if "envoy" in self.procs and self.admin_port:
+            if self._restarted_at and self.cfg is not None:
+                # Right after a restart Envoy may still call the replica healthy (it has not
+                # yet seen it die) and mark it down a moment later: let its checks catch up.
+                hc = self.cfg.pool.health_check
+                settle = (hc.unhealthy_threshold + hc.healthy_threshold) * hc.interval_s \
+                    + hc.timeout_s if hc.enabled else 0.0
+                left = self._restarted_at + settle - time.monotonic()
+                if left > 0:
+                    time.sleep(left)
             wait_until(self.envoy_sees_replicas_healthy, timeout_s,
                        "Envoy seeing every replica healthy")
 
