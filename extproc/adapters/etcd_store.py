@@ -28,6 +28,7 @@ import grpc
 from aetcd import rpc
 
 from ..core import records
+from ..core.admission import TAKE_OVER, WAIT, admission_poll_s, after_failed_admission
 from ..core.config import EtcdConfig
 from ..core.journal import JournalView, assemble
 from .leases import AdmitResult, AttemptLease, LiveListeners, ProcessLease, StoreUnavailable
@@ -414,16 +415,15 @@ class EtcdStore:
                 if resp.succeeded:
                     return AdmitResult(True, "admitted", AttemptLease(pl), waited)
                 has = [len(r.response_range.kvs) > 0 for r in resp.responses]
-                if not has[0]:
-                    reason = "unknown request (no journal record)"
-                elif has[1]:
-                    reason = "first delta already sent: no second attempt"
-                elif has[3]:
-                    reason = f"attempt {attempt} was already admitted"
-                elif (never_started is not None and resp.responses[2].response_range.kvs
-                      and never_started(bytes(resp.responses[2].response_range.kvs[0].value)
-                                        .decode())):
-                    stale = bytes(resp.responses[2].response_range.kvs[0].value)
+                live_kvs = resp.responses[2].response_range.kvs
+                verdict = after_failed_admission(
+                    attempt=attempt, has_meta=has[0], delivered=has[1], attempt_taken=has[3],
+                    live_never_started=bool(
+                        never_started is not None and live_kvs
+                        and never_started(bytes(live_kvs[0].value).decode())),
+                    waited_s=waited, fence_wait_s=fence_wait_s)
+                if verdict == TAKE_OVER:
+                    stale = bytes(live_kvs[0].value)
                     take = rpc.TxnRequest(
                         compare=[rpc.Compare(key=live_k, target=rpc.Compare.VALUE,
                                              result=rpc.Compare.EQUAL, value=stale),
@@ -438,20 +438,13 @@ class EtcdStore:
                         return AdmitResult(True, "admitted (attempt 1 never started)",
                                            AttemptLease(pl), time.monotonic() - start)
                     continue
-                elif waited >= fence_wait_s:
-                    reason = "previous attempt is not fenced (lease still live)"
-                else:
-                    # Another attempt still holds `live`: wait for its revocation or expiry;
-                    # never run two attempts at once.
-                    # The watch wakes us when `live` goes. Polls cover a lost watch and the
-                    # access-log entry of an attempt that never started (it arrives within
-                    # ~50 ms): often at first, then every 250 ms.
-                    poll = 0.02 if waited < 0.5 else 0.25
+                if verdict == WAIT:
+                    # Never run two attempts at once: wait for its revocation or expiry.
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(gone.wait(),
-                                               min(poll, max(0.0, fence_wait_s - waited)))
+                                               admission_poll_s(waited, fence_wait_s))
                     continue
-                return AdmitResult(False, reason, None, waited)
+                return AdmitResult(False, verdict, None, waited)
         finally:
             off()
 

@@ -22,10 +22,11 @@ from opentelemetry.trace import Span, SpanKind
 from ..core import headers as H
 from ..core import records
 from ..core.errors import (
-    ErrorCode,
     GatewayError,
+    body_required,
     journal_unavailable,
     no_compatible_replica,
+    request_not_found,
 )
 from ..core.failure import FailureClass
 from ..core.intake import (
@@ -86,8 +87,8 @@ class GuardSession(Session):
         "finished",
         "first_delta_evented",
         "gen",
+        "lease",
         "m",
-        "permit",
         "progress_at",
         "progress_inflight",
         "progress_sent",
@@ -121,7 +122,7 @@ class GuardSession(Session):
         # publish (process lease + the revocation watch).
         self.aid1: str | None = None
         self.attempt: dict[str, Any] | None = None
-        self.permit: AttemptLease | None = None
+        self.lease: AttemptLease | None = None
         self.attempt_span: Span | None = None
         self.attempt_machine: GateMachine | None = None
         self._unwatch: Callable[[], None] | None = None
@@ -163,9 +164,9 @@ class GuardSession(Session):
             if self.m is None or not self.m.accepted:
                 await self.write(codec.streamed_response_body(body.body, body.end_of_stream))
                 return
-            permit = self.permit
-            if permit is not None and not permit.revoked and not permit.valid():
-                permit.revoked = True  # its lease ran out locally: said once, acted on once
+            lease = self.lease
+            if lease is not None and not lease.revoked and not lease.valid():
+                lease.revoked = True  # its lease ran out locally: said once, acted on once
                 self.fenced_log()
                 await self.feed(Fenced())
             tel = self.p.tel
@@ -231,9 +232,7 @@ class GuardSession(Session):
         self.rid = intake.request_id
         self._machine(intake.request_id, "generation")
         if end_of_stream:
-            await self.feed(RequestBodySeen(GatewayError(
-                ErrorCode.INVALID_REQUEST_BODY, "a JSON request body is required", 400,
-                request_id=self.rid)))
+            await self.feed(RequestBodySeen(body_required(self.rid)))
             return
         self.envoy_request_id = hd.get(H.ENVOY_REQUEST_ID)
         await self.write(codec.continue_request_headers(
@@ -248,9 +247,7 @@ class GuardSession(Session):
             return
         if view is None or view.meta.get("tenant") != tenant_digest(q.tenant):
             # Another tenant's request is indistinguishable from a missing one.
-            await self.write(codec.immediate(GatewayError(
-                ErrorCode.REQUEST_NOT_FOUND, "no request with this id", 404,
-                request_id=q.request_id)))
+            await self.write(codec.immediate(request_not_found(q.request_id)))
             return
         await self.write(codec.immediate_json(
             200, json.dumps(view.to_dict(), separators=(",", ":")).encode(),
@@ -347,13 +344,13 @@ class GuardSession(Session):
         pl = self.p.journal.current_process_lease()
         # The attempt's `live` key hangs on the lease of the process that admitted it; when
         # that is us, its local deadline also bounds publishing (etcd unreachable).
-        self.permit = AttemptLease(pl if pl is not None and pl.lease_id == info.get("lease_id")
+        self.lease = AttemptLease(pl if pl is not None and pl.lease_id == info.get("lease_id")
                                    else ProcessLease(0, 0, float("inf")))
 
         def on_live(value: str | None) -> None:
-            permit = self.permit
-            if permit is not None and value != aid and not permit.revoked:
-                permit.revoked = True
+            lease = self.lease
+            if lease is not None and value != aid and not lease.revoked:
+                lease.revoked = True
                 self.fenced_log()
                 self.p.spawn(self.on_fenced(), f"guard-fenced-{self.rid}")
         self._unwatch = self.p.journal.on_live_change(self.rid or "", on_live)

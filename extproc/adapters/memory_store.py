@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..core import records
+from ..core.admission import TAKE_OVER, WAIT, admission_poll_s, after_failed_admission
 from ..core.config import EtcdConfig
 from ..core.journal import JournalView, assemble
 from .leases import AdmitResult, AttemptLease, LiveListeners, ProcessLease, StoreUnavailable
@@ -344,14 +345,14 @@ class MemoryStore:
                         and att_k not in self._kv):
                     self._txn(admit)
                     return AdmitResult(True, "admitted", AttemptLease(pl), waited)
-                if meta_k not in self._kv:
-                    reason = "unknown request (no journal record)"
-                elif deliv_k in self._kv:
-                    reason = "first delta already sent: no second attempt"
-                elif att_k in self._kv:
-                    reason = f"attempt {attempt} was already admitted"
-                elif (never_started is not None and live is not None
-                      and never_started(live.decode())):
+                verdict = after_failed_admission(
+                    attempt=attempt, has_meta=meta_k in self._kv, delivered=deliv_k in self._kv,
+                    attempt_taken=att_k in self._kv,
+                    live_never_started=bool(never_started is not None and live is not None
+                                            and never_started(live.decode())),
+                    waited_s=waited, fence_wait_s=fence_wait_s)
+                if verdict == TAKE_OVER:
+                    assert live is not None
                     # The take-over, conditioned as etcd's (nothing can run in between here).
                     if (self._value(live_k) == live and deliv_k not in self._kv
                             and att_k not in self._kv):
@@ -361,15 +362,12 @@ class MemoryStore:
                         return AdmitResult(True, "admitted (attempt 1 never started)",
                                            AttemptLease(pl), self.clock.monotonic() - start)
                     continue
-                elif waited >= fence_wait_s:
-                    reason = "previous attempt is not fenced (lease still live)"
-                else:
-                    poll = 0.02 if waited < 0.5 else 0.25
+                if verdict == WAIT:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(gone.wait(),
-                                               min(poll, max(0.0, fence_wait_s - waited)))
+                                               admission_poll_s(waited, fence_wait_s))
                     continue
-                return AdmitResult(False, reason, None, waited)
+                return AdmitResult(False, verdict, None, waited)
         finally:
             self._waiters.discard(gone)
             off()

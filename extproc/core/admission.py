@@ -91,3 +91,35 @@ def decide(req: AttemptRequest, budget: RetryBudget, now: float) -> Admitted | G
     final = req.attempt >= req.max_attempts or remaining <= req.first_delta_s
     return Admitted(counts_as_retry=retry, fence_wait_s=fence_wait, deadline_s=window,
                     final=final)
+
+
+# --- the journal's admission, once its compare failed ----------------------------------
+
+TAKE_OVER = "take_over"  # attempt 1 never reached a gate: replace its `live` (decision 0007)
+WAIT = "wait"  # another attempt still holds `live`: wait for its revocation or expiry
+
+
+def after_failed_admission(*, attempt: int, has_meta: bool, delivered: bool,
+                           attempt_taken: bool, live_never_started: bool, waited_s: float,
+                           fence_wait_s: float) -> str:
+    """What a journal store does when its admission transaction's compare failed: refuse
+    (the reason), take over a never-started attempt 1, or wait for `live` to go. Every
+    store (etcd, in memory) asks this, so they refuse alike."""
+    if not has_meta:
+        return "unknown request (no journal record)"
+    if delivered:
+        return "first delta already sent: no second attempt"
+    if attempt_taken:
+        return f"attempt {attempt} was already admitted"
+    if live_never_started:
+        return TAKE_OVER
+    if waited_s >= fence_wait_s:
+        return "previous attempt is not fenced (lease still live)"
+    return WAIT
+
+
+def admission_poll_s(waited_s: float, fence_wait_s: float) -> float:
+    """How long to wait for `live` to go before asking again. The watch wakes the waiter
+    when it goes; polls cover a lost watch and the access-log entry of an attempt that never
+    started (it arrives within ~50 ms): often at first, then every 250 ms."""
+    return min(0.02 if waited_s < 0.5 else 0.25, max(0.0, fence_wait_s - waited_s))

@@ -152,3 +152,111 @@ def attempts_exhausted(rid: str | None, attempt: int, max_attempts: int) -> Gate
     return GatewayError(ErrorCode.RETRY_BUDGET_EXHAUSTED,
                         f"attempt {attempt} exceeds max_attempts {max_attempts}",
                         503, request_id=rid, retryable=False)
+
+
+# --- the upstream --------------------------------------------------------------------
+
+
+def upstream_unavailable(request_id: str | None, why: str, status: int = 503) -> GatewayError:
+    """No replica produced an answer (the gate failed an attempt, or Envoy's own 5xx)."""
+    code = ErrorCode.UPSTREAM_TIMEOUT if status == 504 else ErrorCode.UPSTREAM_UNAVAILABLE
+    return GatewayError(code, f"no replica produced an answer ({why})", status,
+                        request_id=request_id, retryable=True)
+
+
+# --- intake and lookups ---------------------------------------------------------------
+
+
+def body_required(request_id: str | None) -> GatewayError:
+    return GatewayError(ErrorCode.INVALID_REQUEST_BODY, "a JSON request body is required",
+                        400, request_id=request_id)
+
+
+def request_not_found(request_id: str | None) -> GatewayError:
+    """Also what another tenant's request looks like: indistinguishable from a missing one."""
+    return GatewayError(ErrorCode.REQUEST_NOT_FOUND, "no request with this id", 404,
+                        request_id=request_id)
+
+
+# --- what a repeat of a known request is told (journal.repeat_answer decides which) ----
+
+
+def gateway_interrupted(request_id: str, first_delta_sent: bool, delivered: int,
+                        exact: bool) -> GatewayError:
+    return GatewayError(
+        code=ErrorCode.GATEWAY_INTERRUPTED,
+        message="The gateway serving this request failed before it ended"
+        + ("; part of the answer was sent" if first_delta_sent else ""),
+        http_status=502, request_id=request_id, retryable=not first_delta_sent,
+        partial_output=first_delta_sent, delivered_output_tokens=delivered,
+        extra=(("delivered_output_tokens_exact", exact),))
+
+
+def request_in_progress(request_id: str, phase: str) -> GatewayError:
+    return GatewayError(
+        code=ErrorCode.REQUEST_IN_PROGRESS,
+        message="A request with this Idempotency-Key is still in progress; "
+        "poll GET /v1/requests/{request_id}",
+        http_status=409, request_id=request_id, retryable=True, extra=(("phase", phase),))
+
+
+def repeat_of(err: GatewayError) -> GatewayError:
+    """The recorded interruption, answered again to a repeat (409: nothing runs again)."""
+    return GatewayError(code=err.code, message=err.message, http_status=409,
+                        request_id=err.request_id, retryable=False,
+                        partial_output=err.partial_output,
+                        delivered_output_tokens=err.delivered_output_tokens, extra=err.extra)
+
+
+def request_already_completed(request_id: str, delivered: int) -> GatewayError:
+    return GatewayError(
+        code=ErrorCode.REQUEST_ALREADY_COMPLETED,
+        message="A request with this Idempotency-Key already completed; "
+        "send a new key for a new request",
+        http_status=409, request_id=request_id, retryable=False,
+        extra=(("outcome", "completed"), ("delivered_output_tokens", delivered)))
+
+
+def request_already_finished(request_id: str, outcome: str, delivered: int) -> GatewayError:
+    return GatewayError(
+        code=ErrorCode.REQUEST_ALREADY_FINISHED,
+        message=f"A request with this Idempotency-Key already ended ({outcome}); "
+        "send a new key for a new request",
+        http_status=409, request_id=request_id, retryable=False,
+        partial_output=delivered > 0,
+        extra=(("outcome", outcome), ("delivered_output_tokens", delivered)))
+
+
+# --- server-side tools ----------------------------------------------------------------
+
+
+def tool_result_not_replayable(request_id: str, key: str, size: Any, status: Any,
+                               sha256: Any) -> GatewayError:
+    return GatewayError(
+        ErrorCode.TOOL_RESULT_NOT_REPLAYABLE,
+        f"tool call {key} already ran; its result ({size} bytes) was too large to record, "
+        "so it cannot be replayed and is not run again",
+        409, request_id=request_id, retryable=False,
+        extra=(("status", status), ("sha256", sha256)))
+
+
+def tool_outcome_unknown(request_id: str, key: str, reason: str) -> GatewayError:
+    return GatewayError(
+        ErrorCode.TOOL_CALL_OUTCOME_UNKNOWN,
+        f"tool call {key} was started but its result was never recorded ({reason}); it may "
+        "or may not have run, so the gateway will not run it again",
+        409, request_id=request_id, retryable=False)
+
+
+def attempt_fenced(request_id: str, attempt_id: str) -> GatewayError:
+    return GatewayError(
+        ErrorCode.ATTEMPT_FENCED,
+        f"attempt {attempt_id} is not the live attempt of {request_id}: "
+        "a fenced attempt may not trigger side effects",
+        409, request_id=request_id, retryable=False)
+
+
+def tool_in_progress(request_id: str, key: str) -> GatewayError:
+    return GatewayError(ErrorCode.TOOL_CALL_IN_PROGRESS,
+                        f"tool call {key} is being executed by another call",
+                        409, request_id=request_id, retryable=True)

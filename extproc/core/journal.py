@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from . import errors
 from .errors import ErrorCode, GatewayError, bad_request, decode_interrupted
 
 
@@ -154,14 +155,8 @@ class JournalView:
             return decode_interrupted(self.request_id, self.delivered_output_tokens)
         if self.outcome_value is Outcome.GATEWAY_INTERRUPTED:
             exact = bool((self.outcome or {}).get("delivered_output_tokens_exact", True))
-            return GatewayError(
-                code=ErrorCode.GATEWAY_INTERRUPTED,
-                message="The gateway serving this request failed before it ended"
-                + ("; part of the answer was sent" if self.first_delta_sent else ""),
-                http_status=502, request_id=self.request_id,
-                retryable=not self.first_delta_sent, partial_output=self.first_delta_sent,
-                delivered_output_tokens=self.delivered_output_tokens,
-                extra=(("delivered_output_tokens_exact", exact),))
+            return errors.gateway_interrupted(self.request_id, self.first_delta_sent,
+                                              self.delivered_output_tokens, exact)
         return None
 
     @property
@@ -192,39 +187,14 @@ def repeat_answer(view: JournalView) -> GatewayError:
     rid = view.request_id
     oc = view.outcome_value
     if oc is None:
-        return GatewayError(
-            code=ErrorCode.REQUEST_IN_PROGRESS,
-            message="A request with this Idempotency-Key is still in progress; "
-            "poll GET /v1/requests/{request_id}",
-            http_status=409, request_id=rid, retryable=True,
-            extra=(("phase", str(view.phase)),),
-        )
+        return errors.request_in_progress(rid, str(view.phase))
     if oc in (Outcome.UPSTREAM_DECODE_INTERRUPTED, Outcome.GATEWAY_INTERRUPTED):
         err = view.client_error()
         assert err is not None
-        return GatewayError(code=err.code, message=err.message, http_status=409,
-                            request_id=rid, retryable=False,
-                            partial_output=err.partial_output,
-                            delivered_output_tokens=err.delivered_output_tokens,
-                            extra=err.extra)
+        return errors.repeat_of(err)
     if oc is Outcome.COMPLETED:
-        return GatewayError(
-            code=ErrorCode.REQUEST_ALREADY_COMPLETED,
-            message="A request with this Idempotency-Key already completed; "
-            "send a new key for a new request",
-            http_status=409, request_id=rid, retryable=False,
-            extra=(("outcome", str(oc)),
-                   ("delivered_output_tokens", view.delivered_output_tokens)),
-        )
-    return GatewayError(
-        code=ErrorCode.REQUEST_ALREADY_FINISHED,
-        message=f"A request with this Idempotency-Key already ended ({oc}); "
-        "send a new key for a new request",
-        http_status=409, request_id=rid, retryable=False,
-        partial_output=view.delivered_output_tokens > 0,
-        extra=(("outcome", str(oc)),
-               ("delivered_output_tokens", view.delivered_output_tokens)),
-    )
+        return errors.request_already_completed(rid, view.delivered_output_tokens)
+    return errors.request_already_finished(rid, str(oc), view.delivered_output_tokens)
 
 
 def validate_request_id(rid: str) -> GatewayError | None:

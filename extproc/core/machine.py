@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any, Literal, NamedTuple, TypeAlias
 
-from .errors import ErrorCode, GatewayError, decode_interrupted, upstream_timeout
+from .errors import GatewayError, decode_interrupted, upstream_timeout, upstream_unavailable
 from .journal import Outcome
 from .sse import EventKind, SseDecoder, SseEvent
 
@@ -370,9 +370,7 @@ class GateMachine(_Base):
                    max_buffer=max_buffer)
 
     def _unavailable(self, reason: str) -> GatewayError:
-        return GatewayError(code=ErrorCode.UPSTREAM_UNAVAILABLE,
-                            message=f"no replica produced an answer ({reason})",
-                            http_status=503, request_id=self.request_id, retryable=True)
+        return upstream_unavailable(self.request_id, reason)
 
     def fail(self, reason: str) -> list[Action]:
         held = self.held
@@ -585,10 +583,8 @@ def _guard_headers(m: GuardMachine, ev: ResponseHeaders) -> list[Action]:
     if ev.status >= 500 and ev.content_type.startswith("text/plain") and not ev.end_of_stream:
         # Envoy's own local reply (no host answered, or its per-try timeout on the last
         # attempt): our error shape instead of its plain text.
-        m.replaced_error = GatewayError(
-            code=ErrorCode.UPSTREAM_TIMEOUT if ev.status == 504 else ErrorCode.UPSTREAM_UNAVAILABLE,
-            message=f"no replica produced an answer (gateway status {ev.status})",
-            http_status=ev.status, request_id=m.request_id, retryable=True).json_bytes()
+        m.replaced_error = upstream_unavailable(
+            m.request_id, f"gateway status {ev.status}", ev.status).json_bytes()
     if ev.end_of_stream:
         m.state = State.GUARD_COMPLETE
     return [PassHeaders()]
@@ -759,8 +755,8 @@ def _guard_closed_early(m: GuardMachine, ev: StreamClosed) -> list[Action]:
     return []
 
 
-_G = "gate"
-_GD = "guard"
+GATE: Role = "gate"
+GUARD: Role = "guard"
 S = State
 
 
@@ -782,63 +778,63 @@ def _stay(fn: Callable[[Any, Any], list[Action]], states: tuple[State, ...], rol
 # rows to draw its life; docs/architecture.md's drawing is generated from these arrows.
 TABLE: dict[tuple[str, State, type], Transition] = {
     # --- gate: one attempt
-    (_G, S.GATE_NEW, RequestStarted): T(_gate_start, S.GATE_ADMITTING),
-    (_G, S.GATE_ADMITTING, AdmitDecided): T(_gate_admit, S.GATE_FORWARDED, S.GATE_CLOSED),
-    (_G, S.GATE_FORWARDED, ResponseHeaders): T(_gate_headers, S.GATE_PASSTHROUGH,
+    (GATE, S.GATE_NEW, RequestStarted): T(_gate_start, S.GATE_ADMITTING),
+    (GATE, S.GATE_ADMITTING, AdmitDecided): T(_gate_admit, S.GATE_FORWARDED, S.GATE_CLOSED),
+    (GATE, S.GATE_FORWARDED, ResponseHeaders): T(_gate_headers, S.GATE_PASSTHROUGH,
                                                S.GATE_HOLDING, S.GATE_FAILED),
-    (_G, S.GATE_HOLDING, ResponseBody): T(_gate_body_holding, S.GATE_HOLDING, S.GATE_FENCING,
+    (GATE, S.GATE_HOLDING, ResponseBody): T(_gate_body_holding, S.GATE_HOLDING, S.GATE_FENCING,
                                           S.GATE_FAILED),
-    (_G, S.GATE_FENCING, ResponseBody): T(_gate_body_fencing, S.GATE_FENCING),
-    (_G, S.GATE_FENCING, FenceDecided): T(_gate_fence, S.GATE_RELEASED, S.GATE_FAILED),
-    (_G, S.GATE_RELEASED, ResponseBody): T(_gate_pass, S.GATE_RELEASED),
-    (_G, S.GATE_PASSTHROUGH, ResponseBody): T(_gate_pass, S.GATE_PASSTHROUGH),
-    (_G, S.GATE_FAILED, ResponseBody): T(_gate_drop, S.GATE_FAILED),
-    (_G, S.GATE_RELEASED, LeaseLost): T(_gate_lease_lost, S.GATE_RELEASED),
+    (GATE, S.GATE_FENCING, ResponseBody): T(_gate_body_fencing, S.GATE_FENCING),
+    (GATE, S.GATE_FENCING, FenceDecided): T(_gate_fence, S.GATE_RELEASED, S.GATE_FAILED),
+    (GATE, S.GATE_RELEASED, ResponseBody): T(_gate_pass, S.GATE_RELEASED),
+    (GATE, S.GATE_PASSTHROUGH, ResponseBody): T(_gate_pass, S.GATE_PASSTHROUGH),
+    (GATE, S.GATE_FAILED, ResponseBody): T(_gate_drop, S.GATE_FAILED),
+    (GATE, S.GATE_RELEASED, LeaseLost): T(_gate_lease_lost, S.GATE_RELEASED),
     # Before release the fence transaction itself checks the lease; after the end, moot.
     **_stay(_gate_ignore, (S.GATE_NEW, S.GATE_ADMITTING, S.GATE_FORWARDED, S.GATE_HOLDING,
                            S.GATE_FENCING, S.GATE_PASSTHROUGH, S.GATE_FAILED, S.GATE_CLOSED),
-            _G, LeaseLost),
-    (_G, S.GATE_HOLDING, FirstDeltaTimeout): T(_gate_first_delta_timeout, S.GATE_FAILED),
-    (_G, S.GATE_FORWARDED, FirstDeltaTimeout): T(_gate_forwarded_timeout, S.GATE_FORWARDED,
+            GATE, LeaseLost),
+    (GATE, S.GATE_HOLDING, FirstDeltaTimeout): T(_gate_first_delta_timeout, S.GATE_FAILED),
+    (GATE, S.GATE_FORWARDED, FirstDeltaTimeout): T(_gate_forwarded_timeout, S.GATE_FORWARDED,
                                                  S.GATE_FAILED),
     # Fencing (etcd txn in flight), released or over: too late to matter.
     **_stay(_gate_ignore, (S.GATE_NEW, S.GATE_ADMITTING, S.GATE_FENCING, S.GATE_RELEASED,
                            S.GATE_PASSTHROUGH, S.GATE_FAILED, S.GATE_CLOSED),
-            _G, FirstDeltaTimeout),
-    **{(_G, st, StreamClosed): T(_gate_closed, S.GATE_CLOSED) for st in (
+            GATE, FirstDeltaTimeout),
+    **{(GATE, st, StreamClosed): T(_gate_closed, S.GATE_CLOSED) for st in (
         S.GATE_NEW, S.GATE_ADMITTING, S.GATE_FORWARDED, S.GATE_HOLDING, S.GATE_FENCING,
         S.GATE_RELEASED, S.GATE_PASSTHROUGH, S.GATE_FAILED)},
-    (_G, S.GATE_CLOSED, StreamClosed): T(_gate_closed_again, S.GATE_CLOSED),
+    (GATE, S.GATE_CLOSED, StreamClosed): T(_gate_closed_again, S.GATE_CLOSED),
     # --- guard: the logical request, from its headers to its recorded outcome
-    (_GD, S.GUARD_NEW, RequestHeadersSeen): T(_guard_request_headers, S.GUARD_AWAITING_BODY,
+    (GUARD, S.GUARD_NEW, RequestHeadersSeen): T(_guard_request_headers, S.GUARD_AWAITING_BODY,
                                               S.GUARD_ASIDE),
-    (_GD, S.GUARD_AWAITING_BODY, RequestBodySeen): T(_guard_request_body, S.GUARD_OPENING,
+    (GUARD, S.GUARD_AWAITING_BODY, RequestBodySeen): T(_guard_request_body, S.GUARD_OPENING,
                                                      S.GUARD_ASIDE),
-    (_GD, S.GUARD_OPENING, RequestOpened): T(_guard_opened, S.GUARD_WAITING, S.GUARD_ASIDE),
-    **{(_GD, st, StreamClosed): T(_guard_closed_early, S.GUARD_CLOSED) for st in (
+    (GUARD, S.GUARD_OPENING, RequestOpened): T(_guard_opened, S.GUARD_WAITING, S.GUARD_ASIDE),
+    **{(GUARD, st, StreamClosed): T(_guard_closed_early, S.GUARD_CLOSED) for st in (
         S.GUARD_NEW, S.GUARD_AWAITING_BODY, S.GUARD_OPENING, S.GUARD_ASIDE)},
-    (_GD, S.GUARD_WAITING, ResponseHeaders): T(_guard_headers, S.GUARD_RESPONDING,
+    (GUARD, S.GUARD_WAITING, ResponseHeaders): T(_guard_headers, S.GUARD_RESPONDING,
                                                S.GUARD_COMPLETE),
-    (_GD, S.GUARD_RESPONDING, ResponseBody): T(_guard_body, S.GUARD_RESPONDING,
+    (GUARD, S.GUARD_RESPONDING, ResponseBody): T(_guard_body, S.GUARD_RESPONDING,
                                                S.GUARD_STREAMING, S.GUARD_COMPLETE,
                                                S.GUARD_TERMINATED),
-    (_GD, S.GUARD_STREAMING, ResponseBody): T(_guard_body, S.GUARD_STREAMING,
+    (GUARD, S.GUARD_STREAMING, ResponseBody): T(_guard_body, S.GUARD_STREAMING,
                                               S.GUARD_COMPLETE, S.GUARD_TERMINATED),
-    (_GD, S.GUARD_RESPONDING, StallTimeout): T(_guard_stall_ignored, S.GUARD_RESPONDING),
-    (_GD, S.GUARD_STREAMING, StallTimeout): T(_guard_stall, S.GUARD_STREAMING,
+    (GUARD, S.GUARD_RESPONDING, StallTimeout): T(_guard_stall_ignored, S.GUARD_RESPONDING),
+    (GUARD, S.GUARD_STREAMING, StallTimeout): T(_guard_stall, S.GUARD_STREAMING,
                                               S.GUARD_TERMINATED),
-    (_GD, S.GUARD_TERMINATED, ResponseBody): T(_guard_body_after_end, S.GUARD_TERMINATED),
+    (GUARD, S.GUARD_TERMINATED, ResponseBody): T(_guard_body_after_end, S.GUARD_TERMINATED),
     **_stay(_guard_stall_ignored, (S.GUARD_TERMINATED, S.GUARD_COMPLETE, S.GUARD_CLOSED),
-            _GD, StallTimeout),
-    (_GD, S.GUARD_AWAIT_CAUSE, CauseLearned): T(_guard_cause, S.GUARD_CLOSED),
-    (_GD, S.GUARD_CLOSED, CauseLearned): T(_guard_cause_late, S.GUARD_CLOSED),
-    (_GD, S.GUARD_CLOSED, StreamClosed): T(lambda m, ev: [], S.GUARD_CLOSED),
-    (_GD, S.GUARD_RESPONDING, Fenced): T(_guard_fenced, S.GUARD_RESPONDING,
+            GUARD, StallTimeout),
+    (GUARD, S.GUARD_AWAIT_CAUSE, CauseLearned): T(_guard_cause, S.GUARD_CLOSED),
+    (GUARD, S.GUARD_CLOSED, CauseLearned): T(_guard_cause_late, S.GUARD_CLOSED),
+    (GUARD, S.GUARD_CLOSED, StreamClosed): T(lambda m, ev: [], S.GUARD_CLOSED),
+    (GUARD, S.GUARD_RESPONDING, Fenced): T(_guard_fenced, S.GUARD_RESPONDING,
                                          S.GUARD_TERMINATED),
-    (_GD, S.GUARD_STREAMING, Fenced): T(_guard_fenced, S.GUARD_STREAMING, S.GUARD_TERMINATED),
+    (GUARD, S.GUARD_STREAMING, Fenced): T(_guard_fenced, S.GUARD_STREAMING, S.GUARD_TERMINATED),
     **_stay(_guard_ignore, (S.GUARD_WAITING, S.GUARD_COMPLETE, S.GUARD_TERMINATED,
-                            S.GUARD_AWAIT_CAUSE, S.GUARD_CLOSED), _GD, Fenced),
-    **{(_GD, st, StreamClosed): T(_guard_closed, S.GUARD_CLOSED, S.GUARD_AWAIT_CAUSE)
+                            S.GUARD_AWAIT_CAUSE, S.GUARD_CLOSED), GUARD, Fenced),
+    **{(GUARD, st, StreamClosed): T(_guard_closed, S.GUARD_CLOSED, S.GUARD_AWAIT_CAUSE)
        for st in (S.GUARD_WAITING, S.GUARD_RESPONDING, S.GUARD_STREAMING, S.GUARD_COMPLETE,
                   S.GUARD_TERMINATED)},
 }

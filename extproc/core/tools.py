@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from . import errors
 from .errors import ErrorCode, GatewayError, bad_request
 from .headers import ATTEMPT_ID, REQUEST_ID
 from .journal import REQUEST_ID_RE
@@ -126,35 +127,22 @@ def answer_for(entry: Mapping[str, Any], call: ToolCall,
     state = entry.get("state")
     if state == "done":
         if entry.get("truncated"):
-            return GatewayError(
-                ErrorCode.TOOL_RESULT_NOT_REPLAYABLE,
-                f"tool call {call.key} already ran; its result ({entry.get('size')} bytes) "
-                "was too large to record, so it cannot be replayed and is not run again",
-                409, request_id=call.request_id, retryable=False,
-                extra=(("status", entry.get("status")), ("sha256", entry.get("sha256"))))
+            return errors.tool_result_not_replayable(call.request_id, call.key,
+                                                     entry.get("size"), entry.get("status"),
+                                                     entry.get("sha256"))
         hdrs = dict(entry.get("headers") or {})
         hdrs[REPLAYED] = "true"
         return Replay(status=int(entry["status"]), headers=hdrs,
                       body=base64.b64decode(entry.get("body_b64", "")))
     if state == "running" and executor_alive:
         return None
-    return GatewayError(
-        ErrorCode.TOOL_CALL_OUTCOME_UNKNOWN,
-        f"tool call {call.key} was started but its result was never recorded "
-        f"({entry.get('reason', 'its executor died')}); it may or may not have run, "
-        "so the gateway will not run it again",
-        409, request_id=call.request_id, retryable=False)
+    return errors.tool_outcome_unknown(call.request_id, call.key,
+                                       str(entry.get("reason", "its executor died")))
 
 
 def fenced_error(call: ToolCall) -> GatewayError:
-    return GatewayError(
-        ErrorCode.ATTEMPT_FENCED,
-        f"attempt {call.attempt_id} is not the live attempt of {call.request_id}: "
-        "a fenced attempt may not trigger side effects",
-        409, request_id=call.request_id, retryable=False)
+    return errors.attempt_fenced(call.request_id, call.attempt_id)
 
 
 def in_progress_error(call: ToolCall) -> GatewayError:
-    return GatewayError(ErrorCode.TOOL_CALL_IN_PROGRESS,
-                        f"tool call {call.key} is being executed by another call",
-                        409, request_id=call.request_id, retryable=True)
+    return errors.tool_in_progress(call.request_id, call.key)
