@@ -96,15 +96,23 @@ def assert_complete(gw: Gateway, r: Result, ref: list[Any]) -> dict[str, Any]:
     return j
 
 
-def test_a_dead_replica_costs_the_pool_nothing(agw: Gateway) -> None:
+def under(agw: Gateway, fault: str, name: str, n: int
+          ) -> tuple[list[Any], list[tuple[Result, float, float]]]:
+    """The reference answer, then n requests (4 at a time) while `name` is dead or frozen."""
     st = agw.stack
     ref = reference(agw)
-    st.hold_down("r2")
+    (st.hold_down if fault == "dead" else st.freeze)(name)
     try:
-        results = load(agw, n=60, concurrency=4)
+        results = load(agw, n=n, concurrency=4)
     finally:
-        st.release("r2")
-    assert len(results) == 60
+        (st.release if fault == "dead" else st.thaw)(name)
+    assert len(results) == n
+    return ref, results
+
+
+def test_a_dead_replica_costs_the_pool_nothing(agw: Gateway) -> None:
+    st = agw.stack
+    ref, results = under(agw, "dead", "r2", 60)
     dead_port = st.replica_ports[1]
     retried_late = []
     for r, start, took in results:
@@ -132,14 +140,7 @@ def test_a_dead_replica_costs_the_pool_nothing(agw: Gateway) -> None:
 
 
 def test_a_frozen_replica_costs_one_bounded_wait_per_stuck_request(agw: Gateway) -> None:
-    st = agw.stack
-    ref = reference(agw)
-    st.freeze("r3")
-    try:
-        results = load(agw, n=40, concurrency=4)
-    finally:
-        st.thaw("r3")
-    assert len(results) == 40
+    ref, results = under(agw, "frozen", "r3", 40)
     done = [x for x in results if x[0].status == 200]
     for r, _, took in results:
         assert took <= BOUND, (took, r.status, r.raw[:200])
