@@ -11,6 +11,7 @@ fresh machine must reproduce its `decisions` (the tests check it).
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
@@ -284,10 +285,29 @@ Role = Literal["gate", "guard"]
 TRACE_RECORD_COST = 320
 
 
+# Records of events that repeat across requests (no request-specific data in them) are one
+# shared, never mutated dict each: an open stream holds references, not copies.
+_SHARED_RECORD_TYPES = (RequestStarted, ResponseHeaders, FenceDecided, FirstDeltaTimeout,
+                        StallTimeout, StreamClosed, CauseLearned, Fenced, LeaseLost,
+                        RequestHeadersSeen, RequestOpened)
+_SHARED_RECORDS: dict[Event, dict[str, Any]] = {}
+
+
 def _event_record(ev: Event) -> dict[str, Any]:
     if type(ev) is ResponseBody:  # the hot path: one per body message
         return {"type": "ResponseBody", "data": ev.data.decode("latin-1"),
                 "end_of_stream": ev.end_of_stream}
+    if isinstance(ev, _SHARED_RECORD_TYPES):
+        rec = _SHARED_RECORDS.get(ev)
+        if rec is None:
+            rec = _build_record(ev)
+            if len(_SHARED_RECORDS) < 4096:  # a handful in practice; bounded regardless
+                _SHARED_RECORDS[ev] = rec
+        return rec
+    return _build_record(ev)
+
+
+def _build_record(ev: Event) -> dict[str, Any]:
     d: dict[str, Any]
     if isinstance(ev, AdmitDecided):
         d = {"admitted": ev.admitted, "error": ev.error.body() if ev.error else None}
@@ -332,8 +352,9 @@ class _Base:
                                                       else 0)
             self.trace.append(_event_record(ev))
             actions = t.fn(self, ev)
-            self.decisions.append(
-                f"{self.state}:" + ",".join([type(a).__name__ for a in actions]))
+            # Interned: a few dozen distinct decisions, shared by every open stream.
+            self.decisions.append(sys.intern(
+                f"{self.state}:" + ",".join([type(a).__name__ for a in actions])))
         if self.state not in t.next:
             # The table declares every arrow; a handler that leaves by another is a bug.
             raise ProtocolViolation(
