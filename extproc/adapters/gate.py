@@ -497,7 +497,9 @@ class GateSession(Session):
         if self.m is not None and self.p.keep_trace(cls is FailureClass.COMPLETED):
             self.p.spawn(self.p.save_trace(rid, f"attempt-{attempt:03d}", self.m, {
                 "attempt_id": aid, "replica": self.replica,
-                "failure_class": str(cls)}), f"trace-{aid}")
+                "failure_class": str(cls),
+                # The end plan's inputs and verdict: `extproc replay` decides it again.
+                "end": records.end_trace(facts, entry, cancel_ack, done)}), f"trace-{aid}")
         self.lease.revoked = True
         if plan.revoke_now:
             await retrying(lambda: store.update_attempt(rid, attempt, record),

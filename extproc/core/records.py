@@ -9,7 +9,7 @@ are made here, not in the adapters. Times are passed in.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from .failure import AttemptEnd, FailureClass, Fence, classify, fence_for
@@ -192,3 +192,21 @@ def released_end(handoff: Mapping[str, Any], *, upstream_finished: bool, cause: 
                 # `live` (docs/fencing.md).
                 "fence": "ended_with_request"})
     return cls, rec
+
+
+def end_trace(f: EndFacts, entry: str | None, cancel_ack: bool,
+              s: Settled) -> dict[str, Any]:
+    """What an attempt's trace keeps of its end: the inputs and the verdict."""
+    return {"facts": asdict(f), "entry": entry, "cancel_ack": cancel_ack,
+            "failure_class": str(s.failure_class), "fence": str(s.fence), "cause": s.cause,
+            "envoy_closed": s.envoy_closed}
+
+
+def replay_end(rec: Mapping[str, Any]) -> str | None:
+    """Decide a recorded end again; None if the core decides as it did, else what differs."""
+    f = EndFacts(**rec["facts"])
+    s = settle_end(f, plan_end(f), rec.get("entry"), bool(rec.get("cancel_ack", True)))
+    got = {"failure_class": str(s.failure_class), "fence": str(s.fence), "cause": s.cause,
+           "envoy_closed": s.envoy_closed}
+    want = {k: rec.get(k) for k in got}
+    return None if got == want else f"end plan differs: recorded {want}, decided {got}"

@@ -35,6 +35,7 @@ from .machine import (
     State,
     StreamClosed,
 )
+from .records import replay_end
 
 FORMAT = 1
 
@@ -157,4 +158,13 @@ def replay(trace: Mapping[str, Any]) -> ReplayResult:
         return ReplayResult(False, len(m.decisions),
                             f"final state differs: recorded {want_summary}, "
                             f"replay {summary(m)}")
+    end = (trace.get("meta") or {}).get("end")
+    if isinstance(end, Mapping):
+        # The attempt's end was decided outside the machine (core.records): decide it again.
+        try:
+            differs = replay_end(end)
+        except (TypeError, KeyError, ValueError) as e:
+            return ReplayResult(False, len(m.decisions), f"end plan cannot be replayed: {e}")
+        if differs is not None:
+            return ReplayResult(False, len(m.decisions), differs)
     return ReplayResult(True, len(m.decisions))

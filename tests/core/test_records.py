@@ -65,3 +65,25 @@ def test_records_carry_what_the_journal_shows() -> None:
                             ended_at=140.0)
     assert cls is FailureClass.NETWORK_UNCERTAIN and "lease_id" not in rec
     assert rec["fence"] == "ended_with_request" and rec["released"] is True
+
+
+def test_an_end_plan_in_a_trace_is_decided_again_by_replay() -> None:
+    from extproc.core.machine import GateMachine, RequestStarted, StreamClosed
+    from extproc.core.records import end_trace, replay_end
+    from extproc.core.replay import record, replay
+
+    f = EndFacts(False, False, True, True, 200, 31.0, FIRST)
+    s = settle_end(f, plan_end(f), None, True)
+    rec = end_trace(f, None, True, s)
+    assert replay_end(rec) is None
+    m = GateMachine.new("req_0123456789abcdefghjkmnpqrs")
+    m.handle(RequestStarted(1))
+    m.handle(StreamClosed())
+    trace = record(m, {"end": rec}, 1 << 20)
+    assert replay(trace).ok
+    # A tampered (or since-changed) verdict shows up as a divergence.
+    bad = {**trace, "meta": {"end": {**rec, "fence": "revoked"}}}
+    r = replay(bad)
+    assert not r.ok and r.divergence is not None and "end plan differs" in r.divergence
+    broken = {**trace, "meta": {"end": {**rec, "facts": {"nope": 1}}}}
+    assert not replay(broken).ok
