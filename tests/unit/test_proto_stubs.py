@@ -25,6 +25,7 @@ from extproc.gen.envoy.config.core.v3 import base_pb2
 from extproc.gen.envoy.data.accesslog.v3 import accesslog_pb2
 from extproc.gen.envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from extproc.gen.envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
+from extproc.gen.envoy.service.endpoint.v3 import eds_pb2, eds_pb2_grpc
 from extproc.gen.envoy.service.ext_proc.v3 import (
     external_processor_pb2 as ep,
 )
@@ -42,6 +43,11 @@ MODULES = {
     for name in (
         "envoy/config/core/v3/base.proto",
         "envoy/config/core/v3/address.proto",
+        "envoy/config/core/v3/health_check.proto",
+        "envoy/config/endpoint/v3/endpoint_components.proto",
+        "envoy/config/endpoint/v3/endpoint.proto",
+        "envoy/service/discovery/v3/discovery.proto",
+        "envoy/service/endpoint/v3/eds.proto",
         "envoy/type/v3/http_status.proto",
         "envoy/extensions/filters/http/ext_proc/v3/processing_mode.proto",
         "envoy/service/ext_proc/v3/external_processor.proto",
@@ -181,10 +187,15 @@ def test_grpc_method_paths() -> None:
     ch = _RecordingChannel()
     ep_grpc.ExternalProcessorStub(ch)
     als_pb2_grpc.AccessLogServiceStub(ch)
+    eds_pb2_grpc.EndpointDiscoveryServiceStub(ch)
     assert ch.paths == [
         "/envoy.service.ext_proc.v3.ExternalProcessor/Process",
         "/envoy.service.accesslog.v3.AccessLogService/StreamAccessLogs",
+        "/envoy.service.endpoint.v3.EndpointDiscoveryService/StreamEndpoints",
     ]
+    eds = eds_pb2.DESCRIPTOR.services_by_name["EndpointDiscoveryService"]
+    assert eds.methods_by_name["StreamEndpoints"].client_streaming
+    assert eds.methods_by_name["StreamEndpoints"].server_streaming
     process = ep.DESCRIPTOR.services_by_name["ExternalProcessor"].methods_by_name["Process"]
     assert process.client_streaming and process.server_streaming
     stream = als_pb2.DESCRIPTOR.services_by_name["AccessLogService"].methods_by_name[
