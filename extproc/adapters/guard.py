@@ -29,6 +29,7 @@ from ..core.errors import (
     request_not_found,
 )
 from ..core.failure import FailureClass
+from ..core.families import family_for_path
 from ..core.intake import (
     Generation,
     PassThrough,
@@ -196,13 +197,13 @@ class GuardSession(Session):
             await self.tool.on_response_body(msg.response_body.body,
                                              msg.response_body.end_of_stream)
 
-    def _machine(self, rid: str, kind: str) -> GuardMachine:
+    def _machine(self, rid: str, kind: str, family: str = "chat") -> GuardMachine:
         """The request's machine, from its headers on (its request phase is in the table)."""
         m = self.m = GuardMachine.new(rid, self.cfg.timeouts.stall_after_first_delta_s,
                                       self.cfg.limits.max_buffered_response_bytes,
                                       at_request=True)
         m.trace_budget = self.p.trace_budget()
-        m.handle(RequestHeadersSeen(kind))
+        m.handle(RequestHeadersSeen(kind, family))
         return m
 
     async def on_request_headers(self, hd: dict[str, str], end_of_stream: bool) -> None:
@@ -230,7 +231,7 @@ class GuardSession(Session):
             return
         self.gen = intake
         self.rid = intake.request_id
-        self._machine(intake.request_id, "generation")
+        self._machine(intake.request_id, "generation", family_for_path(intake.path).name)
         if end_of_stream:
             await self.feed(RequestBodySeen(body_required(self.rid)))
             return
@@ -262,7 +263,7 @@ class GuardSession(Session):
         if gen is None or rid is None or m is None or m.state is not State.GUARD_AWAITING_BODY:
             await self.write(codec.continue_request_body())
             return
-        meta = parse_body(body, self.cfg, rid)
+        meta = parse_body(body, self.cfg, rid, gen.path)
         if isinstance(meta, GatewayError):
             rlog(log, logging.INFO, "request body rejected", rid, None, code=str(meta.code))
             await self.feed(RequestBodySeen(meta))
@@ -294,7 +295,7 @@ class GuardSession(Session):
             await self.write(codec.immediate(self._journal_down(rid, e), {H.REQUEST_ID: rid}))
             return
         if existing is not None:
-            err = repeat_answer(existing)
+            err = repeat_answer(existing, meta.request_digest, gen.idempotency_key)
             rlog(log, logging.INFO, "repeat of a known request", rid, None,
                  code=str(err.code), outcome=existing.outcome_value)
             await self.feed(RequestOpened(False))
@@ -307,8 +308,7 @@ class GuardSession(Session):
         self.span = self.p.tel.start("llm.request", self.p.tel.parent_from(self.md),
                                      SpanKind.SERVER, {
             "llmgw.request_id": rid, "gen_ai.request.model": meta.model,
-            "gen_ai.operation.name": "chat" if gen.path.endswith("chat/completions")
-            else "text_completion",
+            "gen_ai.operation.name": family_for_path(gen.path).operation,
             "http.request.method": "POST", "url.path": gen.path,
             "llmgw.stream": meta.stream, "llmgw.fingerprint": route[0] if route else None,
             "llmgw.gateway_id": self.cfg.server.gateway_id})

@@ -28,6 +28,7 @@ class ErrorCode(StrEnum):
     REQUEST_BODY_TOO_LARGE = "request_body_too_large"
     MISSING_IDEMPOTENCY_KEY = "missing_idempotency_key"
     INVALID_IDEMPOTENCY_KEY = "invalid_idempotency_key"
+    IDEMPOTENCY_KEY_REUSED = "idempotency_key_reused"
     INVALID_HEADER = "invalid_header"
     ATTEMPT_NOT_ADMITTED = "attempt_not_admitted"
     RETRY_BUDGET_EXHAUSTED = "retry_budget_exhausted"
@@ -225,6 +226,17 @@ def request_already_finished(request_id: str, outcome: str, delivered: int) -> G
         http_status=409, request_id=request_id, retryable=False,
         partial_output=delivered > 0,
         extra=(("outcome", outcome), ("delivered_output_tokens", delivered)))
+
+
+def idempotency_key_reused(request_id: str, key: str) -> GatewayError:
+    """The key names another request (a different body or endpoint): nothing runs, nothing
+    of the first request is told (422, as payment APIs answer a reused key)."""
+    return GatewayError(
+        code=ErrorCode.IDEMPOTENCY_KEY_REUSED,
+        message=f"Idempotency-Key {key!r} was already used for a different request (the "
+        "model, messages, parameters or endpoint differ); send a new key for a new request",
+        http_status=422, request_id=request_id, retryable=False,
+        extra=(("param", "Idempotency-Key"),))
 
 
 # --- server-side tools ----------------------------------------------------------------

@@ -15,9 +15,12 @@ from typing import Any
 from .budget import estimate_prompt_tokens
 from .config import Config
 from .errors import ErrorCode, GatewayError, bad_request
+from .families import GENERATION_PATHS as FAMILY_PATHS
 from .journal import new_request_id, request_id_for_key, validate_request_id
 
-GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+# Every API family the contract covers (core.families): chat, completions, Responses and
+# Anthropic Messages.
+GENERATION_PATHS = FAMILY_PATHS
 STATUS_PREFIX = "/v1/requests/"
 DEFAULT_TENANT = "default"
 
@@ -115,15 +118,28 @@ class RequestMeta:
     input_digest: str
     body_bytes: int
     estimated_prompt_tokens: int = 0
+    # The canonical request (endpoint + body as sorted, compact JSON): what an
+    # Idempotency-Key names. A repeat whose digest differs is refused (decision 0005).
+    request_digest: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "stream": self.stream, "seed": self.seed,
                 "max_tokens": self.max_tokens, "input_digest": self.input_digest,
                 "body_bytes": self.body_bytes,
-                "estimated_prompt_tokens": self.estimated_prompt_tokens}
+                "estimated_prompt_tokens": self.estimated_prompt_tokens,
+                "request_digest": self.request_digest}
 
 
-def parse_body(body: bytes, cfg: Config, request_id: str) -> RequestMeta | GatewayError:
+def request_digest(path: str, obj: Mapping[str, Any]) -> str:
+    """The same request however it is spelled: key order and whitespace do not count,
+    every value does (model, messages, every parameter), and so does the endpoint."""
+    canonical = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return "sha256:" + hashlib.sha256(
+        path.encode() + b"\0" + canonical.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def parse_body(body: bytes, cfg: Config, request_id: str,
+               path: str = "/v1/chat/completions") -> RequestMeta | GatewayError:
     if len(body) > cfg.limits.max_request_body_bytes:
         return bad_request(ErrorCode.REQUEST_BODY_TOO_LARGE,
                            f"request body is {len(body)} bytes; the limit is "
@@ -151,7 +167,9 @@ def parse_body(body: bytes, cfg: Config, request_id: str) -> RequestMeta | Gatew
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         return bad_request(ErrorCode.INVALID_REQUEST_BODY, "'seed' must be an integer",
                            request_id)
-    max_tokens = obj.get("max_tokens", obj.get("max_completion_tokens"))
+    # Responses calls it max_output_tokens; chat, completions and Anthropic max_tokens.
+    max_tokens = obj.get("max_tokens", obj.get("max_completion_tokens",
+                                               obj.get("max_output_tokens")))
     if max_tokens is not None and (isinstance(max_tokens, bool)
                                    or not isinstance(max_tokens, int)):
         return bad_request(ErrorCode.INVALID_REQUEST_BODY, "'max_tokens' must be an integer",
@@ -159,5 +177,6 @@ def parse_body(body: bytes, cfg: Config, request_id: str) -> RequestMeta | Gatew
     return RequestMeta(model=model, stream=stream, seed=seed, max_tokens=max_tokens,
                        input_digest="sha256:" + hashlib.sha256(body).hexdigest(),
                        body_bytes=len(body),
+                       request_digest=request_digest(path, obj),
                        estimated_prompt_tokens=estimate_prompt_tokens(
                            obj, cfg.policy.retry_cost.chars_per_token))

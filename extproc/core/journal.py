@@ -182,9 +182,18 @@ def orphan_outcome(view: JournalView, now: float) -> dict[str, Any]:
             "finished_at": now}
 
 
-def repeat_answer(view: JournalView) -> GatewayError:
-    """What a repeat of a request (same Idempotency-Key) gets: never a second run."""
+def repeat_answer(view: JournalView, request_digest: str = "",
+                  key: str | None = None) -> GatewayError:
+    """What a repeat of a request (same Idempotency-Key) gets: never a second run.
+
+    A repeat must be the same request: a different one under the key is refused, before
+    anything of the first is told. Records written before digests were kept have none and
+    are answered as repeats.
+    """
     rid = view.request_id
+    kept = view.meta.get("request_digest")
+    if kept and request_digest and kept != request_digest:
+        return errors.idempotency_key_reused(rid, key or "")
     oc = view.outcome_value
     if oc is None:
         return errors.request_in_progress(rid, str(view.phase))

@@ -192,7 +192,7 @@ def test_parse_body_valid_meta() -> None:
     assert meta.input_digest.startswith("sha256:") and len(meta.input_digest) == 7 + 64
     d = meta.to_dict()
     assert set(d) == {"model", "stream", "seed", "max_tokens", "input_digest", "body_bytes",
-                      "estimated_prompt_tokens"}
+                      "estimated_prompt_tokens", "request_digest"}
     assert "hi" not in json.dumps(d)  # never the prompt itself
     other = parse_body(body.replace(b"hi", b"ho"), CFG, RID)
     assert isinstance(other, RequestMeta) and other.input_digest != meta.input_digest
@@ -328,6 +328,67 @@ def test_repeat_after_another_end(oc: Outcome, delivered: int) -> None:
     assert err.partial_output is (delivered > 0)
     body = err.body()["error"]
     assert body["outcome"] == str(oc) and body["delivered_output_tokens"] == delivered
+
+
+# --- a key names one request (its canonical digest) -------------------------------------------
+
+_BODY = {"model": "m-1", "stream": True, "max_tokens": 8, "temperature": 0.5,
+         "messages": [{"role": "user", "content": "hi"}]}
+
+
+def _digest(obj: dict[str, Any] | bytes, path: str = "/v1/chat/completions") -> str:
+    raw = obj if isinstance(obj, bytes) else json.dumps(obj).encode()
+    meta = parse_body(raw, CFG, RID, path)
+    assert isinstance(meta, RequestMeta)
+    return meta.request_digest
+
+
+def test_the_digest_ignores_spelling_and_sees_every_value() -> None:
+    d = _digest(_BODY)
+    assert d.startswith("sha256:") and len(d) == 7 + 64
+    # Key order and whitespace are spelling, not the request.
+    respelled = json.dumps(dict(reversed(list(_BODY.items()))), indent=2).encode()
+    assert _digest(respelled) == d
+    assert "hi" not in d  # a digest, never the prompt
+    for change in ({"model": "m-2"}, {"temperature": 0.7}, {"max_tokens": 9},
+                   {"messages": [{"role": "user", "content": "ho"}]}, {"seed": 1},
+                   {"stream": False}):
+        assert _digest({**_BODY, **change}) != d, change
+    assert _digest(_BODY, "/v1/completions") != d  # another endpoint, another request
+
+
+def _with_digest(digest: str | None, **kw: Any) -> JournalView:
+    meta = {**META, **({"request_digest": digest} if digest is not None else {})}
+    return JournalView(request_id=RID, meta=meta, **kw)
+
+
+@pytest.mark.parametrize("recorded", [
+    {},  # in progress
+    {"delivery": {"at": "t"}, "outcome": {"outcome": "completed",
+                                          "delivered_output_tokens": 9}},
+    {"delivery": {"at": "t"}, "outcome": {"outcome": "upstream_decode_interrupted",
+                                          "delivered_output_tokens": 5}},
+])
+def test_a_different_request_under_a_used_key_is_refused(recorded: dict[str, Any]) -> None:
+    d = _digest(_BODY)
+    other = _digest({**_BODY, "model": "m-2"})
+    err = repeat_answer(_with_digest(d, **recorded), other, "key-1")
+    assert err.code is ErrorCode.IDEMPOTENCY_KEY_REUSED
+    assert err.http_status == 422 and err.retryable is False and not err.partial_output
+    body = err.body()["error"]
+    assert "'key-1'" in body["message"] and body["param"] == "Idempotency-Key"
+    assert body["request_id"] == RID
+    # Nothing of the first request is told to the second.
+    assert "delivered_output_tokens" not in body and "outcome" not in body
+    # The same request under the key: today's answers, unchanged.
+    same = repeat_answer(_with_digest(d, **recorded), d, "key-1")
+    assert same.code is not ErrorCode.IDEMPOTENCY_KEY_REUSED and same.http_status == 409
+
+
+def test_a_record_from_before_digests_is_answered_as_a_repeat() -> None:
+    err = repeat_answer(_with_digest(None, delivery={"at": "t"}, outcome={
+        "outcome": "completed", "delivered_output_tokens": 9}), _digest(_BODY), "key-1")
+    assert err.code is ErrorCode.REQUEST_ALREADY_COMPLETED
 
 
 # --- request ids ------------------------------------------------------------------------------

@@ -222,6 +222,29 @@ def test_repeat_of_a_completed_request_runs_nothing(gw: Gateway) -> None:
     assert len(gw.attempts_logged(first.request_id)) == 1
 
 
+def test_a_used_key_with_another_body_is_refused_and_runs_nothing(gw: Gateway) -> None:
+    key = f"reused-{time.time_ns()}"
+    first = gw.post(gw.body(max_tokens=4), key=key)
+    assert first.status == 200 and len(first.contents) == 4
+    before = gw.journal(first.request_id)
+    for other in (gw.body(max_tokens=5), gw.body(max_tokens=4, prompt="another question"),
+                  gw.body(max_tokens=4, temperature=0.9)):
+        again = gw.post(other, key=key)
+        assert again.status == 422 and again.error is not None, again.raw[:300]
+        assert again.error["code"] == "idempotency_key_reused"
+        assert key in again.error["message"] and again.error["request_id"] == first.request_id
+        assert "delivered_output_tokens" not in again.error  # nothing of the first is told
+    # The record is the first request's, untouched; no replica saw a second run.
+    after = gw.journal(first.request_id)
+    assert (after["outcome"], after["attempts"]) == (before["outcome"], before["attempts"])
+    assert len(gw.attempts_logged(first.request_id)) == 1
+    # The same request, spelled differently (key order), is still a repeat.
+    respelled = dict(reversed(list(gw.body(max_tokens=4).items())))
+    same = gw.post(respelled, key=key)
+    assert same.status == 409 and same.error is not None
+    assert same.error["code"] == "request_already_completed"
+
+
 def test_every_response_carries_the_request_id(gw: Gateway) -> None:
     ok = gw.post(gw.body(max_tokens=2))
     assert ok.request_id.startswith("req_")
