@@ -31,6 +31,7 @@ from ..core import records
 from ..core.admission import TAKE_OVER, WAIT, admission_poll_s, after_failed_admission
 from ..core.config import EtcdConfig
 from ..core.journal import JournalView, assemble
+from .etcd_client import EtcdClient
 from .leases import AdmitResult, AttemptLease, LiveListeners, ProcessLease, StoreUnavailable
 
 log = logging.getLogger("extproc.etcd")
@@ -67,7 +68,8 @@ class EtcdStore:
         self.timeout = cfg.timeout_s
         self.prefix = cfg.prefix.encode()
         self.live_prefix = self.prefix + b"/live/"
-        self._channel: grpc.aio.Channel | None = None
+        # The channels to etcd's endpoints, TLS and the auth token (etcd_client.py).
+        self._channel: EtcdClient | None = None
         self._kv: Any = None
         self._lease: Any = None
         self._watch: Any = None
@@ -81,18 +83,22 @@ class EtcdStore:
         # rid -> callbacks run when live/<rid> is deleted or changes (revocation, expiry).
         self._live_listeners = LiveListeners()
         self.watch_connected = asyncio.Event()
+        # Monotonic time etcd last answered any call of ours (None: never): readiness.
+        self.last_answer: float | None = None
 
     # --- connection ---------------------------------------------------------------
 
     async def connect(self) -> None:
-        eps = self.cfg.endpoints
-        target = eps[0] if len(eps) == 1 else "ipv4:" + ",".join(eps)
-        self._channel = grpc.aio.insecure_channel(
-            target, options=[("grpc.lb_policy_name", "round_robin"),
-                             ("grpc.keepalive_time_ms", 10000)])
-        self._kv = rpc.KVStub(self._channel)
-        self._lease = rpc.LeaseStub(self._channel)
-        self._watch = rpc.WatchStub(self._channel)
+        """Open the channels (no call yet: etcd may come up later).
+
+        Reads etcd.tls's and etcd.auth's files now: ConfigError naming the field and path.
+        """
+        self._channel = EtcdClient(self.cfg)
+        self._channel.open()
+        # Stub-shaped: every call goes to a connected endpoint with the auth token.
+        self._kv = self._channel.kv
+        self._lease = self._channel.lease
+        self._watch = self._channel.watch
 
     def start_background(self) -> None:
         """The revocation watch and the lease keep-alives (call inside the event loop)."""
@@ -116,9 +122,11 @@ class EtcdStore:
 
     async def _call(self, fn: Any, req: Any, deadline_s: float | None = None) -> Any:
         try:
-            return await fn(req, timeout=deadline_s or self.timeout)
+            resp = await fn(req, timeout=deadline_s or self.timeout)
         except grpc.aio.AioRpcError as e:
             raise StoreUnavailable(f"etcd {e.code().name}: {e.details()}") from e
+        self.last_answer = time.monotonic()  # readiness (adapters/readiness.py)
+        return resp
 
     async def healthy(self) -> bool:
         try:
@@ -297,6 +305,11 @@ class EtcdStore:
                     key=self.live_prefix, range_end=_prefix_end(self.live_prefix)))
                 call = self._watch.Watch(iter([req]))
                 async for resp in call:
+                    if resp.canceled:
+                        # etcd refused the watch (with auth on: a user without permission
+                        # on the prefix): created and canceled at once, never an event.
+                        raise StoreUnavailable(f"etcd refused the revocation watch: "
+                                               f"{resp.cancel_reason}")
                     if resp.created:
                         self.watch_connected.set()
                         backoff = 0.05
