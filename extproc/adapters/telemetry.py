@@ -7,11 +7,19 @@ header, so every attempt is a child of its request. Attribute names follow the s
 conventions where one exists (`gen_ai.*`, `server.*`, `http.*`, `error.type`); ours are
 under `llmgw.`. Export is OTLP/gRPC with a BatchSpanProcessor (the simple processor would
 export on the event loop). With no endpoint configured, everything here is a no-op.
+
+Standard `OTEL_*` variables work (docs/telemetry.md, "Configuration from OTEL_*"): a value
+the config file sets wins, and the variable fills what the file leaves null or at its
+default. `server.metrics_listen` adds a Prometheus reader on the same instruments: the same
+counters scraped at GET /metrics, from a thread of its own (never the event loop).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import logging
+import os
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from opentelemetry import metrics, trace
@@ -19,43 +27,167 @@ from opentelemetry.context import Context
 from opentelemetry.trace import NonRecordingSpan, Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from ..core.config import TelemetryConfig
+from ..core.config import ConfigError, TelemetryConfig
 from ..core.headers import TRACEPARENT
 
 TRACEPARENT_HEADER = TRACEPARENT  # gateway-owned: the guard strips a client's copy
 _prop = TraceContextTextMapPropagator()
+log = logging.getLogger("extproc.telemetry")
+_DEFAULTS = TelemetryConfig()
+_RATIO_BUCKETS = (0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
+_CHUNK_MS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 100.0)
+
+
+@dataclass(frozen=True)
+class OtlpPlan:
+    """What to export over OTLP, after the config file and the OTEL_* variables are merged.
+
+    None in a field means "let the SDK read its OTEL_* variable" (it does when the argument
+    is left out); a value is passed explicitly and wins.
+    """
+
+    traces: bool
+    metrics: bool
+    endpoint: str | None
+    traces_insecure: bool | None
+    metrics_insecure: bool | None
+    service_name: str | None
+    export_interval_ms: int | None
+    span_delay_ms: int | None
+
+
+def _set(env: Mapping[str, str], *names: str) -> bool:
+    return any(env.get(n, "").strip() for n in names)
+
+
+def otlp_plan(cfg: TelemetryConfig, env: Mapping[str, str]) -> OtlpPlan:
+    """Precedence: the config file (and its EXTPROC_ overrides) first, then OTEL_*."""
+    pre = "OTEL_EXPORTER_OTLP_"
+    disabled = env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true"
+    ep = cfg.otlp_endpoint
+
+    def wanted(signal: str) -> bool:
+        if disabled or env.get(f"OTEL_{signal}_EXPORTER", "").strip().lower() == "none":
+            return False
+        return ep is not None or _set(env, pre + "ENDPOINT", f"{pre}{signal}_ENDPOINT")
+
+    def insecure(signal: str) -> bool | None:
+        # The file's bare host:port has always meant plaintext; a scheme (https:// or
+        # http://) or an explicit OTEL_ insecure/certificate setting lets the SDK decide.
+        if ep is None or "://" in ep or _set(env, pre + "INSECURE", f"{pre}{signal}_INSECURE",
+                                             pre + "CERTIFICATE",
+                                             f"{pre}{signal}_CERTIFICATE"):
+            return None
+        return True
+
+    name_set = cfg.service_name != _DEFAULTS.service_name or not _set(env, "OTEL_SERVICE_NAME")
+    every_set = (cfg.metrics_interval_s != _DEFAULTS.metrics_interval_s
+                 or not _set(env, "OTEL_METRIC_EXPORT_INTERVAL"))
+    return OtlpPlan(
+        traces=wanted("TRACES"), metrics=wanted("METRICS"), endpoint=ep,
+        traces_insecure=insecure("TRACES"), metrics_insecure=insecure("METRICS"),
+        service_name=cfg.service_name if name_set else None,
+        export_interval_ms=int(cfg.metrics_interval_s * 1000) if every_set else None,
+        span_delay_ms=None if _set(env, "OTEL_BSP_SCHEDULE_DELAY") else 200)
+
+
+class MetricsServer:
+    """Prometheus text exposition at GET /metrics, served by prometheus_client's thread."""
+
+    def __init__(self, registry: Any, addr: str) -> None:
+        from prometheus_client import start_http_server
+
+        host, _, port = addr.rpartition(":")
+        self._httpd, self._thread = start_http_server(int(port), host.strip("[]"),
+                                                      registry=registry)
+        bound = self._httpd.server_address
+        self.address = f"{host}:{bound[1]}"
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(2)
 
 
 class Telemetry:
-    def __init__(self, cfg: TelemetryConfig, gateway_id: str) -> None:
-        self.enabled = cfg.otlp_endpoint is not None
+    def __init__(self, cfg: TelemetryConfig, gateway_id: str,
+                 metrics_listen: str | None = None) -> None:
+        # The SDK reads the same process environment for what the plan leaves to it.
+        plan = otlp_plan(cfg, os.environ)
+        self.plan = plan
+        # Spans are made only when they are exported; `enabled`: anything is (per-chunk
+        # timing is then sampled).
+        self.tracing = plan.traces
+        self.enabled = plan.traces or plan.metrics or metrics_listen is not None
+        self.metrics_listen = metrics_listen
         self._providers: list[Any] = []
+        self._registry: Any = None
+        self._server: MetricsServer | None = None
+        self.tracer: trace.Tracer = trace.NoOpTracer()
+        meter = metrics.NoOpMeterProvider().get_meter("extproc")
         if self.enabled:
-            from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import (
-                OTLPMetricExporter,
-            )
-            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
             from opentelemetry.sdk.metrics import MeterProvider
-            from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+            from opentelemetry.sdk.metrics.export import MetricReader
             from opentelemetry.sdk.resources import Resource
-            from opentelemetry.sdk.trace import TracerProvider
-            from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-            res = Resource.create({"service.name": cfg.service_name,
-                                   "service.instance.id": gateway_id})
-            tp = TracerProvider(resource=res)
-            tp.add_span_processor(BatchSpanProcessor(
-                OTLPSpanExporter(endpoint=cfg.otlp_endpoint, insecure=True),
-                schedule_delay_millis=200))
-            mp = MeterProvider(resource=res, metric_readers=[PeriodicExportingMetricReader(
-                OTLPMetricExporter(endpoint=cfg.otlp_endpoint, insecure=True),
-                export_interval_millis=int(cfg.metrics_interval_s * 1000))])
-            self._providers = [tp, mp]
-            self.tracer: trace.Tracer = tp.get_tracer("extproc")
-            meter = mp.get_meter("extproc")
-        else:
-            self.tracer = trace.NoOpTracer()
-            meter = metrics.NoOpMeterProvider().get_meter("extproc")
+            attrs: dict[str, str] = {"service.instance.id": gateway_id}
+            if plan.service_name is not None:
+                attrs["service.name"] = plan.service_name
+            # Resource.create merges OTEL_RESOURCE_ATTRIBUTES and OTEL_SERVICE_NAME under these.
+            res = Resource.create(attrs)
+            if plan.traces:
+                from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+                    OTLPSpanExporter,
+                )
+                from opentelemetry.sdk.trace import TracerProvider
+                from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+                tp = TracerProvider(resource=res)
+                tp.add_span_processor(BatchSpanProcessor(
+                    OTLPSpanExporter(endpoint=plan.endpoint, insecure=plan.traces_insecure),
+                    schedule_delay_millis=plan.span_delay_ms))
+                self._providers.append(tp)
+                self.tracer = tp.get_tracer("extproc")
+            readers: list[MetricReader] = []
+            if plan.metrics:
+                from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import (
+                    OTLPMetricExporter,
+                )
+                from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+
+                readers.append(PeriodicExportingMetricReader(
+                    OTLPMetricExporter(endpoint=plan.endpoint, insecure=plan.metrics_insecure),
+                    export_interval_millis=plan.export_interval_ms))
+            if metrics_listen is not None:
+                from opentelemetry.exporter.prometheus import PrometheusMetricReader
+                from prometheus_client import CollectorRegistry
+                from prometheus_client.gc_collector import GCCollector
+                from prometheus_client.platform_collector import PlatformCollector
+                from prometheus_client.process_collector import ProcessCollector
+
+                # Our own registry: the process_* series plus ours, nothing another library
+                # put into prometheus_client's global one.
+                self._registry = CollectorRegistry()
+                for c in (ProcessCollector, PlatformCollector, GCCollector):
+                    c(registry=self._registry)
+                readers.append(PrometheusMetricReader(registry=self._registry,
+                                                      scope_info_enabled=False))
+            if readers:
+                from opentelemetry.sdk.metrics.view import (
+                    ExplicitBucketHistogramAggregation,
+                    View,
+                )
+
+                # Buckets that fit the values (the SDK's default ones start at 5 and go to
+                # 10,000: every ratio and every chunk time would land in the first).
+                views = [View(instrument_name=name, aggregation=ExplicitBucketHistogramAggregation(
+                    bounds)) for name, bounds in (
+                        ("llmgw.retry_budget.utilization", _RATIO_BUCKETS),
+                        ("llmgw.chunk.processing_time", _CHUNK_MS_BUCKETS))]
+                mp = MeterProvider(resource=res, metric_readers=readers, views=views)
+                self._providers.append(mp)
+                meter = mp.get_meter("extproc")
+        self._meter = meter
         self.retries = meter.create_counter(
             "llmgw.retries", description="attempts after the first, by decision and reason")
         self.interruptions = meter.create_counter(
@@ -71,8 +203,36 @@ class Telemetry:
         self.outcomes = meter.create_counter("llmgw.requests", description="by outcome")
         self.chunks_seen = 0
 
+    def observe(self, name: str, description: str, unit: str,
+                read: Callable[[], float | None]) -> None:
+        """A gauge read at each collection (OTLP export or a scrape: maybe another thread).
+
+        `read` returns None when there is nothing to report (the series is left out).
+        """
+        from opentelemetry.metrics import CallbackOptions, Observation
+
+        def cb(_: CallbackOptions) -> Iterable[Observation]:
+            v = read()
+            return [] if v is None else [Observation(v)]
+
+        self._meter.create_observable_gauge(name, callbacks=[cb], unit=unit,
+                                            description=description)
+
+    def serve_metrics(self) -> str | None:
+        """Start the /metrics endpoint (server.metrics_listen); its bound address."""
+        if self.metrics_listen is None or self._registry is None:
+            return None
+        try:
+            self._server = MetricsServer(self._registry, self.metrics_listen)
+        except OSError as e:  # named like any start-up error of the configuration
+            raise ConfigError("server.metrics_listen",
+                              f"cannot listen on {self.metrics_listen}: {e.strerror}") from e
+        log.info("metrics listening", extra={"metrics_listen": self._server.address,
+                                             "request_id": None, "attempt_id": None})
+        return self._server.address
+
     def parent_from(self, carrier: Mapping[str, str]) -> Context | None:
-        if not self.enabled:
+        if not self.tracing:
             return None
         ctx = _prop.extract(dict(carrier))
         span = trace.get_current_span(ctx)
@@ -80,20 +240,23 @@ class Telemetry:
 
     def start(self, name: str, parent: Context | None, kind: SpanKind,
               attributes: Mapping[str, Any]) -> Span:
-        if not self.enabled:
+        if not self.tracing:
             return NonRecordingSpan(trace.INVALID_SPAN_CONTEXT)
         return self.tracer.start_span(name, context=parent, kind=kind,
                                       attributes={k: v for k, v in attributes.items()
                                                   if v is not None})
 
     def traceparent(self, span: Span) -> str | None:
-        if not self.enabled or not span.get_span_context().is_valid:
+        if not self.tracing or not span.get_span_context().is_valid:
             return None
         carrier: dict[str, str] = {}
         _prop.inject(carrier, context=trace.set_span_in_context(span))
         return carrier.get("traceparent")
 
     def shutdown(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
         for p in self._providers:
             p.shutdown()
 

@@ -1,0 +1,149 @@
+"""Which OTLP settings win (config file or OTEL_*), and /metrics on a real socket."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from extproc.adapters.telemetry import Telemetry, otlp_plan
+from extproc.core.config import ConfigError, TelemetryConfig
+from extproc.devstack import free_port
+
+FILE = TelemetryConfig(otlp_endpoint="collector:4317")
+
+
+@pytest.fixture(autouse=True)
+def no_otel_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+    for k in list(os.environ):
+        if k.startswith("OTEL_"):
+            monkeypatch.delenv(k)
+
+
+def test_nothing_configured_exports_nothing() -> None:
+    p = otlp_plan(TelemetryConfig(), {})
+    assert not p.traces and not p.metrics
+    t = Telemetry(TelemetryConfig(), "gw-1")
+    assert not t.enabled and not t.tracing
+
+
+def test_the_files_bare_endpoint_stays_plaintext() -> None:
+    p = otlp_plan(FILE, {})
+    assert p.traces and p.metrics and p.endpoint == "collector:4317"
+    assert p.traces_insecure is True and p.metrics_insecure is True
+    assert p.service_name == "llm-failover-extproc"
+    assert p.export_interval_ms == 10_000 and p.span_delay_ms == 200
+
+
+def test_the_files_endpoint_wins_over_the_environment() -> None:
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://other:4317",
+           "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://traces:4317"}
+    assert otlp_plan(FILE, env).endpoint == "collector:4317"
+
+
+@pytest.mark.parametrize("var", ["OTEL_EXPORTER_OTLP_ENDPOINT",
+                                 "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+                                 "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"])
+def test_the_environment_fills_a_null_endpoint(var: str) -> None:
+    p = otlp_plan(TelemetryConfig(), {var: "http://collector:4317"})
+    # The SDK reads the variable itself (endpoint None), and decides TLS from its scheme.
+    assert p.endpoint is None and p.traces_insecure is None and p.metrics_insecure is None
+    assert p.traces == ("METRICS" not in var)
+    assert p.metrics == ("TRACES" not in var)
+
+
+def test_a_scheme_or_an_otel_tls_setting_lets_the_sdk_decide() -> None:
+    p = otlp_plan(TelemetryConfig(otlp_endpoint="https://collector:4317"), {})
+    assert p.traces_insecure is None
+    p = otlp_plan(FILE, {"OTEL_EXPORTER_OTLP_CERTIFICATE": "/etc/ca.pem"})
+    assert p.traces_insecure is None and p.metrics_insecure is None
+    p = otlp_plan(FILE, {"OTEL_EXPORTER_OTLP_METRICS_INSECURE": "false"})
+    assert p.traces_insecure is True and p.metrics_insecure is None
+
+
+def test_exporter_none_and_sdk_disabled() -> None:
+    p = otlp_plan(FILE, {"OTEL_TRACES_EXPORTER": "none"})
+    assert not p.traces and p.metrics
+    p = otlp_plan(FILE, {"OTEL_METRICS_EXPORTER": "None "})
+    assert p.traces and not p.metrics
+    p = otlp_plan(FILE, {"OTEL_SDK_DISABLED": "true"})
+    assert not p.traces and not p.metrics
+
+
+def test_defaults_yield_to_otel_variables_and_set_values_do_not() -> None:
+    env = {"OTEL_SERVICE_NAME": "from-env", "OTEL_METRIC_EXPORT_INTERVAL": "500",
+           "OTEL_BSP_SCHEDULE_DELAY": "50"}
+    p = otlp_plan(FILE, env)
+    assert p.service_name is None and p.export_interval_ms is None and p.span_delay_ms is None
+    p = otlp_plan(TelemetryConfig(otlp_endpoint="c:4317", service_name="from-file",
+                                  metrics_interval_s=2.0), env)
+    assert p.service_name == "from-file" and p.export_interval_ms == 2000
+
+
+def scrape(addr: str) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://{addr}/metrics", timeout=5) as r:
+        assert r.status == 200
+        assert r.headers["content-type"].startswith("text/plain")
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            key = s.name + "".join(f"|{k}={v}" for k, v in sorted(s.labels.items()))
+            out[key] = s.value
+    return out
+
+
+def test_metrics_endpoint_serves_the_same_instruments(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=test")
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "from-env")  # the file left service_name default
+    addr = f"127.0.0.1:{free_port()}"
+    t = Telemetry(TelemetryConfig(), "gw-9", metrics_listen=addr)
+    # /metrics alone: no spans, but per-chunk timing is sampled.
+    assert t.enabled and not t.tracing
+    depth = [3.0]
+    t.observe("llmgw.test_depth", "a test gauge", "1", lambda: depth[0])
+    t.observe("llmgw.absent", "reports nothing", "s", lambda: None)
+    assert t.serve_metrics() == addr
+    try:
+        t.retries.add(2, {"decision": "admitted"})
+        t.outcomes.add(1, {"outcome": "completed"})
+        t.budget_used.record(0.3)
+        t.chunk_time.record(0.07)
+        m = scrape(addr)
+        # Buckets that fit the values (not the SDK's default 0, 5, 10, ... 10000).
+        assert m["llmgw_retry_budget_utilization_bucket|le=0.25"] == 0
+        assert m["llmgw_retry_budget_utilization_bucket|le=0.5"] == 1
+        assert m["llmgw_chunk_processing_time_milliseconds_bucket|le=0.05"] == 0
+        assert m["llmgw_chunk_processing_time_milliseconds_bucket|le=0.1"] == 1
+        assert m["llmgw_retries_total|decision=admitted"] == 2
+        assert m["llmgw_requests_total|outcome=completed"] == 1
+        assert m["llmgw_test_depth"] == 3
+        assert not any(k.startswith("llmgw_absent") for k in m)
+        info = next(k for k in m if k.startswith("target_info|"))
+        assert "service_instance_id=gw-9" in info and "deployment_environment=test" in info
+        assert "service_name=from-env" in info
+        assert "process_resident_memory_bytes" in m
+        depth[0] = 0.0
+        t.retries.add(1, {"decision": "admitted"})
+        m = scrape(addr)
+        assert m["llmgw_retries_total|decision=admitted"] == 3 and m["llmgw_test_depth"] == 0
+    finally:
+        t.shutdown()
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"http://{addr}/metrics", timeout=2)
+
+
+def test_metrics_endpoint_that_cannot_bind_fails_at_start() -> None:
+    addr = f"127.0.0.1:{free_port()}"
+    a = Telemetry(TelemetryConfig(), "gw-1", metrics_listen=addr)
+    b = Telemetry(TelemetryConfig(), "gw-2", metrics_listen=addr)
+    a.serve_metrics()
+    try:
+        with pytest.raises(ConfigError) as ei:
+            b.serve_metrics()
+        assert ei.value.path == "server.metrics_listen" and addr in str(ei.value)
+    finally:
+        a.shutdown()
+        b.shutdown()
