@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from ..core.config import HealthCheckConfig
 from ..core.health import HostHealth
@@ -43,9 +43,11 @@ async def probe_once(address: str, path: str, timeout_s: float) -> bool:
                 await writer.wait_closed()
 
 
-async def probe_forever(addresses: Sequence[str], cfg: HealthCheckConfig,
+async def probe_forever(pool: Callable[[], Sequence[str]], cfg: HealthCheckConfig,
                         health: HostHealth) -> None:
+    """Probe every replica the pool holds now (a live pool changes between rounds)."""
     while True:
+        addresses = list(pool())
         results = await asyncio.gather(*(probe_once(a, cfg.path, cfg.timeout_s)
                                          for a in addresses))
         now = time.monotonic()

@@ -30,7 +30,7 @@ from ..core.machine import (
     GateMachine,
     GuardMachine,
 )
-from ..core.pool import pool_from_config
+from ..core.pool import Pool, pool_from_config
 from ..core.replay import record as trace_record
 from ..gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from .causes import CauseRegistry
@@ -122,7 +122,7 @@ class Processor:
         self.pool = pool_from_config(cfg.pool.replicas)
         rb = cfg.policy.retry_budget
         self.budget = RetryBudget(rb.fraction, rb.min_retries, rb.window_s)
-        self.tel = Telemetry(cfg.telemetry, cfg.server.gateway_id)
+        self.tel = Telemetry(cfg.telemetry, cfg.server.gateway_id, cfg.server.metrics_listen)
         od, hc = cfg.pool.outlier_detection, cfg.pool.health_check
         self.health = HostHealth(HealthPolicy(
             consecutive_failures=od.consecutive_local_origin_failure if od.enabled else 1 << 30,
@@ -135,6 +135,10 @@ class Processor:
         self._tasks: set[asyncio.Task[Any]] = set()
         self.open_streams = 0
         self.handoffs = HandOffs()
+
+    def set_pool(self, pool: Pool) -> None:
+        """A live pool's new membership (adapters.membership); sessions read it per request."""
+        self.pool = pool
 
     def mark_reached(self, rid: str) -> None:
         self.reached[rid] = None
@@ -156,8 +160,8 @@ class Processor:
         return self.health.order(hosts, self.clock.monotonic())
 
     async def probe_pool(self) -> None:
-        addrs = [r.address for r in self.pool.replicas]
-        await probe_forever(addrs, self.cfg.pool.health_check, self.health)
+        await probe_forever(lambda: [r.address for r in self.pool.replicas],
+                            self.cfg.pool.health_check, self.health)
 
     def trace_budget(self) -> int:
         t = self.cfg.telemetry

@@ -20,7 +20,7 @@ FINGERPRINT_FIELDS: tuple[str, ...] = (
     "attention", "kv_cache_dtype", "tensor_parallel_size", "pipeline_parallel_size",
     "kv_block_size", "lora_adapters",
 )
-_INT_FIELDS = frozenset({"tensor_parallel_size", "pipeline_parallel_size", "kv_block_size"})
+INT_FIELDS = frozenset({"tensor_parallel_size", "pipeline_parallel_size", "kv_block_size"})
 
 
 class FingerprintError(ValueError):
@@ -53,7 +53,7 @@ class Fingerprint:
                 if not isinstance(v, list | tuple) or not all(isinstance(x, str) for x in v):
                     raise FingerprintError(f"{where}.lora_adapters: must be a list of names")
                 kw[k] = tuple(v)
-            elif k in _INT_FIELDS:
+            elif k in INT_FIELDS:
                 if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                     raise FingerprintError(f"{where}.{k}: must be a positive integer")
                 kw[k] = v

@@ -1,0 +1,161 @@
+"""The EDS service, played as Envoy plays it: a real grpc.aio server, a real client stream.
+
+State of the world: an answer when Envoy subscribes, one per membership change, none for
+an ACK; nothing before the processor's first listing of the registrations.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+
+from extproc.adapters.membership import CLA_TYPE, EndpointDiscovery, LiveMembership
+from extproc.core.pool import Pool
+from extproc.gen.envoy.config.endpoint.v3 import endpoint_pb2
+from extproc.gen.envoy.service.discovery.v3 import discovery_pb2 as ds
+from extproc.gen.envoy.service.endpoint.v3 import eds_pb2_grpc
+
+FP = {"weights_revision": "m@sha256:1"}
+
+
+def _reg(address: str, fp: dict[str, Any] | None = None) -> bytes:
+    return json.dumps({"address": address, "fingerprint": fp or FP, "models": []}).encode()
+
+
+class _Envoy:
+    """One EDS stream from the client side."""
+
+    def __init__(self, stub: Any) -> None:
+        self.out: asyncio.Queue[ds.DiscoveryRequest | None] = asyncio.Queue()
+        self.call = stub.StreamEndpoints(self._requests())
+        self.answers: asyncio.Queue[ds.DiscoveryResponse] = asyncio.Queue()
+        # One reader for the stream's life (cancelling a read would cancel the call).
+        self._reader = asyncio.ensure_future(self._read())
+
+    async def _read(self) -> None:
+        async for resp in self.call:
+            self.answers.put_nowait(resp)
+
+    async def _requests(self) -> AsyncIterator[ds.DiscoveryRequest]:
+        while (req := await self.out.get()) is not None:
+            yield req
+
+    def send(self, names: list[str], version: str = "", nonce: str = "") -> None:
+        self.out.put_nowait(ds.DiscoveryRequest(type_url=CLA_TYPE, resource_names=names,
+                                                version_info=version, response_nonce=nonce))
+
+    async def answer(self, within_s: float = 2.0) -> ds.DiscoveryResponse | None:
+        try:
+            return await asyncio.wait_for(self.answers.get(), within_s)
+        except TimeoutError:
+            return None
+
+
+def _hosts(resp: ds.DiscoveryResponse) -> list[str]:
+    out = []
+    for res in resp.resources:
+        cla = endpoint_pb2.ClusterLoadAssignment()
+        assert res.Unpack(cla)
+        assert cla.cluster_name == "replicas"
+        for loc in cla.endpoints:
+            for e in loc.lb_endpoints:
+                sa = e.endpoint.address.socket_address
+                out.append(f"{sa.address}:{sa.port_value}")
+    return out
+
+
+@pytest.fixture
+async def eds() -> AsyncIterator[tuple[LiveMembership, Any, list[Pool]]]:
+    pools: list[Pool] = []
+    m = LiveMembership(on_pool=pools.append)
+    server = grpc.aio.server()
+    eds_pb2_grpc.add_EndpointDiscoveryServiceServicer_to_server(EndpointDiscovery(m), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    ch = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield m, eds_pb2_grpc.EndpointDiscoveryServiceStub(ch), pools
+    finally:
+        await ch.close()
+        await server.stop(None)
+
+
+async def test_subscribe_ack_change_and_nothing_before_the_first_listing(
+        eds: tuple[LiveMembership, Any, list[Pool]]) -> None:
+    m, stub, pools = eds
+    envoy = _Envoy(stub)
+    envoy.send(["replicas"])
+    assert await envoy.answer(0.5) is None  # no listing yet: Envoy waits, as at start-up
+    m.update({"127.0.0.1:8001": _reg("127.0.0.1:8001")})
+    first = await envoy.answer()
+    assert first is not None and first.type_url == CLA_TYPE and first.nonce
+    assert _hosts(first) == ["127.0.0.1:8001"]
+    assert [r.address for r in pools[-1].replicas] == ["127.0.0.1:8001"]
+    envoy.send(["replicas"], version=first.version_info, nonce=first.nonce)  # ACK
+    assert await envoy.answer(0.5) is None  # an ACK is not answered
+    m.update({"127.0.0.1:8001": _reg("127.0.0.1:8001"), "[::1]:8002": _reg("[::1]:8002")})
+    second = await envoy.answer()
+    assert second is not None and second.version_info != first.version_info
+    assert second.nonce != first.nonce
+    assert sorted(_hosts(second)) == ["127.0.0.1:8001", "::1:8002"]
+    envoy.send(["replicas"], version=second.version_info, nonce=second.nonce)
+    # The same registrations listed again (the watch re-listed after a break): no answer.
+    m.update({"127.0.0.1:8001": _reg("127.0.0.1:8001"), "[::1]:8002": _reg("[::1]:8002")})
+    assert await envoy.answer(0.5) is None
+    m.update({})  # every registration lapsed: Envoy is told the pool is empty
+    third = await envoy.answer()
+    assert third is not None and _hosts(third) == []
+    assert not pools[-1].enabled
+    envoy.out.put_nowait(None)
+
+
+async def test_a_refused_registration_reaches_neither_envoy_nor_the_pool(
+        eds: tuple[LiveMembership, Any, list[Pool]], caplog: pytest.LogCaptureFixture) -> None:
+    m, stub, pools = eds
+    m.update({"127.0.0.1:8001": _reg("127.0.0.1:8001"),
+              "127.0.0.1:8009": b'{"address": "127.0.0.1:8009"}'})
+    envoy = _Envoy(stub)
+    envoy.send(["replicas"])
+    resp = await envoy.answer()
+    assert resp is not None and _hosts(resp) == ["127.0.0.1:8001"]
+    assert [r.address for r in pools[-1].replicas] == ["127.0.0.1:8001"]
+    assert any("registration refused" in r.message and "8009" in str(r.__dict__)
+               for r in caplog.records)
+    envoy.out.put_nowait(None)
+
+
+async def test_a_changed_fingerprint_is_a_change(
+        eds: tuple[LiveMembership, Any, list[Pool]]) -> None:
+    m, stub, pools = eds
+    m.update({"127.0.0.1:8001": _reg("127.0.0.1:8001")})
+    envoy = _Envoy(stub)
+    envoy.send(["replicas"])
+    first = await envoy.answer()
+    assert first is not None
+    envoy.send(["replicas"], version=first.version_info, nonce=first.nonce)
+    m.update({"127.0.0.1:8001": _reg("127.0.0.1:8001", {"weights_revision": "m@sha256:2"})})
+    # Same address, other weights: the pool changes (its fingerprint), Envoy is re-told.
+    again = await envoy.answer()
+    assert again is not None and _hosts(again) == ["127.0.0.1:8001"]
+    assert pools[-1].replicas[0].fingerprint.weights_revision == "m@sha256:2"
+    envoy.out.put_nowait(None)
+
+
+async def test_a_nack_is_logged_and_names_for_other_clusters_get_nothing(
+        eds: tuple[LiveMembership, Any, list[Pool]], caplog: pytest.LogCaptureFixture) -> None:
+    m, stub, _ = eds
+    m.update({"127.0.0.1:8001": _reg("127.0.0.1:8001")})
+    envoy = _Envoy(stub)
+    envoy.send(["other"])
+    resp = await envoy.answer()
+    assert resp is not None and list(resp.resources) == []
+    envoy.send(["replicas"], version="", nonce=resp.nonce)  # NACK of that answer ...
+    resp2 = await envoy.answer()  # ... and a subscription to ours: answered
+    assert resp2 is not None and _hosts(resp2) == ["127.0.0.1:8001"]
+    assert any("rejected" in r.message for r in caplog.records)
+    envoy.out.put_nowait(None)
