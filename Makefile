@@ -10,9 +10,10 @@ BIN    := $(VENV)/bin
 include proto/gen.mk
 include vllm/vllm.mk
 include sweep.mk
+include image.mk
 
 .PHONY: help install run test lint typecheck unit e2e bench bench-quick bench-pool profile \
-	envoy-config clean
+	envoy-config mesh-config clean
 
 help:
 	@echo "make run        etcd + processor + Envoy (:10000) + demo replicas on loopback"
@@ -74,6 +75,13 @@ profile: install
 ## Regenerate envoy/envoy.yaml from envoy/extproc.yaml (a test checks they agree).
 envoy-config: install
 	$(PY) -m extproc render-envoy --config envoy/extproc.yaml > envoy/envoy.yaml
+
+## Regenerate the Istio and Envoy Gateway fragments under deploy/mesh (a test checks them).
+mesh-config: install
+	$(PY) -m extproc render-mesh --config envoy/extproc.yaml --flavor istio \
+		--out-dir deploy/mesh/istio
+	$(PY) -m extproc render-mesh --config envoy/extproc.yaml --flavor envoy-gateway \
+		--out-dir deploy/mesh/envoy-gateway
 
 clean:
 	rm -rf $(VENV) run .pytest_cache .mypy_cache .ruff_cache

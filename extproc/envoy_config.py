@@ -10,6 +10,7 @@ filters with ext_proc, FULL_DUPLEX_STREAMED); verified on 1.40.0.
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,9 @@ class Topology:
     access_log_path: str | None = None
     # Tool servers behind the tool route (cfg.tools.path_prefix); none: no tool route.
     tools: tuple[tuple[str, int], ...] = ()
+    # The operators' listener: only GET /ready and GET /stats/prometheus, routed to the
+    # admin (which then needs to listen on loopback only); none: no such listener.
+    ops: tuple[str, int] | None = None
 
 
 def _t(name: str) -> str:
@@ -39,6 +43,20 @@ def _dur(seconds: float) -> str:
 
 def _addr(host: str, port: int) -> dict[str, Any]:
     return {"socket_address": {"address": host, "port_value": port}}
+
+
+def is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def replica_cluster_type(replicas: Sequence[tuple[str, int]]) -> str:
+    """STATIC for addresses; a name (e.g. a headless Service) is resolved by DNS, and every
+    address it resolves to is one host (STRICT_DNS)."""
+    return "STATIC" if all(is_ip(h) for h, _ in replicas) else "STRICT_DNS"
 
 
 def _processor_address(target: str) -> dict[str, Any]:
@@ -228,7 +246,14 @@ def render(cfg: Config, topo: Topology, plain: bool = False) -> dict[str, Any]:
         tracing = {"provider": {"name": "envoy.tracers.opentelemetry", "typed_config": {
             "@type": _t("envoy.config.trace.v3.OpenTelemetryConfig"),
             "grpc_service": {"envoy_grpc": {"cluster_name": "otel"}, "timeout": "1s"},
-            "service_name": "llm-gateway-envoy"}},
+            "service_name": "llm-gateway-envoy",
+            # OTEL_RESOURCE_ATTRIBUTES from Envoy's environment, as the processor's SDK reads
+            # it: both sides' spans carry the same resource (e.g. k8s.pod.name).
+            "resource_detectors": [{
+                "name": "envoy.tracers.opentelemetry.resource_detectors.environment",
+                "typed_config": {"@type": _t(
+                    "envoy.extensions.tracers.opentelemetry.resource_detectors.v3."
+                    "EnvironmentResourceDetectorConfig")}}]}},
             "random_sampling": {"value": 100}}
     hcm = {
         "@type": _t("envoy.extensions.filters.network.http_connection_manager.v3."
@@ -276,7 +301,7 @@ def render(cfg: Config, topo: Topology, plain: bool = False) -> dict[str, Any]:
     rb = cfg.policy.retry_budget
     replica_cluster: dict[str, Any] = {
         "name": "replicas",
-        "type": "STATIC",
+        "type": replica_cluster_type(topo.replicas),
         "connect_timeout": "1s",
         "circuit_breakers": {"thresholds": [{
             # Envoy's default allows only 3 concurrent retries (UO under load). Envoy's own
@@ -291,6 +316,23 @@ def render(cfg: Config, topo: Topology, plain: bool = False) -> dict[str, Any]:
         "load_assignment": {"cluster_name": "replicas", "endpoints": [{"lb_endpoints": [
             {"endpoint": {"address": _addr(h, p)}} for h, p in topo.replicas]}]},
     }
+    live = cfg.pool.discovery == "registry" and not plain
+    if live:
+        # A live pool (decision 0014): the processor serves the registered replicas over
+        # EDS on the extproc cluster. A registration withdrawn or lapsed removes its host at
+        # once, even while it still passes health checks (its streams in flight go on).
+        del replica_cluster["load_assignment"]
+        replica_cluster["type"] = "EDS"
+        replica_cluster["eds_cluster_config"] = {
+            "service_name": "replicas",
+            "eds_config": {
+                "resource_api_version": "V3",
+                "initial_fetch_timeout": "10s",
+                "api_config_source": {
+                    "api_type": "GRPC", "transport_api_version": "V3",
+                    "set_node_on_first_message_only": True,
+                    "grpc_services": [{"envoy_grpc": {"cluster_name": "extproc"}}]}}}
+        replica_cluster["ignore_health_on_host_removal"] = True
     # Pool health in Envoy's own terms, the same with or without the processor (the plain
     # side of the benchmarks is this exact cluster with no ext_proc).
     hcs = health_checks(cfg)
@@ -299,7 +341,7 @@ def render(cfg: Config, topo: Topology, plain: bool = False) -> dict[str, Any]:
     od = outlier_detection(cfg)
     if od is not None:
         replica_cluster["outlier_detection"] = od
-    if cfg.pool.replicas and not plain:
+    if (cfg.pool.replicas or live) and not plain:
         # The guard lists compatible hosts in order; attempt n takes the n-th. Requests
         # without a list (e.g. /v1/models) fall back to round robin.
         replica_cluster["load_balancing_policy"] = {"policies": [{"typed_extension_config": {
@@ -347,21 +389,67 @@ def render(cfg: Config, topo: Topology, plain: bool = False) -> dict[str, Any]:
             "load_assignment": {"cluster_name": "extproc", "endpoints": [{"lb_endpoints": [
                 {"endpoint": {"address": _processor_address(topo.processor)}}]}]},
         })
-    return {
+    listeners: list[dict[str, Any]] = [{
+        "name": "gateway",
+        "address": _addr(*topo.listen),
+        "per_connection_buffer_limit_bytes": max(1 << 20,
+                                                 2 * cfg.limits.max_request_body_bytes),
+        "filter_chains": [{"filters": [{
+            "name": "envoy.filters.network.http_connection_manager",
+            "typed_config": hcm}]}],
+    }]
+    if topo.ops is not None:
+        listeners.append(ops_listener(topo.ops))
+        clusters.append(admin_cluster(topo.admin))
+    boot: dict[str, Any] = {
         "admin": {"address": _addr(*topo.admin)},
-        "static_resources": {
-            "listeners": [{
-                "name": "gateway",
-                "address": _addr(*topo.listen),
-                "per_connection_buffer_limit_bytes": max(1 << 20,
-                                                         2 * cfg.limits.max_request_body_bytes),
-                "filter_chains": [{"filters": [{
-                    "name": "envoy.filters.network.http_connection_manager",
-                    "typed_config": hcm}]}],
-            }],
-            "clusters": clusters,
-        },
+        "static_resources": {"listeners": listeners, "clusters": clusters},
     }
+    if live:
+        # An xDS client must name itself; the processor serves every node the same pool.
+        boot = {"node": {"id": "llm-gateway", "cluster": "llm-gateway"}, **boot}
+    return boot
+
+
+# What the operators' listener serves of the admin interface: read-only, nothing else.
+OPS_PATHS = ("/ready", "/stats/prometheus")
+
+
+def ops_listener(addr: tuple[str, int]) -> dict[str, Any]:
+    """Readiness and Prometheus stats for kubelets and scrapers, on their own listener.
+
+    The admin interface itself stays on loopback: anyone who reaches it can POST
+    /quitquitquit or /healthcheck/fail. Its own stat prefix keeps probes and scrapes out of
+    http.ingress.*, which the drain counts (helm/llm-failover-extproc/files/drain.py).
+    """
+    routes: list[dict[str, Any]] = [
+        {"match": {"path": p, "headers": [{"name": ":method",
+                                           "string_match": {"exact": "GET"}}]},
+         "route": {"cluster": "admin", "timeout": "5s"}}
+        for p in OPS_PATHS]
+    routes.append({"match": {"prefix": "/"}, "direct_response": {"status": 404}})
+    return {
+        "name": "ops",
+        "address": _addr(*addr),
+        "filter_chains": [{"filters": [{
+            "name": "envoy.filters.network.http_connection_manager",
+            "typed_config": {
+                "@type": _t("envoy.extensions.filters.network.http_connection_manager.v3."
+                            "HttpConnectionManager"),
+                "stat_prefix": "ops",
+                "codec_type": "AUTO",
+                "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {
+                    "@type": _t("envoy.extensions.filters.http.router.v3.Router")}}],
+                "route_config": {"name": "ops", "virtual_hosts": [{
+                    "name": "ops", "domains": ["*"], "routes": routes}]},
+            }}]}],
+    }
+
+
+def admin_cluster(admin: tuple[str, int]) -> dict[str, Any]:
+    return {"name": "admin", "type": "STATIC", "connect_timeout": "1s",
+            "load_assignment": {"cluster_name": "admin", "endpoints": [{"lb_endpoints": [
+                {"endpoint": {"address": _addr(*admin)}}]}]}}
 
 
 def parse_hostport(s: str) -> tuple[str, int]:

