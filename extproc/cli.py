@@ -50,6 +50,31 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--replica", action="append", default=[],
                    help="replica host:port (repeat); default 127.0.0.1:8001 and :8002")
     r.add_argument("--plain", action="store_true", help="no ext_proc: the benchmark baseline")
+    r.add_argument("--ops", default=None, metavar="HOST:PORT",
+                   help="a listener serving only GET /ready and /stats/prometheus (routed to "
+                        "the admin, which should then be on loopback)")
+    r.add_argument("--out", default=None, metavar="FILE",
+                   help="write the bootstrap to FILE (atomically) instead of stdout")
+    m = sub.add_parser("render-mesh", help="print the Istio or Envoy Gateway objects that "
+                       "give a mesh's Envoy what render-envoy gives ours")
+    m.add_argument("--config", required=True)
+    m.add_argument("--flavor", required=True, choices=["istio", "envoy-gateway"])
+    m.add_argument("--namespace", default="llm")
+    m.add_argument("--out-dir", default=None, metavar="DIR",
+                   help="write one file per object group into DIR (as deploy/mesh/<flavor>/ "
+                        "holds them) instead of printing one stream")
+    g = sub.add_parser("register", help="keep one model server registered in the live pool "
+                       "while it passes its health check (pool.discovery: registry)")
+    g.add_argument("--config")
+    g.add_argument("--address", required=True, metavar="IP:PORT",
+                   help="the address Envoy dials for this replica (a pod IP, not a name)")
+    g.add_argument("--probe", default=None, metavar="HOST:PORT",
+                   help="where to probe its health (default: --address)")
+    g.add_argument("--fingerprint-file", default=None,
+                   help="YAML mapping of the compatibility fingerprint (docs/configuration.md)")
+    g.add_argument("--fingerprint", action="append", default=[], metavar="FIELD=VALUE",
+                   help="one fingerprint field (repeat; lora_adapters as a,b,c)")
+    g.add_argument("--model", action="append", default=[], help="a model it serves (repeat)")
     i = sub.add_parser("inspect", help="show a request's journal record and event traces")
     i.add_argument("request_id")
     i.add_argument("--config")
@@ -64,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--workdir")
     q.add_argument("--replicas", type=int, default=2)
     q.add_argument("--port", type=int, default=10000)
+    q.add_argument("--live-pool", action="store_true",
+                   help="pool.discovery: registry, an `extproc register` agent per replica")
     args = ap.parse_args(argv)
 
     if args.cmd == "serve":
@@ -76,7 +103,10 @@ def main(argv: list[str] | None = None) -> int:
             uvloop.install()
         except ImportError:
             pass
-        asyncio.run(serve(cfg))
+        try:
+            asyncio.run(serve(cfg))
+        except ConfigError as e:  # an etcd.tls / etcd.auth file unreadable at start-up
+            raise SystemExit(f"config error: {e}") from e
         return 0
     if args.cmd == "check-config":
         cfg = read_config(args.config)
@@ -89,9 +119,33 @@ def main(argv: list[str] | None = None) -> int:
         topo = Topology(listen=parse_hostport(args.listen), admin=parse_hostport(args.admin),
                         processor=args.processor or cfg.server.listen,
                         replicas=replicas_from(args.replica or ["127.0.0.1:8001",
-                                                                "127.0.0.1:8002"]))
-        sys.stdout.write(yaml.safe_dump(render(cfg, topo, plain=args.plain), sort_keys=False))
+                                                                "127.0.0.1:8002"]),
+                        ops=parse_hostport(args.ops) if args.ops else None)
+        text = yaml.safe_dump(render(cfg, topo, plain=args.plain), sort_keys=False)
+        if args.out:
+            out = Path(args.out)
+            tmp = out.with_name(out.name + ".tmp")
+            tmp.write_text(text)
+            tmp.replace(out)
+        else:
+            sys.stdout.write(text)
         return 0
+    if args.cmd == "render-mesh":
+        from .mesh_config import render_files
+        try:
+            files = render_files(read_config(args.config, env={}), args.flavor,
+                                 args.namespace, source=args.config)
+        except ValueError as e:
+            raise SystemExit(f"config error: {e}") from e
+        if args.out_dir:
+            Path(args.out_dir).mkdir(parents=True, exist_ok=True)
+            for name, text in files.items():
+                (Path(args.out_dir) / name).write_text(text)
+        else:
+            sys.stdout.write("---\n".join(files.values()))
+        return 0
+    if args.cmd == "register":
+        return _register(args)
     if args.cmd in ("inspect", "replay"):
         file_trace = (json.loads(Path(args.trace_file).read_text())
                       if getattr(args, "trace_file", None) else None)
@@ -100,8 +154,36 @@ def main(argv: list[str] | None = None) -> int:
         from .devstack import run_forever
         if args.config:
             read_config(args.config)  # fail fast, naming the field
-        return run_forever(args.config, args.workdir, args.replicas, args.port)
+        return run_forever(args.config, args.workdir, args.replicas, args.port,
+                           live_pool=args.live_pool)
     return 2
+
+
+def _register(args: argparse.Namespace) -> int:
+    from .core.membership import RegistrationError, fingerprint_flags, registration_record
+    cfg = read_config(args.config)
+    fp: dict[str, Any] = {}
+    if args.fingerprint_file:
+        try:
+            loaded = yaml.safe_load(Path(args.fingerprint_file).read_text())
+        except (OSError, yaml.YAMLError) as e:
+            raise SystemExit(f"register: cannot read --fingerprint-file: {e}") from e
+        if not isinstance(loaded, dict):
+            raise SystemExit("register: --fingerprint-file must hold a mapping")
+        fp.update(loaded)
+    try:
+        fp.update(fingerprint_flags(args.fingerprint))
+        record = registration_record(args.address, fp, args.model,
+                                     agent=f"{os.uname().nodename}/{os.getpid()}")
+    except RegistrationError as e:
+        raise SystemExit(f"register: {e}") from e
+    from .adapters.logs import setup
+    from .adapters.register import run_agent
+    setup(cfg.server.log_level)
+    try:
+        return asyncio.run(run_agent(cfg, record, args.probe or record["address"]))
+    except ConfigError as e:  # an etcd.tls / etcd.auth file unreadable at start-up
+        raise SystemExit(f"config error: {e}") from e
 
 
 async def _inspect_or_replay(args: argparse.Namespace, file_trace: Any) -> int:
@@ -116,7 +198,10 @@ async def _inspect_or_replay(args: argparse.Namespace, file_trace: Any) -> int:
     else:
         cfg = read_config(args.config)
         store = EtcdStore(cfg.etcd)
-        await store.connect()
+        try:
+            await store.connect()  # reads etcd.tls / etcd.auth files
+        except ConfigError as e:
+            raise SystemExit(f"config error: {e}") from e
         try:
             view = await store.get(args.request_id)
             traces = await store.get_traces(args.request_id)

@@ -149,11 +149,18 @@ class Stack:
     # One fingerprint mapping per replica (extproc.core.pool fields): the replicas get the
     # matching flags and the processor a `pool.replicas` section naming them.
     fingerprints: list[dict[str, Any]] | None = None
+    # A live pool (decision 0014): pool.discovery is `registry`, every replica gets an
+    # `extproc register` agent beside it (`reg-rN`), and Envoy's replicas come over EDS.
+    registry: bool = False
     # Extra environment for the processor (e.g. the sweep's test-only sabotage switch).
     processor_env: dict[str, str] | None = None
     # Start a span-printing OTLP receiver and send both Envoy's and our traces to it.
     span_printer: bool = False
     quiet_envoy: bool = True
+    # etcd with TLS, client certificates and password auth (extproc.etcd_tls_dev); the
+    # processor gets the matching etcd.tls / etcd.auth sections (decision 0013).
+    etcd_tls_auth: bool = False
+    etcd_secure: dict[str, Any] = field(default_factory=dict)
     procs: dict[str, Proc] = field(default_factory=dict)
     replica_ports: list[int] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -197,12 +204,17 @@ class Stack:
         self._start_replicas()
         if self.partition_proxies:
             self._start_proxies()
+        if self.registry and not self.plain:
+            self._start_agents()
         self._start_envoy()
         self._sup = threading.Thread(target=self._supervise, name="replica-supervisor",
                                      daemon=True)
         self._sup.start()
 
     def _start_etcd(self) -> None:
+        if self.etcd_tls_auth:
+            self._start_etcd_tls_auth()
+            return
         cport, pport = free_port(), free_port()
         data = self.workdir / "etcd-data"
         shutil.rmtree(data, ignore_errors=True)
@@ -220,13 +232,46 @@ class Stack:
         self.procs["etcd"] = p
         wait_until(lambda: _http_ok(f"http://127.0.0.1:{cport}/health"), 20, "etcd health")
 
+    def _start_etcd_tls_auth(self) -> None:
+        from .etcd_tls_dev import Pki, enable_auth, tls_flags, write_secret
+        cport, pport, mport = free_port(), free_port(), free_port()
+        data, sec = self.workdir / "etcd-data", self.workdir / "etcd-secrets"
+        shutil.rmtree(data, ignore_errors=True)
+        pki = Pki(sec)
+        cert, key = pki.issue("server", "127.0.0.1", "localhost")
+        self.etcd_endpoint = f"127.0.0.1:{cport}"
+        p = Proc("etcd", [
+            _bin("etcd"), "--name", "gw-etcd", "--data-dir", str(data),
+            "--listen-client-urls", f"https://127.0.0.1:{cport}",
+            "--advertise-client-urls", f"https://127.0.0.1:{cport}",
+            "--listen-metrics-urls", f"http://127.0.0.1:{mport}",
+            "--listen-peer-urls", f"http://127.0.0.1:{pport}",
+            "--initial-advertise-peer-urls", f"http://127.0.0.1:{pport}",
+            "--initial-cluster", f"gw-etcd=http://127.0.0.1:{pport}",
+            *tls_flags(pki, cert, key), "--log-level", "warn", "--unsafe-no-fsync",
+        ], self.workdir / "etcd.log")
+        p.start()
+        self.procs["etcd"] = p
+        wait_until(lambda: _http_ok(f"http://127.0.0.1:{mport}/health"), 20, "etcd health")
+        prefix = str((self.config.get("etcd") or {}).get("prefix", "/llmgw/v1"))
+        enable_auth(_bin("etcdctl"), self.etcd_endpoint, pki, "extproc", "extproc-pw",
+                    prefix, "root-pw")
+        self.etcd_secure = {
+            "tls": {"enabled": True, "ca_file": str(pki.ca_file),
+                    "cert_file": str(pki.client_cert), "key_file": str(pki.client_key)},
+            "auth": {"username_file": str(write_secret(sec / "username", "extproc")),
+                     "password_file": str(write_secret(sec / "password", "extproc-pw"))}}
+
     def _processor_config(self) -> dict[str, Any]:
         raw: dict[str, Any] = json.loads(json.dumps(self.config))
         raw.setdefault("server", {})
         raw["server"].setdefault("listen", f"127.0.0.1:{free_port()}")
         raw.setdefault("etcd", {})
         raw["etcd"]["endpoints"] = [self.etcd_endpoint]
-        if self.fingerprints:
+        raw["etcd"].update(self.etcd_secure)
+        if self.registry:
+            raw["pool"] = {**(raw.get("pool") or {}), "discovery": "registry"}
+        elif self.fingerprints:
             if not self.replica_ports:
                 self.replica_ports = [free_port() for _ in range(self.replicas)]
             raw["pool"] = {"replicas": [
@@ -297,6 +342,45 @@ class Stack:
         for i, port in enumerate(self.replica_ports):
             wait_until(lambda port=port: _http_ok(f"http://127.0.0.1:{port}{self.health_path}"),
                        self.replica_start_timeout_s, f"replica r{i + 1}")
+
+    def fingerprint_of(self, i: int) -> dict[str, Any]:
+        if self.fingerprints and i < len(self.fingerprints):
+            return self.fingerprints[i]
+        return {"weights_revision": "demo-1"}
+
+    def agent_proc(self, i: int) -> Proc:
+        """`extproc register` for replica i, with the processor's own config file."""
+        name = f"r{i + 1}"
+        fp = self.workdir / f"fingerprint-{name}.yaml"
+        fp.write_text(yaml.safe_dump(self.fingerprint_of(i)))
+        port = (self.proxy_ports or self.replica_ports)[i]
+        return Proc(f"reg-{name}", [
+            sys.executable, "-m", "extproc", "register", "--config",
+            str(self.workdir / "extproc.yaml"), "--address", f"127.0.0.1:{port}",
+            "--fingerprint-file", str(fp)], self.workdir / f"reg-{name}.log")
+
+    def _start_agents(self) -> None:
+        for i in range(len(self.replica_ports)):
+            p = self.agent_proc(i)
+            p.start()
+            self.procs[p.name] = p
+
+    def add_replica(self) -> str:
+        """A new replica joins while the stack runs (and, with `registry`, its agent)."""
+        i = len(self.replica_ports)
+        self.replica_ports.append(free_port())
+        self.replicas = len(self.replica_ports)
+        p = self.replica_proc(i, self.replica_ports[i])
+        p.start()
+        self.procs[p.name] = p
+        wait_until(lambda: _http_ok(f"http://127.0.0.1:{self.replica_ports[i]}"
+                                    f"{self.health_path}"), self.replica_start_timeout_s,
+                   f"replica {p.name}")
+        if self.registry:
+            a = self.agent_proc(i)
+            a.start()
+            self.procs[a.name] = a
+        return p.name
 
     def _start_proxies(self) -> None:
         for i, rport in enumerate(self.replica_ports):
@@ -471,6 +555,19 @@ class Stack:
         return out
 
 
+def live_pool_help(stack: Stack) -> str:
+    if not stack.registry:
+        return ""
+    return f"""
+Live pool (pool.discovery: registry): each replica has an `extproc register` agent.
+  Registered now: etcdctl --endpoints {stack.etcd_endpoint} get --prefix --keys-only /llmgw/v1/pool/
+  Start another model server and register it; it takes traffic without a restart:
+  .venv/bin/python -m extproc.demo.replica --port 8011 --name r9 &
+  .venv/bin/extproc register --config {stack.workdir}/extproc.yaml --address 127.0.0.1:8011 \\
+    --fingerprint weights_revision=demo-1
+"""
+
+
 def quickstart_banner(stack: Stack) -> str:
     url = stack.base_url
     body = ('{"model":"demo-model","stream":true,"max_tokens":12,'
@@ -497,7 +594,7 @@ Look the request up (use the x-gateway-request-id response header), and replay i
   .venv/bin/extproc replay <request_id> --config {stack.workdir}/extproc.yaml
 
 Traces (Envoy's spans and ours, one line per span): tail -f {stack.workdir}/spans.jsonl
-
+{live_pool_help(stack)}
 With the openai SDK:
   from openai import OpenAI
   client = OpenAI(base_url="{url}/v1", api_key="unused")
@@ -510,13 +607,13 @@ Ctrl-C stops everything.
 
 
 def run_forever(config_path: str | None, workdir: str | None, replicas: int,
-                envoy_port: int) -> int:
+                envoy_port: int, live_pool: bool = False) -> int:
     raw: dict[str, Any] = {}
     if config_path:
         raw = yaml.safe_load(Path(config_path).read_text()) or {}
     wd = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="extproc-run-"))
     stack = Stack(workdir=wd, config=raw, replicas=replicas, envoy_port=envoy_port,
-                  span_printer=True, tool_server=True)
+                  span_printer=True, tool_server=True, registry=live_pool)
     stop = threading.Event()
 
     def _on_signal(signum: int, frame: Any) -> None:

@@ -86,7 +86,33 @@ class Policy:
 
 
 @dataclass(frozen=True)
+class EtcdTlsConfig:
+    # TLS to etcd (decision 0013). Off: plaintext, and every other field must be unset.
+    enabled: bool = False
+    # CA bundle that etcd's server certificates must chain to; None: the system's roots.
+    ca_file: str | None = None
+    # Our client certificate and its key (etcd --client-cert-auth): both or neither.
+    cert_file: str | None = None
+    key_file: str | None = None
+    # The name checked in every endpoint's certificate instead of the endpoint's own host.
+    server_name: str | None = None
+
+
+@dataclass(frozen=True)
+class EtcdAuthConfig:
+    # etcd user and password, each in a file (a Kubernetes Secret's `username` and
+    # `password` keys as mounted): both or neither. Re-read at every authentication.
+    username_file: str | None = None
+    password_file: str | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.username_file is not None
+
+
+@dataclass(frozen=True)
 class EtcdConfig:
+    # host:port each: IPv4 literals, [IPv6] literals or DNS names, in any mix.
     endpoints: tuple[str, ...] = ("127.0.0.1:2379",)
     # Every etcd call carries this deadline: a frozen etcd must never hang a stream.
     timeout_s: float = 1.0
@@ -96,6 +122,8 @@ class EtcdConfig:
     # The processor's own liveness lease: if it dies, its requests' `guard` keys vanish
     # and their records are settled as gateway_interrupted by the next reader.
     session_ttl_s: int = 15
+    tls: EtcdTlsConfig = field(default_factory=EtcdTlsConfig)
+    auth: EtcdAuthConfig = field(default_factory=EtcdAuthConfig)
 
 
 @dataclass(frozen=True)
@@ -205,6 +233,11 @@ class PoolConfig:
     replicas: tuple[Any, ...] = ()
     health_check: HealthCheckConfig = field(default_factory=HealthCheckConfig)
     outlier_detection: OutlierDetectionConfig = field(default_factory=OutlierDetectionConfig)
+    # static: the replicas above (or Envoy's own list); registry: replicas register
+    # themselves in etcd (`extproc register`), the processor serves them to Envoy over EDS.
+    discovery: str = "static"
+    # A registration lapses this long after its agent stopped renewing it (docs/pool-membership.md).
+    registration_ttl_s: int = 10
 
 
 @dataclass(frozen=True)
@@ -213,6 +246,11 @@ class ServerConfig:
     listen: str = "127.0.0.1:50051"
     gateway_id: str = "gw-1"
     log_level: str = "INFO"
+    # Readiness (gRPC health service ""): NOT_SERVING until etcd first answered, and again
+    # once it has not answered for longer than this (docs/decisions/0016).
+    readiness_grace_s: float = 5.0
+    # "host:port" serving Prometheus text exposition at GET /metrics; None: no endpoint.
+    metrics_listen: str | None = None
 
 
 @dataclass(frozen=True)
@@ -393,6 +431,69 @@ def _policy(outer: _Reader) -> Policy:
                   uncertain_source_liveness=unc, retry_budget=budget, retry_cost=cost)
 
 
+def _check_metrics_listen(addr: str, listen: str) -> None:
+    # TCP only (Prometheus scrapes over HTTP): an IPv4 or DNS host, or an [IPv6] literal.
+    host, sep, port = addr.rpartition(":")
+    if host.startswith("[") != host.endswith("]"):
+        host = ""
+    if (not sep or not host or host == "[]" or not port.isdigit()
+            or not 1 <= int(port) <= 65535 or ("[" not in host and ":" in host)):
+        raise ConfigError("server.metrics_listen",
+                          f"must be host:port (port 1-65535, [IPv6] in brackets), got {addr!r}")
+    if addr == listen:
+        raise ConfigError("server.metrics_listen", f"must differ from server.listen ({listen})")
+
+
+def _etcd_tls(r: _Reader) -> EtcdTlsConfig:
+    tls = EtcdTlsConfig(
+        enabled=r.bool_("enabled", EtcdTlsConfig.enabled),
+        ca_file=r.opt_str("ca_file", EtcdTlsConfig.ca_file),
+        cert_file=r.opt_str("cert_file", EtcdTlsConfig.cert_file),
+        key_file=r.opt_str("key_file", EtcdTlsConfig.key_file),
+        server_name=r.opt_str("server_name", EtcdTlsConfig.server_name),
+    )
+    r.done()
+    if (tls.cert_file is None) != (tls.key_file is None):
+        given, missing = (("cert_file", "key_file") if tls.key_file is None
+                          else ("key_file", "cert_file"))
+        raise ConfigError(f"etcd.tls.{missing}",
+                          f"must be set with etcd.tls.{given} (a client certificate and its "
+                          "key go together)")
+    if not tls.enabled:
+        for name in ("ca_file", "cert_file", "key_file", "server_name"):
+            if getattr(tls, name) is not None:
+                # Set but ignored would dial etcd in plaintext while the file says TLS.
+                raise ConfigError("etcd.tls.enabled",
+                                  f"must be true when etcd.tls.{name} is set")
+    return tls
+
+
+def _etcd_auth(r: _Reader) -> EtcdAuthConfig:
+    auth = EtcdAuthConfig(username_file=r.opt_str("username_file", None),
+                          password_file=r.opt_str("password_file", None))
+    r.done()
+    if (auth.username_file is None) != (auth.password_file is None):
+        given, missing = (("username_file", "password_file") if auth.password_file is None
+                          else ("password_file", "username_file"))
+        raise ConfigError(f"etcd.auth.{missing}", f"must be set with etcd.auth.{given}")
+    return auth
+
+
+def _check_etcd_endpoint(path: str, ep: str) -> None:
+    # host:port, the host an IPv4 literal, a DNS name or an [IPv6] literal.
+    if "://" in ep:
+        raise ConfigError(path, f"must be host:port without a scheme (TLS is "
+                                f"etcd.tls.enabled), got {ep!r}")
+    host, sep, port = ep.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ConfigError(path, f"must be host:port, got {ep!r}")
+    if host.startswith("["):
+        if not host.endswith("]") or len(host) < 3 or "]" in host[:-1]:
+            raise ConfigError(path, f"must be [IPv6]:port, got {ep!r}")
+    elif ":" in host or "]" in host:
+        raise ConfigError(path, f"an IPv6 address goes in brackets ([::1]:2379), got {ep!r}")
+
+
 def load_config(raw: Mapping[str, Any] | None) -> Config:
     """Validate a parsed configuration mapping; raise ConfigError naming the field."""
     root = _Reader(raw or {}, "")
@@ -402,7 +503,12 @@ def load_config(raw: Mapping[str, Any] | None) -> Config:
         gateway_id=s.str_("gateway_id", ServerConfig.gateway_id),
         log_level=s.str_("log_level", ServerConfig.log_level,
                          frozenset({"DEBUG", "INFO", "WARNING", "ERROR"})),
+        readiness_grace_s=s.float_("readiness_grace_s", ServerConfig.readiness_grace_s,
+                                   0.5, 600.0),
+        metrics_listen=s.opt_str("metrics_listen", ServerConfig.metrics_listen),
     )
+    if server.metrics_listen is not None:
+        _check_metrics_listen(server.metrics_listen, server.listen)
     s.done()
     e = root.section("etcd")
     etcd = EtcdConfig(
@@ -413,14 +519,14 @@ def load_config(raw: Mapping[str, Any] | None) -> Config:
         journal_retention_s=e.int_("journal_retention_s", EtcdConfig.journal_retention_s,
                                    60, 30 * 86400),
         session_ttl_s=e.int_("session_ttl_s", EtcdConfig.session_ttl_s, 3, 600),
+        tls=_etcd_tls(e.section("tls")),
+        auth=_etcd_auth(e.section("auth")),
     )
     if not etcd.prefix.startswith("/") or etcd.prefix.endswith("/"):
         raise ConfigError("etcd.prefix",
                           f"must start with '/' and not end with '/', got {etcd.prefix!r}")
     for i, ep in enumerate(etcd.endpoints):
-        host, sep, port = ep.rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise ConfigError(f"etcd.endpoints[{i}]", f"must be host:port, got {ep!r}")
+        _check_etcd_endpoint(f"etcd.endpoints[{i}]", ep)
     e.done()
     t = root.section("timeouts")
     timeouts = TimeoutsConfig(
@@ -532,7 +638,14 @@ def load_config(raw: Mapping[str, Any] | None) -> Config:
         raise ConfigError("pool.outlier_detection.max_ejection_time_s",
                           f"must be >= base_ejection_time_s ({outlier.base_ejection_time_s})")
     od.done()
-    pool = PoolConfig(replicas=tuple(reps), health_check=health, outlier_detection=outlier)
+    discovery = pl.str_("discovery", PoolConfig.discovery, frozenset({"static", "registry"}))
+    if discovery == "registry" and reps:
+        raise ConfigError("pool.replicas", "must be empty with discovery: registry (the "
+                          "replicas register themselves: docs/pool-membership.md)")
+    pool = PoolConfig(replicas=tuple(reps), health_check=health, outlier_detection=outlier,
+                      discovery=discovery,
+                      registration_ttl_s=pl.int_("registration_ttl_s",
+                                                 PoolConfig.registration_ttl_s, 2, 300))
     pl.done()
     policy = _policy(root.section("policy"))
     root.done()

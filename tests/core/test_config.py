@@ -273,3 +273,155 @@ def test_lease_expiry_policy_needs_first_delta_time_for_the_wait() -> None:
         load_config(raw)
     raw["timeouts"] = {"first_delta_s": 11.0}
     assert load_config(raw).timeouts.first_delta_s == 11.0
+
+
+# --- server.readiness_grace_s and server.metrics_listen (decision 0016) ----------------
+
+
+def test_readiness_and_metrics_defaults() -> None:
+    s = load_config({}).server
+    assert s.readiness_grace_s == 5.0
+    assert s.metrics_listen is None
+
+
+@pytest.mark.parametrize("addr", ["127.0.0.1:9090", "0.0.0.0:1", "[::1]:65535",
+                                  "metrics.example:9464", "[::]:9090"])
+def test_metrics_listen_accepts_host_port(addr: str) -> None:
+    cfg = load_config({"server": {"metrics_listen": addr, "readiness_grace_s": 0.5}})
+    assert cfg.server.metrics_listen == addr
+    assert cfg.server.readiness_grace_s == 0.5
+
+
+@pytest.mark.parametrize("addr", ["9090", ":9090", "127.0.0.1:", "127.0.0.1:0",
+                                  "127.0.0.1:65536", "::1:9090", "[::1:9090", "[]:9090",
+                                  "unix:/tmp/m.sock", "127.0.0.1:http", 9090, ""])
+def test_metrics_listen_rejects_what_is_not_host_port(addr: Any) -> None:
+    with pytest.raises(ConfigError) as ei:
+        load_config({"server": {"metrics_listen": addr}})
+    assert ei.value.path == "server.metrics_listen"
+
+
+def test_metrics_listen_must_not_be_the_grpc_listener() -> None:
+    with pytest.raises(ConfigError) as ei:
+        load_config({"server": {"listen": "127.0.0.1:50051",
+                                "metrics_listen": "127.0.0.1:50051"}})
+    assert ei.value.path == "server.metrics_listen" and "server.listen" in str(ei.value)
+
+
+@pytest.mark.parametrize("grace", [0.4, 0, -1, 601, "5s", True, None])
+def test_readiness_grace_bounds(grace: Any) -> None:
+    with pytest.raises(ConfigError) as ei:
+        load_config({"server": {"readiness_grace_s": grace}})
+    assert ei.value.path == "server.readiness_grace_s"
+
+
+def test_readiness_and_metrics_from_env_overrides() -> None:
+    raw = apply_env_overrides({}, {"EXTPROC_SERVER__METRICS_LISTEN": "0.0.0.0:9464",
+                                   "EXTPROC_SERVER__READINESS_GRACE_S": "2.5"})
+    s = load_config(raw).server
+    assert s.metrics_listen == "0.0.0.0:9464" and s.readiness_grace_s == 2.5
+    # null switches the endpoint off again
+    raw = apply_env_overrides({"server": {"metrics_listen": "127.0.0.1:9090"}},
+                              {"EXTPROC_SERVER__METRICS_LISTEN": "null"})
+    assert load_config(raw).server.metrics_listen is None
+
+
+def test_live_pool_discovery() -> None:
+    assert load_config({}).pool.discovery == "static"
+    cfg = load_config({"pool": {"discovery": "registry", "registration_ttl_s": 5}})
+    assert cfg.pool.discovery == "registry" and cfg.pool.registration_ttl_s == 5
+    with pytest.raises(ConfigError, match=r"pool\.discovery"):
+        load_config({"pool": {"discovery": "kubernetes"}})
+    with pytest.raises(ConfigError, match=r"pool\.registration_ttl_s"):
+        load_config({"pool": {"discovery": "registry", "registration_ttl_s": 1}})
+    # Replicas in the file and replicas registering themselves: one source, never both.
+    with pytest.raises(ConfigError, match=r"pool\.replicas.*registry"):
+        load_config({"pool": {"discovery": "registry", "replicas": [
+            {"address": "10.0.0.1:8000", "fingerprint": {"weights_revision": "w"}}]}})
+
+
+# --- etcd TLS, auth and endpoints (decision 0013) ---------------------------------------
+
+
+def test_etcd_tls_and_auth_defaults_are_off() -> None:
+    e = load_config({}).etcd
+    assert not e.tls.enabled and e.tls.ca_file is None and e.tls.cert_file is None
+    assert e.tls.key_file is None and e.tls.server_name is None
+    assert not e.auth.enabled and e.auth.username_file is None and e.auth.password_file is None
+
+
+def test_etcd_tls_and_auth_in_full() -> None:
+    e = load_config({"etcd": {
+        "tls": {"enabled": True, "ca_file": "/etc/extproc/etcd-tls/ca.crt",
+                "cert_file": "/etc/extproc/etcd-tls/tls.crt",
+                "key_file": "/etc/extproc/etcd-tls/tls.key", "server_name": "etcd.internal"},
+        "auth": {"username_file": "/etc/extproc/etcd-auth/username",
+                 "password_file": "/etc/extproc/etcd-auth/password"}}}).etcd
+    assert e.tls.enabled and e.tls.ca_file == "/etc/extproc/etcd-tls/ca.crt"
+    assert e.tls.cert_file == "/etc/extproc/etcd-tls/tls.crt"
+    assert e.tls.key_file == "/etc/extproc/etcd-tls/tls.key"
+    assert e.tls.server_name == "etcd.internal"
+    assert e.auth.enabled and e.auth.username_file == "/etc/extproc/etcd-auth/username"
+    assert e.auth.password_file == "/etc/extproc/etcd-auth/password"
+    # TLS with the system's roots and no client certificate is valid too.
+    assert load_config({"etcd": {"tls": {"enabled": True}}}).etcd.tls.ca_file is None
+
+
+@pytest.mark.parametrize(("etcd", "named", "says"), [
+    ({"tls": {"enabled": True, "cert_file": "/c"}}, "etcd.tls.key_file",
+     "must be set with etcd.tls.cert_file"),
+    ({"tls": {"enabled": True, "key_file": "/k"}}, "etcd.tls.cert_file",
+     "must be set with etcd.tls.key_file"),
+    ({"tls": {"ca_file": "/ca"}}, "etcd.tls.enabled", "must be true when etcd.tls.ca_file"),
+    ({"tls": {"enabled": False, "cert_file": "/c", "key_file": "/k"}}, "etcd.tls.enabled",
+     "must be true when etcd.tls.cert_file"),
+    ({"tls": {"server_name": "x"}}, "etcd.tls.enabled", "must be true when etcd.tls.server_name"),
+    ({"tls": {"enabled": "yes"}}, "etcd.tls.enabled", "must be true or false"),
+    ({"tls": {"enabled": True, "ca_file": ""}}, "etcd.tls.ca_file", "non-empty string"),
+    ({"tls": {"enabled": True, "ca": "/x"}}, "etcd.tls.ca", "unknown field"),
+    ({"tls": "on"}, "etcd.tls", "must be a mapping"),
+    ({"auth": {"username_file": "/u"}}, "etcd.auth.password_file",
+     "must be set with etcd.auth.username_file"),
+    ({"auth": {"password_file": "/p"}}, "etcd.auth.username_file",
+     "must be set with etcd.auth.password_file"),
+    ({"auth": {"username": "root"}}, "etcd.auth.username", "unknown field"),
+])
+def test_etcd_tls_and_auth_errors_name_the_field(etcd: dict[str, Any], named: str,
+                                                 says: str) -> None:
+    with pytest.raises(ConfigError) as exc:
+        load_config({"etcd": etcd})
+    assert exc.value.path == named and says in exc.value.problem
+
+
+@pytest.mark.parametrize("ep", ["127.0.0.1:2379", "[::1]:2379", "[fd00::12]:2379",
+                                "etcd-0.etcd.llm.svc:2379", "localhost:1"])
+def test_etcd_endpoints_ipv4_ipv6_and_names(ep: str) -> None:
+    eps = ("10.0.0.1:2379", ep, "etcd.example:2379")
+    assert load_config({"etcd": {"endpoints": list(eps)}}).etcd.endpoints == eps
+
+
+@pytest.mark.parametrize(("ep", "says"), [
+    ("https://etcd:2379", "without a scheme"),
+    ("::1:2379", "IPv6 address goes in brackets"),
+    ("[::1:2379", "must be [IPv6]:port"),
+    ("[]:2379", "must be [IPv6]:port"),
+    ("etcd", "must be host:port"),
+    ("etcd:0", "must be host:port"),
+    ("etcd:70000", "must be host:port"),
+])
+def test_etcd_endpoint_errors_name_the_entry(ep: str, says: str) -> None:
+    with pytest.raises(ConfigError) as exc:
+        load_config({"etcd": {"endpoints": ["127.0.0.1:2379", ep]}})
+    assert exc.value.path == "etcd.endpoints[1]" and says in exc.value.problem
+
+
+def test_etcd_tls_and_auth_are_set_in_the_file_not_by_env_overrides() -> None:
+    # Overrides reach section fields only (EXTPROC_SECTION__FIELD); nested sections such as
+    # etcd.tls are set in the file (docs/configuration.md), endpoints by env as ever.
+    with pytest.raises(ConfigError):
+        apply_env_overrides({}, {"EXTPROC_ETCD__TLS__ENABLED": "true"})
+    cfg = load_config(apply_env_overrides(
+        {"etcd": {"tls": {"enabled": True}}},
+        {"EXTPROC_ETCD__ENDPOINTS": "etcd-0.etcd:2379,[::1]:2379,10.0.0.7:2379"}))
+    assert cfg.etcd.endpoints == ("etcd-0.etcd:2379", "[::1]:2379", "10.0.0.7:2379")
+    assert cfg.etcd.tls.enabled
