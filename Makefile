@@ -42,7 +42,7 @@ run: install
 	$(PY) -m extproc run --config envoy/extproc.yaml --workdir run
 
 ## Lint, type-check (mypy --strict on the package) and run every test (unit + real Envoy/etcd e2e).
-test: install lint typecheck
+test: install lint typecheck image-if-possible
 	$(BIN)/pytest -q
 
 lint: install

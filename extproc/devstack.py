@@ -560,7 +560,8 @@ def live_pool_help(stack: Stack) -> str:
         return ""
     return f"""
 Live pool (pool.discovery: registry): each replica has an `extproc register` agent.
-  Registered now: etcdctl --endpoints {stack.etcd_endpoint} get --prefix --keys-only /llmgw/v1/pool/
+  Registered now:
+  .venv/bin/etcdctl --endpoints {stack.etcd_endpoint} get --prefix --keys-only /llmgw/v1/pool/
   Start another model server and register it; it takes traffic without a restart:
   .venv/bin/python -m extproc.demo.replica --port 8011 --name r9 &
   .venv/bin/extproc register --config {stack.workdir}/extproc.yaml --address 127.0.0.1:8011 \\

@@ -115,7 +115,9 @@ async def serve(cfg: Config, ready: Callable[[str], None] | None = None) -> None
     gc.collect()
     gc.freeze()
     gc.set_threshold(20_000, 50, 50)
-    addr = cfg.server.listen if port == 0 else cfg.server.listen.rsplit(":", 1)[0] + f":{port}"
+    listen = cfg.server.listen
+    addr = listen if port == 0 or listen.startswith("unix:") else (
+        listen.rsplit(":", 1)[0] + f":{port}")
     if UNSAFE_RELEASE_WITHOUT_FENCE:
         log.critical("EXTPROC_UNSAFE_RELEASE_WITHOUT_FENCE=1: the first-delta fence is OFF; "
                      "this is a test-only sabotage", extra={"request_id": None,
