@@ -160,6 +160,7 @@ class Stack:
     # etcd with TLS, client certificates and password auth (extproc.etcd_tls_dev); the
     # processor gets the matching etcd.tls / etcd.auth sections (decision 0013).
     etcd_tls_auth: bool = False
+    etcd_metrics: str = ""  # etcd's plain-HTTP metrics and health (set when we start it)
     etcd_secure: dict[str, Any] = field(default_factory=dict)
     procs: dict[str, Proc] = field(default_factory=dict)
     replica_ports: list[int] = field(default_factory=list)
@@ -212,55 +213,42 @@ class Stack:
         self._sup.start()
 
     def _start_etcd(self) -> None:
-        if self.etcd_tls_auth:
-            self._start_etcd_tls_auth()
-            return
-        cport, pport = free_port(), free_port()
-        data = self.workdir / "etcd-data"
-        shutil.rmtree(data, ignore_errors=True)
-        self.etcd_endpoint = f"127.0.0.1:{cport}"
-        p = Proc("etcd", [
-            _bin("etcd"), "--name", "gw-etcd", "--data-dir", str(data),
-            "--listen-client-urls", f"http://127.0.0.1:{cport}",
-            "--advertise-client-urls", f"http://127.0.0.1:{cport}",
-            "--listen-peer-urls", f"http://127.0.0.1:{pport}",
-            "--initial-advertise-peer-urls", f"http://127.0.0.1:{pport}",
-            "--initial-cluster", f"gw-etcd=http://127.0.0.1:{pport}",
-            "--log-level", "warn", "--unsafe-no-fsync",
-        ], self.workdir / "etcd.log")
-        p.start()
-        self.procs["etcd"] = p
-        wait_until(lambda: _http_ok(f"http://127.0.0.1:{cport}/health"), 20, "etcd health")
-
-    def _start_etcd_tls_auth(self) -> None:
-        from .etcd_tls_dev import Pki, enable_auth, tls_flags, write_secret
+        """One etcd member on loopback; with `etcd_tls_auth`, TLS-only with client
+        certificates and password auth (metrics and health on a plain port)."""
         cport, pport, mport = free_port(), free_port(), free_port()
         data, sec = self.workdir / "etcd-data", self.workdir / "etcd-secrets"
         shutil.rmtree(data, ignore_errors=True)
-        pki = Pki(sec)
-        cert, key = pki.issue("server", "127.0.0.1", "localhost")
         self.etcd_endpoint = f"127.0.0.1:{cport}"
+        self.etcd_metrics = f"127.0.0.1:{mport}"
+        scheme, extra = "http", []
+        if self.etcd_tls_auth:
+            from .etcd_tls_dev import Pki, tls_flags
+            pki = Pki(sec)
+            cert, key = pki.issue("server", "127.0.0.1", "localhost")
+            scheme, extra = "https", tls_flags(pki, cert, key)
         p = Proc("etcd", [
             _bin("etcd"), "--name", "gw-etcd", "--data-dir", str(data),
-            "--listen-client-urls", f"https://127.0.0.1:{cport}",
-            "--advertise-client-urls", f"https://127.0.0.1:{cport}",
+            "--listen-client-urls", f"{scheme}://127.0.0.1:{cport}",
+            "--advertise-client-urls", f"{scheme}://127.0.0.1:{cport}",
             "--listen-metrics-urls", f"http://127.0.0.1:{mport}",
             "--listen-peer-urls", f"http://127.0.0.1:{pport}",
             "--initial-advertise-peer-urls", f"http://127.0.0.1:{pport}",
             "--initial-cluster", f"gw-etcd=http://127.0.0.1:{pport}",
-            *tls_flags(pki, cert, key), "--log-level", "warn", "--unsafe-no-fsync",
+            *extra, "--log-level", "warn", "--unsafe-no-fsync",
         ], self.workdir / "etcd.log")
         p.start()
         self.procs["etcd"] = p
         wait_until(lambda: _http_ok(f"http://127.0.0.1:{mport}/health"), 20, "etcd health")
-        prefix = str((self.config.get("etcd") or {}).get("prefix", "/llmgw/v1"))
-        enable_auth(_bin("etcdctl"), self.etcd_endpoint, pki, "extproc", "extproc-pw",
-                    prefix, "root-pw")
-        self.etcd_secure = {
-            "tls": {"enabled": True, "ca_file": str(pki.ca_file),
-                    "cert_file": str(pki.client_cert), "key_file": str(pki.client_key)},
-            "auth": {"username_file": str(write_secret(sec / "username", "extproc")),
-                     "password_file": str(write_secret(sec / "password", "extproc-pw"))}}
+        if self.etcd_tls_auth:
+            from .etcd_tls_dev import enable_auth, write_secret
+            prefix = str((self.config.get("etcd") or {}).get("prefix", "/llmgw/v1"))
+            enable_auth(_bin("etcdctl"), self.etcd_endpoint, pki, "extproc", "extproc-pw",
+                        prefix, "root-pw")
+            self.etcd_secure = {
+                "tls": {"enabled": True, "ca_file": str(pki.ca_file),
+                        "cert_file": str(pki.client_cert), "key_file": str(pki.client_key)},
+                "auth": {"username_file": str(write_secret(sec / "username", "extproc")),
+                         "password_file": str(write_secret(sec / "password", "extproc-pw"))}}
 
     def _processor_config(self) -> dict[str, Any]:
         raw: dict[str, Any] = json.loads(json.dumps(self.config))
@@ -526,7 +514,8 @@ class Stack:
         if self.plain or not self.etcd_endpoint:
             return {}
         try:
-            with urllib.request.urlopen(f"http://{self.etcd_endpoint}/metrics", timeout=5) as r:
+            with urllib.request.urlopen(f"http://{self.etcd_metrics or self.etcd_endpoint}"
+                                        "/metrics", timeout=5) as r:
                 text = r.read().decode()
         except OSError:
             return {}

@@ -24,6 +24,8 @@ from typing import Any
 import pytest
 import yaml
 
+from extproc.envoy_config import is_ip
+
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "llm-failover-extproc"
 ENVOY = Path(sys.executable).parent / "envoy"
@@ -333,17 +335,8 @@ def test_bootstrap_has_the_pods_topology(values: str | None) -> None:
            for e in replicas["load_assignment"]["endpoints"][0]["lb_endpoints"]]
     assert eps == [{"address": e["host"], "port_value": e["port"]}
                    for e in v["replicas"]["endpoints"]]
-    by_name = any(not _is_ip(e["host"]) for e in v["replicas"]["endpoints"])
+    by_name = any(not is_ip(e["host"]) for e in v["replicas"]["endpoints"])
     assert replicas["type"] == ("STRICT_DNS" if by_name else "STATIC")
-
-
-def _is_ip(host: str) -> bool:
-    import ipaddress
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
 
 
 def test_values_drive_the_bootstrap() -> None:
