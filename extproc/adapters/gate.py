@@ -29,6 +29,7 @@ from ..core.errors import (
 )
 from ..core.failure import FailureClass
 from ..core.failure import Fence as FenceKind
+from ..core.families import family_for_path
 from ..core.machine import (
     Action,
     Admit,
@@ -167,7 +168,8 @@ class GateSession(Session):
             except ValueError:
                 self.accepted_at = None
             self.m = GateMachine.new(rid, self.cfg.limits.max_buffered_response_bytes)
-            await self.feed(RequestStarted(self.attempt))
+            await self.feed(RequestStarted(self.attempt,
+                                           family_for_path(hd.get(":path", "")).name))
         elif which == "response_headers":
             hd = codec.headers_dict(msg.response_headers.headers)
             if self.m is not None and UNSAFE_RELEASE_WITHOUT_FENCE:
@@ -255,8 +257,8 @@ class GateSession(Session):
                  attempt=self.attempt, replica=self.replica, reason=a.reason)
             await self.write(codec.fail_attempt_headers(rid))
             for i in range(a.held_chunks):
-                await self.write(codec.replace_response_body(a.error.json_bytes() if i == 0
-                                                             else b""))
+                body = self.m.family.error_json(a.error) if self.m is not None else b""
+                await self.write(codec.replace_response_body(body if i == 0 else b""))
             return None
         if isinstance(a, ContinueRequest):
             self.p.mark_reached(rid)

@@ -18,6 +18,7 @@ from enum import StrEnum
 from typing import Any, Literal, NamedTuple, TypeAlias
 
 from .errors import GatewayError, decode_interrupted, upstream_timeout, upstream_unavailable
+from .families import CHAT, Family, family_named
 from .journal import Outcome
 from .sse import EventKind, SseDecoder, SseEvent
 
@@ -26,9 +27,13 @@ from .sse import EventKind, SseDecoder, SseEvent
 
 @dataclass(frozen=True, slots=True)
 class RequestStarted:
-    """Gate: an attempt's request headers reached the upstream filter."""
+    """Gate: an attempt's request headers reached the upstream filter.
+
+    `family`: the API family of its path (core.families): how its response is read.
+    """
 
     attempt: int
+    family: str = "chat"
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,9 +42,12 @@ class RequestHeadersSeen:
 
     `kind`: "generation" (a journaled request: its body comes next) or anything else
     ("passthrough", "status", "tool", "rejected"): not a logical request of ours.
+    `family`: the API family of its path (core.families): how its response is read and
+    how it is ended.
     """
 
     kind: str
+    family: str = "chat"
 
 
 @dataclass(frozen=True, slots=True)
@@ -375,6 +383,7 @@ class GateMachine(_Base):
     attempt: int = 0
     max_buffer: int = 4 << 20
     streaming: bool = False
+    family: Family = CHAT
     decoder: SseDecoder = field(default_factory=_counting_decoder)
     held: int = 0  # body messages received and not yet answered
     buffered: bytearray = field(default_factory=bytearray)  # non-streaming body so far
@@ -406,8 +415,13 @@ class GuardMachine(_Base):
 
     stall_after_first_delta_s: float = 15.0
     streaming: bool = False
+    family: Family = CHAT
     decoder: SseDecoder = field(default_factory=_counting_decoder)
     delivered: int = 0  # content units forwarded downstream
+    # Families whose terminal event refers to the stream (Responses): the data of its first
+    # event and of the last one forwarded (references, not copies).
+    first_data: bytes = b""
+    last_data: bytes = b""
     status: int = 0
     body: bytearray = field(default_factory=bytearray)  # non-streaming body (bounded)
     max_buffer: int = 4 << 20
@@ -431,6 +445,11 @@ class GuardMachine(_Base):
         """A logical request of ours, past its intake."""
         return self.state not in REQUEST_PHASE
 
+    def _terminal(self) -> bytes:
+        """The family's terminal event: our error, in the stream's own shape."""
+        return self.family.terminal(decode_interrupted(self.request_id, self.delivered),
+                                    self.first_data, self.last_data)
+
     def _finish(self, outcome: Outcome, cause: str | None) -> Finish:
         self.finished = Finish(outcome=outcome, delivered_output_tokens=self.delivered,
                                cause=cause)
@@ -445,6 +464,9 @@ GuardFn = Callable[[GuardMachine, Any], list[Action]]
 
 def _gate_start(m: GateMachine, ev: RequestStarted) -> list[Action]:
     m.attempt = ev.attempt
+    if ev.family != m.family.name:
+        m.family = family_named(ev.family)
+        m.decoder = m.family.decoder()
     m.state = State.GATE_ADMITTING
     return [Admit(ev.attempt)]
 
@@ -508,7 +530,7 @@ def _gate_body_holding(m: GateMachine, ev: ResponseBody) -> list[Action]:
         obj = json.loads(bytes(m.buffered))
     except (ValueError, RecursionError):
         return m.fail("malformed JSON body")
-    if not isinstance(obj, dict) or obj.get("error") is not None:
+    if not m.family.body_ok(obj):
         return m.fail("error body with status 200")
     m.state = State.GATE_FENCING
     return [HoldChunk(), Fence()]
@@ -604,8 +626,8 @@ def _guard_headers(m: GuardMachine, ev: ResponseHeaders) -> list[Action]:
     if ev.status >= 500 and ev.content_type.startswith("text/plain") and not ev.end_of_stream:
         # Envoy's own local reply (no host answered, or its per-try timeout on the last
         # attempt): our error shape instead of its plain text.
-        m.replaced_error = upstream_unavailable(
-            m.request_id, f"gateway status {ev.status}", ev.status).json_bytes()
+        m.replaced_error = m.family.error_json(upstream_unavailable(
+            m.request_id, f"gateway status {ev.status}", ev.status))
     if ev.end_of_stream:
         m.state = State.GUARD_COMPLETE
     return [PassHeaders()]
@@ -613,9 +635,17 @@ def _guard_headers(m: GuardMachine, ev: ResponseHeaders) -> list[Action]:
 
 def _sse_forward(m: GuardMachine, events: list[SseEvent], end: bool) -> list[Action]:
     out = bytearray()
+    ctx = m.family.wants_context
     for e in events:
         if m.done_seen:
             continue  # nothing after `[DONE]` reaches the client: its answer is complete
+        if ctx and e.data:
+            # What the family's terminal event refers to (the first event, the last one
+            # forwarded); the event replaced below never counts as forwarded.
+            if not m.first_data:
+                m.first_data = e.data
+            if e.kind is not EventKind.ERROR and e.kind is not EventKind.MALFORMED:
+                m.last_data = e.data
         if e.kind is EventKind.DONE:
             m.done_seen = True
             out += e.raw
@@ -624,7 +654,7 @@ def _sse_forward(m: GuardMachine, events: list[SseEvent], end: bool) -> list[Act
             m.delivered += e.content_units
         elif e.kind in (EventKind.ERROR, EventKind.MALFORMED) and m.delivered > 0:
             # Replace their error (or garbage) with our terminal event; never forward it.
-            out += decode_interrupted(m.request_id, m.delivered).sse_bytes()
+            out += m._terminal()
             m.state = State.GUARD_TERMINATED
             return [Send(bytes(out), True), DisarmWatchdog(),
                     m._finish(Outcome.UPSTREAM_DECODE_INTERRUPTED,
@@ -662,20 +692,16 @@ def _guard_body(m: GuardMachine, ev: ResponseBody) -> list[Action]:
     if ev.end_of_stream:
         m.state = State.GUARD_COMPLETE
         if m.status == 200:
-            m.delivered = _completion_tokens(bytes(m.body))
+            m.delivered = _output_tokens(m.family, bytes(m.body))
     return [Send(ev.data, ev.end_of_stream)]
 
 
-def _completion_tokens(body: bytes) -> int:
+def _output_tokens(family: Family, body: bytes) -> int:
     try:
         obj = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         return 0
-    if isinstance(obj, dict):
-        usage = obj.get("usage")
-        if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
-            return int(usage["completion_tokens"])
-    return 0
+    return family.output_tokens(obj)
 
 
 def _guard_stall(m: GuardMachine, ev: StallTimeout) -> list[Action]:
@@ -684,7 +710,7 @@ def _guard_stall(m: GuardMachine, ev: StallTimeout) -> list[Action]:
     # An incomplete event fragment still in the decoder is never sent: the terminal event
     # must parse cleanly on its own.
     m.state = State.GUARD_TERMINATED
-    return [Send(decode_interrupted(m.request_id, m.delivered).sse_bytes(), True),
+    return [Send(m._terminal(), True),
             m._finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, "stall")]
 
 
@@ -693,7 +719,7 @@ def _guard_fenced(m: GuardMachine, ev: Fenced) -> list[Action]:
         return []  # a complete answer (or a whole non-streaming body) is already out
     # Like a stall, but the cause is known: this attempt may not publish another byte.
     m.state = State.GUARD_TERMINATED
-    return [Send(decode_interrupted(m.request_id, m.delivered).sse_bytes(), True),
+    return [Send(m._terminal(), True),
             DisarmWatchdog(), m._finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, "fenced")]
 
 
@@ -753,6 +779,9 @@ REQUEST_PHASE = frozenset({State.GUARD_NEW, State.GUARD_AWAITING_BODY, State.GUA
 
 def _guard_request_headers(m: GuardMachine, ev: RequestHeadersSeen) -> list[Action]:
     m.state = State.GUARD_AWAITING_BODY if ev.kind == "generation" else State.GUARD_ASIDE
+    if ev.family != m.family.name:
+        m.family = family_named(ev.family)
+        m.decoder = m.family.decoder()
     return []
 
 

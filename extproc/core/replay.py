@@ -43,7 +43,7 @@ FORMAT = 1
 def event_from_record(d: Mapping[str, Any]) -> Event:
     t = d.get("type")
     if t == "RequestStarted":
-        return RequestStarted(int(d["attempt"]))
+        return RequestStarted(int(d["attempt"]), str(d.get("family", "chat")))
     if t == "AdmitDecided":
         err = None
         body = d.get("error")
@@ -64,7 +64,7 @@ def event_from_record(d: Mapping[str, Any]) -> Event:
     if t == "LeaseLost":
         return LeaseLost()
     if t == "RequestHeadersSeen":
-        return RequestHeadersSeen(str(d["kind"]))
+        return RequestHeadersSeen(str(d["kind"]), str(d.get("family", "chat")))
     if t == "RequestBodySeen":
         body = d.get("error")
         if not isinstance(body, Mapping):

@@ -11,15 +11,18 @@ from __future__ import annotations
 import enum
 import json
 import re
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 __all__ = [
     "DONE_EVENT",
+    "Classifier",
     "EventKind",
     "SseDecoder",
     "SseEvent",
     "classify",
     "encode_event",
+    "parse_event_json",
 ]
 
 DONE_EVENT = b"data: [DONE]\n\n"
@@ -76,6 +79,19 @@ def _reject_constant(name: str) -> Any:
 _JSON_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
 _JSON_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 _JSON_ENCODER_ASCII = json.JSONEncoder(separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+
+
+def parse_event_json(data: bytes) -> dict[str, Any] | None:
+    """One event's data as a JSON object, strictly (no NaN); None if it is not one."""
+    try:
+        obj = _JSON_DECODER.decode(data.decode("utf-8"))
+    except (ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError included
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+# A family's classifier (core.families): an event's data and its SSE `event:` name.
+Classifier = Callable[[bytes, str | None], tuple[EventKind, int]]
 
 
 def _carries(value: object) -> bool:
@@ -195,10 +211,15 @@ class SseDecoder:
     and forward, so they use it; tests/core/test_sse.py checks both modes agree.
     """
 
-    __slots__ = ("_bom_pending", "_data", "_event", "_head", "_merge", "_stop", "_tail")
+    __slots__ = ("_bom_pending", "_classify", "_data", "_event", "_head", "_merge", "_stop",
+                 "_tail")
 
-    def __init__(self, *, merge_content: bool = False) -> None:
-        self._merge = merge_content
+    def __init__(self, *, merge_content: bool = False,
+                 classify: Classifier | None = None) -> None:
+        # `classify`: another API family's event classifier (core.families); None is the
+        # OpenAI chunk one, `classify` below, whose token runs alone may be merged.
+        self._classify = classify
+        self._merge = merge_content and classify is None
         self._stop = False  # True: spent by feed_to_first_content
         self._reset()
 
@@ -270,7 +291,8 @@ class SseDecoder:
         lines = self._data
         if lines:
             data = lines[0] if len(lines) == 1 else b"\n".join(lines)
-            kind, units = classify(data)
+            fam = self._classify
+            kind, units = classify(data) if fam is None else fam(data, self._event)
             self._data = []
         else:
             data, kind, units = b"", EventKind.NON_CONTENT, 0

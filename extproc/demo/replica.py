@@ -1,5 +1,10 @@
 """Demo OpenAI-compatible streaming model replica with per-request fault hooks.
 
+It serves `/v1/chat/completions`, `/v1/completions`, the Responses API (`/v1/responses`)
+and the Anthropic Messages API (`/v1/messages`), streaming and not, each in vLLM's shapes
+and with the same fault hooks at the same points (the events before the first content
+event stand where chat's role event does).
+
 It exists so that failover behaviour can be reproduced with nothing but curl: the
 output is deterministic (see ``extproc.demo.tokens``), the wire format mirrors
 vLLM's, and each request can ask the replica to die, stall or fail at an exact
@@ -66,7 +71,9 @@ PRE_KILL_SETTLE_S: Final = 0.02
 
 FAULT_MESSAGE: Final = "demo replica fault"
 
-Kind = Literal["chat", "completion"]
+# chat and completion: OpenAI chunks; responses: the OpenAI Responses API's typed events;
+# messages: the Anthropic Messages API's events. Shapes follow what vLLM emits for each.
+Kind = Literal["chat", "completion", "responses", "messages"]
 Outcome = Literal[
     "completed",
     "killed",
@@ -246,12 +253,20 @@ def parse_gen_request(kind: Kind, body: Any) -> GenRequest:
     """Validate the request body; only the fields that shape the output matter."""
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
-    if kind == "chat":
+    if kind in ("chat", "messages"):
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise BadRequest("'messages' must be a non-empty list")
         if not all(isinstance(m, dict) for m in messages):
             raise BadRequest("every entry of 'messages' must be an object")
+        if kind == "messages":
+            system = body.get("system")
+            if system is not None:
+                if not isinstance(system, str | list):
+                    raise BadRequest("'system' must be a string or a list of blocks")
+                messages = [{"role": "system", "content": system}, *messages]
+            if body.get("max_tokens") is None:
+                raise BadRequest("'max_tokens' is required")
         try:
             prompt = chat_prompt(messages)
         except ValueError as exc:
@@ -261,6 +276,24 @@ def parse_gen_request(kind: Kind, body: Any) -> GenRequest:
             if body.get("max_completion_tokens") is not None
             else "max_tokens"
         )
+    elif kind == "responses":
+        raw_input = body.get("input")
+        items: list[Any]
+        if isinstance(raw_input, str):
+            items = [{"role": "user", "content": raw_input}]
+        elif isinstance(raw_input, list) and raw_input and all(
+                isinstance(m, dict) for m in raw_input):
+            items = list(raw_input)
+        else:
+            raise BadRequest("'input' must be a string or a non-empty list of items")
+        instructions = body.get("instructions")
+        if isinstance(instructions, str):
+            items = [{"role": "system", "content": instructions}, *items]
+        try:
+            prompt = chat_prompt(items)
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from exc
+        token_field = "max_output_tokens"
     else:
         raw_prompt = body.get("prompt")
         if isinstance(raw_prompt, list) and len(raw_prompt) == 1:
@@ -298,8 +331,19 @@ def _json(payload: Mapping[str, Any], status: int = 200) -> web.Response:
     return web.json_response(payload, status=status, dumps=_compact_dumps)
 
 
-def _error_body(message: str, err_type: str, code: int) -> dict[str, Any]:
+def _error_body(message: str, err_type: str, code: int,
+                kind: Kind = "chat") -> dict[str, Any]:
+    if kind == "messages":  # Anthropic's error shape
+        a_type = {400: "invalid_request_error", 429: "rate_limit_error",
+                  503: "overloaded_error"}.get(code, "api_error")
+        return {"type": "error", "error": {"type": a_type, "message": message}}
     return {"error": {"message": message, "type": err_type, "param": None, "code": code}}
+
+
+def _named_sse(payload: Mapping[str, Any]) -> bytes:
+    """A typed event (Responses, Anthropic): `event:` repeats the JSON's `type`."""
+    return (f"event: {payload['type']}\ndata: "
+            f"{json.dumps(payload, separators=(',', ':'))}\n\n").encode()
 
 
 def _sse(payload: Mapping[str, Any] | str) -> bytes:
@@ -448,6 +492,12 @@ class Replica:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, "completion")
 
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "responses")
+
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "messages")
+
     async def _generate(self, request: web.Request, kind: Kind) -> web.StreamResponse:
         headers = request.headers
         request_id = headers.get(GATEWAY_ID_HEADER) or headers.get(REQUEST_ID_HEADER) or None
@@ -475,14 +525,15 @@ class Replica:
             gen = parse_gen_request(kind, body)
         except BadRequest as exc:
             self.finish(att, "bad_request")
-            return _json(_error_body(str(exc), "BadRequestError", 400), status=400)
+            return _json(_error_body(str(exc), "BadRequestError", 400, kind), status=400)
 
         att.stream = gen.stream
         if fault is not None and fault_attempt not in (0, att.attempt):
             fault = None  # gated to another attempt: this one runs clean
         att.fault = fault.spec if fault else None
 
-        prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
+        prefix = {"chat": "chatcmpl-", "completion": "cmpl-", "responses": "resp_",
+                  "messages": "msg_"}[kind]
         response_id = prefix + (request_id or uuid.uuid4().hex)
         tokens = generate_tokens(gen.prompt, gen.seed, gen.max_tokens)
         att.tokens_ref, att.prompt, att.seed = tokens, gen.prompt, gen.seed
@@ -497,7 +548,8 @@ class Replica:
             self.finish(att, "overloaded")
             hdrs = {"Retry-After": str(int(fault.seconds))} if fault.seconds >= 0 else {}
             resp = _json(_error_body("replica overloaded", "ServiceUnavailableError"
-                                     if fault.count == 503 else "RateLimitError", fault.count),
+                                     if fault.count == 503 else "RateLimitError", fault.count,
+                                     kind),
                          status=fault.count)
             resp.headers.update(hdrs)
             return resp
@@ -612,10 +664,16 @@ class Replica:
             return await self.freeze(request, att, wrote=False)
         if fault is not None and fault.kind == "error-after-deltas":
             self.finish(att, "error_injected")
-            return _json(_error_body(FAULT_MESSAGE, "InternalServerError", 500), status=500)
+            return _json(_error_body(FAULT_MESSAGE, "InternalServerError", 500, gen.kind),
+                         status=500)
         text = "".join(tokens)
         choice: dict[str, Any]
-        if gen.kind == "chat":
+        if gen.kind == "responses":
+            payload: dict[str, Any] = self._response_object(gen, response_id, "incomplete",
+                                                            text)
+        elif gen.kind == "messages":
+            payload = self._message_object(gen, response_id, text, "max_tokens")
+        elif gen.kind == "chat":
             choice = {
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
@@ -624,14 +682,15 @@ class Replica:
             }
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}
-        payload = {
-            "id": response_id,
-            "object": "chat.completion" if gen.kind == "chat" else "text_completion",
-            "created": 0,
-            "model": self.model,
-            "choices": [choice],
-            "usage": self._usage(gen),
-        }
+        if gen.kind in ("chat", "completion"):
+            payload = {
+                "id": response_id,
+                "object": "chat.completion" if gen.kind == "chat" else "text_completion",
+                "created": 0,
+                "model": self.model,
+                "choices": [choice],
+                "usage": self._usage(gen),
+            }
         resp = _json(payload)
         try:
             await resp.prepare(request)
@@ -654,6 +713,43 @@ class Replica:
                 transport.close()
         return web.Response(status=499)
 
+    def _response_object(self, gen: GenRequest, response_id: str, status: str,
+                         text: str | None) -> dict[str, Any]:
+        """A Responses API `response` object (vLLM's fields that matter to clients)."""
+        output: list[Any] = []
+        if text is not None:
+            output = [{"type": "message", "id": "msg_" + response_id[5:], "status": status,
+                       "role": "assistant",
+                       "content": [{"type": "output_text", "text": text, "annotations": [],
+                                    "logprobs": []}]}]
+        prompt_tokens = count_prompt_tokens(gen.prompt)
+        obj: dict[str, Any] = {
+            "id": response_id, "object": "response", "created_at": 0, "model": self.model,
+            "status": status, "error": None,
+            "incomplete_details": ({"reason": "max_output_tokens"}
+                                   if status == "incomplete" else None),
+            "instructions": None, "max_output_tokens": gen.max_tokens, "output": output,
+            "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
+            "temperature": 1.0, "top_p": 1.0, "usage": None,
+        }
+        if text is not None:
+            obj["usage"] = {"input_tokens": prompt_tokens, "output_tokens": gen.max_tokens,
+                            "total_tokens": prompt_tokens + gen.max_tokens,
+                            "input_tokens_details": {"cached_tokens": 0},
+                            "output_tokens_details": {"reasoning_tokens": 0}}
+        return obj
+
+    def _message_object(self, gen: GenRequest, message_id: str, text: str | None,
+                        stop_reason: str | None) -> dict[str, Any]:
+        """An Anthropic `message` object."""
+        return {
+            "id": message_id, "type": "message", "role": "assistant", "model": self.model,
+            "content": [] if text is None else [{"type": "text", "text": text}],
+            "stop_reason": stop_reason, "stop_sequence": None,
+            "usage": {"input_tokens": count_prompt_tokens(gen.prompt),
+                      "output_tokens": 0 if text is None else gen.max_tokens},
+        }
+
     async def _stream(
         self,
         request: web.Request,
@@ -664,18 +760,7 @@ class Replica:
         tokens: list[str],
     ) -> web.StreamResponse:
         """Server-sent events shaped like vLLM's, with the fault fired at its exact point."""
-        chat = gen.kind == "chat"
-        obj = "chat.completion.chunk" if chat else "text_completion"
-
-        def chunk(choice: dict[str, Any]) -> dict[str, Any]:
-            return {
-                "id": response_id,
-                "object": obj,
-                "created": 0,
-                "model": self.model,
-                "choices": [choice],
-            }
-
+        shape = _StreamShape(self, gen, response_id)
         headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         if self.fingerprint is not None:
             headers["x-model-revision"] = self.fingerprint["digest"]
@@ -697,10 +782,10 @@ class Replica:
         if fault is not None and fault.kind == "kill-after-headers":
             await self.die(att, wrote=True)
 
-        if chat:
-            role = {"role": "assistant", "content": ""}
-            role_event = {"index": 0, "delta": role, "logprobs": None, "finish_reason": None}
-            if not await send(_sse(chunk(role_event))):
+        # What comes before the first content: chat's role event, the Responses lifecycle
+        # and empty item/part, Anthropic's message_start and empty text block.
+        for event in shape.head():
+            if not await send(event):
                 self.finish(att, "peer_closed")
                 return resp
 
@@ -719,16 +804,7 @@ class Replica:
             if await self._compute(request, att, i + 1):
                 self.finish(att, "peer_closed")
                 return resp
-            if chat:
-                choice = {
-                    "index": 0,
-                    "delta": {"content": tokens[i]},
-                    "logprobs": None,
-                    "finish_reason": None,
-                }
-            else:
-                choice = {"index": 0, "text": tokens[i], "logprobs": None, "finish_reason": None}
-            if not await send(_sse(chunk(choice))):
+            if not await send(shape.delta(tokens[i])):
                 self.finish(att, "peer_closed")
                 return resp
             att.tokens_written += 1
@@ -744,28 +820,16 @@ class Replica:
                 await self.freeze(request, att, wrote=True)
                 return resp
             if fault.kind == "error-after-deltas":
-                error = {
-                    "error": {"message": FAULT_MESSAGE, "type": "InternalServerError", "code": 500}
-                }
-                ok = await send(_sse(error)) and await send(_sse("[DONE]"))
+                ok = True
+                for event in shape.error():
+                    ok = ok and await send(event)
                 if ok:
                     with contextlib.suppress(ConnectionError):
                         await resp.write_eof()
                 self.finish(att, "error_injected" if ok else "peer_closed")
                 return resp
 
-        if chat:
-            final = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}
-        else:
-            final = {"index": 0, "text": "", "logprobs": None, "finish_reason": "length"}
-        events = [_sse(chunk(final))]
-        if gen.include_usage:
-            usage_chunk = chunk({})
-            usage_chunk["choices"] = []
-            usage_chunk["usage"] = self._usage(gen)
-            events.append(_sse(usage_chunk))
-        events.append(_sse("[DONE]"))
-        for event in events:
+        for event in shape.tail("".join(tokens[:limit])):
             if not await send(event):
                 self.finish(att, "peer_closed")
                 return resp
@@ -778,6 +842,123 @@ class Replica:
         return resp
 
 
+class _StreamShape:
+    """One stream's events in its API family's wire format (as vLLM 0.32 emits them)."""
+
+    def __init__(self, replica: Replica, gen: GenRequest, response_id: str) -> None:
+        self.r = replica
+        self.gen = gen
+        self.id = response_id
+        self.seq = 0  # Responses: every event's sequence_number
+
+    def _chunk(self, choice: dict[str, Any]) -> bytes:
+        obj = "chat.completion.chunk" if self.gen.kind == "chat" else "text_completion"
+        return _sse({"id": self.id, "object": obj, "created": 0, "model": self.r.model,
+                     "choices": [choice]})
+
+    def _typed(self, payload: dict[str, Any]) -> bytes:
+        if self.gen.kind == "responses":
+            payload = {"type": payload["type"], "sequence_number": self.seq,
+                       **{k: v for k, v in payload.items() if k != "type"}}
+            self.seq += 1
+        return _named_sse(payload)
+
+    @property
+    def _item(self) -> str:
+        return "msg_" + self.id[5:]
+
+    def head(self) -> list[bytes]:
+        kind = self.gen.kind
+        if kind == "chat":
+            return [self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""},
+                                 "logprobs": None, "finish_reason": None})]
+        if kind == "responses":
+            created = self.r._response_object(self.gen, self.id, "in_progress", None)
+            return [
+                self._typed({"type": "response.created", "response": created}),
+                self._typed({"type": "response.in_progress", "response": created}),
+                self._typed({"type": "response.output_item.added", "output_index": 0,
+                             "item": {"type": "message", "id": self._item,
+                                      "status": "in_progress", "role": "assistant",
+                                      "content": []}}),
+                self._typed({"type": "response.content_part.added", "item_id": self._item,
+                             "output_index": 0, "content_index": 0,
+                             "part": {"type": "output_text", "text": "", "annotations": []}}),
+            ]
+        if kind == "messages":
+            return [
+                self._typed({"type": "message_start",
+                             "message": self.r._message_object(self.gen, self.id, None, None)}),
+                self._typed({"type": "content_block_start", "index": 0,
+                             "content_block": {"type": "text", "text": ""}}),
+            ]
+        return []
+
+    def delta(self, token: str) -> bytes:
+        kind = self.gen.kind
+        if kind == "chat":
+            return self._chunk({"index": 0, "delta": {"content": token}, "logprobs": None,
+                                "finish_reason": None})
+        if kind == "responses":
+            return self._typed({"type": "response.output_text.delta", "item_id": self._item,
+                                "output_index": 0, "content_index": 0, "delta": token,
+                                "logprobs": []})
+        if kind == "messages":
+            return self._typed({"type": "content_block_delta", "index": 0,
+                                "delta": {"type": "text_delta", "text": token}})
+        return self._chunk({"index": 0, "text": token, "logprobs": None,
+                            "finish_reason": None})
+
+    def error(self) -> list[bytes]:
+        """The engine's in-band error: chat's error chunk and [DONE]; Responses' `error`
+        event; Anthropic's `event: error`."""
+        kind = self.gen.kind
+        if kind == "responses":
+            return [self._typed({"type": "error", "code": "server_error",
+                                 "message": FAULT_MESSAGE, "param": None})]
+        if kind == "messages":
+            return [self._typed({"type": "error", "error": {"type": "api_error",
+                                                            "message": FAULT_MESSAGE}})]
+        return [_sse({"error": {"message": FAULT_MESSAGE, "type": "InternalServerError",
+                                "code": 500}}), _sse("[DONE]")]
+
+    def tail(self, text: str) -> list[bytes]:
+        kind, gen = self.gen.kind, self.gen
+        if kind == "responses":
+            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+            final = self.r._response_object(gen, self.id, "incomplete", text)
+            return [
+                self._typed({"type": "response.output_text.done", "item_id": self._item,
+                             "output_index": 0, "content_index": 0, "text": text,
+                             "logprobs": []}),
+                self._typed({"type": "response.content_part.done", "item_id": self._item,
+                             "output_index": 0, "content_index": 0, "part": part}),
+                self._typed({"type": "response.output_item.done", "output_index": 0,
+                             "item": final["output"][0]}),
+                self._typed({"type": "response.completed", "response": final}),
+            ]
+        if kind == "messages":
+            return [
+                self._typed({"type": "content_block_stop", "index": 0}),
+                self._typed({"type": "message_delta",
+                             "delta": {"stop_reason": "max_tokens", "stop_sequence": None},
+                             "usage": {"output_tokens": gen.max_tokens}}),
+                self._typed({"type": "message_stop"}),
+            ]
+        if kind == "chat":
+            final = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}
+        else:
+            final = {"index": 0, "text": "", "logprobs": None, "finish_reason": "length"}
+        events = [self._chunk(final)]
+        if gen.include_usage:
+            events.append(_sse({"id": self.id, "object": "chat.completion.chunk"
+                                if kind == "chat" else "text_completion", "created": 0,
+                                "model": self.r.model, "choices": [],
+                                "usage": self.r._usage(gen)}))
+        events.append(_sse("[DONE]"))
+        return events
+
+
 def build_app(replica: Replica) -> web.Application:
     """Wire the routes; kept separate so an in-process server can reuse it."""
     app = web.Application(middlewares=[replica.revision_header])
@@ -786,6 +967,8 @@ def build_app(replica: Replica) -> web.Application:
     app.router.add_get("/v1/models", replica.models)
     app.router.add_post("/v1/chat/completions", replica.chat)
     app.router.add_post("/v1/completions", replica.completions)
+    app.router.add_post("/v1/responses", replica.responses)
+    app.router.add_post("/v1/messages", replica.messages)
     return app
 
 

@@ -246,12 +246,15 @@ class Engines:
 
     def wait_received(self, xrid: str, timeout_s: float = 10.0) -> str:
         """The replica whose log shows the request arriving (polled every 5 ms)."""
+        # Where each log ends now, taken BEFORE the full scan: a line written during the
+        # scan is then found by the tail below (taken after, it would be skipped for good;
+        # the longer the logs, the wider that window).
+        paths = {n: self.proc(n).log_path for n in self.names}
+        pos = {n: p.stat().st_size if p.exists() else 0 for n, p in paths.items()}
         got = self.who_received(xrid)
         if got:
             return got[0]
         # Then only the bytes each log gains (cheap enough to poll every 5 ms on 2 cores).
-        paths = {n: self.proc(n).log_path for n in self.names}
-        pos = {n: p.stat().st_size if p.exists() else 0 for n, p in paths.items()}
         tail = {n: "" for n in self.names}
         needle = f"Received request chatcmpl-{xrid}"
         deadline = time.monotonic() + timeout_s
