@@ -82,11 +82,13 @@ class HealthReporter:
             v = self.state.evaluate(now)
             if v is None:
                 return
+            # The age the verdict was made on: a probe answering while the status is being
+            # set must not make a "silent" line report a fresh answer.
+            age = self.state.age(now)
             await self.hs.set(READINESS_SERVICE, _SERVING if v.ready else _NOT_SERVING)
-            self._log(v, now)
+            self._log(v, age)
 
-    def _log(self, v: Verdict, now: float) -> None:
-        age = self.state.age(now)
+    def _log(self, v: Verdict, age: float | None) -> None:
         log.log(logging.INFO if v.ready or v.reason == "draining" else logging.WARNING,
                 "readiness: serving" if v.ready else "readiness: not serving",
                 extra={"ready": v.ready, "reason": str(v.reason), "grace_s": self.state.grace_s,
