@@ -13,13 +13,14 @@ include sweep.mk
 include image.mk
 
 .PHONY: help install run test lint typecheck unit e2e bench bench-quick bench-pool profile \
-	envoy-config mesh-config clean
+	bench-floors envoy-config mesh-config clean
 
 help:
 	@echo "make run        etcd + processor + Envoy (:10000) + demo replicas on loopback"
 	@echo "make test       ruff, mypy --strict, and every test (unit + real Envoy/etcd e2e)"
 	@echo "make bench      plain Envoy vs Envoy + processor vs the floor, ratios (docs/benchmarks.md)"
 	@echo "make bench-pool pool availability, one replica of three dead / frozen, plain vs ours"
+	@echo "make bench-floors  message-path floors side by side: grpc.aio, tuned, grpclib (docs/benchmarks.md)"
 	@echo "make profile    where the processor's time goes under load (py-spy)"
 	@echo "make sweep      the full fault sweep (docs/sweep.md)"
 	@echo "make test-vllm  the scenarios against real vLLM replicas (docs/real-engine.md)"
@@ -63,6 +64,10 @@ bench: install
 
 bench-quick: install
 	$(PY) -m bench.run --quick
+
+## Null processors on grpc.aio, grpc.aio tuned and grpclib behind the same Envoy config vs plain.
+bench-floors: install
+	$(PY) -m bench.floors
 
 ## Pool availability alone: plain Envoy vs ours with one replica of three dead, then frozen.
 bench-pool: install

@@ -19,6 +19,7 @@ and etcd.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 from pathlib import Path
 from typing import Any
@@ -77,10 +78,78 @@ class NullAccessLog(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc
         return als_pb2.StreamAccessLogsResponse()
 
 
-async def serve(listen: str) -> None:
-    server = grpc.aio.server(options=[("grpc.max_concurrent_streams", 100000),
-                                      ("grpc.so_reuseport", 0)])
-    ep_grpc.add_ExternalProcessorServicer_to_server(NullProcessor(), server)
+_ANSWERS = {"request_headers": _REQUEST_HEADERS, "request_body": _REQUEST_BODY,
+            "response_headers": _RESPONSE_HEADERS, "response_trailers": _RESPONSE_TRAILERS,
+            "request_trailers": _REQUEST_TRAILERS}  # every answer but the body's
+
+
+async def answer_queue(q: asyncio.Queue[Any], send: Any) -> None:
+    """The guard's answers to the messages in `q` (None ends it), with every run of body
+    messages already queued when the previous write finished answered by ONE streamed body
+    response carrying their bytes in order: FULL_DUPLEX_STREAMED lets the processor re-chunk
+    the body. (bench/floors.py measures this as the "coalesce" variants.)"""
+    pending: Any = None
+    while True:
+        msg = pending if pending is not None else await q.get()
+        pending = None
+        if msg is None:
+            return
+        which = msg.WhichOneof("request")
+        if which != "response_body":
+            if which in _ANSWERS:
+                await send(_ANSWERS[which])
+            continue
+        parts, eos = [msg.response_body.body], msg.response_body.end_of_stream
+        while not eos and not q.empty():
+            nxt = q.get_nowait()
+            if nxt is None or nxt.WhichOneof("request") != "response_body":
+                if nxt is None:
+                    q.put_nowait(None)  # the end, after this answer
+                else:
+                    pending = nxt
+                break
+            parts.append(nxt.response_body.body)
+            eos = nxt.response_body.end_of_stream
+        await send(codec.streamed_response_body(b"".join(parts), eos))
+
+
+class CoalescingNullProcessor(NullProcessor):
+    """NullProcessor whose guard reads in its own task and coalesces waiting body messages
+    (answer_queue); the gate is NullProcessor's (one body message, then it leaves)."""
+
+    async def Process(self, it: Any, ctx: Any) -> None:
+        if dict(ctx.invocation_metadata() or ()).get(ROLE_METADATA) == "gate":
+            await super().Process(it, ctx)
+            return
+        q: asyncio.Queue[Any] = asyncio.Queue()
+
+        async def reader() -> None:
+            try:
+                while (m := await ctx.read()) is not grpc.aio.EOF:
+                    q.put_nowait(m)
+            finally:
+                q.put_nowait(None)
+
+        task = asyncio.ensure_future(reader())
+        try:
+            await answer_queue(q, ctx.write)
+        finally:
+            task.cancel()
+
+
+DEFAULT_OPTIONS: list[tuple[str, Any]] = [("grpc.max_concurrent_streams", 100000),
+                                          ("grpc.so_reuseport", 0)]
+
+
+async def serve(listen: str, options: list[tuple[str, Any]] | None = None,
+                coalesce: bool = False) -> None:
+    """`options` are added to (and override) DEFAULT_OPTIONS; bench/floors.py's tuned
+    variants pass them with --option."""
+    opts = dict(DEFAULT_OPTIONS)
+    opts.update(options or [])
+    server = grpc.aio.server(options=list(opts.items()))
+    processor = CoalescingNullProcessor() if coalesce else NullProcessor()
+    ep_grpc.add_ExternalProcessorServicer_to_server(processor, server)
     als_pb2_grpc.add_AccessLogServiceServicer_to_server(NullAccessLog(), server)
     if server.add_insecure_port(listen) == 0:
         raise OSError(f"cannot listen on {listen}")
@@ -95,9 +164,14 @@ class NullStack(Stack):
         self.etcd_endpoint = "127.0.0.1:1"  # never dialled: the null processor has no store
         super()._start()
 
+    # Extra command-line flags for the null processor (bench/floors.py's variants set them
+    # on subclasses); none: the floor bench/run.py measures.
+    processor_flags: tuple[str, ...] = ()
+
     def processor_argv(self, config_path: Path) -> list[str]:
         # The same config renders the same Envoy bootstrap; the null processor only listens.
-        return [sys.executable, str(Path(__file__).resolve()), "--listen", self.processor_addr]
+        return [sys.executable, str(Path(__file__).resolve()), "--listen", self.processor_addr,
+                *self.processor_flags]
 
     def etcd_calls(self) -> dict[str, int]:
         return {}
@@ -107,11 +181,22 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="bench/nullproc.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--listen", required=True, help="host:port (loopback)")
+    ap.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
+                    help="a grpc.aio server option (channel arg), e.g. "
+                    "grpc.optimization_target=throughput; integers are passed as int")
+    ap.add_argument("--coalesce", action="store_true",
+                    help="one streamed answer per run of waiting guard body messages")
     a = ap.parse_args(argv)
+    options: list[tuple[str, Any]] = []
+    for o in a.option:
+        name, sep, value = o.partition("=")
+        if not sep:
+            ap.error(f"--option {o!r}: expected NAME=VALUE")
+        options.append((name, int(value) if value.lstrip("-").isdigit() else value))
     try:
         import uvloop
 
-        uvloop.run(serve(a.listen))
+        uvloop.run(serve(a.listen, options, a.coalesce))
     except KeyboardInterrupt:
         pass
     return 0
