@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import GatewayError
-from .sse import Classifier, EventKind, SseDecoder, parse_event_json
+from .sse import Classifier, EventKind, SseDecoder, carries, parse_event_json
 
 __all__ = [
     "CHAT",
@@ -43,14 +43,6 @@ _NON = (EventKind.NON_CONTENT, 0)
 _ERROR = (EventKind.ERROR, 0)
 _DONE = (EventKind.DONE, 0)
 _MALFORMED = (EventKind.MALFORMED, 0)
-
-
-def _carries(value: object) -> bool:
-    if value is None:
-        return False
-    if isinstance(value, str | list | dict):
-        return len(value) > 0
-    return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +124,7 @@ _RESPONSES_CUT_SHORT = frozenset({"failed", "cancelled"})
 def _responses_item_has_output(item: dict[str, Any]) -> bool:
     if item.get("type") not in _RESPONSES_CONTAINERS:
         return True
-    return _carries(item.get("content")) or _carries(item.get("summary"))
+    return carries(item.get("content")) or carries(item.get("summary"))
 
 
 def classify_responses(data: bytes, event: str | None) -> tuple[EventKind, int]:
@@ -151,7 +143,7 @@ def classify_responses(data: bytes, event: str | None) -> tuple[EventKind, int]:
             return _ERROR
         return _DONE  # `incomplete` (max_output_tokens) is an answer that ends, like length
     if t.endswith(".delta"):
-        return _CONTENT1 if _carries(obj.get("delta")) else _NON
+        return _CONTENT1 if carries(obj.get("delta")) else _NON
     if t == "response.output_item.added":
         item = obj.get("item")
         if isinstance(item, dict) and not _responses_item_has_output(item):
@@ -159,7 +151,7 @@ def classify_responses(data: bytes, event: str | None) -> tuple[EventKind, int]:
         return _CONTENT1
     if t == "response.content_part.added":
         part = obj.get("part")
-        if isinstance(part, dict) and not any(_carries(part.get(k))
+        if isinstance(part, dict) and not any(carries(part.get(k))
                                               for k in ("text", "refusal", "transcript")):
             return _NON
         return _CONTENT1
@@ -237,7 +229,7 @@ def classify_messages(data: bytes, event: str | None) -> tuple[EventKind, int]:
         return _ERROR
     if t == "content_block_delta":
         delta = obj.get("delta")
-        if isinstance(delta, dict) and any(_carries(v) for k, v in delta.items()
+        if isinstance(delta, dict) and any(carries(v) for k, v in delta.items()
                                            if k not in ("type", "index")):
             return _CONTENT1
         return _NON
@@ -254,13 +246,13 @@ def classify_messages(data: bytes, event: str | None) -> tuple[EventKind, int]:
         block = obj.get("content_block")
         if isinstance(block, dict):
             text_field = _MESSAGES_TEXT_BLOCKS.get(str(block.get("type")))
-            if text_field is not None and not _carries(block.get(text_field)):
+            if text_field is not None and not carries(block.get(text_field)):
                 return _NON
         return _CONTENT1
     if t in _MESSAGES_NON_CONTENT:
         if t == "message_start":
             msg = obj.get("message")
-            if isinstance(msg, dict) and _carries(msg.get("content")):
+            if isinstance(msg, dict) and carries(msg.get("content")):
                 return _CONTENT1
         return _NON
     return _CONTENT1  # unknown: counted as output (moves the boundary earlier: safe)

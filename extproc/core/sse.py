@@ -20,6 +20,7 @@ __all__ = [
     "EventKind",
     "SseDecoder",
     "SseEvent",
+    "carries",
     "classify",
     "encode_event",
     "parse_event_json",
@@ -94,7 +95,7 @@ def parse_event_json(data: bytes) -> dict[str, Any] | None:
 Classifier = Callable[[bytes, str | None], tuple[EventKind, int]]
 
 
-def _carries(value: object) -> bool:
+def carries(value: object) -> bool:
     """Unknown shapes count as output: over-counting is safe, under-counting duplicates text."""
     if value is None:
         return False
@@ -106,13 +107,13 @@ def _carries(value: object) -> bool:
 def _choice_units(choice: object) -> int:
     if not isinstance(choice, dict):
         return 0
-    if _carries(choice.get("text")):
+    if carries(choice.get("text")):
         return 1
     for key in ("delta", "message"):
         part = choice.get(key)
         if isinstance(part, dict):
             for field in _OUTPUT_FIELDS:
-                if _carries(part.get(field)):
+                if carries(part.get(field)):
                     return 1
     return 0
 
