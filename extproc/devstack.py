@@ -37,6 +37,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def free_ports(n: int) -> list[int]:
+    """n distinct free ports (all held until each is known, so no two are the same)."""
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def _bin(name: str) -> str:
     cand = Path(sys.executable).parent / name
     if cand.exists():
@@ -214,8 +226,19 @@ class Stack:
 
     def _start_etcd(self) -> None:
         """One etcd member on loopback; with `etcd_tls_auth`, TLS-only with client
-        certificates and password auth (metrics and health on a plain port)."""
-        cport, pport, mport = free_port(), free_port(), free_port()
+        certificates and password auth (metrics and health on a plain port).
+
+        A port found free can be taken before etcd binds it (another process's connection
+        on this busy loopback): etcd then exits at once, and is started again on others.
+        """
+        for _ in range(3):
+            if self._start_etcd_once():
+                return
+        raise RuntimeError(f"etcd could not bind its ports three times: see "
+                           f"{self.workdir / 'etcd.log'}")
+
+    def _start_etcd_once(self) -> bool:
+        cport, pport, mport = free_ports(3)
         data, sec = self.workdir / "etcd-data", self.workdir / "etcd-secrets"
         shutil.rmtree(data, ignore_errors=True)
         self.etcd_endpoint = f"127.0.0.1:{cport}"
@@ -236,9 +259,17 @@ class Stack:
             "--initial-cluster", f"gw-etcd=http://127.0.0.1:{pport}",
             *extra, "--log-level", "warn", "--unsafe-no-fsync",
         ], self.workdir / "etcd.log")
+        seen = p.log_path.stat().st_size if p.log_path.exists() else 0
         p.start()
         self.procs["etcd"] = p
-        wait_until(lambda: _http_ok(f"http://127.0.0.1:{mport}/health"), 20, "etcd health")
+        wait_until(lambda: _http_ok(f"http://127.0.0.1:{mport}/health") or not p.alive(), 20,
+                   "etcd health")
+        if not p.alive():
+            with open(p.log_path, "rb") as f:
+                f.seek(seen)
+                if b"address already in use" in f.read():
+                    return False
+            raise RuntimeError(f"etcd exited: see {p.log_path}")
         if self.etcd_tls_auth:
             from .etcd_tls_dev import enable_auth, write_secret
             prefix = str((self.config.get("etcd") or {}).get("prefix", "/llmgw/v1"))
@@ -249,6 +280,7 @@ class Stack:
                         "cert_file": str(pki.client_cert), "key_file": str(pki.client_key)},
                 "auth": {"username_file": str(write_secret(sec / "username", "extproc")),
                          "password_file": str(write_secret(sec / "password", "extproc-pw"))}}
+        return True
 
     def _processor_config(self) -> dict[str, Any]:
         raw: dict[str, Any] = json.loads(json.dumps(self.config))
