@@ -127,14 +127,20 @@ def _responses_item_has_output(item: dict[str, Any]) -> bool:
     return carries(item.get("content")) or carries(item.get("summary"))
 
 
-def classify_responses(data: bytes, event: str | None) -> tuple[EventKind, int]:
-    """One Responses API streaming event (`type` in the JSON; the SSE name if it has none)."""
+def _typed(data: bytes, event: str | None) -> tuple[dict[str, Any] | None, str]:
+    """A typed event's JSON and its type: the JSON `type`, else the SSE event name."""
     obj = parse_event_json(data)
     if obj is None:
-        return _DONE if data.strip() == b"[DONE]" else _MALFORMED
+        return None, ""
     t = obj.get("type")
-    if not isinstance(t, str):
-        t = event or ""
+    return obj, t if isinstance(t, str) else (event or "")
+
+
+def classify_responses(data: bytes, event: str | None) -> tuple[EventKind, int]:
+    """One Responses API streaming event (`type` in the JSON; the SSE name if it has none)."""
+    obj, t = _typed(data, event)
+    if obj is None:
+        return _DONE if data.strip() == b"[DONE]" else _MALFORMED
     if t == "error" or t == "response.failed" or obj.get("error") is not None:
         return _ERROR
     if t == "response.completed" or t == "response.incomplete":
@@ -219,12 +225,9 @@ _MESSAGES_TEXT_BLOCKS = {"text": "text", "thinking": "thinking"}
 
 def classify_messages(data: bytes, event: str | None) -> tuple[EventKind, int]:
     """One Anthropic Messages streaming event (`type` in the JSON; else the SSE name)."""
-    obj = parse_event_json(data)
+    obj, t = _typed(data, event)
     if obj is None:
         return _DONE if data.strip() == b"[DONE]" else _MALFORMED
-    t = obj.get("type")
-    if not isinstance(t, str):
-        t = event or ""
     if t == "error" or obj.get("error") is not None:
         return _ERROR
     if t == "content_block_delta":
