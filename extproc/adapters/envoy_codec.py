@@ -68,15 +68,18 @@ def continue_request_body() -> ep.ProcessingResponse:
 
 
 def continue_request_body_with(set_headers: Mapping[str, str],
-                                dynamic_metadata: Mapping[str, Any] | None = None
-                                ) -> ep.ProcessingResponse:
+                                dynamic_metadata: Mapping[str, Any] | None = None,
+                                body: bytes | None = None) -> ep.ProcessingResponse:
     """Body response that also mutates request headers and sets dynamic metadata.
 
     With a buffered request body Envoy has not picked an upstream host yet, so metadata
     set here (e.g. envoy.lb's host list for override_host) steers the first attempt.
+    `body`: the buffered body replaced (every attempt sends it); Envoy sets its length.
     """
-    resp = ep.ProcessingResponse(request_body=ep.BodyResponse(response=ep.CommonResponse(
-        header_mutation=_mutation(set_headers))))
+    common = ep.CommonResponse(header_mutation=_mutation(set_headers))
+    if body is not None:
+        common.body_mutation.body = body
+    resp = ep.ProcessingResponse(request_body=ep.BodyResponse(response=common))
     if dynamic_metadata:
         resp.dynamic_metadata.CopyFrom(struct(dynamic_metadata))
     return resp

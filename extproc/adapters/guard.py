@@ -277,7 +277,9 @@ class GuardSession(Session):
                 return
             # Hosts known to be down go last: attempt 1 should not be spent on them.
             route = (route[0], self.p.host_order(route[1]))
-        await self.feed(RequestBodySeen(None))
+        await self.feed(RequestBodySeen(None, meta.usage_mode))
+        if meta.stream:
+            m.count_text = self.p.tokenizers.get(meta.model or "")
         record = records.request_meta(
             request_id=rid, tenant=gen.tenant, idempotency_key=gen.idempotency_key,
             endpoint=gen.path, max_attempts=self.cfg.policy.max_attempts,
@@ -324,7 +326,10 @@ class GuardSession(Session):
             # retry can land on an incompatible replica.
             set_headers[H.FINGERPRINT] = route[0]
             lb = {"envoy.lb": {"x-gateway-destination-endpoint": ",".join(route[1])}}
-        await self.write(codec.continue_request_body_with(set_headers, lb))
+        if meta.upstream_body is not None:
+            # Envoy rejects a buffered body mutation whose content-length does not match.
+            set_headers["content-length"] = str(len(meta.upstream_body))
+        await self.write(codec.continue_request_body_with(set_headers, lb, meta.upstream_body))
 
     def take_over(self, handoff: str | None) -> None:
         """The gate released its attempt to us: own its end, its record and its fence."""
@@ -471,9 +476,11 @@ class GuardSession(Session):
         body = records.outcome(outcome=str(f.outcome),
                                delivered_output_tokens=f.delivered_output_tokens,
                                cause=f.cause, finished_at=self.p.clock.wall(),
-                               gateway_id=self.cfg.server.gateway_id)
+                               gateway_id=self.cfg.server.gateway_id, exact=f.exact,
+                               source=f.source)
         rlog(log, logging.INFO, "request finished", self.rid, None, outcome=str(f.outcome),
-             delivered_output_tokens=f.delivered_output_tokens, cause=f.cause)
+             delivered_output_tokens=f.delivered_output_tokens, cause=f.cause,
+             delivered_output_tokens_source=f.source)
         if f.cause in ("stall", "in-band error", "malformed event"):
             self.span.add_event("terminal_error.injected", {"llmgw.cause": f.cause})
         if f.outcome is Outcome.CLIENT_DISCONNECTED:
@@ -484,7 +491,9 @@ class GuardSession(Session):
         end_span(self.span, None if f.outcome is Outcome.COMPLETED else str(f.outcome),
                  **{"llmgw.outcome": str(f.outcome), "llmgw.cause": f.cause,
                     "llmgw.delivered_output_tokens": f.delivered_output_tokens,
-                    "llmgw.first_delta_sent": f.delivered_output_tokens > 0,
+                    "llmgw.delivered_output_tokens_exact": f.exact,
+                    "llmgw.delivered_output_tokens_source": f.source,
+                    "llmgw.first_delta_sent": bool(self.m and self.m.delivered > 0),
                     "http.response.status_code": self.m.status if self.m else None})
         if self.m is not None and self.p.keep_trace(f.outcome is Outcome.COMPLETED):
             self.p.spawn(self.p.save_trace(self.rid, "guard", self.m, {

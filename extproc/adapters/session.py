@@ -39,6 +39,7 @@ from .logs import rlog
 from .ports import Clock, Ids, Journal, Ledger, RandomIds, SystemClock
 from .prober import probe_forever
 from .telemetry import Telemetry, end_span
+from .tokenizer import load_tokenizers
 
 log = logging.getLogger("extproc")
 INVALID = NonRecordingSpan(INVALID_SPAN_CONTEXT)
@@ -120,6 +121,7 @@ class Processor:
         self.clock: Clock = clock or SystemClock()
         self.ids: Ids = ids or RandomIds()
         self.pool = pool_from_config(cfg.pool.replicas)
+        self.tokenizers = load_tokenizers(cfg.accounting)
         rb = cfg.policy.retry_budget
         self.budget = RetryBudget(rb.fraction, rb.min_retries, rb.window_s)
         self.tel = Telemetry(cfg.telemetry, cfg.server.gateway_id, cfg.server.metrics_listen)

@@ -187,6 +187,20 @@ class ToolsConfig:
 
 
 @dataclass(frozen=True)
+class AccountingConfig:
+    """How `delivered_output_tokens` is counted (decision 0018)."""
+
+    # Ask the engine for its running count on streaming chat / completions requests
+    # (stream_options.continuous_usage_stats, vLLM and SGLang) and strip it from the chunks
+    # the client did not ask for; off: content events are counted (exact: false).
+    engine_usage: bool = True
+    # model name -> a Hugging Face `tokenizer.json`, for streams whose engine gives no
+    # running count (Responses, Messages): the delivered text is re-encoded. Needs the
+    # `tokenizer` extra.
+    tokenizers: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
 class TelemetryConfig:
     # OTLP/gRPC collector for traces and metrics ("host:port"); None: telemetry off.
     otlp_endpoint: str | None = None
@@ -265,6 +279,7 @@ class Config:
     pool: PoolConfig = field(default_factory=PoolConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     policy: Policy = field(default_factory=Policy)
+    accounting: AccountingConfig = field(default_factory=AccountingConfig)
 
 
 # --- validation -----------------------------------------------------------------------
@@ -648,6 +663,7 @@ def load_config(raw: Mapping[str, Any] | None) -> Config:
                                                  PoolConfig.registration_ttl_s, 2, 300))
     pl.done()
     policy = _policy(root.section("policy"))
+    accounting = _accounting(root.section("accounting"))
     root.done()
     if (policy.uncertain_source_liveness.wait_for == "lease_expiry"
             and timeouts.first_delta_s < etcd.attempt_lease_ttl_s + 1.0):
@@ -664,7 +680,27 @@ def load_config(raw: Mapping[str, Any] | None) -> Config:
                           f"must be >= etcd.attempt_lease_ttl_s ({etcd.attempt_lease_ttl_s})")
     return Config(server=server, etcd=etcd, timeouts=timeouts, limits=limits,
                   idempotency=idem, tenancy=tenancy, tools=tools, pool=pool,
-                  telemetry=telemetry, policy=policy)
+                  telemetry=telemetry, policy=policy, accounting=accounting)
+
+
+def _accounting(ac: _Reader) -> AccountingConfig:
+    engine = ac.bool_("engine_usage", AccountingConfig.engine_usage)
+    ac.used.add("tokenizers")
+    raw = ac.raw.get("tokenizers") or {}
+    if not isinstance(raw, Mapping):
+        raise ConfigError("accounting.tokenizers",
+                          "must be a mapping of model name to tokenizer.json path")
+    pairs: list[tuple[str, str]] = []
+    for model, path in raw.items():
+        if not isinstance(model, str) or not model:
+            raise ConfigError("accounting.tokenizers", f"model names must be non-empty "
+                              f"strings, got {model!r}")
+        if not isinstance(path, str) or not path:
+            raise ConfigError(f"accounting.tokenizers.{model}",
+                              f"must be a tokenizer.json path, got {path!r}")
+        pairs.append((model, path))
+    ac.done()
+    return AccountingConfig(engine_usage=engine, tokenizers=tuple(pairs))
 
 
 def apply_env_overrides(raw: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, Any]:

@@ -82,7 +82,10 @@ class GatewayError:
         return b"data: " + self.json_bytes() + b"\n\ndata: [DONE]\n\n"
 
 
-def decode_interrupted(request_id: str, delivered_output_tokens: int) -> GatewayError:
+def decode_interrupted(request_id: str, delivered_output_tokens: int,
+                       exact: bool | None = None) -> GatewayError:
+    """`exact`: whether the count is the engine's own (decision 0018); None for records
+    written before the field existed."""
     return GatewayError(
         code=ErrorCode.UPSTREAM_DECODE_INTERRUPTED,
         message=INTERRUPTED_MESSAGE,
@@ -91,6 +94,7 @@ def decode_interrupted(request_id: str, delivered_output_tokens: int) -> Gateway
         retryable=False,
         partial_output=True,
         delivered_output_tokens=delivered_output_tokens,
+        extra=() if exact is None else (("delivered_output_tokens_exact", exact),),
     )
 
 

@@ -58,14 +58,35 @@ class Family:
     terminal: Callable[[GatewayError, bytes, bytes], bytes]
     error_json: Callable[[GatewayError], bytes]  # a whole-body error in the family's shape
     body_ok: Callable[[object], bool]  # a non-streaming 200 body that is an answer
-    output_tokens: Callable[[object], int]  # a non-streaming body's output tokens
+    # A non-streaming body's output tokens, from its usage (None: it reports none).
+    output_tokens: Callable[[object], int | None]
+    # The text of one content event (the data's JSON): what a tokenizer re-encodes when
+    # the engine gave no count (decision 0018).
+    event_text: Callable[[dict[str, Any]], str]
     # The terminal event needs the first and last forwarded events' data (Responses: the
     # response object and the sequence number); families that do not are spared the copy.
     wants_context: bool = False
+    # Chunks may carry the engine's running usage (stream_options.continuous_usage_stats):
+    # the OpenAI chunk APIs, as vLLM and SGLang serve them.
+    running_usage: bool = False
+    # The engine's whole output count in a non-content event that ends a complete answer
+    # (Responses' `response.completed`, Messages' `message_delta`); None if it is not one.
+    final_count: Callable[[bytes], int | None] | None = None
 
     def decoder(self) -> SseDecoder:
         """The decoder the machines use: counting, runs merged where the family allows."""
         return SseDecoder(merge_content=True, classify=self.classify)
+
+    def text_of(self, raws: list[bytes]) -> str:
+        """The output text of forwarded content events (their bytes as sent upstream)."""
+        dec = SseDecoder(classify=self.classify)
+        out: list[str] = []
+        for raw in raws:
+            for e in dec.feed(raw):
+                obj = parse_event_json(e.data) if e.data else None
+                if obj is not None:
+                    out.append(self.event_text(obj))
+        return "".join(out)
 
 
 # --- OpenAI chat / completions chunks -----------------------------------------------------
@@ -83,28 +104,54 @@ def _openai_body_ok(obj: object) -> bool:
     return isinstance(obj, dict) and obj.get("error") is None
 
 
-def _usage_int(obj: object, field: str) -> int:
+def _usage_int(obj: object, field: str) -> int | None:
     if isinstance(obj, dict):
         usage = obj.get("usage")
         if isinstance(usage, dict):
             v = usage.get(field)
-            if isinstance(v, int) and not isinstance(v, bool):
+            if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
                 return v
-    return 0
+    return None
 
 
-def _openai_tokens(obj: object) -> int:
+def _openai_tokens(obj: object) -> int | None:
     return _usage_int(obj, "completion_tokens")
+
+
+def _strings(value: object, keys: tuple[str, ...]) -> list[str]:
+    """The string values under `keys` in a nest of dicts and lists, in order."""
+    out: list[str] = []
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if k in keys and isinstance(v, str):
+                out.append(v)
+            elif isinstance(v, dict | list):
+                out += _strings(v, keys)
+    elif isinstance(value, list):
+        for v in value:
+            out += _strings(v, keys)
+    return out
+
+
+# Output text in a chunk's choices: content, reasoning, a tool call's name and arguments.
+_CHUNK_TEXT = ("content", "text", "reasoning_content", "reasoning", "refusal", "name",
+               "arguments")
+
+
+def _chunk_text(obj: dict[str, Any]) -> str:
+    return "".join(_strings(obj.get("choices"), _CHUNK_TEXT))
 
 
 CHAT = Family(
     name="chat", paths=frozenset({"/v1/chat/completions"}), operation="chat",
     classify=None, has_done=True, terminal=_openai_terminal, error_json=_openai_error_json,
-    body_ok=_openai_body_ok, output_tokens=_openai_tokens)
+    body_ok=_openai_body_ok, output_tokens=_openai_tokens, event_text=_chunk_text,
+    running_usage=True)
 COMPLETIONS = Family(
     name="completions", paths=frozenset({"/v1/completions"}), operation="text_completion",
     classify=None, has_done=True, terminal=_openai_terminal, error_json=_openai_error_json,
-    body_ok=_openai_body_ok, output_tokens=_openai_tokens)
+    body_ok=_openai_body_ok, output_tokens=_openai_tokens, event_text=_chunk_text,
+    running_usage=True)
 
 
 # --- OpenAI Responses API -------------------------------------------------------------------
@@ -199,20 +246,47 @@ def _responses_terminal(err: GatewayError, first: bytes, last: bytes) -> bytes:
             + json.dumps(ev, separators=(",", ":")).encode() + b"\n\n")
 
 
+def _responses_final_count(data: bytes) -> int | None:
+    obj = parse_event_json(data)
+    if obj is None or obj.get("type") not in ("response.completed", "response.incomplete"):
+        return None
+    return _usage_int(obj.get("response"), "output_tokens")
+
+
+def _messages_final_count(data: bytes) -> int | None:
+    obj = parse_event_json(data)
+    if obj is None or obj.get("type") != "message_delta":
+        return None
+    return _usage_int(obj, "output_tokens")
+
+
 def _responses_body_ok(obj: object) -> bool:
     return (isinstance(obj, dict) and obj.get("error") is None
             and obj.get("status") not in _RESPONSES_CUT_SHORT)
 
 
-def _output_tokens(obj: object) -> int:
+def _output_tokens(obj: object) -> int | None:
     return _usage_int(obj, "output_tokens")
+
+
+def _responses_text(obj: dict[str, Any]) -> str:
+    """A delta's text, or a tool call's name and arguments as an added item names them."""
+    d = obj.get("delta")
+    if isinstance(d, str):
+        return d
+    return "".join(_strings(obj.get("item"), ("name", "arguments", "text")))
+
+
+def _messages_text(obj: dict[str, Any]) -> str:
+    return "".join(_strings(obj.get("delta"), ("text", "thinking", "partial_json"))
+                   + _strings(obj.get("content_block"), ("text", "thinking", "name")))
 
 
 RESPONSES = Family(
     name="responses", paths=frozenset({"/v1/responses"}), operation="chat",
     classify=classify_responses, has_done=False, terminal=_responses_terminal,
     error_json=_openai_error_json, body_ok=_responses_body_ok, output_tokens=_output_tokens,
-    wants_context=True)
+    event_text=_responses_text, wants_context=True, final_count=_responses_final_count)
 
 
 # --- Anthropic Messages API -----------------------------------------------------------------
@@ -286,7 +360,8 @@ def _messages_body_ok(obj: object) -> bool:
 MESSAGES = Family(
     name="messages", paths=frozenset({"/v1/messages"}), operation="chat",
     classify=classify_messages, has_done=False, terminal=_messages_terminal,
-    error_json=_messages_error_json, body_ok=_messages_body_ok, output_tokens=_output_tokens)
+    error_json=_messages_error_json, body_ok=_messages_body_ok, output_tokens=_output_tokens,
+    event_text=_messages_text, final_count=_messages_final_count)
 
 
 FAMILIES: tuple[Family, ...] = (CHAT, COMPLETIONS, RESPONSES, MESSAGES)

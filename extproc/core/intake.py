@@ -16,7 +16,9 @@ from .budget import estimate_prompt_tokens
 from .config import Config
 from .errors import ErrorCode, GatewayError, bad_request
 from .families import GENERATION_PATHS as FAMILY_PATHS
+from .families import family_for_path
 from .journal import new_request_id, request_id_for_key, validate_request_id
+from .usage import UsageMode, ask_for_usage
 
 # Every API family the contract covers (core.families): chat, completions, Responses and
 # Anthropic Messages.
@@ -121,6 +123,10 @@ class RequestMeta:
     # The canonical request (endpoint + body as sorted, compact JSON): what an
     # Idempotency-Key names. A repeat whose digest differs is refused (decision 0005).
     request_digest: str = ""
+    # The body sent upstream when the gateway asked the engine for its running usage
+    # (core.usage; None: the client's own bytes), and what the guard strips.
+    upstream_body: bytes | None = None
+    usage_mode: UsageMode = UsageMode.OFF
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "stream": self.stream, "seed": self.seed,
@@ -174,7 +180,16 @@ def parse_body(body: bytes, cfg: Config, request_id: str,
                                    or not isinstance(max_tokens, int)):
         return bad_request(ErrorCode.INVALID_REQUEST_BODY, "'max_tokens' must be an integer",
                            request_id)
+    upstream: bytes | None = None
+    mode = UsageMode.OFF
+    # One choice only: with n > 1 each chunk's running usage is its own choice's count.
+    if (stream and cfg.accounting.engine_usage and family_for_path(path).running_usage
+            and obj.get("n", 1) in (1, None)):
+        upstream, mode = ask_for_usage(body, obj)
+        if upstream == body:
+            upstream = None
     return RequestMeta(model=model, stream=stream, seed=seed, max_tokens=max_tokens,
+                       upstream_body=upstream, usage_mode=mode,
                        input_digest="sha256:" + hashlib.sha256(body).hexdigest(),
                        body_bytes=len(body),
                        request_digest=request_digest(path, obj),

@@ -142,8 +142,9 @@ class JournalView:
             "finished_at": self.outcome.get("finished_at") if self.outcome else None,
             "attempts": [dict(a) for a in self.attempts],
         }
-        if self.outcome is not None and "delivered_output_tokens_exact" in self.outcome:
-            d["delivered_output_tokens_exact"] = self.outcome["delivered_output_tokens_exact"]
+        for k in ("delivered_output_tokens_exact", "delivered_output_tokens_source"):
+            if self.outcome is not None and k in self.outcome:
+                d[k] = self.outcome[k]
         err = self.client_error()
         if err is not None:
             d["error"] = err.body()["error"]
@@ -152,7 +153,9 @@ class JournalView:
     def client_error(self) -> GatewayError | None:
         """The structured error the client is owed for this record, if any."""
         if self.outcome_value is Outcome.UPSTREAM_DECODE_INTERRUPTED:
-            return decode_interrupted(self.request_id, self.delivered_output_tokens)
+            exact = (self.outcome or {}).get("delivered_output_tokens_exact")
+            return decode_interrupted(self.request_id, self.delivered_output_tokens,
+                                      exact if isinstance(exact, bool) else None)
         if self.outcome_value is Outcome.GATEWAY_INTERRUPTED:
             exact = bool((self.outcome or {}).get("delivered_output_tokens_exact", True))
             return errors.gateway_interrupted(self.request_id, self.first_delta_sent,

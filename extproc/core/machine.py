@@ -21,6 +21,7 @@ from .errors import GatewayError, decode_interrupted, upstream_timeout, upstream
 from .families import CHAT, Family, family_named
 from .journal import Outcome
 from .sse import EventKind, SseDecoder, SseEvent
+from .usage import UsageMode, take_usage
 
 # --- events ---------------------------------------------------------------------------
 
@@ -52,9 +53,11 @@ class RequestHeadersSeen:
 
 @dataclass(frozen=True, slots=True)
 class RequestBodySeen:
-    """Guard: the request body, parsed; `error` if it cannot be run."""
+    """Guard: the request body, parsed; `error` if it cannot be run. `usage`: what the
+    intake asked the engine for, so what the guard strips from its chunks (core.usage)."""
 
     error: GatewayError | None = None
+    usage: UsageMode = UsageMode.OFF
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,6 +250,11 @@ class Finish:
     outcome: Outcome
     delivered_output_tokens: int
     cause: str | None
+    # Whether the count is the engine's own (decision 0018), and where it came from:
+    # "engine" (usage the engine reported), "tokenizer" (the delivered text re-encoded),
+    # "events" (content events forwarded: a lower bound when the engine merges tokens).
+    exact: bool = True
+    source: str = "events"
 
 
 Action: TypeAlias = (Admit | ContinueRequest | Refuse | PassHeaders | HoldChunk | PassChunk
@@ -321,7 +329,8 @@ def _build_record(ev: Event) -> dict[str, Any]:
         d = {"admitted": ev.admitted, "error": ev.error.body() if ev.error else None}
     elif isinstance(ev, RequestBodySeen):
         d = {"error": ev.error.body() if ev.error else None,
-             "http_status": ev.error.http_status if ev.error else None}
+             "http_status": ev.error.http_status if ev.error else None,
+             "usage": str(ev.usage)}
     else:
         d = asdict(ev)
     for k, v in list(d.items()):
@@ -418,6 +427,15 @@ class GuardMachine(_Base):
     family: Family = CHAT
     decoder: SseDecoder = field(default_factory=_counting_decoder)
     delivered: int = 0  # content units forwarded downstream
+    # The engine's running completion count as of the last event forwarded (None: a
+    # content event came without one, so it no longer says what the client has).
+    usage_mode: UsageMode = UsageMode.OFF
+    engine_tokens: int | None = None
+    # A tokenizer for the request's model (adapters.tokenizer), and the forwarded content
+    # events it re-encodes when the engine gave no count; set by the adapter, not traced.
+    count_text: Callable[[str], int] | None = None
+    kept: list[bytes] = field(default_factory=list)
+    uncounted: bool = False  # a whole (non-streaming) answer that reported no usage
     # Families whose terminal event refers to the stream (Responses): the data of its first
     # event and of the last one forwarded (references, not copies).
     first_data: bytes = b""
@@ -445,14 +463,26 @@ class GuardMachine(_Base):
         """A logical request of ours, past its intake."""
         return self.state not in REQUEST_PHASE
 
+    def delivered_tokens(self) -> tuple[int, bool, str]:
+        """What the client received, in tokens: (count, exact, source); decision 0018."""
+        if self.delivered == 0:  # nothing reached the client (or a whole answer said 0)
+            return 0, not self.uncounted, "events" if self.engine_tokens is None else "engine"
+        if self.engine_tokens is not None:
+            return self.engine_tokens, True, "engine"
+        if self.count_text is not None and self.kept:
+            return self.count_text(self.family.text_of(self.kept)), False, "tokenizer"
+        return self.delivered, False, "events"
+
     def _terminal(self) -> bytes:
         """The family's terminal event: our error, in the stream's own shape."""
-        return self.family.terminal(decode_interrupted(self.request_id, self.delivered),
+        n, exact, _ = self.delivered_tokens()
+        return self.family.terminal(decode_interrupted(self.request_id, n, exact),
                                     self.first_data, self.last_data)
 
     def _finish(self, outcome: Outcome, cause: str | None) -> Finish:
-        self.finished = Finish(outcome=outcome, delivered_output_tokens=self.delivered,
-                               cause=cause)
+        n, exact, source = self.delivered_tokens()
+        self.finished = Finish(outcome=outcome, delivered_output_tokens=n, cause=cause,
+                               exact=exact, source=source)
         return self.finished
 
 
@@ -636,6 +666,10 @@ def _guard_headers(m: GuardMachine, ev: ResponseHeaders) -> list[Action]:
 def _sse_forward(m: GuardMachine, events: list[SseEvent], end: bool) -> list[Action]:
     out = bytearray()
     ctx = m.family.wants_context
+    mode = m.usage_mode
+    usage = mode is not UsageMode.OFF  # only a family with running usage gets another mode
+    final_count = m.family.final_count
+    keep = m.count_text is not None
     for e in events:
         if m.done_seen:
             continue  # nothing after `[DONE]` reaches the client: its answer is complete
@@ -649,8 +683,17 @@ def _sse_forward(m: GuardMachine, events: list[SseEvent], end: bool) -> list[Act
         if e.kind is EventKind.DONE:
             m.done_seen = True
             out += e.raw
+            if final_count is not None and (n := final_count(e.data)) is not None:
+                m.engine_tokens = n
         elif e.kind is EventKind.CONTENT:
-            out += e.raw
+            if usage:
+                raw, m.engine_tokens = take_usage(mode, e)
+                out += raw
+            else:
+                out += e.raw
+                m.engine_tokens = None  # output the last count did not include
+            if keep:
+                m.kept.append(e.raw)
             m.delivered += e.content_units
         elif e.kind in (EventKind.ERROR, EventKind.MALFORMED) and m.delivered > 0:
             # Replace their error (or garbage) with our terminal event; never forward it.
@@ -659,6 +702,15 @@ def _sse_forward(m: GuardMachine, events: list[SseEvent], end: bool) -> list[Act
             return [Send(bytes(out), True), DisarmWatchdog(),
                     m._finish(Outcome.UPSTREAM_DECODE_INTERRUPTED,
                               "in-band error" if e.kind is EventKind.ERROR else "malformed event")]
+        elif usage and e.kind is EventKind.NON_CONTENT:
+            raw, n = take_usage(mode, e)
+            out += raw
+            if n is not None:
+                m.engine_tokens = n
+        elif final_count is not None and e.kind is EventKind.NON_CONTENT and m.delivered:
+            out += e.raw
+            if (n := final_count(e.data)) is not None:
+                m.engine_tokens = n
         else:
             out += e.raw
     acts: list[Action] = [Send(bytes(out), end)]
@@ -692,15 +744,18 @@ def _guard_body(m: GuardMachine, ev: ResponseBody) -> list[Action]:
     if ev.end_of_stream:
         m.state = State.GUARD_COMPLETE
         if m.status == 200:
-            m.delivered = _output_tokens(m.family, bytes(m.body))
+            n = _output_tokens(m.family, bytes(m.body))
+            # A whole answer went out: its usage is the engine's count; without one,
+            # nothing says how many tokens it held (0, not exact).
+            m.delivered, m.engine_tokens, m.uncounted = n or 0, n, n is None
     return [Send(ev.data, ev.end_of_stream)]
 
 
-def _output_tokens(family: Family, body: bytes) -> int:
+def _output_tokens(family: Family, body: bytes) -> int | None:
     try:
         obj = json.loads(body)
     except (ValueError, RecursionError):
-        return 0
+        return None
     return family.output_tokens(obj)
 
 
@@ -789,6 +844,7 @@ def _guard_request_body(m: GuardMachine, ev: RequestBodySeen) -> list[Action]:
     if ev.error is not None:
         m.state = State.GUARD_ASIDE
         return [Refuse(ev.error)]
+    m.usage_mode = ev.usage
     m.state = State.GUARD_OPENING
     return []
 

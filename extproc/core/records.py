@@ -34,8 +34,13 @@ def request_meta(*, request_id: str, tenant: str, idempotency_key: str | None, e
 
 
 def outcome(*, outcome: str, delivered_output_tokens: int, cause: str | None,
-            finished_at: float, gateway_id: str) -> dict[str, Any]:
+            finished_at: float, gateway_id: str, exact: bool = True,
+            source: str = "events") -> dict[str, Any]:
+    """`exact` / `source`: whether the count is the engine's own, and what it counted
+    (decision 0018)."""
     rec: dict[str, Any] = {"outcome": outcome, "delivered_output_tokens": delivered_output_tokens,
+                           "delivered_output_tokens_exact": exact,
+                           "delivered_output_tokens_source": source,
                            "cause": cause, "finished_at": finished_at, "gateway_id": gateway_id}
     if cause == "unknown":
         # Envoy (or the network to it) vanished with bytes in flight: what we handed to

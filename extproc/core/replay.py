@@ -36,6 +36,7 @@ from .machine import (
     StreamClosed,
 )
 from .records import replay_end
+from .usage import UsageMode
 
 FORMAT = 1
 
@@ -68,7 +69,7 @@ def event_from_record(d: Mapping[str, Any]) -> Event:
     if t == "RequestBodySeen":
         body = d.get("error")
         if not isinstance(body, Mapping):
-            return RequestBodySeen(None)
+            return RequestBodySeen(None, UsageMode(str(d.get("usage", "off"))))
         e = body.get("error", {})
         return RequestBodySeen(GatewayError(
             ErrorCode(e.get("code", "invalid_request_body")), str(e.get("message", "")),

@@ -123,7 +123,8 @@ ABORT_REASONS = frozenset({"abort", "error"})
 
 
 # The shape nearly every streamed token has (vLLM, SGLang, the demo replica): one choice,
-# a non-empty `content` string and nothing else in its delta, a null finish_reason. A match
+# a non-empty `content` string and nothing else in its delta, a null finish_reason, and
+# at most the engine's running usage (vLLM's field order) that the gateway asks for. A match
 # is, by construction, valid JSON (strings may hold only JSON's escapes and no control
 # characters; the bytes are checked to be UTF-8 first) that `classify_slow` classifies as
 # CONTENT with one unit; anything else takes the slow path. tests/core/test_sse.py checks
@@ -137,7 +138,8 @@ _FAST_CONTENT = re.compile(
     + rb',"model":' + _STR + rb'(?:,"system_fingerprint":(?:null|' + _STR + rb'))?'
     + rb',"choices":\[\{"index":0,"delta":\{(?:"role":"assistant",)?"content":' + _NESTR
     + rb'\}(?:,"logprobs":null)?,"finish_reason":null(?:,"stop_reason":null)?\}\]'
-    + rb'(?:,"usage":null)?\}')
+    + rb'(?:,"usage":(?:null|\{"prompt_tokens":' + _NUM + rb',"total_tokens":' + _NUM
+    + rb',"completion_tokens":' + _NUM + rb'(?:,"completion_tokens_details":null)?\}))?\}')
 # A run of such events, each a single `data: ` line and a blank line: what a guard sees in
 # nearly every body message. The JSON above cannot hold a raw newline, so a run of n events
 # contains exactly n blank-line separators.

@@ -55,6 +55,9 @@ ATTEMPT_HEADER: Final = "x-envoy-attempt-count"
 GATEWAY_ID_HEADER: Final = "x-gateway-request-id"
 # Per-request override of --token-delay-ms, so one long stream needs no special replica.
 TOKEN_DELAY_HEADER: Final = "x-replica-token-delay-ms"
+# Tokens merged into one streamed event (default 1), as an engine under load does: what
+# makes a count of events differ from a count of tokens (decision 0018).
+TOKENS_PER_EVENT_HEADER: Final = "x-replica-tokens-per-event"
 # Agent mode: "<call_id>[@<after_tokens>][+<delay_s>]": call a tool through the gateway's
 # tool route after computing that many tokens (optionally after a pause), then generate
 # the rest of the answer from the tool's result.
@@ -168,6 +171,9 @@ class GenRequest:
     max_tokens: int
     stream: bool
     include_usage: bool
+    # stream_options.continuous_usage_stats (with include_usage): every chunk carries the
+    # running usage, as vLLM does.
+    continuous_usage: bool = False
 
 
 def parse_fault(value: str) -> Fault:
@@ -316,12 +322,13 @@ def parse_gen_request(kind: Kind, body: Any) -> GenRequest:
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be a boolean")
     options = body.get("stream_options")
-    include_usage = False
+    include_usage = continuous = False
     if options is not None:
         if not isinstance(options, dict):
             raise BadRequest("'stream_options' must be an object")
         include_usage = options.get("include_usage") is True
-    return GenRequest(kind, prompt, seed, max_tokens, stream, include_usage)
+        continuous = include_usage and options.get("continuous_usage_stats") is True
+    return GenRequest(kind, prompt, seed, max_tokens, stream, include_usage, continuous)
 
 
 _compact_dumps = functools.partial(json.dumps, separators=(",", ":"))
@@ -510,6 +517,8 @@ class Replica:
             fault_attempt = (0 if every_attempt
                              else _positive_int_header(headers, FAULT_ATTEMPT_HEADER))
             att.token_delay_s = _delay_header(headers, self.token_delay_s)
+            per_event = (_positive_int_header(headers, TOKENS_PER_EVENT_HEADER)
+                         if TOKENS_PER_EVENT_HEADER in headers else 1)
             plan_value = headers.get(TOOL_CALL_HEADER)
             att.tool_plan = parse_tool_plan(plan_value) if plan_value else None
             delay_attempt = headers.get(TOOL_DELAY_ATTEMPT_HEADER)
@@ -563,7 +572,8 @@ class Replica:
                 return web.Response(status=499)
             await self.die(att, wrote=False)
         if gen.stream:
-            return await self._stream(request, att, gen, fault, response_id, tokens)
+            return await self._stream(request, att, gen, fault, response_id, tokens,
+                                      per_event)
         return await self._unary(request, att, gen, fault, response_id, tokens)
 
     async def _compute(self, request: web.BaseRequest, att: Attempt, upto: int) -> bool:
@@ -758,8 +768,10 @@ class Replica:
         fault: Fault | None,
         response_id: str,
         tokens: list[str],
+        per_event: int = 1,
     ) -> web.StreamResponse:
-        """Server-sent events shaped like vLLM's, with the fault fired at its exact point."""
+        """Server-sent events shaped like vLLM's, with the fault fired at its exact point.
+        Count faults count events; each event carries `per_event` tokens."""
         shape = _StreamShape(self, gen, response_id)
         headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         if self.fingerprint is not None:
@@ -797,17 +809,22 @@ class Replica:
             self.finish(att, "peer_closed")
             return resp
 
-        limit = len(tokens)
+        events = -(-len(tokens) // per_event)
         if fault is not None and fault.kind in COUNT_FAULTS:
-            limit = min(fault.count, len(tokens))
-        for i in range(limit):
-            if await self._compute(request, att, i + 1):
+            events = min(fault.count, events)
+        limit = 0  # tokens sent
+        for _ in range(events):
+            end = min(limit + per_event, len(tokens))
+            if await self._compute(request, att, end):
                 self.finish(att, "peer_closed")
                 return resp
-            if not await send(shape.delta(tokens[i])):
+            # Read after computing: a tool call on the way rewrites the tokens after it.
+            group = tokens[limit:end]
+            if not await send(shape.delta("".join(group), len(group))):
                 self.finish(att, "peer_closed")
                 return resp
-            att.tokens_written += 1
+            limit = end
+            att.tokens_written += len(group)
 
         if fault is not None:
             if fault.kind == "kill-after-deltas":
@@ -850,11 +867,19 @@ class _StreamShape:
         self.gen = gen
         self.id = response_id
         self.seq = 0  # Responses: every event's sequence_number
+        self.done = 0  # tokens sent so far: the running usage
 
     def _chunk(self, choice: dict[str, Any]) -> bytes:
         obj = "chat.completion.chunk" if self.gen.kind == "chat" else "text_completion"
-        return _sse({"id": self.id, "object": obj, "created": 0, "model": self.r.model,
-                     "choices": [choice]})
+        chunk: dict[str, Any] = {"id": self.id, "object": obj, "created": 0,
+                                 "model": self.r.model, "choices": [choice]}
+        if self.gen.continuous_usage:
+            p = count_prompt_tokens(self.gen.prompt)
+            # vLLM 0.32's field order and its explicit null.
+            chunk["usage"] = {"prompt_tokens": p, "total_tokens": p + self.done,
+                              "completion_tokens": self.done,
+                              "completion_tokens_details": None}
+        return _sse(chunk)
 
     def _typed(self, payload: dict[str, Any]) -> bytes:
         if self.gen.kind == "responses":
@@ -894,7 +919,9 @@ class _StreamShape:
             ]
         return []
 
-    def delta(self, token: str) -> bytes:
+    def delta(self, token: str, n: int = 1) -> bytes:
+        """One content event carrying `n` tokens (their text concatenated)."""
+        self.done += n
         kind = self.gen.kind
         if kind == "chat":
             return self._chunk({"index": 0, "delta": {"content": token}, "logprobs": None,

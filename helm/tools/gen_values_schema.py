@@ -193,6 +193,16 @@ proc_config = obj({
             "chars_per_token": num(0.5, 32.0),
         }),
     }),
+    "accounting": obj({
+        "engine_usage": {"type": "boolean",
+                         "description": "ask the engine for its running token count on "
+                                        "streams (stream_options.continuous_usage_stats)"},
+        # A map, like otelEnv: no "properties", so the field-name test stops here.
+        "tokenizers": {"type": "object", "propertyNames": {"minLength": 1},
+                       "additionalProperties": {"type": "string", "minLength": 1},
+                       "description": "model name -> tokenizer.json path in the processor "
+                                      "container (needs the `tokenizer` extra)"},
+    }),
 })
 
 schema = {

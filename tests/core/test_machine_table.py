@@ -395,8 +395,10 @@ def streaming_guard() -> GuardMachine:
     return m
 
 
-def terminal(delivered: int) -> bytes:
-    return decode_interrupted(RID, delivered).sse_bytes()
+def terminal(delivered: int, exact: bool | None = None) -> bytes:
+    """Our terminal event; a count of events is exact only when it is 0 (decision 0018)."""
+    return decode_interrupted(RID, delivered, delivered == 0 if exact is None else exact
+                              ).sse_bytes()
 
 
 def test_terminal_event_bytes_are_the_client_contract() -> None:
@@ -427,8 +429,8 @@ def test_guard_counts_content_units_and_completes() -> None:
     assert m.handle(ResponseBody(tail, True)) == [Send(tail, True), DisarmWatchdog()]
     assert m.state is State.GUARD_COMPLETE
     assert m.handle(StreamClosed()) == [
-        DisarmWatchdog(), Finish(Outcome.COMPLETED, 3, None)]
-    assert m.finished == Finish(Outcome.COMPLETED, 3, None)
+        DisarmWatchdog(), Finish(Outcome.COMPLETED, 3, None, exact=False)]
+    assert m.finished == Finish(Outcome.COMPLETED, 3, None, exact=False)
     assert m.handle(StreamClosed()) == []
 
 
@@ -436,7 +438,7 @@ def test_guard_error_after_delivery_is_replaced_by_our_terminal_event() -> None:
     m = streaming_guard()
     m.handle(ResponseBody(ROLE + content("a"), False))
     acts = m.handle(ResponseBody(content("b") + ERROR + content("c"), False))
-    fin = Finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, 2, "in-band error")
+    fin = Finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, 2, "in-band error", exact=False)
     assert acts == [Send(content("b") + terminal(2), True), DisarmWatchdog(), fin]
     assert m.state is State.GUARD_TERMINATED
     sent = b"".join(a.data for a in acts if isinstance(a, Send))
@@ -455,7 +457,7 @@ def test_guard_malformed_after_delivery_terminates() -> None:
     m.handle(ResponseBody(content("a"), False))
     acts = m.handle(ResponseBody(MALFORMED, False))
     assert acts == [Send(terminal(1), True), DisarmWatchdog(),
-                    Finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, 1, "malformed event")]
+                    Finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, 1, "malformed event", exact=False)]
 
 
 def test_guard_stall_before_delivery_does_nothing() -> None:
@@ -471,7 +473,7 @@ def test_guard_stall_after_delivery_ends_the_stream() -> None:
     m.handle(ResponseBody(ROLE + content("a") + content("b"), False))
     acts = m.handle(StallTimeout())
     assert acts == [Send(terminal(2), True),
-                    Finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, 2, "stall")]
+                    Finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, 2, "stall", exact=False)]
     assert m.state is State.GUARD_TERMINATED
     assert m.handle(ResponseBody(content("late"), False)) == []
 
@@ -481,7 +483,7 @@ def test_guard_fenced_attempt_ends_the_stream_at_once() -> None:
     m.handle(ResponseBody(ROLE + content("a") + content("b"), False))
     acts = m.handle(Fenced())
     assert acts == [Send(terminal(2), True), DisarmWatchdog(),
-                    Finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, 2, "fenced")]
+                    Finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, 2, "fenced", exact=False)]
     assert m.state is State.GUARD_TERMINATED
     assert m.handle(ResponseBody(content("late"), False)) == []
     assert m.handle(Fenced()) == []
@@ -532,7 +534,7 @@ def test_guard_stream_closed_mid_stream_awaits_the_cause() -> None:
         m.handle(ResponseBody(content("a") + content("b"), False))
         assert m.handle(StreamClosed()) == [DisarmWatchdog(), AwaitCause()]
         assert m.state is State.GUARD_AWAIT_CAUSE
-        assert m.handle(CauseLearned(cause)) == [Finish(outcome, 2, cause)]
+        assert m.handle(CauseLearned(cause)) == [Finish(outcome, 2, cause, exact=False)]
         assert m.state is State.GUARD_CLOSED
         assert m.handle(CauseLearned(cause)) == []
 
@@ -572,7 +574,8 @@ def test_guard_non_streaming_counts_completion_tokens() -> None:
     m.handle(ResponseHeaders(200, "application/json"))
     assert m.handle(ResponseBody(body[:5], False)) == [Send(body[:5], False)]
     assert m.handle(ResponseBody(body[5:], True)) == [Send(body[5:], True)]
-    assert m.handle(StreamClosed()) == [DisarmWatchdog(), Finish(Outcome.COMPLETED, 7, None)]
+    assert m.handle(StreamClosed()) == [DisarmWatchdog(), Finish(
+        Outcome.COMPLETED, 7, None, exact=True, source="engine")]
 
 
 def test_gate_drop_records_the_upstream_end() -> None:

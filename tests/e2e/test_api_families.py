@@ -95,7 +95,9 @@ def post(gw: Gateway, family: str, stream: bool = True, fault: str | None = None
 def our_error(rid: str, delivered: int, family: str) -> dict[str, Any]:
     return {"message": INTERRUPTED, "type": "api_error" if family == "messages"
             else "server_error", "code": "upstream_decode_interrupted", "request_id": rid,
-            "partial_output": True, "retryable": False, "delivered_output_tokens": delivered}
+            "partial_output": True, "retryable": False, "delivered_output_tokens": delivered,
+            # These families' deltas carry no running count: content events were counted.
+            "delivered_output_tokens_exact": False}
 
 
 def terminal(family: str, res: Typed, delivered: int, after_seq: int) -> tuple[str, Any]:

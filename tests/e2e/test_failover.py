@@ -91,8 +91,9 @@ def test_kill_after_delivered_deltas_ends_with_error_and_no_retry(gw: Gateway, n
         "message": "Generation was interrupted after part of the answer was sent",
         "type": "server_error", "code": "upstream_decode_interrupted",
         "request_id": res.request_id, "partial_output": True, "retryable": False,
-        "delivered_output_tokens": n,
+        "delivered_output_tokens": n, "delivered_output_tokens_exact": True,
     }
+    assert j["delivered_output_tokens_source"] == "engine"  # the replica's running usage
     # The client repeats the request with the same Idempotency-Key: the recorded outcome,
     # never a second run.
     again = gw.post(gw.body(max_tokens=MAX), key=key)
@@ -101,6 +102,7 @@ def test_kill_after_delivered_deltas_ends_with_error_and_no_retry(gw: Gateway, n
     assert again.error["code"] == "upstream_decode_interrupted"
     assert again.error["request_id"] == res.request_id
     assert again.error["delivered_output_tokens"] == n
+    assert again.error["delivered_output_tokens_exact"] is True
     assert again.error["retryable"] is False and again.error["partial_output"] is True
     assert gw.attempts_logged(res.request_id) == rows  # nothing new ran
 
@@ -114,7 +116,7 @@ def test_stall_after_deltas_is_ended_by_the_watchdog(gw: Gateway) -> None:
         "message": "Generation was interrupted after part of the answer was sent",
         "type": "server_error", "code": "upstream_decode_interrupted",
         "request_id": res.request_id, "partial_output": True, "retryable": False,
-        "delivered_output_tokens": 2}}
+        "delivered_output_tokens": 2, "delivered_output_tokens_exact": True}}
     assert res.events[4:] == ["[DONE]"]
     rows = gw.attempts_logged(res.request_id)
     assert len(rows) == 1

@@ -97,7 +97,7 @@ def test_repeat_on_the_other_gateway_after_an_interruption(
         "message": "Generation was interrupted after part of the answer was sent",
         "type": "gateway_error", "code": "upstream_decode_interrupted",
         "request_id": first.request_id, "partial_output": True, "retryable": False,
-        "delivered_output_tokens": 3}
+        "delivered_output_tokens": 3, "delivered_output_tokens_exact": True}
     assert gb.attempts_logged(first.request_id, settle_s=0.5) == []
     # The status lookup answers the same from either gateway.
     ja, jb = ga.status(first.request_id).json(), gb.status(first.request_id).json()

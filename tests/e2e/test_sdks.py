@@ -25,10 +25,12 @@ ENDED_BY_US = ["stall-after-deltas:2", "error-after-deltas:2"]
 INTERRUPTED = "Generation was interrupted after part of the answer was sent"
 
 
-def ours(rid: str, error_type: str) -> dict[str, Any]:
+def ours(rid: str, error_type: str, exact: bool) -> dict[str, Any]:
+    """Our terminal error; the count is the engine's (exact) for chat and completions,
+    whose chunks carry the running usage the gateway asked for (decision 0018)."""
     return {"message": INTERRUPTED, "type": error_type, "code": "upstream_decode_interrupted",
             "request_id": rid, "partial_output": True, "retryable": False,
-            "delivered_output_tokens": 2}
+            "delivered_output_tokens": 2, "delivered_output_tokens_exact": exact}
 
 
 def drain(make: Callable[[], Iterable[Any]]) -> tuple[list[Any], BaseException | None]:
@@ -89,7 +91,7 @@ def test_openai_chat_and_completions_raise_api_error(oai: openai.OpenAI, fault: 
     assert e.message == INTERRUPTED and e.code == "upstream_decode_interrupted"
     assert isinstance(e.body, dict)
     rid = e.body["request_id"]
-    assert e.body == ours(rid, "server_error")
+    assert e.body == ours(rid, "server_error", True)
     texts = [(ch.choices[0].delta.content if api == "chat" else ch.choices[0].text)
              for ch in got if ch.choices]
     assert [t for t in texts if t] == texts[-2:] and len([t for t in texts if t]) == 2
@@ -115,7 +117,7 @@ def test_openai_responses_yields_response_failed(oai: openai.OpenAI, fault: str)
     assert err is not None and err.code == "upstream_decode_interrupted"
     assert err.message == INTERRUPTED
     rid = err.model_dump()["request_id"]  # our fields come through as extra attributes
-    assert err.model_dump() == {**ours(rid, "server_error"), "param": None,
+    assert err.model_dump() == {**ours(rid, "server_error", False), "param": None,
                                 "misalignment": None}
     # The streaming helper does the same: no exception, the event is yielded.
     def helper() -> Iterator[Any]:
@@ -144,7 +146,7 @@ def test_anthropic_messages_raises_api_status_error_with_status_200(
     assert e.status_code == 200
     assert isinstance(e.body, dict) and e.body["type"] == "error"
     rid = e.body["error"]["request_id"]
-    assert e.body == {"type": "error", "error": ours(rid, "api_error")}
+    assert e.body == {"type": "error", "error": ours(rid, "api_error", False)}
     assert [ev.type for ev in got] == ["message_start", "content_block_start",
                                        "content_block_delta", "content_block_delta"]
     def helper() -> Iterator[Any]:

@@ -58,6 +58,9 @@ CONFIG: dict[str, Any] = {
     "timeouts": {"first_delta_s": 8.0, "soft_first_delta_s": 4.0,
                  "stall_after_first_delta_s": 5.0, "access_log_wait_s": 0.5,
                  "fence_wait_s": 3.5, "progress_interval_s": 0.2},
+    # Responses and Messages deltas carry no running count: the model's own tokenizer
+    # counts what was delivered (decision 0018).
+    "accounting": {"tokenizers": {MODEL: str(MODEL_DIR / "tokenizer.json")}},
 }
 
 # What the tests measured, written to RESULTS and printed at the end of the run.
@@ -518,6 +521,40 @@ class Client:
             if j.get("outcome") is not None or time.monotonic() > deadline:
                 return j
             time.sleep(0.05)
+
+
+def output_text(path: str, obj: dict[str, Any]) -> str:
+    """A non-streaming answer's text, per API family."""
+    if path == "/v1/chat/completions":
+        return str(obj["choices"][0]["message"]["content"] or "")
+    if path == "/v1/completions":
+        return str(obj["choices"][0]["text"])
+    if path == "/v1/responses":
+        return "".join(c.get("text", "") for item in obj.get("output") or []
+                       if item.get("type") == "message" for c in item.get("content") or [])
+    return "".join(b.get("text", "") for b in obj.get("content") or [])
+
+
+def engine_tokens(c: Client, body: dict[str, Any], text: str,
+                  path: str = "/v1/chat/completions", lo: int = 1) -> set[int]:
+    """How many tokens the engine made for `text`, asked of the engine itself: greedy
+    decoding is deterministic, so the run with max_tokens=k is the first k tokens of any
+    run; every k whose text is `text` (a token that decodes to nothing adds a k)."""
+    field = "max_output_tokens" if path == "/v1/responses" else "max_tokens"
+    found: set[int] = set()
+    for k in range(max(1, lo), lo + 64):
+        r = c.http.post(path, json={**body, "stream": False, field: k},
+                        headers={"x-request-id": new_xrid()})
+        assert r.status_code == 200, r.text
+        got = output_text(path, r.json())
+        if got == text:
+            found.add(k)
+        elif found or not text.startswith(got):
+            break
+    assert found, f"no max_tokens gives {text!r}"
+    MEASURED.setdefault("engine_tokens_asked", 0)
+    MEASURED["engine_tokens_asked"] += 1
+    return found
 
 
 def long_prompt(words: int = 1000) -> str:

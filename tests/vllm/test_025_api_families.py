@@ -25,7 +25,16 @@ import pytest
 
 from extproc.devstack import Stack
 
-from .conftest import MEASURED, MODEL, Client, Engines, Result, long_prompt, new_xrid
+from .conftest import (
+    MEASURED,
+    MODEL,
+    Client,
+    Engines,
+    Result,
+    engine_tokens,
+    long_prompt,
+    new_xrid,
+)
 
 PATHS = {"responses": "/v1/responses", "messages": "/v1/messages"}
 HEAD = {"responses": ["response.created", "response.in_progress",
@@ -72,6 +81,21 @@ def body(family: str, xrid: str, max_tokens: int = 16, prompt: str = "hello ther
     else:
         b.update(messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens)
     return b
+
+
+def assert_tokenizer_count(gw: Client, j: dict[str, Any], family: str, got: str,
+                           events: int, max_tokens: int, key: str) -> None:
+    """No running count in these families' deltas: the model's tokenizer re-encoded the
+    delivered text (decision 0018), checked against the engine's own count of it."""
+    assert (j["delivered_output_tokens_exact"], j["delivered_output_tokens_source"]) == (
+        False, "tokenizer")
+    n = j["delivered_output_tokens"]
+    assert n >= events
+    ask = {k: v for k, v in body(family, new_xrid(), max_tokens).items() if k != "request_id"}
+    truth = engine_tokens(gw, ask, got, PATHS[family], lo=events)
+    MEASURED.setdefault("tokenizer_vs_engine", {})[f"{key}-{family}"] = {
+        "events": events, "tokenizer": n, "engine": sorted(truth)}
+    assert n in truth
 
 
 def types(res: Result) -> list[str]:
@@ -198,10 +222,12 @@ def test_kill_after_the_first_delta_ends_the_stream_without_rerun(
     delivered = types(res).count(DELTA[family])
     j = gw.journal(res.request_id)
     assert (j["outcome"], j["cause"]) == ("upstream_decode_interrupted", "upstream")
-    assert j["delivered_output_tokens"] == delivered and j["attempt"] == 1
-    assert j["error"]["code"] == "upstream_decode_interrupted"
+    assert j["attempt"] == 1 and j["error"]["code"] == "upstream_decode_interrupted"
+    assert j["error"]["delivered_output_tokens"] == j["delivered_output_tokens"]
     time.sleep(0.5)
     assert not engines.received(other, xrid) and engines.received(killed, xrid)
+    # Asked through the gateway (non-streaming: the engine's usage), on the survivor.
+    assert_tokenizer_count(gw, j, family, got, delivered, 64, "kill")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -242,15 +268,17 @@ def test_frozen_after_delivery_ends_with_the_family_terminal_event(
         assert err["type"] == "api_error"
         assert res.raw.rstrip().rsplit(b"\n\n", 1)[-1].startswith(b"event: error\n")
     assert err["code"] == "upstream_decode_interrupted"
-    assert err["delivered_output_tokens"] == delivered >= 2
+    assert err["delivered_output_tokens"] >= delivered >= 2
+    assert err["delivered_output_tokens_exact"] is False
     assert err["partial_output"] is True and err["retryable"] is False
     assert err["request_id"] == res.request_id
     assert END[family] not in types(res) and b"[DONE]" not in res.raw
     j = gw.journal(res.request_id)
     assert j["outcome"] == "upstream_decode_interrupted" and j["cause"] in ("stall", "fenced")
-    assert j["delivered_output_tokens"] == delivered
+    assert j["delivered_output_tokens"] == err["delivered_output_tokens"]
     MEASURED.setdefault("api_families_freeze_to_terminal_s", {})[family] = round(
         res.t_end - float(box["t"]), 2)
+    assert_tokenizer_count(gw, j, family, text(family, res), delivered, 400, "freeze")
 
 
 @pytest.mark.parametrize("family", FAMILIES)

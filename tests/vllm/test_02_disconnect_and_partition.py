@@ -14,7 +14,7 @@ from typing import Any
 
 from extproc.devstack import Stack
 
-from .conftest import MEASURED, Client, Engines, Result, assert_same_stream
+from .conftest import MEASURED, Client, Engines, Result, assert_same_stream, engine_tokens
 
 MAX = 16
 
@@ -86,7 +86,10 @@ def test_partition_before_first_delta_is_fenced_by_envoys_close(
     assert res.status == 200 and res.transport_error is None
     assert_same_stream(res, ref)  # one complete answer, once
     j = gw.journal(res.request_id)
-    assert j["outcome"] == "completed" and j["delivered_output_tokens"] == len(res.contents)
+    assert j["outcome"] == "completed" and j["delivered_output_tokens_exact"] is True
+    assert j["delivered_output_tokens"] in engine_tokens(
+        Client(engines.url(replica_of(vstack, j["attempts"][-1]))), Client.body(max_tokens=MAX),
+        res.text, lo=len(res.contents))
     a1, a2 = j["attempts"]
     assert a1["failure_class"] == "network_uncertain" and a1["fence"] == "revoked"
     assert a1["envoy_closed"] is True and a1["released"] is False
@@ -112,11 +115,16 @@ def test_partition_after_first_delta_ends_with_the_error(gw: Client, engines: En
     assert res.contents == ref.contents[:2]
     err = res.error
     assert err is not None and err["code"] == "upstream_decode_interrupted"
-    assert err["delivered_output_tokens"] == 2 and err["partial_output"] is True
+    # Two content events; the engine's count of the tokens in them (decision 0018).
+    n = err["delivered_output_tokens"]
+    assert n >= 2 and err["delivered_output_tokens_exact"] is True
+    assert err["partial_output"] is True
     assert err["retryable"] is False and err["request_id"] == res.request_id
     assert res.events[-1] == "[DONE]"
     j = gw.journal(res.request_id)
     assert (j["outcome"], j["cause"], j["delivered_output_tokens"]) == (
-        "upstream_decode_interrupted", "stall", 2)
+        "upstream_decode_interrupted", "stall", n)
+    assert n in engine_tokens(Client(engines.url(replica_of(vstack, j["attempts"][0]))),
+                              Client.body(max_tokens=48), res.text, lo=2)
     assert len(j["attempts"]) == 1  # no second run
     assert engines.who_received(res.xrid) == [replica_of(vstack, j["attempts"][0])]

@@ -21,6 +21,7 @@ from .conftest import (
     Engines,
     Result,
     assert_same_stream,
+    engine_tokens,
     long_prompt,
     new_xrid,
 )
@@ -90,7 +91,7 @@ def test_kill_during_prefill_gives_one_complete_answer(
 
 @pytest.mark.parametrize("after", [1, 5])
 def test_kill_after_delivered_deltas_ends_the_stream_without_retry(
-        gw: Client, engines: Engines, after: int) -> None:
+        gw: Client, engines: Engines, direct: Callable[[str], Client], after: int) -> None:
     ref = reference(gw, max_tokens=64)
     xrid = new_xrid()
     box: dict[str, str] = {}
@@ -117,11 +118,19 @@ def test_kill_after_delivered_deltas_ends_the_stream_without_retry(
     j = gw.journal(res.request_id)
     assert j["first_delta_sent"] is True
     assert j["outcome"] == "upstream_decode_interrupted" and j["cause"] == "upstream"
-    assert j["delivered_output_tokens"] == got  # exactly what reached the client
+    # Exactly what reached the client, in the engine's tokens (decision 0018): asked of
+    # the other replica, the max_tokens whose answer is the delivered text.
+    truth = engine_tokens(direct(other), Client.body(max_tokens=64), res.text, lo=got)
+    n = j["delivered_output_tokens"]
+    assert n in truth and n >= got
+    assert (j["delivered_output_tokens_exact"], j["delivered_output_tokens_source"]) == (
+        True, "engine")
+    MEASURED.setdefault("kill_after_delta_events_vs_tokens", []).append([got, n])
     assert j["attempt"] == 1 and len(j["attempts"]) == 1
     assert j["attempts"][0]["failure_class"] == "replica_dead"
     assert j["error"]["code"] == "upstream_decode_interrupted"
-    assert j["error"]["delivered_output_tokens"] == got
+    assert j["error"]["delivered_output_tokens"] == n
+    assert j["error"]["delivered_output_tokens_exact"] is True
     assert j["error"]["partial_output"] is True and j["error"]["retryable"] is False
     # No second run anywhere: the other replica never heard of the request.
     time.sleep(0.5)
@@ -151,7 +160,8 @@ def stream_on(gw: Client, engines: Engines, want: str, body: dict[str, object],
     pytest.fail(f"no request landed on {want}")
 
 
-def test_sigterm_mid_stream_drains_and_is_not_a_crash(gw: Client, engines: Engines) -> None:
+def test_sigterm_mid_stream_drains_and_is_not_a_crash(
+        gw: Client, engines: Engines, direct: Callable[[str], Client]) -> None:
     """r1 runs with --shutdown-timeout 30: SIGTERM to its API server drains the stream."""
     ref = reference(gw, max_tokens=96)
     res = stream_on(gw, engines, "r1", Client.body(max_tokens=96), 3,
@@ -164,7 +174,9 @@ def test_sigterm_mid_stream_drains_and_is_not_a_crash(gw: Client, engines: Engin
     assert j["outcome"] == "completed" and j["cause"] is None
     assert j["attempt"] == 1 and len(j["attempts"]) == 1
     assert j["attempts"][0]["failure_class"] == "completed"
-    assert j["delivered_output_tokens"] == len(res.contents)
+    assert j["delivered_output_tokens"] in engine_tokens(
+        direct("r2"), Client.body(max_tokens=96), res.text, lo=len(res.contents))
+    assert j["delivered_output_tokens_exact"] is True
     assert not engines.aborted("r1", res.xrid)
     assert engines.who_received(res.xrid) == ["r1"]
     t0 = time.monotonic()
@@ -174,7 +186,8 @@ def test_sigterm_mid_stream_drains_and_is_not_a_crash(gw: Client, engines: Engin
     assert "[shutdown] API server: stopping engine client mode=drain timeout=30s" in log
 
 
-def test_sigterm_with_vllm_default_never_looks_complete(gw: Client, engines: Engines) -> None:
+def test_sigterm_with_vllm_default_never_looks_complete(
+        gw: Client, engines: Engines, direct: Callable[[str], Client]) -> None:
     """r2 keeps vLLM's default --shutdown-timeout 0: SIGTERM stops the engine at once. What the
     open stream then does is a race inside vLLM; three endings were seen:
 
@@ -201,7 +214,14 @@ def test_sigterm_with_vllm_default_never_looks_complete(gw: Client, engines: Eng
     # One attempt delivered; an earlier one may have met r1 still restarting from the
     # previous test (connection refused, before any delta): never a retry after delivery.
     assert [a["released"] for a in j["attempts"]].count(True) == 1
-    assert j["attempts"][-1]["released"] and j["delivered_output_tokens"] == got
+    n = j["delivered_output_tokens"]
+    assert j["attempts"][-1]["released"] and n >= got
+    deadline = time.monotonic() + 60  # r1 may still be back from the previous test
+    while not engines.healthy("r1"):
+        assert time.monotonic() < deadline, "r1 not healthy"
+        time.sleep(0.5)
+    assert n in engine_tokens(direct("r1"), Client.body(max_tokens=200), res.text, lo=got)
+    assert j["delivered_output_tokens_exact"] is True
     assert engines.who_received(res.xrid) == ["r2"]
     assert "[shutdown] API server: stopping engine client mode=abort timeout=0s" in \
         engines.log("r2")
@@ -212,7 +232,8 @@ def test_sigterm_with_vllm_default_never_looks_complete(gw: Client, engines: Eng
         {"ending": j["cause"], "to_stream_end_s": round(res.t_end - marks["t"], 2)})
     err = res.error
     assert err is not None and err["code"] == "upstream_decode_interrupted"
-    assert err["delivered_output_tokens"] == got and err["retryable"] is False
+    assert err["delivered_output_tokens"] == n and err["retryable"] is False
+    assert err["delivered_output_tokens_exact"] is True
     assert j["outcome"] == "upstream_decode_interrupted"
     assert j["cause"] in ("stall", "in-band error")
     assert "EngineCore encountered an issue" not in res.raw.decode()  # ours, not vLLM's

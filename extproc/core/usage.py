@@ -1,0 +1,122 @@
+"""Exact delivered token counts: the engine's own running count, asked for and taken back.
+
+`delivered_output_tokens` counted content events, and engines merge several tokens into one
+event under load. OpenAI-compatible engines (vLLM, SGLang) can put their running count in
+every chunk (`stream_options.continuous_usage_stats`); the gateway asks for it on streaming
+chat and completions requests and strips from each chunk what the client did not ask for,
+so the client's stream is byte for byte the one it would have had (decision 0018).
+
+Everything here is pure: the request rewrite and the per-event strip work on bytes.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from .sse import SseEvent, parse_event_json
+
+__all__ = ["UsageMode", "ask_for_usage", "take_usage"]
+
+
+class UsageMode(enum.StrEnum):
+    """What the guard does with the `usage` of each chunk."""
+
+    OFF = "off"  # not asked for: chunks pass untouched, any usage in them is still read
+    STRIP_ALL = "strip_all"  # the gateway asked: every usage goes, the usage-only chunk too
+    STRIP_RUNNING = "strip_running"  # the client asked for the final usage chunk only
+    KEEP = "keep"  # the client asked for both itself: forwarded as is, read
+
+
+# The engine's request option for streams that report a running count.
+ASKED = {"include_usage": True, "continuous_usage_stats": True}
+
+_OPENING = re.compile(rb"\A(?:\xef\xbb\xbf)?[ \t\r\n]*\{")
+
+
+def ask_for_usage(body: bytes, obj: Mapping[str, Any]) -> tuple[bytes, UsageMode]:
+    """The request body to send upstream, and what the guard must do with the chunks.
+
+    `obj` is the body already parsed (a streaming chat or completions request). The body is
+    not re-encoded when it has no `stream_options` (the option goes in after its opening
+    brace): every other byte reaches the engine as the client wrote it.
+    """
+    opts = obj.get("stream_options")
+    if opts is None and "stream_options" not in obj:
+        m = _OPENING.match(body)
+        if m is None:
+            return body, UsageMode.OFF
+        sep = b"" if body[m.end():].lstrip().startswith(b"}") else b","
+        inserted = b'"stream_options":' + json.dumps(ASKED, separators=(",", ":")).encode()
+        return body[:m.end()] + inserted + sep + body[m.end():], UsageMode.STRIP_ALL
+    if not isinstance(opts, dict):
+        return body, UsageMode.OFF  # the engine answers a malformed option itself
+    final = opts.get("include_usage") is True
+    running = final and opts.get("continuous_usage_stats") is True
+    if running:
+        return body, UsageMode.KEEP
+    new = dict(obj)
+    new["stream_options"] = {**opts, **ASKED}
+    out = json.dumps(new, separators=(",", ":"), ensure_ascii=False).encode()
+    return out, (UsageMode.STRIP_RUNNING if final else UsageMode.STRIP_ALL)
+
+
+# `,"usage":{...}` as the last member of a chunk: a flat object or one level of nesting
+# (`prompt_tokens_details`). `,"` never occurs inside a JSON string (its quotes are
+# escaped), so a match is a member, and the lookahead makes it the top-level object's last.
+_USAGE_MEMBER = re.compile(rb',"usage":\{(?:[^{}]|\{[^{}]*\})*\}(?=\}[ \t]*(?:\r\n?|\n))')
+_COMPLETION = re.compile(rb'"completion_tokens":([0-9]{1,12})[,}]')
+_NO_CHOICES = b'"choices":[]'
+
+
+def _count(member: bytes) -> int | None:
+    m = _COMPLETION.search(member)
+    return int(m.group(1)) if m is not None else None
+
+
+def take_usage(mode: UsageMode, e: SseEvent) -> tuple[bytes, int | None]:
+    """The bytes to forward for one event (or a merged run), and the engine's running
+    completion count it carried (None: it carried none)."""
+    raw = e.raw
+    if b'"usage":{' not in raw:
+        return raw, None
+    if not e.data:
+        # A merged run of token events (sse._FAST_RUN): each one ends with its usage.
+        members = _USAGE_MEMBER.findall(raw)
+        last = raw.rfind(b"\ndata: ", 0, len(raw) - 2)
+        n = _count(members[-1]) if members and raw.rfind(b',"usage":{') > last else None
+        if mode is UsageMode.OFF or mode is UsageMode.KEEP:
+            return raw, n
+        return _USAGE_MEMBER.sub(b"", raw), n
+    found = list(_USAGE_MEMBER.finditer(raw))
+    if not found:
+        return _slow(mode, e)
+    m = found[-1]
+    n = _count(m.group(0))
+    if mode is UsageMode.OFF or mode is UsageMode.KEEP:
+        return raw, n
+    if _NO_CHOICES in e.data:
+        # The usage-only chunk that ends a stream asked to include usage.
+        return (b"" if mode is UsageMode.STRIP_ALL else raw), n
+    return raw[:m.start()] + raw[m.end():], n
+
+
+def _slow(mode: UsageMode, e: SseEvent) -> tuple[bytes, int | None]:
+    """An event the byte rules do not cover (usage not last, a multi-line data field):
+    parsed, and re-encoded without usage when it must go."""
+    obj = parse_event_json(e.data)
+    if obj is None or not isinstance(obj.get("usage"), dict):
+        return e.raw, None
+    v = obj["usage"].get("completion_tokens")
+    n = v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
+    if mode is UsageMode.OFF or mode is UsageMode.KEEP:
+        return e.raw, n
+    if obj.get("choices") == []:
+        return (b"" if mode is UsageMode.STRIP_ALL else e.raw), n
+    del obj["usage"]
+    head = b"event: " + e.event.encode() + b"\n" if e.event else b""
+    return head + b"data: " + json.dumps(obj, separators=(",", ":"),
+                                          ensure_ascii=False).encode() + b"\n\n", n
