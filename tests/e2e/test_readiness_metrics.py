@@ -239,7 +239,8 @@ def test_readiness_follows_etcd_and_liveness_does_not(tmp_path: Path) -> None:
                        "etcd_silent", "etcd_answering", "draining"], reasons
     assert all(x["request_id"] is None and x["grace_s"] == GRACE_S for x in lines)
     silent = [x for x in lines if x["reason"] == "etcd_silent"]
-    assert all(x["etcd_last_answer_age_s"] > GRACE_S for x in silent)
+    # Past the grace when decided; logged to the millisecond, so 2.0004 s reads 2.0.
+    assert all(x["etcd_last_answer_age_s"] >= GRACE_S for x in silent)
     print(f"\nreadiness: ready {ready_after:.2f}s after etcd's /health, not ready "
           f"{frozen_after:.2f}s after a freeze and {killed_after:.2f}s after a kill "
           f"(grace {GRACE_S}s), ready {thawed_after:.2f}s after a thaw and {back_after:.2f}s "
