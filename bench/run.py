@@ -199,7 +199,9 @@ def cpu_snapshot(stack: Stack) -> dict[str, float]:
 
 def cpu_delta(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
     d = {k: b[k] - a[k] for k in a if not k.startswith("_")}
-    out = {"processor": d.get("processor", 0.0), "envoy": d.get("envoy", 0.0),
+    # Cells (decision 0019): `processor-c2`, `envoy-c2`, ... count with the first cell's.
+    out = {"processor": sum(v for k, v in d.items() if k.startswith("processor")),
+           "envoy": sum(v for k, v in d.items() if k.startswith("envoy")),
            "replicas": sum(v for k, v in d.items() if k.startswith("r")),
            "etcd": d.get("etcd", 0.0), "client": d.get("client", 0.0)}
     tot = b["_total"] - a["_total"]

@@ -91,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--port", type=int, default=10000)
     q.add_argument("--live-pool", action="store_true",
                    help="pool.discovery: registry, an `extproc register` agent per replica")
+    q.add_argument("--cells", type=int, default=1,
+                   help="N cells (an Envoy and a processor each) on one port: one core each "
+                        "(docs/decisions/0019-cells-for-more-cores.md)")
     args = ap.parse_args(argv)
 
     if args.cmd == "serve":
@@ -154,8 +157,10 @@ def main(argv: list[str] | None = None) -> int:
         from .devstack import run_forever
         if args.config:
             read_config(args.config)  # fail fast, naming the field
+        if not 1 <= args.cells <= 64:
+            raise SystemExit("run: --cells must be between 1 and 64")
         return run_forever(args.config, args.workdir, args.replicas, args.port,
-                           live_pool=args.live_pool)
+                           live_pool=args.live_pool, cells=args.cells)
     return 2
 
 

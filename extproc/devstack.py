@@ -174,6 +174,12 @@ class Stack:
     etcd_tls_auth: bool = False
     etcd_metrics: str = ""  # etcd's plain-HTTP metrics and health (set when we start it)
     etcd_secure: dict[str, Any] = field(default_factory=dict)
+    # More than one core (decision 0019): N cells, each an Envoy and a processor of its
+    # own, sharing the listener port (SO_REUSEPORT), etcd and the replicas. Cell k >= 2
+    # has the processes `processor-c<k>` / `envoy-c<k>` and gateway id `<gateway_id>-c<k>`.
+    cells: int = 1
+    cell_processors: list[str] = field(default_factory=list)  # processor address per cell
+    cell_admin_ports: list[int] = field(default_factory=list)  # Envoy admin port per cell
     procs: dict[str, Proc] = field(default_factory=dict)
     replica_ports: list[int] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -211,7 +217,8 @@ class Stack:
         if not self.plain:
             if not self.etcd_endpoint:
                 self._start_etcd()
-            self._start_processor()
+            for cell in range(1, self.cells + 1):
+                self._start_processor(cell)
         if self.tool_server:
             self._start_tool_server()
         self._start_replicas()
@@ -299,18 +306,28 @@ class Stack:
                 for port, fp in zip(self.replica_ports, self.fingerprints, strict=True)]}
         return raw
 
-    def _start_processor(self) -> None:
+    def _start_processor(self, cell: int = 1) -> None:
         raw = self._processor_config()
-        self.cfg = load_config(raw)
-        self.processor_addr = self.cfg.server.listen
-        path = self.workdir / "extproc.yaml"
+        suffix = "" if cell == 1 else f"-c{cell}"
+        if cell == 1:
+            self.cfg = load_config(raw)
+            addr = self.processor_addr = self.cfg.server.listen
+        else:
+            # Another gateway on the same etcd: its own id, port and process lease.
+            assert self.cfg is not None
+            raw["server"]["listen"] = addr = f"127.0.0.1:{free_port()}"
+            raw["server"]["gateway_id"] = self.cfg.server.gateway_id + suffix
+            if raw["server"].get("metrics_listen"):
+                raw["server"]["metrics_listen"] = f"127.0.0.1:{free_port()}"
+        self.cell_processors.append(addr)
+        path = self.workdir / f"extproc{suffix}.yaml"
         path.write_text(yaml.safe_dump(raw, sort_keys=False))
         env = {**os.environ, **self.processor_env} if self.processor_env else None
-        p = Proc("processor", self.processor_argv(path), self.workdir / "processor.log",
-                 env=env)
+        p = Proc(f"processor{suffix}", self.processor_argv(path),
+                 self.workdir / f"processor{suffix}.log", env=env)
         p.start()
-        self.procs["processor"] = p
-        host, _, port = self.processor_addr.rpartition(":")
+        self.procs[p.name] = p
+        host, _, port = addr.rpartition(":")
         wait_until(lambda: _tcp_open(host, int(port)) or not p.alive(), 20, "processor port")
         if not p.alive():
             raise RuntimeError(f"processor exited: see {p.log_path}")
@@ -426,29 +443,38 @@ class Stack:
 
     def _start_envoy(self) -> None:
         self.envoy_port = self.envoy_port or free_port()
-        self.admin_port = free_port()
         cfg = self.cfg = self.cfg or load_config(
             self._processor_config() if not self.plain
             else {k: v for k, v in self.config.items() if k != "server"})
-        topo = Topology(listen=("127.0.0.1", self.envoy_port),
-                        admin=("127.0.0.1", self.admin_port),
-                        processor=self.processor_addr or "127.0.0.1:1",
-                        replicas=tuple(("127.0.0.1", p) for p in
-                                       (self.proxy_ports or self.replica_ports)),
-                        access_log_path=str(self.workdir / "envoy-access.jsonl"),
-                        tools=(("127.0.0.1", self.tool_port),) if self.tool_server else ())
-        path = self.workdir / ("envoy-plain.yaml" if self.plain else "envoy.yaml")
-        path.write_text(yaml.safe_dump(render(cfg, topo, plain=self.plain), sort_keys=False))
-        argv = [_bin("envoy"), "-c", str(path), "--log-level",
-                "warning" if self.quiet_envoy else "info",
-                "--base-id", str(free_port()), "--concurrency", "1"]
-        p = Proc("envoy", argv, self.workdir / "envoy.log")
-        p.start()
-        self.procs["envoy"] = p
-        wait_until(lambda: _http_ok(f"http://127.0.0.1:{self.admin_port}/ready")
-                   or not p.alive(), 20, "envoy ready")
-        if not p.alive():
-            raise RuntimeError(f"envoy exited: see {p.log_path}")
+        # A plain stack's cells are Envoys alone, the same listener shared the same way.
+        for cell in range(1, self.cells + 1):
+            suffix = "" if cell == 1 else f"-c{cell}"
+            admin = free_port()
+            if cell == 1:
+                self.admin_port = admin
+            self.cell_admin_ports.append(admin)
+            procs = self.cell_processors
+            topo = Topology(listen=("127.0.0.1", self.envoy_port),
+                            admin=("127.0.0.1", admin),
+                            processor=procs[cell - 1] if len(procs) >= cell else "127.0.0.1:1",
+                            replicas=tuple(("127.0.0.1", p) for p in
+                                           (self.proxy_ports or self.replica_ports)),
+                            access_log_path=str(self.workdir / f"envoy-access{suffix}.jsonl"),
+                            tools=(("127.0.0.1", self.tool_port),) if self.tool_server else ())
+            path = self.workdir / (f"envoy-plain{suffix}.yaml" if self.plain
+                                   else f"envoy{suffix}.yaml")
+            path.write_text(yaml.safe_dump(render(cfg, topo, plain=self.plain),
+                                           sort_keys=False))
+            argv = [_bin("envoy"), "-c", str(path), "--log-level",
+                    "warning" if self.quiet_envoy else "info",
+                    "--base-id", str(free_port()), "--concurrency", "1"]
+            p = Proc(f"envoy{suffix}", argv, self.workdir / f"envoy{suffix}.log")
+            p.start()
+            self.procs[p.name] = p
+            wait_until(lambda admin=admin, p=p: _http_ok(f"http://127.0.0.1:{admin}/ready")
+                       or not p.alive(), 20, "envoy ready")
+            if not p.alive():
+                raise RuntimeError(f"envoy exited: see {p.log_path}")
 
     def restart_envoy(self) -> None:
         """Start Envoy again with the same config (after a test killed it)."""
@@ -506,13 +532,15 @@ class Stack:
                 left = self._restarted_at + settle - time.monotonic()
                 if left > 0:
                     time.sleep(left)
-            wait_until(self.envoy_sees_replicas_healthy, timeout_s,
-                       "Envoy seeing every replica healthy")
+            wait_until(lambda: all(self.envoy_sees_replicas_healthy(a)
+                                   for a in self.cell_admin_ports or [self.admin_port]),
+                       timeout_s, "Envoy seeing every replica healthy")
 
-    def envoy_sees_replicas_healthy(self) -> bool:
+    def envoy_sees_replicas_healthy(self, admin_port: int = 0) -> bool:
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}/clusters",
-                                        timeout=2) as r:
+            with urllib.request.urlopen(
+                    f"http://127.0.0.1:{admin_port or self.admin_port}/clusters",
+                    timeout=2) as r:
                 text = r.read().decode()
         except OSError:
             return False
@@ -529,8 +557,11 @@ class Stack:
         self._stop.set()
         if self._sup is not None:
             self._sup.join(2)
-        for name in ["envoy", *[n for n in self.procs if n.startswith(("r", "proxy-"))],
-                     "tools", "processor", "etcd", "otlp"]:
+        envoys = [n for n in self.procs if n.startswith("envoy-c")]
+        processors = [n for n in self.procs if n.startswith("processor-c")]
+        for name in ["envoy", *envoys,
+                     *[n for n in self.procs if n.startswith(("r", "proxy-"))],
+                     "tools", "processor", *processors, "etcd", "otlp"]:
             p = self.procs.get(name)
             if p is not None:
                 p.stop()
@@ -590,6 +621,14 @@ Live pool (pool.discovery: registry): each replica has an `extproc register` age
 """
 
 
+def cells_line(stack: Stack) -> str:
+    if stack.cells <= 1:
+        return ""
+    return (f"  {stack.cells} cells on port {stack.envoy_port} (decision 0019): processors "
+            f"{', '.join(stack.cell_processors)}, Envoy admins "
+            f"{', '.join(str(a) for a in stack.cell_admin_ports)}\n")
+
+
 def quickstart_banner(stack: Stack) -> str:
     url = stack.base_url
     body = ('{"model":"demo-model","stream":true,"max_tokens":12,'
@@ -598,6 +637,7 @@ def quickstart_banner(stack: Stack) -> str:
 Gateway ready on {url}
   Envoy admin http://127.0.0.1:{stack.admin_port}, etcd {stack.etcd_endpoint},
   processor {stack.processor_addr}, replicas {', '.join(str(p) for p in stack.replica_ports)}
+{cells_line(stack)}
 Logs: {stack.workdir}
 
 Stream a completion:
@@ -629,13 +669,13 @@ Ctrl-C stops everything.
 
 
 def run_forever(config_path: str | None, workdir: str | None, replicas: int,
-                envoy_port: int, live_pool: bool = False) -> int:
+                envoy_port: int, live_pool: bool = False, cells: int = 1) -> int:
     raw: dict[str, Any] = {}
     if config_path:
         raw = yaml.safe_load(Path(config_path).read_text()) or {}
     wd = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="extproc-run-"))
     stack = Stack(workdir=wd, config=raw, replicas=replicas, envoy_port=envoy_port,
-                  span_printer=True, tool_server=True, registry=live_pool)
+                  span_printer=True, tool_server=True, registry=live_pool, cells=cells)
     stop = threading.Event()
 
     def _on_signal(signum: int, frame: Any) -> None:
@@ -647,9 +687,10 @@ def run_forever(config_path: str | None, workdir: str | None, replicas: int,
     try:
         print(quickstart_banner(stack), flush=True)
         while not stop.wait(0.5):
-            for name in ("etcd", "processor", "envoy"):
-                p = stack.procs.get(name)
-                if p is not None and not p.alive():
+            for name, p in list(stack.procs.items()):
+                if not name.startswith(("etcd", "processor", "envoy")):
+                    continue
+                if not p.alive():
                     print(f"{name} exited unexpectedly; see {p.log_path}", file=sys.stderr)
                     return 1
     finally:

@@ -392,6 +392,9 @@ def render(cfg: Config, topo: Topology, plain: bool = False) -> dict[str, Any]:
     listeners: list[dict[str, Any]] = [{
         "name": "gateway",
         "address": _addr(*topo.listen),
+        # Envoy's Linux default, made explicit: cells (decision 0019) are several Envoys
+        # bound to this one port, the kernel spreading new connections among them.
+        "enable_reuse_port": True,
         "per_connection_buffer_limit_bytes": max(1 << 20,
                                                  2 * cfg.limits.max_request_body_bytes),
         "filter_chains": [{"filters": [{
