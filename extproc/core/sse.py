@@ -133,13 +133,15 @@ _CHARS = rb'[^"\\\x00-\x1f]*(?:\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4})[^"\\\x00-\x1f]*
 _STR = rb'"' + _CHARS + rb'"'
 _NESTR = rb'"(?=[^"])' + _CHARS + rb'"'  # non-empty
 _NUM = rb"-?(?:0|[1-9][0-9]{0,15})"
+# The running usage vLLM puts in a chunk when asked (core.usage), as the member it writes.
+USAGE_MEMBER = (rb',"usage":\{"prompt_tokens":' + _NUM + rb',"total_tokens":' + _NUM
+                + rb',"completion_tokens":' + _NUM + rb'(?:,"completion_tokens_details":null)?\}')
 _FAST_CONTENT = re.compile(
     rb'\{"id":' + _STR + rb',"object":"chat\.completion\.chunk","created":' + _NUM
     + rb',"model":' + _STR + rb'(?:,"system_fingerprint":(?:null|' + _STR + rb'))?'
     + rb',"choices":\[\{"index":0,"delta":\{(?:"role":"assistant",)?"content":' + _NESTR
     + rb'\}(?:,"logprobs":null)?,"finish_reason":null(?:,"stop_reason":null)?\}\]'
-    + rb'(?:,"usage":(?:null|\{"prompt_tokens":' + _NUM + rb',"total_tokens":' + _NUM
-    + rb',"completion_tokens":' + _NUM + rb'(?:,"completion_tokens_details":null)?\}))?\}')
+    + rb'(?:,"usage":null|' + USAGE_MEMBER + rb')?\}')
 # A run of such events, each a single `data: ` line and a blank line: what a guard sees in
 # nearly every body message. The JSON above cannot hold a raw newline, so a run of n events
 # contains exactly n blank-line separators.

@@ -17,7 +17,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from .sse import SseEvent, parse_event_json
+from .sse import USAGE_MEMBER, SseEvent, parse_event_json
 
 __all__ = ["UsageMode", "ask_for_usage", "take_usage"]
 
@@ -68,13 +68,31 @@ def ask_for_usage(body: bytes, obj: Mapping[str, Any]) -> tuple[bytes, UsageMode
 # (`prompt_tokens_details`). `,"` never occurs inside a JSON string (its quotes are
 # escaped), so a match is a member, and the lookahead makes it the top-level object's last.
 _USAGE_MEMBER = re.compile(rb',"usage":\{(?:[^{}]|\{[^{}]*\})*\}(?=\}[ \t]*(?:\r\n?|\n))')
+# The member in the exact form of the chunks sse's fast path matches: no alternation to
+# backtrack over, a fraction of the general pattern's cost on every chunk of a run.
+_FAST_USAGE = re.compile(USAGE_MEMBER)
+_FAST_USAGE_LAST = re.compile(USAGE_MEMBER + rb"(?=\}[ \t]*(?:\r\n?|\n))")
 _COMPLETION = re.compile(rb'"completion_tokens":([0-9]{1,12})[,}]')
+_COMPLETION_KEY = b'"completion_tokens":'
 _NO_CHOICES = b'"choices":[]'
 
 
 def _count(member: bytes) -> int | None:
     m = _COMPLETION.search(member)
     return int(m.group(1)) if m is not None else None
+
+
+def _last_count(raw: bytes) -> int | None:
+    """The running count in a run's last event (None if that event has none). The key,
+    with its quotes unescaped, cannot occur inside a JSON string."""
+    k = raw.rfind(_COMPLETION_KEY)
+    if k < 0 or k < raw.rfind(b"\ndata: ", 0, len(raw) - 2):
+        return None
+    k += len(_COMPLETION_KEY)
+    end = k
+    while end < len(raw) and 0x30 <= raw[end] <= 0x39:
+        end += 1
+    return int(raw[k:end]) if end > k else None
 
 
 def take_usage(mode: UsageMode, e: SseEvent) -> tuple[bytes, int | None]:
@@ -84,17 +102,15 @@ def take_usage(mode: UsageMode, e: SseEvent) -> tuple[bytes, int | None]:
     if b'"usage":{' not in raw:
         return raw, None
     if not e.data:
-        # A merged run of token events (sse._FAST_RUN): each one ends with its usage.
-        members = _USAGE_MEMBER.findall(raw)
-        last = raw.rfind(b"\ndata: ", 0, len(raw) - 2)
-        n = _count(members[-1]) if members and raw.rfind(b',"usage":{') > last else None
+        # A merged run of token events (sse._FAST_RUN): each one ends with its usage, in
+        # the form the fast path matched.
+        n = _last_count(raw)
         if mode is UsageMode.OFF or mode is UsageMode.KEEP:
             return raw, n
-        return _USAGE_MEMBER.sub(b"", raw), n
-    found = list(_USAGE_MEMBER.finditer(raw))
-    if not found:
+        return _FAST_USAGE.sub(b"", raw), n
+    m = _FAST_USAGE_LAST.search(raw) or _USAGE_MEMBER.search(raw)
+    if m is None:
         return _slow(mode, e)
-    m = found[-1]
     n = _count(m.group(0))
     if mode is UsageMode.OFF or mode is UsageMode.KEEP:
         return raw, n
