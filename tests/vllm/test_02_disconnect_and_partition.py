@@ -112,7 +112,10 @@ def test_partition_after_first_delta_ends_with_the_error(gw: Client, engines: En
     ref = gw.post(Client.body(max_tokens=48))
     res: Result = gw.post(Client.body(max_tokens=48), headers={"x-partition": "after-deltas:2"})
     assert res.status == 200 and res.transport_error is None
-    assert res.contents == ref.contents[:2]
+    # Two content events, a prefix of the reference text: vLLM may merge tokens into one
+    # event under CPU load (' firomromrom' for ' fi', 'rom', 'rom', 'rom'), so the events
+    # need not be the reference's first two.
+    assert len(res.contents) == 2 and ref.text.startswith(res.text)
     err = res.error
     assert err is not None and err["code"] == "upstream_decode_interrupted"
     # Two content events; the engine's count of the tokens in them (decision 0018).
