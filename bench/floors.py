@@ -43,7 +43,7 @@ import grpc
 from bench import run
 from bench.nullproc import NullStack
 from bench.nullproc_grpclib import GrpclibNullStack
-from bench.streams import MESSAGES, Held, rss_kib
+from bench.streams import MESSAGES, Held, rss_kib, warm_up
 from extproc.core.headers import ROLE_METADATA
 from extproc.devstack import Stack
 from extproc.gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
@@ -109,13 +109,7 @@ _RUN_START_STACK = run.start_stack
 async def _hold(addr: str, pid: int, n: int, log: Any) -> dict[str, Any]:
     async with grpc.aio.insecure_channel(addr) as ch:
         stub = ep_grpc.ExternalProcessorStub(ch)
-        warm_release = asyncio.Event()
-        warm = [Held(stub, warm_release) for _ in range(200)]
-        tasks = [asyncio.ensure_future(h.run()) for h in warm]
-        await asyncio.gather(*(h.opened.wait() for h in warm))
-        warm_release.set()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await asyncio.sleep(1.0)
+        await warm_up(stub, 1.0, tolerate_errors=True)
         base = rss_kib(pid)
         release = asyncio.Event()
         held: list[Held] = []

@@ -115,19 +115,24 @@ class Held:
         call.cancel()
 
 
+async def warm_up(stub: Any, settle_s: float, tolerate_errors: bool = False) -> None:
+    """A few hundred complete streams first, so first-use allocations are not counted;
+    then `settle_s` for what they leave behind (journal records) to finish."""
+    release = asyncio.Event()
+    warm = [Held(stub, release) for _ in range(200)]
+    tasks = [asyncio.ensure_future(h.run()) for h in warm]
+    await asyncio.gather(*(h.opened.wait() for h in warm))
+    release.set()
+    await asyncio.gather(*tasks, return_exceptions=tolerate_errors)
+    await asyncio.sleep(settle_s)
+
+
 async def hold(stack: Stack, n: int, checkpoints: list[int], log: Any) -> dict[str, Any]:
     pid = stack.procs["processor"].pid
     assert pid is not None
     async with grpc.aio.insecure_channel(stack.processor_addr) as ch:
         stub = ep_grpc.ExternalProcessorStub(ch)
-        # Warm-up: a few hundred complete streams, so first-use allocations are not counted.
-        warm_release = asyncio.Event()
-        warm = [Held(stub, warm_release) for _ in range(200)]
-        tasks = [asyncio.ensure_future(h.run()) for h in warm]
-        await asyncio.gather(*(h.opened.wait() for h in warm))
-        warm_release.set()
-        await asyncio.gather(*tasks)
-        await asyncio.sleep(2.0)  # their journal records are finished
+        await warm_up(stub, 2.0)
         base = rss_kib(pid)
         release = asyncio.Event()
         held: list[Held] = []
