@@ -12,7 +12,7 @@ import json
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from extproc.core.config import load_config
@@ -166,9 +166,9 @@ def guard(mode: UsageMode, family: str = "chat") -> GuardMachine:
 def feed(m: GuardMachine, data: bytes, cuts: list[int], end: bool) -> bytes:
     sent = b""
     prev = 0
-    for c in [*sorted(set(cuts)), len(data)]:
-        if c <= prev and c != len(data):
-            continue
+    # Each cut once, strictly inside the data; the end once (a cut at the end
+    # must not send a second, empty end of stream: Envoy never does).
+    for c in sorted({c for c in cuts if 0 < c < len(data)} | {len(data)}):
         for a in m.handle(ResponseBody(data[prev:c], end and c == len(data))):
             if hasattr(a, "data"):
                 sent += a.data
@@ -184,6 +184,8 @@ tokens = st.lists(st.lists(st.text(alphabet="ab \"\\\u00e9\u4e2d\n{},:", min_siz
 @settings(max_examples=150, deadline=None)
 @given(groups=tokens, final=st.booleans(), completions=st.booleans(),
        cuts=st.lists(st.integers(0, 4000), max_size=12))
+# A cut exactly at the end of the data (1002 bytes): found by CI, a helper bug.
+@example(groups=[["a"]], final=False, completions=False, cuts=[1002])
 def test_a_stripped_stream_is_the_stream_without_the_option(
         groups: list[list[str]], final: bool, completions: bool, cuts: list[int]) -> None:
     with_usage = stream(groups, True, True, completions)
