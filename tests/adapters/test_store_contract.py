@@ -171,6 +171,18 @@ async def _open(env: Env, rid: str = "req_a", aid: str = "att_1") -> None:
                                         (aid, _rec(1, aid))) is None
 
 
+async def _open_watched(env: Env) -> tuple[list[str | None], Callable[[], None]]:
+    """Open req_a and watch its live key from then on. etcd's watch delivers the open's
+    own put after the transaction returns, so wait for it: a listener added after `_open`
+    could otherwise see that put first (CI did)."""
+    seen: list[str | None] = []
+    off = env.store.on_live_change("req_a", seen.append)
+    await _open(env)
+    await _until(lambda: seen == ["att_1"], "the open's put")
+    seen.clear()
+    return seen, off
+
+
 def _admitted_at(view: Any, n: int) -> float:
     return float(next(a for a in view.attempts if a["attempt"] == n)["admitted_at"])
 
@@ -290,9 +302,7 @@ async def test_admission_is_refused_when_the_live_attempt_is_not_fenced_in_time(
 
 async def test_an_attempt_that_never_started_is_taken_over_at_once(env: Env) -> None:
     s = env.store
-    await _open(env)
-    seen: list[str | None] = []
-    off = s.on_live_change("req_a", seen.append)
+    seen, off = await _open_watched(env)
     asked: list[str] = []
 
     def never_started(live: str) -> bool:
@@ -373,9 +383,7 @@ async def test_end_attempt_with_revoke_deletes_live_and_writes_the_record(env: E
 
 async def test_end_attempt_with_expire_leaves_a_fenced_marker_until_its_ttl(env: Env) -> None:
     s = env.store
-    await _open(env)
-    seen: list[str | None] = []
-    off = s.on_live_change("req_a", seen.append)
+    seen, off = await _open_watched(env)
     await s.end_attempt("req_a", 1, "att_1", _rec(1, "att_1", released=False), expire=True)
     view = await s.get("req_a")
     assert view is not None and view.live_attempt_id == "fenced:att_1"
