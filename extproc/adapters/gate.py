@@ -13,9 +13,7 @@ import json
 import logging
 import os
 from collections.abc import Callable
-from typing import Any
 
-import grpc
 from opentelemetry.trace import Span, SpanKind
 
 from ..core import headers as H
@@ -60,7 +58,7 @@ from . import envoy_codec as codec
 from .causes import NO_GATE
 from .leases import UNDO_SETTLE_S, AttemptLease, StoreUnavailable
 from .logs import rlog
-from .session import INVALID, HandedOff, Processor, Session, log, retrying
+from .session import INVALID, HandedOff, Messages, Processor, Session, log, retrying
 from .telemetry import TRACEPARENT_HEADER, end_span
 
 # Test-only: proves the fault sweep can fail (docs/sweep.md). Logged loudly at start-up.
@@ -96,7 +94,7 @@ class GateSession(Session):
         "want_fingerprint",
     )
 
-    def __init__(self, proc: Processor, ctx: grpc.aio.ServicerContext[Any, Any]) -> None:
+    def __init__(self, proc: Processor, ctx: Messages) -> None:
         self.detach = False
         self.p = proc
         self.cfg = proc.cfg

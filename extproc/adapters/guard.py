@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import grpc
 from opentelemetry.trace import Span, SpanKind
 
 from ..core import headers as H
@@ -70,7 +69,7 @@ from ..gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from . import envoy_codec as codec
 from .leases import AttemptLease, ProcessLease, StoreUnavailable
 from .logs import rlog
-from .session import CHUNK_TIME_SAMPLE, INVALID, Processor, Session, log, retrying
+from .session import CHUNK_TIME_SAMPLE, INVALID, Messages, Processor, Session, log, retrying
 from .telemetry import TRACEPARENT_HEADER, end_span
 from .tools import ToolCallHandler
 
@@ -98,7 +97,7 @@ class GuardSession(Session):
         "watchdog_at",
     )
 
-    def __init__(self, proc: Processor, ctx: grpc.aio.ServicerContext[Any, Any]) -> None:
+    def __init__(self, proc: Processor, ctx: Messages) -> None:
         self.detach = False
         self.p = proc
         self.cfg = proc.cfg

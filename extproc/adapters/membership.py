@@ -15,7 +15,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -92,6 +92,11 @@ class EndpointDiscovery(eds_pb2_grpc.EndpointDiscoveryServiceServicer):  # type:
 
     async def StreamEndpoints(self, request_iterator: AsyncIterator[Any],
                               context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        await self.answer(request_iterator, context.write)
+
+    async def answer(self, request_iterator: AsyncIterator[Any],
+                     write: Callable[[Any], Awaitable[None]]) -> None:
+        """One EDS stream, on either gRPC stack: its requests in, our responses out."""
         wake = asyncio.Event()
         unsubscribe = self.m.subscribe(wake)
         names: tuple[str, ...] | None = None
@@ -141,7 +146,7 @@ class EndpointDiscovery(eds_pb2_grpc.EndpointDiscoveryServiceServicer):  # type:
                     resources.append(packed)
                 self._nonce += 1
                 nonce = str(self._nonce)
-                await context.write(ds.DiscoveryResponse(
+                await write(ds.DiscoveryResponse(
                     version_info=version, resources=resources, type_url=CLA_TYPE, nonce=nonce))
                 sent = (version, names)
                 log.debug("EDS answered", extra={**_NOID, "version": version,

@@ -16,9 +16,9 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
-from grpc_health.v1 import health, health_pb2
+from grpc_health.v1 import health_pb2
 
 from ..core.readiness import Readiness, Verdict
 
@@ -39,8 +39,16 @@ class AnswerSource(Protocol):
     async def healthy(self) -> bool: ...
 
 
+class HealthStatuses(Protocol):
+    """Where the statuses are served: grpc_health's aio servicer, or ours on grpclib."""
+
+    async def set(self, service: str, status: Any) -> None: ...
+
+    async def enter_graceful_shutdown(self) -> None: ...
+
+
 class HealthReporter:
-    def __init__(self, hs: health.aio.HealthServicer, source: AnswerSource, grace_s: float,
+    def __init__(self, hs: HealthStatuses, source: AnswerSource, grace_s: float,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.hs = hs
         self.source = source

@@ -1,7 +1,8 @@
 """The processor's gRPC server: role routing, Envoy's access log, and `serve`.
 
 One process serves Envoy's two ext_proc filters (the role comes from each stream's initial
-metadata) and its gRPC access-log service. `serve` is the only place that names the etcd
+metadata) and its gRPC access-log service, on grpc.aio or grpclib (`server.transport`,
+decision 0020): both stacks call the same handlers. `serve` is the only place that names the etcd
 store: everything else depends on the ports in `ports.py`.
 """
 
@@ -12,11 +13,13 @@ import contextlib
 import gc
 import os
 import signal
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
+from functools import partial
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
+from grpclib.exceptions import StreamTerminatedError
 
 from ..core import headers as H
 from ..core.config import Config
@@ -27,12 +30,44 @@ from ..gen.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_gr
 from .etcd_pool import EtcdPoolRegistry
 from .etcd_store import EtcdStore, ToolLedger
 from .gate import UNSAFE_RELEASE_WITHOUT_FENCE, GateSession
+from .grpclib_server import GrpclibServer, HealthBoard, Services
 from .guard import GuardSession
 from .membership import EndpointDiscovery, LiveMembership
 from .readiness import HealthReporter, export_gauges
-from .session import Processor, log
+from .session import Messages, Processor, log
 
-# --- gRPC services ---------------------------------------------------------------------
+# --- the handlers both gRPC stacks serve -----------------------------------------------
+
+
+async def process_stream(proc: Processor, md: Mapping[str, str], io: Messages) -> None:
+    """One ext_proc stream; the role comes from its initial metadata."""
+    role = md.get(H.ROLE_METADATA, "guard")
+    session: GuardSession | GateSession
+    session = GateSession(proc, io) if role == "gate" else GuardSession(proc, io)
+    # The metadata is only read again for trace context: do not keep it per stream.
+    session.md = dict(md) if proc.tel.tracing else {}
+    proc.open_streams += 1
+    try:
+        await session.run()
+    except (asyncio.CancelledError, StreamTerminatedError):
+        pass  # Envoy reset the stream; the session's on_closed has run
+    except Exception:
+        log.exception("processing stream failed",
+                      extra={"request_id": session.rid, "attempt_id":
+                             getattr(session, "aid", None), "role": role})
+        raise
+    finally:
+        proc.open_streams -= 1
+
+
+async def take_access_logs(proc: Processor, messages: AsyncIterator[Any]) -> None:
+    async for msg in messages:
+        if msg.WhichOneof("log_entries") == "http_logs":
+            for entry in msg.http_logs.log_entry:
+                proc.causes.offer(entry)
+
+
+# --- grpc.aio ----------------------------------------------------------------------------
 
 
 class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
@@ -41,24 +76,7 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc
 
     async def Process(self, request_iterator: AsyncIterator[ep.ProcessingRequest],
                       context: grpc.aio.ServicerContext[Any, Any]) -> None:
-        md = dict(context.invocation_metadata() or ())
-        role = md.get(H.ROLE_METADATA, "guard")
-        session: GuardSession | GateSession
-        session = GateSession(self.p, context) if role == "gate" else GuardSession(self.p, context)
-        # The metadata is only read again for trace context: do not keep it per stream.
-        session.md = md if self.p.tel.tracing else {}
-        self.p.open_streams += 1
-        try:
-            await session.run()
-        except asyncio.CancelledError:
-            pass
-        except Exception:
-            log.exception("processing stream failed",
-                          extra={"request_id": session.rid, "attempt_id":
-                                 getattr(session, "aid", None), "role": role})
-            raise
-        finally:
-            self.p.open_streams -= 1
+        await process_stream(self.p, dict(context.invocation_metadata() or ()), context)
 
 
 class AccessLog(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
@@ -69,11 +87,34 @@ class AccessLog(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
         self, request_iterator: AsyncIterator[als_pb2.StreamAccessLogsMessage],
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> als_pb2.StreamAccessLogsResponse:
-        async for msg in request_iterator:
-            if msg.WhichOneof("log_entries") == "http_logs":
-                for entry in msg.http_logs.log_entry:
-                    self.p.causes.offer(entry)
+        await take_access_logs(self.p, request_iterator)
         return als_pb2.StreamAccessLogsResponse()
+
+
+class GrpcAioServer:
+    """grpc.aio (`server.transport: grpcio`): the running server, as GrpclibServer is."""
+
+    def __init__(self, proc: Processor, eds: EndpointDiscovery | None) -> None:
+        self._server = grpc.aio.server(options=[("grpc.max_concurrent_streams", 100000),
+                                                ("grpc.so_reuseport", 0)])
+        ep_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(proc), self._server)
+        als_pb2_grpc.add_AccessLogServiceServicer_to_server(AccessLog(proc), self._server)
+        if eds is not None:
+            eds_pb2_grpc.add_EndpointDiscoveryServiceServicer_to_server(eds, self._server)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        self.address = ""
+
+    async def start(self, listen: str) -> None:
+        port = self._server.add_insecure_port(listen)
+        if port == 0 and not listen.startswith("unix:"):
+            raise OSError(f"cannot listen on {listen}")
+        await self._server.start()
+        self.address = listen if port == 0 or listen.startswith("unix:") else (
+            listen.rsplit(":", 1)[0] + f":{port}")
+
+    async def stop(self, grace_s: float, open_streams: Callable[[], int]) -> None:
+        await self._server.stop(grace=grace_s)
 
 
 async def serve(cfg: Config, ready: Callable[[str], None] | None = None) -> None:
@@ -93,21 +134,16 @@ async def serve(cfg: Config, ready: Callable[[str], None] | None = None) -> None
         registry.watch(membership.update)
     if (proc.pool.enabled or live) and cfg.pool.health_check.enabled:
         proc.spawn(proc.probe_pool(), "pool-probe")
-    server = grpc.aio.server(options=[("grpc.max_concurrent_streams", 100000),
-                                      ("grpc.so_reuseport", 0)])
-    ep_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(proc), server)
-    als_pb2_grpc.add_AccessLogServiceServicer_to_server(AccessLog(proc), server)
-    if live:
-        eds_pb2_grpc.add_EndpointDiscoveryServiceServicer_to_server(
-            EndpointDiscovery(membership), server)
-    hs = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(hs, server)
-    port = server.add_insecure_port(cfg.server.listen)
-    if port == 0 and not cfg.server.listen.startswith("unix:"):
-        raise OSError(f"cannot listen on {cfg.server.listen}")
-    await server.start()
+    eds = EndpointDiscovery(membership) if live else None
+    server: GrpcAioServer | GrpclibServer
+    if cfg.server.transport == "grpclib":
+        server = GrpclibServer(Services(partial(process_stream, proc),
+                                        partial(take_access_logs, proc), eds, HealthBoard()))
+    else:
+        server = GrpcAioServer(proc, eds)
+    await server.start(cfg.server.listen)
     # "" is readiness (etcd answered lately), "liveness" the event loop (decision 0016).
-    health_rep = HealthReporter(hs, store, cfg.server.readiness_grace_s)
+    health_rep = HealthReporter(server.health, store, cfg.server.readiness_grace_s)
     await health_rep.start()
     export_gauges(proc.tel, health_rep, lambda: proc.open_streams)
     # Everything allocated at start-up lives for the process: keep it out of every future
@@ -115,14 +151,13 @@ async def serve(cfg: Config, ready: Callable[[str], None] | None = None) -> None
     gc.collect()
     gc.freeze()
     gc.set_threshold(20_000, 50, 50)
-    listen = cfg.server.listen
-    addr = listen if port == 0 or listen.startswith("unix:") else (
-        listen.rsplit(":", 1)[0] + f":{port}")
+    addr = server.address
     if UNSAFE_RELEASE_WITHOUT_FENCE:
         log.critical("EXTPROC_UNSAFE_RELEASE_WITHOUT_FENCE=1: the first-delta fence is OFF; "
                      "this is a test-only sabotage", extra={"request_id": None,
                                                            "attempt_id": None})
     log.info("processor listening", extra={"listen": addr, "pid": os.getpid(),
+                                           "transport": cfg.server.transport,
                                            "request_id": None, "attempt_id": None})
     if ready is not None:
         ready(addr)
@@ -135,7 +170,7 @@ async def serve(cfg: Config, ready: Callable[[str], None] | None = None) -> None
     # Drain: report NOT_SERVING first so Envoy's health checks move traffic away, then let
     # open streams finish for a bounded time.
     await health_rep.drain()
-    await server.stop(grace=5.0)
+    await server.stop(5.0, lambda: proc.open_streams)
     await proc.drain()
     proc.tel.shutdown()
     if registry is not None:

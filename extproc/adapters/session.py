@@ -3,7 +3,9 @@
 `Processor` holds the services the sessions use, each behind the port the sessions declare
 (`ports.py`): the journal, the tool ledger, the cause log, the clock and the ids, plus the
 pool, its health, the retry budget and telemetry. `Session` is the read loop: messages in
-order, one at a time, answered by the role's `on_message`, cleaned up by `on_closed`.
+order, one at a time, answered by the role's `on_message`, cleaned up by `on_closed`. It
+reads and writes through `Messages`, which both gRPC stacks' streams provide
+(`server.transport`, decision 0020).
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ import logging
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
+import grpclib.exceptions
+import h2.exceptions
 from opentelemetry.trace import INVALID_SPAN_CONTEXT, NonRecordingSpan, Span
 
 from ..core.budget import RetryBudget
@@ -82,6 +86,21 @@ async def retrying(fn: Callable[[], Awaitable[Any]], what: str, rid: str | None,
 
 
 
+
+
+class Messages(Protocol):
+    """One ext_proc stream's messages: grpc.aio's servicer context, or grpclib's stream
+    behind `grpclib_server.StreamMessages`. `read` returns `grpc.aio.EOF` or None at the end."""
+
+    async def read(self) -> Any: ...
+
+    async def write(self, message: Any) -> None: ...
+
+
+# What writing to a stream Envoy already closed raises, on either stack.
+WRITE_GONE = (grpc.aio.AioRpcError, RuntimeError, asyncio.InvalidStateError,
+              grpclib.exceptions.StreamTerminatedError, grpclib.exceptions.ProtocolError,
+              h2.exceptions.ProtocolError, ConnectionError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,7 +252,7 @@ class Session:
     """
 
     __slots__ = ("cfg", "closed", "ctx", "detach", "lock", "md", "p", "rid", "span")
-    ctx: grpc.aio.ServicerContext[Any, Any]
+    ctx: Messages
     lock: asyncio.Lock
     closed: bool
     rid: str | None
@@ -249,15 +268,15 @@ class Session:
             return
         try:
             await self.ctx.write(resp)
-        except (grpc.aio.AioRpcError, RuntimeError, asyncio.InvalidStateError):
+        except WRITE_GONE:
             self.closed = True
 
     async def run(self) -> None:
-        read, lock = self.ctx.read, self.lock
+        read, lock, eof = self.ctx.read, self.lock, grpc.aio.EOF
         try:
             while not self.detach:
                 msg = await read()
-                if msg is grpc.aio.EOF:
+                if msg is eof or msg is None:
                     break
                 async with lock:
                     await self.on_message(msg)
