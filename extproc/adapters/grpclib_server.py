@@ -11,11 +11,8 @@ every handler at once). Decision 0020.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import os
 import socket
-import stat
 from collections import defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, cast
@@ -70,6 +67,8 @@ class HealthBoard:
         self._status: dict[str, Any] = {"": _SERVING}
         self._changed: defaultdict[str, asyncio.Event] = defaultdict(asyncio.Event)
         self._final = False
+        self._watches: dict[int, tuple[str, Any]] = {}  # per Watch: service, status last sent
+        self._next = 0
 
     async def set(self, service: str, status: Any) -> None:
         if self._final:
@@ -85,6 +84,12 @@ class HealthBoard:
             await self.set(service, _NOT_SERVING)
         self._final = True
 
+    def delivered(self) -> bool:
+        """Every Watch has sent its service's current status (the drain waits for it: the
+        readiness NOT_SERVING it just set must reach watchers before they are cancelled)."""
+        return all(self._status.get(svc, _UNKNOWN) == last for svc, last in
+                   self._watches.values())
+
     async def check(self, stream: Stream[Any, Any]) -> None:
         req = await stream.recv_message()
         status = self._status.get(req.service if req is not None else "")
@@ -95,14 +100,18 @@ class HealthBoard:
     async def watch(self, stream: Stream[Any, Any]) -> None:
         req = await stream.recv_message()
         service = req.service if req is not None else ""
-        last = None
-        while True:
-            changed = self._changed[service]
-            status = self._status.get(service, _UNKNOWN)
-            if status != last:
-                await stream.send_message(health_pb2.HealthCheckResponse(status=status))
-                last = status
-            await changed.wait()
+        key, self._next = self._next, self._next + 1
+        self._watches[key] = (service, None)
+        try:
+            while True:
+                changed = self._changed[service]
+                status = self._status.get(service, _UNKNOWN)
+                if status != self._watches[key][1]:
+                    await stream.send_message(health_pb2.HealthCheckResponse(status=status))
+                    self._watches[key] = (service, status)
+                await changed.wait()
+        finally:
+            del self._watches[key]
 
 
 class _Protocol(H2Protocol):
@@ -189,12 +198,8 @@ class GrpclibServer:
 
     async def start(self, listen: str) -> None:
         if listen.startswith("unix:"):
-            path = _unix_path(listen)
-            # A socket file left by a process that died would refuse the bind.
-            with contextlib.suppress(FileNotFoundError):
-                if stat.S_ISSOCK(os.stat(path).st_mode):
-                    os.unlink(path)
-            await self._server.start(path=path)
+            # asyncio removes a socket file a dead process left behind (and only a socket).
+            await self._server.start(path=_unix_path(listen))
             self.address = listen
             return
         host, _, port = listen.rpartition(":")
@@ -206,14 +211,14 @@ class GrpclibServer:
         self.address = listen if int(port) else listen.rsplit(":", 1)[0] + f":{bound}"
 
     async def stop(self, grace_s: float, open_streams: Callable[[], int]) -> None:
-        """Stop accepting connections, let open streams end for `grace_s`, then cancel.
-        Streams Envoy opens meanwhile on its connection are served (readiness is already
-        NOT_SERVING, so a pool moves traffic away)."""
+        """Stop accepting connections, let open streams end (and health watchers hear the
+        drain) for `grace_s`, then cancel. Streams Envoy opens meanwhile on its connection
+        are served (readiness is already NOT_SERVING, so a pool moves traffic away)."""
         listener = self._server._server
         if listener is not None:
             listener.close()
         for _ in range(max(1, int(grace_s / 0.05))):  # polled: the count lives in Processor
-            if open_streams() == 0:
+            if open_streams() == 0 and self.health.delivered():
                 break
             await asyncio.sleep(0.05)
         self._server.close()

@@ -1,4 +1,5 @@
-"""The EDS service, played as Envoy plays it: a real grpc.aio server, a real client stream.
+"""The EDS service, played as Envoy plays it: a real server (grpc.aio or grpclib), a real
+client stream.
 
 State of the world: an answer when Envoy subscribes, one per membership change, none for
 an ACK; nothing before the processor's first listing of the registrations.
@@ -14,6 +15,7 @@ from typing import Any
 import grpc
 import pytest
 
+from extproc.adapters.grpclib_server import GrpclibServer, HealthBoard, Services
 from extproc.adapters.membership import CLA_TYPE, EndpointDiscovery, LiveMembership
 from extproc.core.pool import Pool
 from extproc.gen.envoy.config.endpoint.v3 import endpoint_pb2
@@ -69,20 +71,37 @@ def _hosts(resp: ds.DiscoveryResponse) -> list[str]:
     return out
 
 
-@pytest.fixture
-async def eds() -> AsyncIterator[tuple[LiveMembership, Any, list[Pool]]]:
+async def _nothing(*args: Any) -> None:
+    return None
+
+
+@pytest.fixture(params=["grpcio", "grpclib"])
+async def eds(request: pytest.FixtureRequest
+              ) -> AsyncIterator[tuple[LiveMembership, Any, list[Pool]]]:
+    """The EDS service on either gRPC stack (server.transport), asked by a grpc.aio client."""
     pools: list[Pool] = []
     m = LiveMembership(on_pool=pools.append)
-    server = grpc.aio.server()
-    eds_pb2_grpc.add_EndpointDiscoveryServiceServicer_to_server(EndpointDiscovery(m), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    ch = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    server: Any
+    if request.param == "grpclib":
+        server = GrpclibServer(Services(_nothing, _nothing, EndpointDiscovery(m),
+                                        HealthBoard()))
+        await server.start("127.0.0.1:0")
+        target = server.address
+    else:
+        server = grpc.aio.server()
+        eds_pb2_grpc.add_EndpointDiscoveryServiceServicer_to_server(EndpointDiscovery(m),
+                                                                    server)
+        target = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+        await server.start()
+    ch = grpc.aio.insecure_channel(target)
     try:
         yield m, eds_pb2_grpc.EndpointDiscoveryServiceStub(ch), pools
     finally:
         await ch.close()
-        await server.stop(None)
+        if request.param == "grpclib":
+            await server.stop(0.0, lambda: 0)
+        else:
+            await server.stop(None)
 
 
 async def test_subscribe_ack_change_and_nothing_before_the_first_listing(

@@ -95,7 +95,11 @@ def background_load(gw: Gateway, n: int) -> tuple[threading.Thread, list[Any]]:
 
 def test_envoy_and_the_guard_serve_exactly_what_registered(lgw: Gateway) -> None:
     st = lgw.stack
-    assert registered(st) == set(st.replica_ports)
+    # Every agent registers once its replica passes its health checks (on a busy machine
+    # one can lag the fixture's wait), and Envoy then serves exactly those, all healthy.
+    wait_until(lambda: registered(st) == set(st.replica_ports), 20, "both registered")
+    wait_until(lambda: envoy_hosts(st) == {p: "healthy" for p in st.replica_ports}, 20,
+               "Envoy serving both")
     ref = reference(lgw)
     seen = set()
     for _ in range(16):
