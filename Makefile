@@ -13,7 +13,7 @@ include sweep.mk
 include image.mk
 
 .PHONY: help install run test lint typecheck unit e2e bench bench-quick bench-pool profile \
-	bench-floors bench-cells envoy-config mesh-config clean
+	bench-floors bench-cells bench-transports envoy-config mesh-config clean
 
 help:
 	@echo "make run        etcd + processor + Envoy (:10000) + demo replicas on loopback"
@@ -21,6 +21,7 @@ help:
 	@echo "make bench      plain Envoy vs Envoy + processor vs the floor, ratios (docs/benchmarks.md)"
 	@echo "make bench-pool pool availability, one replica of three dead / frozen, plain vs ours"
 	@echo "make bench-floors  message-path floors side by side: grpc.aio, tuned, grpclib (docs/benchmarks.md)"
+	@echo "make bench-transports  the real processor on grpc.aio and on grpclib vs plain Envoy"
 	@echo "make bench-cells   saturation with 1 and 2 cells (an Envoy and a processor each), ours and plain"
 	@echo "make profile    where the processor's time goes under load (py-spy)"
 	@echo "make sweep      the full fault sweep (docs/sweep.md)"
@@ -73,6 +74,10 @@ bench-floors: install
 ## Cells (decision 0019): saturation with 1 and 2 cells (Envoy + processor each), ours and plain.
 bench-cells: install
 	$(PY) -m bench.cells
+
+## The processor on grpc.aio and on grpclib (server.transport, decision 0020) vs plain Envoy.
+bench-transports: install
+	$(PY) -m bench.transports --streams 5000
 
 ## Pool availability alone: plain Envoy vs ours with one replica of three dead, then frozen.
 bench-pool: install

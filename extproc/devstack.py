@@ -332,6 +332,16 @@ class Stack:
         if not p.alive():
             raise RuntimeError(f"processor exited: see {p.log_path}")
 
+    def restart_processor(self) -> None:
+        """Cell 1's processor again, same config and address (stopped first if running)."""
+        p = self.procs["processor"]
+        p.stop()
+        p.start()
+        host, _, port = self.processor_addr.rpartition(":")
+        wait_until(lambda: _tcp_open(host, int(port)) or not p.alive(), 20, "processor port")
+        if not p.alive():
+            raise RuntimeError(f"processor exited: see {p.log_path}")
+
     def processor_argv(self, config_path: Path) -> list[str]:
         """The processor's command line (the benchmark's floor side runs another one)."""
         return [sys.executable, "-m", "extproc", "serve", "--config", str(config_path)]

@@ -50,7 +50,9 @@ async def process_stream(proc: Processor, md: Mapping[str, str], io: Messages) -
     try:
         await session.run()
     except (asyncio.CancelledError, StreamTerminatedError):
-        pass  # Envoy reset the stream; the session's on_closed has run
+        # Envoy reset the stream (it ends every side stream so); on_closed has run. The
+        # stack that cancelled the handler expects to see it cancelled.
+        raise
     except Exception:
         log.exception("processing stream failed",
                       extra={"request_id": session.rid, "attempt_id":
@@ -76,7 +78,8 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc
 
     async def Process(self, request_iterator: AsyncIterator[ep.ProcessingRequest],
                       context: grpc.aio.ServicerContext[Any, Any]) -> None:
-        await process_stream(self.p, dict(context.invocation_metadata() or ()), context)
+        with contextlib.suppress(asyncio.CancelledError):  # grpc.aio: quietly, as before
+            await process_stream(self.p, dict(context.invocation_metadata() or ()), context)
 
 
 class AccessLog(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]

@@ -72,6 +72,8 @@ proc_config = obj({
         "log_level": enum("DEBUG", "INFO", "WARNING", "ERROR"),
         "readiness_grace_s": num(0.5, 600.0, "readiness goes NOT_SERVING when etcd has not "
                                  "answered for longer than this"),
+        "transport": enum("grpcio", "grpclib",
+                          desc="the gRPC stack serving Envoy (decision 0020)"),
     }),
     "etcd": obj({
         "timeout_s": num(0.05, 30.0, "deadline of every etcd call"),

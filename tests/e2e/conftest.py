@@ -40,6 +40,18 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         st.stop()
 
 
+@pytest.fixture(scope="session")
+def stack_grpclib(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """The same stack with the processor on grpclib (server.transport, decision 0020)."""
+    wd: Path = tmp_path_factory.mktemp("stack-grpclib")
+    cfg = {**E2E_CONFIG, "server": {"transport": "grpclib"}}
+    st = Stack(workdir=wd, config=cfg, replicas=2).start()
+    try:
+        yield st
+    finally:
+        st.stop()
+
+
 @pytest.fixture
 def gw(stack: Stack) -> Iterator[Gateway]:
     stack.wait_replicas_healthy()

@@ -7,13 +7,27 @@ each replica logged, and the journal record. Never just HTTP codes.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
 import openai
 import pytest
 
+from extproc.devstack import Stack
+
 from .conftest import Gateway, Result
 
 pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(params=["grpcio", "grpclib"])
+def gw(request: pytest.FixtureRequest) -> Iterator[Gateway]:
+    """These rules on both gRPC stacks the processor can serve on (decision 0020)."""
+    st: Stack = request.getfixturevalue("stack" if request.param == "grpcio"
+                                        else "stack_grpclib")
+    st.wait_replicas_healthy()
+    g = Gateway(st)
+    yield g
+    g.client.close()
 
 MAX = 8
 
