@@ -2,6 +2,7 @@
 
     .venv/bin/python -m bench.profile                 # paced (16 streams @ 4 ms) + saturation
     .venv/bin/python -m bench.profile --load paced --seconds 8
+    .venv/bin/python -m bench.profile --load ttfd      # sequential requests: per-request work
 
 Starts the same stack as `bench.run` ("ours"), drives one load, records the processor with
 `py-spy record --format raw` (collapsed stacks, native frames off, GIL-holding samples only)
@@ -22,7 +23,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.run import RESULTS, Params, latency, run_loop, saturation, start_stack
+from bench.run import RESULTS, Params, latency, run_loop, saturation, start_stack, ttfd
 
 BUCKETS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # Self time in these frames is grpc.aio's Cython (no Python frames below them).
@@ -80,7 +81,8 @@ def summarize(raw: Path, top: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.profile", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--load", choices=("paced", "saturation", "both"), default="both")
+    ap.add_argument("--load", choices=("paced", "saturation", "ttfd", "both"),
+                    default="both")
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument("--top", type=int, default=25)
     a = ap.parse_args(argv)
@@ -89,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     secs = max(2.0, min(a.seconds, 60.0))
     for load in loads:
         p = Params(repeats=1, sat_warmup_s=1.0, sat_duration_s=secs, lat_warmup_s=1.0,
-                   lat_duration_s=secs)
+                   lat_duration_s=secs, ttfd_requests=100_000, ttfd_max_s=secs)
         work = RESULTS / f"profile-{load}"
         shutil.rmtree(work, ignore_errors=True)
         stack = start_stack("ts" if load == "paced" else "demo", "ours", work)
@@ -105,6 +107,10 @@ def main(argv: list[str] | None = None) -> int:
                 r = run_loop(latency(stack, p, 4.0))
                 figure = (f"achieved {r['achieved_chunks_per_s']:.0f} chunks/s, "
                           f"p50 {r['p50_ms']:.3f} ms p99 {r['p99_ms']:.3f} ms")
+            elif load == "ttfd":
+                r = run_loop(ttfd(stack, p))
+                figure = (f"{r['samples']} sequential requests, TTFD p50 {r['p50_ms']:.3f} ms "
+                          f"p99 {r['p99_ms']:.3f} ms")
             else:
                 r = run_loop(saturation(stack, p))
                 figure = f"{r['chunks_per_s']:.0f} chunks/s"
