@@ -50,13 +50,14 @@ class Pod:
     scripts: Path
     procs: dict[str, Proc]
     bootstrap: dict[str, Any]
+    values: str | None  # the ci values file rendered (None: the defaults)
 
 
 def _init_command(sock: str, port: int, admin: int, ops: int, replica: int, cfg: Path,
-                  out: Path) -> list[str]:
+                  out: Path, values: str | None = None) -> list[str]:
     """The envoy-bootstrap init container's command, its pod-only values moved to loopback."""
-    v = _values(None)
-    init = _container(None, "envoy-bootstrap")
+    v = _values(values)
+    init = _container(values, "envoy-bootstrap")
     cmd = list(init["command"])
     assert cmd[:2] == ["extproc", "render-envoy"]
     pairs = list(zip(cmd[2::2], cmd[3::2], strict=True))
@@ -77,9 +78,14 @@ def _init_command(sock: str, port: int, admin: int, ops: int, replica: int, cfg:
     return [sys.executable, "-m", "extproc", "render-envoy", *args]
 
 
-@pytest.fixture
-def pod(tmp_path: Path) -> Iterator[Pod]:
-    proc_cm = _doc(None, "ConfigMap", "-processor")["data"]
+# The default values, and the processor on grpclib (decision 0020): the same pod otherwise.
+POD_VALUES = [None, "grpclib-transport-values.yaml"]
+
+
+@pytest.fixture(params=POD_VALUES)
+def pod(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Pod]:
+    values: str | None = request.param
+    proc_cm = _doc(values, "ConfigMap", "-processor")["data"]
     short = Path(tempfile.mkdtemp(prefix="pod", dir="/tmp"))  # the socket emptyDir
     sock = str(short / "extproc.sock")
     scripts = tmp_path / "scripts"
@@ -106,12 +112,14 @@ def pod(tmp_path: Path) -> Iterator[Pod]:
         (tmp_path / "configmap-extproc.yaml").write_text(proc_cm["extproc.yaml"])
         boot_path = tmp_path / "envoy.yaml"
         r = subprocess.run(_init_command(sock, port, admin, ops, rport,
-                                         tmp_path / "configmap-extproc.yaml", boot_path),
+                                         tmp_path / "configmap-extproc.yaml", boot_path,
+                                         values),
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 0, r.stderr
         bootstrap = yaml.safe_load(boot_path.read_text())
 
         cfg = yaml.safe_load(proc_cm["extproc.yaml"])
+        assert cfg["server"]["transport"] == ("grpclib" if values else "grpcio")
         assert cfg["server"]["listen"] == "unix:" + SOCKET
         assert cfg["server"]["metrics_listen"] == "0.0.0.0:9464"
         cfg["server"]["listen"] = "unix:" + sock
@@ -140,7 +148,7 @@ def pod(tmp_path: Path) -> Iterator[Pod]:
         procs["envoy"] = envoy
         # The kubelet's readiness probe: /ready on the ops port.
         wait_until(lambda: _http_ok(f"http://127.0.0.1:{ops}/ready"), 20, "envoy ops /ready")
-        yield Pod(tmp_path, sock, port, admin, ops, metrics, scripts, procs, bootstrap)
+        yield Pod(tmp_path, sock, port, admin, ops, metrics, scripts, procs, bootstrap, values)
     finally:
         for name in ("envoy", "r1", "processor", "etcd"):
             if name in procs:
@@ -174,7 +182,7 @@ def _chat(port: int, delay_ms: int = 0, max_tokens: int = 6) -> tuple[int, dict[
 def test_the_rendered_pod_serves_probes_and_drains(pod: Pod) -> None:
     # The exec probes, from the ConfigMap, against the real processor: readiness (""),
     # and startup/liveness ("liveness"), exactly as the Deployment runs them.
-    proc = _container(None, "processor")
+    proc = _container(pod.values, "processor")
     for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
         cmd = proc[probe]["exec"]["command"]
         assert cmd[1] == "/opt/extproc/scripts/health_probe.py"
