@@ -142,7 +142,8 @@ class _Gauges(Protocol):
 
 
 def export_gauges(tel: _Gauges, reporter: HealthReporter,
-                  open_streams: Callable[[], int]) -> None:
+                  open_streams: Callable[[], int],
+                  loop_lag: Callable[[], float | None] | None = None) -> None:
     """The processor's state as gauges (OTLP and /metrics alike; read at each collection)."""
     tel.observe("llmgw.ready", "1 while readiness is SERVING (etcd answering), else 0", "1",
                 lambda: 1.0 if reporter.ready else 0.0)
@@ -150,3 +151,6 @@ def export_gauges(tel: _Gauges, reporter: HealthReporter,
                 "of this process (absent until it first has)", "s", reporter.last_answer_age)
     tel.observe("llmgw.open_streams", "ext_proc streams open now (gates and guards)", "1",
                 lambda: float(open_streams()))
+    if loop_lag is not None:
+        tel.observe("llmgw.event_loop.lag", "the longest the event loop ran late over the "
+                    "last 10 s (its saturation: every chunk waits behind it)", "s", loop_lag)

@@ -32,6 +32,7 @@ from .etcd_store import EtcdStore, ToolLedger
 from .gate import UNSAFE_RELEASE_WITHOUT_FENCE, GateSession
 from .grpclib_server import GrpclibServer, HealthBoard, Services
 from .guard import GuardSession
+from .loop_lag import LoopLag
 from .membership import EndpointDiscovery, LiveMembership
 from .readiness import HealthReporter, export_gauges
 from .session import Messages, Processor, log
@@ -148,7 +149,9 @@ async def serve(cfg: Config, ready: Callable[[str], None] | None = None) -> None
     # "" is readiness (etcd answered lately), "liveness" the event loop (decision 0016).
     health_rep = HealthReporter(server.health, store, cfg.server.readiness_grace_s)
     await health_rep.start()
-    export_gauges(proc.tel, health_rep, lambda: proc.open_streams)
+    lag = LoopLag()
+    lag.start()
+    export_gauges(proc.tel, health_rep, lambda: proc.open_streams, lag.worst)
     # Everything allocated at start-up lives for the process: keep it out of every future
     # collection, and collect young objects less often (fewer pauses in the chunk path).
     gc.collect()
@@ -179,4 +182,5 @@ async def serve(cfg: Config, ready: Callable[[str], None] | None = None) -> None
     if registry is not None:
         await registry.close()
     await store.close()
+    await lag.stop()
     await health_rep.stop()

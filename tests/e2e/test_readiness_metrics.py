@@ -310,6 +310,9 @@ def test_metrics_count_requests_through_envoy(mstack: Stack) -> None:
     assert delta("llmgw_retry_budget_utilization_count") >= 1  # at the retry decision
     assert after["llmgw_ready"] == 1
     assert 0 <= after["llmgw_etcd_last_answer_age_seconds"] < 5.0
+    # The event loop's lag: sampled four times a second, the worst of the last 10 s; on
+    # this light load well under the 1 s a chunk would notice.
+    assert 0 <= after["llmgw_event_loop_lag_seconds"] < 1.0
     assert after["process_resident_memory_bytes"] > 0
 
 
