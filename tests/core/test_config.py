@@ -159,6 +159,8 @@ BAD: list[tuple[str, Any, str]] = [
     ("idempotency.required", "yes", "idempotency.required"),
     ("tenancy.header", "", "tenancy.header"),
     ("server.log_level", "TRACE", "server.log_level"),
+    ("server.transport", "grpc", "server.transport"),
+    ("server.transport", "", "server.transport"),
     ("server.listen", "", "server.listen"),
     ("server.port", 50051, "server.port"),
     ("bogus", 1, "bogus"),
@@ -172,6 +174,13 @@ def test_an_invalid_value_names_its_dotted_path(path: str, value: Any, named: st
         load_config(with_value(path, value))
     assert exc.value.path == named
     assert str(exc.value).startswith(named + ": ")
+
+
+def test_the_transport_defaults_to_grpcio_and_takes_grpclib_from_file_or_env() -> None:
+    assert load_config({}).server.transport == "grpcio"
+    assert load_config({"server": {"transport": "grpclib"}}).server.transport == "grpclib"
+    raw = apply_env_overrides({}, {"EXTPROC_SERVER__TRANSPORT": "grpclib"})
+    assert load_config(raw).server.transport == "grpclib"
 
 
 @pytest.mark.parametrize("section", ["server", "etcd", "policy"])
