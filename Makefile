@@ -13,7 +13,7 @@ include sweep.mk
 include image.mk
 
 .PHONY: help install run test lint typecheck unit e2e bench bench-quick bench-pool profile \
-	bench-floors bench-cells bench-transports envoy-config mesh-config clean
+	bench-floors bench-cells bench-transports bench-timeline envoy-config mesh-config clean
 
 help:
 	@echo "make run        etcd + processor + Envoy (:10000) + demo replicas on loopback"
@@ -22,6 +22,7 @@ help:
 	@echo "make bench-pool pool availability, one replica of three dead / frozen, plain vs ours"
 	@echo "make bench-floors  message-path floors side by side: grpc.aio, tuned, grpclib (docs/benchmarks.md)"
 	@echo "make bench-transports  the real processor on grpc.aio and on grpclib vs plain Envoy"
+	@echo "make bench-timeline  where a request's time to first delta goes, step by step"
 	@echo "make bench-cells   saturation with 1 and 2 cells (an Envoy and a processor each), ours and plain"
 	@echo "make profile    where the processor's time goes under load (py-spy)"
 	@echo "make sweep      the full fault sweep (docs/sweep.md)"
@@ -74,6 +75,10 @@ bench-floors: install
 ## Cells (decision 0019): saturation with 1 and 2 cells (Envoy + processor each), ours and plain.
 bench-cells: install
 	$(PY) -m bench.cells
+
+## Where a request's time to first delta goes, step by step (decision 0021).
+bench-timeline: install
+	$(PY) -m bench.timeline
 
 ## The processor on grpc.aio and on grpclib (server.transport, decision 0020) vs plain Envoy.
 bench-transports: install

@@ -80,6 +80,7 @@ class GateSession(Session):
         "failed_on_purpose",
         "first_admitted",
         "http_status",
+        "intake_refused",
         "lease",
         "m",
         "model_revision",
@@ -126,6 +127,7 @@ class GateSession(Session):
         self.parent_tp: str | None = None
         self.accepted_at: float | None = None  # wall clock, from the guard
         self.admitted: Admitted | None = None
+        self.intake_refused = False  # attempt 1's request was never recorded
 
     async def on_closed(self) -> None:
         for timer in (self._soft_timer, self._hard_timer):
@@ -303,7 +305,7 @@ class GateSession(Session):
             if attempt > 1:
                 tel.retries.add(1, {"decision": "admitted"})
         else:
-            if self.preadmitted is not None:
+            if self.preadmitted is not None and not self.intake_refused:
                 # The guard admitted it with the request: give `live` back.
                 aid, store = self.aid or "", self.p.journal
                 code = str(res.error.code) if res.error else "unknown"
@@ -321,6 +323,14 @@ class GateSession(Session):
     async def _admit(self, attempt: int) -> AdmitDecided:
         rid = self.rid or ""
         aid = self.aid or ""
+        opening = self.p.intakes.take(rid) if self.preadmitted is not None else None
+        if opening is not None:
+            # The guard let the body go on while its intake commits (decision 0021):
+            # nothing goes upstream before the request and attempt 1 are recorded.
+            err = await asyncio.shield(opening)
+            if err is not None:
+                self.intake_refused = True
+                return self._refused(err)
         cfg, pool = self.cfg, self.p.pool
         t = cfg.timeouts
         elapsed = (max(0.0, self.p.clock.wall() - self.accepted_at) if self.accepted_at is not None

@@ -33,6 +33,7 @@ from ..core.intake import (
     Generation,
     PassThrough,
     Rejected,
+    RequestMeta,
     StatusLookup,
     classify_request,
     parse_body,
@@ -288,24 +289,52 @@ class GuardSession(Session):
         # in a header we set): one etcd round trip fewer before the first byte.
         self.aid1 = aid1 = self.p.ids.attempt_id()
         first = records.first_attempt(aid1, self.cfg.server.gateway_id, self.p.clock.wall())
+        opening = self.p.spawn(self.open_record(rid, record, (aid1, first), meta.request_digest,
+                                                gen.idempotency_key), f"guard-intake-{rid}")
+        if gen.idempotency_key is not None:
+            # A keyed request may be a repeat: its answer is ours to give, before routing.
+            err = await asyncio.shield(opening)
+            if err is None:
+                self.start_span(meta, route)
+                await self.opened(meta, route)
+                await self.write(self.body_answer(meta, route, record, aid1))
+                return
+        else:
+            # A fresh id cannot be a repeat: the body goes on while the intake commits, and
+            # the gate waits for the commit before attempt 1 goes upstream (decision 0021).
+            self.p.intakes.put(rid, opening)
+            self.start_span(meta, route)
+            await self.write(self.body_answer(meta, route, record, aid1))
+            err = await asyncio.shield(opening)
+            if err is None:
+                await self.opened(meta, route)
+                return
+            # The gate gives the client this error; nothing ran.
+            end_span(self.span, str(err.code))
+            self.span = INVALID
+        await self.feed(RequestOpened(False))
+        if gen.idempotency_key is not None:
+            await self.write(codec.immediate(err, {H.REQUEST_ID: rid}))
+
+    async def open_record(self, rid: str, record: dict[str, Any],
+                          first: tuple[str, dict[str, Any]], digest: str,
+                          key: str | None) -> GatewayError | None:
+        """The intake transaction: None when the request is new, else what to answer."""
         try:
             existing = await self.p.settled(await self.p.journal.open_request(
-                rid, record, (aid1, first)))
+                rid, record, first))
         except StoreUnavailable as e:
-            await self.feed(RequestOpened(False))
-            await self.write(codec.immediate(self._journal_down(rid, e), {H.REQUEST_ID: rid}))
-            return
-        if existing is not None:
-            err = repeat_answer(existing, meta.request_digest, gen.idempotency_key)
-            rlog(log, logging.INFO, "repeat of a known request", rid, None,
-                 code=str(err.code), outcome=existing.outcome_value)
-            await self.feed(RequestOpened(False))
-            await self.write(codec.immediate(err, {H.REQUEST_ID: rid}))
-            return
-        await self.feed(RequestOpened(True))
-        self.p.budget.note_request(self.p.clock.monotonic())
-        rlog(log, logging.INFO, "request accepted", rid, None, stream=meta.stream,
-             model=meta.model, fingerprint=route[0] if route else None)
+            return self._journal_down(rid, e)
+        if existing is None:
+            return None
+        err = repeat_answer(existing, digest, key)
+        rlog(log, logging.INFO, "repeat of a known request", rid, None,
+             code=str(err.code), outcome=existing.outcome_value)
+        return err
+
+    def start_span(self, meta: RequestMeta, route: tuple[str, list[str]] | None) -> None:
+        gen, rid = self.gen, self.rid or ""
+        assert gen is not None
         self.span = self.p.tel.start("llm.request", self.p.tel.parent_from(self.md),
                                      SpanKind.SERVER, {
             "llmgw.request_id": rid, "gen_ai.request.model": meta.model,
@@ -313,7 +342,17 @@ class GuardSession(Session):
             "http.request.method": "POST", "url.path": gen.path,
             "llmgw.stream": meta.stream, "llmgw.fingerprint": route[0] if route else None,
             "llmgw.gateway_id": self.cfg.server.gateway_id})
+
+    async def opened(self, meta: RequestMeta, route: tuple[str, list[str]] | None) -> None:
+        """The intake committed: the request is ours."""
+        await self.feed(RequestOpened(True))
+        self.p.budget.note_request(self.p.clock.monotonic())
+        rlog(log, logging.INFO, "request accepted", self.rid, None, stream=meta.stream,
+             model=meta.model, fingerprint=route[0] if route else None)
         self.span.add_event("request.accepted")
+
+    def body_answer(self, meta: RequestMeta, route: tuple[str, list[str]] | None,
+                    record: dict[str, Any], aid1: str) -> ep.ProcessingResponse:
         set_headers = {H.PROMPT_TOKENS: str(meta.estimated_prompt_tokens), H.PREADMITTED: aid1,
                        H.ACCEPTED_AT: f"{record['created_at']:.6f}"}
         tp = self.p.tel.traceparent(self.span)
@@ -328,7 +367,7 @@ class GuardSession(Session):
         if meta.upstream_body is not None:
             # Envoy rejects a buffered body mutation whose content-length does not match.
             set_headers["content-length"] = str(len(meta.upstream_body))
-        await self.write(codec.continue_request_body_with(set_headers, lb, meta.upstream_body))
+        return codec.continue_request_body_with(set_headers, lb, meta.upstream_body)
 
     def take_over(self, handoff: str | None) -> None:
         """The gate released its attempt to us: own its end, its record and its fence."""

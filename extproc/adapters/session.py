@@ -25,6 +25,7 @@ from opentelemetry.trace import INVALID_SPAN_CONTEXT, NonRecordingSpan, Span
 
 from ..core.budget import RetryBudget
 from ..core.config import Config
+from ..core.errors import GatewayError
 from ..core.health import HealthPolicy, HostHealth
 from ..core.journal import (
     JournalView,
@@ -129,6 +130,24 @@ class HandOffs:
         return self._items.pop(attempt_id, None)
 
 
+class Intakes:
+    """Request id -> its intake transaction in flight, which the gate of attempt 1 waits
+    for before the attempt goes upstream (decision 0021). Bounded: the gate of a request
+    whose client left before routing never comes to take it."""
+
+    def __init__(self, keep: int = 10000) -> None:
+        self._items: OrderedDict[str, asyncio.Future[GatewayError | None]] = OrderedDict()
+        self._keep = keep
+
+    def put(self, rid: str, opening: asyncio.Future[GatewayError | None]) -> None:
+        self._items[rid] = opening
+        while len(self._items) > self._keep:
+            self._items.popitem(last=False)
+
+    def take(self, rid: str) -> asyncio.Future[GatewayError | None] | None:
+        return self._items.pop(rid, None)
+
+
 class Processor:
     """Shared services of one processor process, each behind the port the sessions use."""
 
@@ -156,6 +175,7 @@ class Processor:
         self._tasks: set[asyncio.Task[Any]] = set()
         self.open_streams = 0
         self.handoffs = HandOffs()
+        self.intakes = Intakes()
 
     def set_pool(self, pool: Pool) -> None:
         """A live pool's new membership (adapters.membership); sessions read it per request."""

@@ -174,6 +174,79 @@ async def test_guard_fails_closed_when_the_journal_is_down() -> None:
     await asyncio.wait_for(task, 3)
 
 
+FRESH = {k: v for k, v in DOWN.items() if k != "idempotency-key"}
+
+
+def held_intake(store: MemoryStore) -> asyncio.Event:
+    """Make the store's intake transaction wait until the returned event is set."""
+    release, real = asyncio.Event(), store.open_request
+
+    async def slow(*args: Any, **kw: Any) -> Any:
+        await release.wait()
+        return await real(*args, **kw)
+    store.open_request = slow  # type: ignore[method-assign]
+    return release
+
+
+async def test_a_fresh_request_goes_on_while_its_intake_commits_and_its_gate_waits() -> None:
+    p, store = proc()
+    release = held_intake(store)
+    guard, _, gtask = start(GuardSession, p)
+    guard.send(req_headers(FRESH))
+    rid = set_headers((await guard.wait_for(1))[0], "request_headers")[H.REQUEST_ID]
+    guard.send(req_body(CHAT))
+    # The body goes on at once, with attempt 1's id, before anything is recorded.
+    sent = set_headers((await guard.wait_for(2))[1], "request_body")
+    assert sent[H.PREADMITTED] == "att_test_1"
+    assert await store.get(rid) is None
+    gate, _, _ = start(GateSession, p)
+    gate.send(req_headers({H.REQUEST_ID: rid, H.ENVOY_ATTEMPT_COUNT: "1",
+                           H.ACCEPTED_AT: sent[H.ACCEPTED_AT], H.PREADMITTED: "att_test_1"},
+                          attrs={"upstream.address": REPLICA}))
+    await asyncio.sleep(0.05)
+    assert gate.out == [] and rid not in p.reached  # attempt 1 waits for the record
+    release.set()
+    (r,) = await gate.wait_for(1)
+    assert set_headers(r, "request_headers") == {H.ATTEMPT_ID: "att_test_1"}
+    view = await store.get(rid)
+    assert view is not None and view.live_attempt_id == "att_test_1" and rid in p.reached
+    gate.close()
+    guard.close()
+    await asyncio.wait_for(gtask, 3)
+
+
+async def test_a_fresh_request_whose_intake_fails_is_refused_by_its_gate() -> None:
+    p, store = proc()
+    release = held_intake(store)
+    guard, gs, gtask = start(GuardSession, p)
+    guard.send(req_headers(FRESH))
+    rid = set_headers((await guard.wait_for(1))[0], "request_headers")[H.REQUEST_ID]
+    guard.send(req_body(CHAT))
+    await guard.wait_for(2)
+    gate, _, _ = start(GateSession, p)
+    gate.send(req_headers({H.REQUEST_ID: rid, H.ENVOY_ATTEMPT_COUNT: "1",
+                           H.ACCEPTED_AT: f"{p.clock.wall():.6f}", H.PREADMITTED: "att_test_1"},
+                          attrs={"upstream.address": REPLICA}))
+    store.unavailable = True
+    release.set()
+    status, body = immediate((await gate.wait_for(1))[0])
+    assert status == 503 and body["error"]["code"] == "journal_unavailable"
+    assert body["error"]["request_id"] == rid and body["error"]["retryable"] is True
+    assert rid not in p.reached  # it never went upstream
+    assert gs.m is not None and not gs.m.accepted
+    # The refusal passes the guard untouched: it is not a response of ours to count.
+    guard.send(resp_headers({":status": "503", "content-type": "application/json"}))
+    r = (await guard.wait_for(3))[2]
+    assert r.WhichOneof("response") == "response_headers"
+    assert set_headers(r, "response_headers") == {}
+    store.unavailable = False
+    await p.drain()
+    assert await store.get(rid) is None  # nothing recorded, nothing to give back
+    gate.close()
+    guard.close()
+    await asyncio.wait_for(gtask, 3)
+
+
 async def test_guard_status_lookup_of_an_unknown_id_is_404() -> None:
     p, _ = proc()
     ctx, _, task = start(GuardSession, p)
