@@ -326,6 +326,8 @@ class GuardSession(Session):
         except StoreUnavailable as e:
             return self._journal_down(rid, e)
         if existing is None:
+            # Recorded: a gate that comes from now on need not wait (nor find it here).
+            self.p.intakes.take(rid)
             return None
         err = repeat_answer(existing, digest, key)
         rlog(log, logging.INFO, "repeat of a known request", rid, None,

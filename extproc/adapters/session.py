@@ -132,8 +132,9 @@ class HandOffs:
 
 class Intakes:
     """Request id -> its intake transaction in flight, which the gate of attempt 1 waits
-    for before the attempt goes upstream (decision 0021). Bounded: the gate of a request
-    whose client left before routing never comes to take it."""
+    for before the attempt goes upstream (decision 0021). A committed intake leaves at
+    once; a failed one stays for its gate to refuse the attempt. Bounded: the gate of a
+    request whose client left before routing never comes to take it."""
 
     def __init__(self, keep: int = 10000) -> None:
         self._items: OrderedDict[str, asyncio.Future[GatewayError | None]] = OrderedDict()

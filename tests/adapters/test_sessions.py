@@ -210,6 +210,7 @@ async def test_a_fresh_request_goes_on_while_its_intake_commits_and_its_gate_wai
     assert set_headers(r, "request_headers") == {H.ATTEMPT_ID: "att_test_1"}
     view = await store.get(rid)
     assert view is not None and view.live_attempt_id == "att_test_1" and rid in p.reached
+    assert p.intakes.take(rid) is None  # a committed intake is not kept
     gate.close()
     guard.close()
     await asyncio.wait_for(gtask, 3)
@@ -242,6 +243,7 @@ async def test_a_fresh_request_whose_intake_fails_is_refused_by_its_gate() -> No
     store.unavailable = False
     await p.drain()
     assert await store.get(rid) is None  # nothing recorded, nothing to give back
+    assert p.intakes.take(rid) is None  # its gate took it
     gate.close()
     guard.close()
     await asyncio.wait_for(gtask, 3)
