@@ -118,9 +118,12 @@ def parse_events(raw: bytes) -> list[dict[str, Any] | str]:
 
 
 class Gateway:
-    def __init__(self, stack: Stack, headers: dict[str, str] | None = None) -> None:
+    def __init__(self, stack: Stack, headers: dict[str, str] | None = None,
+                 keyed: bool = True) -> None:
         self.stack = stack
         self.client = httpx.Client(base_url=stack.base_url, timeout=30, headers=headers)
+        # Whether `post` sends a fresh Idempotency-Key unless told a key (or None).
+        self.keyed = keyed
 
     def body(self, stream: bool = True, max_tokens: int = 8, prompt: str = "hello",
              path: str = "chat", **extra: Any) -> dict[str, Any]:
@@ -136,9 +139,9 @@ class Gateway:
              path: str = "/v1/chat/completions", key: str | None = "auto",
              stop_after_contents: int | None = None) -> Result:
         h = dict(headers or {})
-        if key == "auto":
+        if key == "auto" and self.keyed:
             h["Idempotency-Key"] = "t-" + uuid.uuid4().hex
-        elif key is not None:
+        elif key not in (None, "auto"):
             h["Idempotency-Key"] = key
         raw = b""
         err: str | None = None

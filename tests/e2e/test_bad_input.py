@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import signal
+import threading
 import time
 
 import pytest
 
-from .conftest import Gateway
+from .conftest import Gateway, Result
 
 pytestmark = pytest.mark.e2e
 
@@ -88,6 +89,34 @@ def test_etcd_frozen_gives_a_managed_error_before_anything_runs(gw: Gateway) -> 
     _nothing_ran(gw, r.headers["x-gateway-request-id"])
     ok = gw.post(gw.body(max_tokens=2))  # and it recovers by itself
     assert ok.status == 200 and len(ok.contents) == 2
+
+
+def test_a_fresh_request_goes_upstream_only_once_recorded(gw: Gateway) -> None:
+    """Without an Idempotency-Key the body goes on while the intake commits (decision
+    0021); with etcd frozen for a moment, no replica sees the request until it is recorded,
+    and then it completes as usual."""
+    etcd = gw.stack.procs["etcd"]
+    warm = gw.post(gw.body(max_tokens=2), key=None)  # the process lease exists, as in use
+    assert warm.status == 200
+    gw.attempts_logged(warm.request_id)
+    before = len(gw.stack.all_replica_logs())
+    done: list[Result] = []
+    t = threading.Thread(target=lambda: done.append(gw.post(gw.body(max_tokens=2), key=None)))
+    etcd.signal(signal.SIGSTOP)
+    try:
+        t.start()
+        time.sleep(0.6)  # well inside the intake's etcd deadline (etcd.timeout_s)
+        assert not done
+        assert len(gw.stack.all_replica_logs()) == before  # nothing ran upstream
+    finally:
+        etcd.signal(signal.SIGCONT)
+    t.join(10)
+    (res,) = done
+    assert res.status == 200 and len(res.contents) == 2, res.raw[:300]
+    rows = gw.attempts_logged(res.request_id)
+    assert [(r["attempt"], r["outcome"]) for r in rows] == [(1, "completed")]
+    j = gw.journal(res.request_id)
+    assert (j["outcome"], j["attempt"], j["delivered_output_tokens"]) == ("completed", 1, 2)
 
 
 def test_processor_restart(gw: Gateway) -> None:

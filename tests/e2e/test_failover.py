@@ -19,13 +19,15 @@ from .conftest import Gateway, Result
 pytestmark = pytest.mark.e2e
 
 
-@pytest.fixture(params=["grpcio", "grpclib"])
+@pytest.fixture(params=["grpcio", "grpclib", "grpcio-keyless"])
 def gw(request: pytest.FixtureRequest) -> Iterator[Gateway]:
-    """These rules on both gRPC stacks the processor can serve on (decision 0020)."""
-    st: Stack = request.getfixturevalue("stack" if request.param == "grpcio"
-                                        else "stack_grpclib")
+    """These rules on both gRPC stacks the processor can serve on (decision 0020), and for
+    requests without an Idempotency-Key, whose intake commits while Envoy routes them
+    (decision 0021)."""
+    st: Stack = request.getfixturevalue("stack_grpclib" if request.param == "grpclib"
+                                        else "stack")
     st.wait_replicas_healthy()
-    g = Gateway(st)
+    g = Gateway(st, keyed=request.param != "grpcio-keyless")
     yield g
     g.client.close()
 
