@@ -188,21 +188,28 @@ def held_intake(store: MemoryStore) -> asyncio.Event:
     return release
 
 
-async def test_a_fresh_request_goes_on_while_its_intake_commits_and_its_gate_waits() -> None:
-    p, store = proc()
-    release = held_intake(store)
-    guard, _, gtask = start(GuardSession, p)
+async def fresh_request_at_its_gate(p: Processor) -> tuple[Any, ...]:
+    """A key-less request through its guard's body, then attempt 1's gate headers sent:
+    (guard ctx, guard session, guard task, request id, the body's set headers, gate ctx)."""
+    guard, gs, gtask = start(GuardSession, p)
     guard.send(req_headers(FRESH))
     rid = set_headers((await guard.wait_for(1))[0], "request_headers")[H.REQUEST_ID]
     guard.send(req_body(CHAT))
-    # The body goes on at once, with attempt 1's id, before anything is recorded.
     sent = set_headers((await guard.wait_for(2))[1], "request_body")
-    assert sent[H.PREADMITTED] == "att_test_1"
-    assert await store.get(rid) is None
     gate, _, _ = start(GateSession, p)
     gate.send(req_headers({H.REQUEST_ID: rid, H.ENVOY_ATTEMPT_COUNT: "1",
                            H.ACCEPTED_AT: sent[H.ACCEPTED_AT], H.PREADMITTED: "att_test_1"},
                           attrs={"upstream.address": REPLICA}))
+    return guard, gs, gtask, rid, sent, gate
+
+
+async def test_a_fresh_request_goes_on_while_its_intake_commits_and_its_gate_waits() -> None:
+    p, store = proc()
+    release = held_intake(store)
+    guard, _, gtask, rid, sent, gate = await fresh_request_at_its_gate(p)
+    # The body went on at once, with attempt 1's id, before anything was recorded.
+    assert sent[H.PREADMITTED] == "att_test_1"
+    assert await store.get(rid) is None
     await asyncio.sleep(0.05)
     assert gate.out == [] and rid not in p.reached  # attempt 1 waits for the record
     release.set()
@@ -219,15 +226,7 @@ async def test_a_fresh_request_goes_on_while_its_intake_commits_and_its_gate_wai
 async def test_a_fresh_request_whose_intake_fails_is_refused_by_its_gate() -> None:
     p, store = proc()
     release = held_intake(store)
-    guard, gs, gtask = start(GuardSession, p)
-    guard.send(req_headers(FRESH))
-    rid = set_headers((await guard.wait_for(1))[0], "request_headers")[H.REQUEST_ID]
-    guard.send(req_body(CHAT))
-    await guard.wait_for(2)
-    gate, _, _ = start(GateSession, p)
-    gate.send(req_headers({H.REQUEST_ID: rid, H.ENVOY_ATTEMPT_COUNT: "1",
-                           H.ACCEPTED_AT: f"{p.clock.wall():.6f}", H.PREADMITTED: "att_test_1"},
-                          attrs={"upstream.address": REPLICA}))
+    guard, gs, gtask, rid, _, gate = await fresh_request_at_its_gate(p)
     store.unavailable = True
     release.set()
     status, body = immediate((await gate.wait_for(1))[0])
