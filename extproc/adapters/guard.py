@@ -90,6 +90,7 @@ class GuardSession(Session):
         "gen",
         "lease",
         "m",
+        "opening",
         "progress_at",
         "progress_inflight",
         "progress_sent",
@@ -114,6 +115,8 @@ class GuardSession(Session):
         self.progress_sent = 0
         self.progress_inflight = False
         self.tool: ToolCallHandler | None = None
+        # The intake transaction while this session waits for it (decision 0021).
+        self.opening: asyncio.Task[GatewayError | None] | None = None
         self.md: dict[str, str] = {}
         self.span: Span = INVALID
         self.first_delta_evented = False
@@ -135,6 +138,10 @@ class GuardSession(Session):
             self._unwatch = None
         if self.m is not None:
             self.p.spawn(self.close_out(), f"guard-close-{self.rid}")
+        if self.opening is not None:
+            # Closed while the intake was in flight: its answer still goes to the machine.
+            self.p.spawn(self.opened_after_close(self.opening), f"guard-opened-{self.rid}")
+            self.opening = None
         if self.tool is not None:
             self.p.spawn(self.tool.on_closed(), f"tool-close-{self.rid}")
 
@@ -289,11 +296,13 @@ class GuardSession(Session):
         # in a header we set): one etcd round trip fewer before the first byte.
         self.aid1 = aid1 = self.p.ids.attempt_id()
         first = records.first_attempt(aid1, self.cfg.server.gateway_id, self.p.clock.wall())
-        opening = self.p.spawn(self.open_record(rid, record, (aid1, first), meta.request_digest,
-                                                gen.idempotency_key), f"guard-intake-{rid}")
+        self.opening = opening = self.p.spawn(
+            self.open_record(rid, record, (aid1, first), meta.request_digest,
+                             gen.idempotency_key), f"guard-intake-{rid}")
         if gen.idempotency_key is not None:
             # A keyed request may be a repeat: its answer is ours to give, before routing.
             err = await asyncio.shield(opening)
+            self.opening = None
             if err is None:
                 self.start_span(meta, route)
                 await self.opened(meta, route)
@@ -306,6 +315,7 @@ class GuardSession(Session):
             self.start_span(meta, route)
             await self.write(self.body_answer(meta, route, record, aid1))
             err = await asyncio.shield(opening)
+            self.opening = None
             if err is None:
                 await self.opened(meta, route)
                 return
@@ -499,6 +509,12 @@ class GuardSession(Session):
             rlog(log, logging.WARNING, "upstream silent after first delta: ending stream",
                  self.rid, None, delivered_output_tokens=self.m.delivered)
             await self.feed(StallTimeout())
+
+    async def opened_after_close(self, opening: asyncio.Task[GatewayError | None]) -> None:
+        err = await opening
+        async with self.lock:
+            if self.m is not None:
+                await self.feed(RequestOpened(err is None))
 
     async def close_out(self) -> None:
         async with self.lock:

@@ -281,6 +281,9 @@ class State(StrEnum):
     GUARD_NEW = "guard_new"  # nothing seen yet
     GUARD_AWAITING_BODY = "guard_awaiting_body"  # a generation request: its body comes next
     GUARD_OPENING = "guard_opening"  # the intake transaction is in flight
+    # The stream closed while the intake was in flight: if it commits, the request is ours
+    # to finish (client gone, or Envoy gave up on the stream).
+    GUARD_LEFT_OPENING = "guard_left_opening"
     GUARD_ASIDE = "guard_aside"  # not a logical request of ours (pass-through, tool, lookup)
     GUARD_WAITING = "guard_waiting"  # accepted: waiting for the released response headers
     GUARD_RESPONDING = "guard_responding"
@@ -829,7 +832,7 @@ def _guard_stall_ignored(m: GuardMachine, ev: StallTimeout) -> list[Action]:
 
 
 REQUEST_PHASE = frozenset({State.GUARD_NEW, State.GUARD_AWAITING_BODY, State.GUARD_OPENING,
-                           State.GUARD_ASIDE})
+                           State.GUARD_LEFT_OPENING, State.GUARD_ASIDE})
 
 
 def _guard_request_headers(m: GuardMachine, ev: RequestHeadersSeen) -> list[Action]:
@@ -855,10 +858,27 @@ def _guard_opened(m: GuardMachine, ev: RequestOpened) -> list[Action]:
 
 
 def _guard_closed_early(m: GuardMachine, ev: StreamClosed) -> list[Action]:
-    # Before the intake committed there is no record to finish (an intake in flight
-    # finishes on its own; its record is settled like any orphan if nobody finishes it).
+    # Before the intake there is no record to finish.
     m.state = State.GUARD_CLOSED
     return []
+
+
+def _guard_closed_opening(m: GuardMachine, ev: StreamClosed) -> list[Action]:
+    # The intake goes on (its own task): what it answers decides whether there is a
+    # record to finish.
+    m.state = State.GUARD_LEFT_OPENING
+    return []
+
+
+def _guard_opened_after_close(m: GuardMachine, ev: RequestOpened) -> list[Action]:
+    if not ev.accepted:
+        m.state = State.GUARD_CLOSED
+        return []
+    # Recorded, with nobody left to answer: finish it as any stream that ended without an
+    # end, from Envoy's own cause (a record left open would answer every repeat of its key
+    # with request_in_progress for as long as this process lives).
+    m.state = State.GUARD_AWAIT_CAUSE
+    return [AwaitCause()]
 
 
 GATE: Role = "gate"
@@ -918,7 +938,11 @@ TABLE: dict[tuple[str, State, type], Transition] = {
                                                      S.GUARD_ASIDE),
     (GUARD, S.GUARD_OPENING, RequestOpened): T(_guard_opened, S.GUARD_WAITING, S.GUARD_ASIDE),
     **{(GUARD, st, StreamClosed): T(_guard_closed_early, S.GUARD_CLOSED) for st in (
-        S.GUARD_NEW, S.GUARD_AWAITING_BODY, S.GUARD_OPENING, S.GUARD_ASIDE)},
+        S.GUARD_NEW, S.GUARD_AWAITING_BODY, S.GUARD_ASIDE)},
+    (GUARD, S.GUARD_OPENING, StreamClosed): T(_guard_closed_opening, S.GUARD_LEFT_OPENING),
+    (GUARD, S.GUARD_LEFT_OPENING, RequestOpened): T(_guard_opened_after_close,
+                                                  S.GUARD_AWAIT_CAUSE, S.GUARD_CLOSED),
+    (GUARD, S.GUARD_LEFT_OPENING, StreamClosed): T(lambda m, ev: [], S.GUARD_LEFT_OPENING),
     (GUARD, S.GUARD_WAITING, ResponseHeaders): T(_guard_headers, S.GUARD_RESPONDING,
                                                S.GUARD_COMPLETE),
     (GUARD, S.GUARD_RESPONDING, ResponseBody): T(_guard_body, S.GUARD_RESPONDING,

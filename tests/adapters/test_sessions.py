@@ -9,11 +9,13 @@ the same sessions end to end in tests/e2e.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import Callable
 from typing import Any
 
 import grpc
+import pytest
 from google.protobuf import struct_pb2
 
 from extproc.adapters.gate import GateSession
@@ -246,6 +248,39 @@ async def test_a_fresh_request_whose_intake_fails_is_refused_by_its_gate() -> No
     gate.close()
     guard.close()
     await asyncio.wait_for(gtask, 3)
+
+
+@pytest.mark.parametrize("headers", [DOWN, FRESH], ids=["keyed", "key-less"])
+async def test_a_stream_reset_during_its_intake_still_gets_an_outcome(
+        headers: dict[str, str]) -> None:
+    # Envoy resets the stream (the client left) while the intake is in flight; grpc.aio
+    # cancels the handler. The intake commits anyway: the request must be finished, or a
+    # repeat of its key would be answered request_in_progress for as long as we run.
+    p, store = proc()
+    release = held_intake(store)
+    guard, _, gtask = start(GuardSession, p)
+    guard.send(req_headers(headers))
+    rid = set_headers((await guard.wait_for(1))[0], "request_headers")[H.REQUEST_ID]
+    guard.send(req_body(CHAT))
+    await asyncio.sleep(0.05)
+    gtask.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await gtask
+    release.set()
+    await p.drain()
+    view = await store.get(rid)
+    assert view is not None and view.outcome is not None
+    assert view.outcome["outcome"] == "upstream_failed"  # no access-log cause here
+    assert view.outcome["delivered_output_tokens"] == 0
+    assert view.live_attempt_id is None
+    if headers is DOWN:
+        again, _, atask = start(GuardSession, p)
+        again.send(req_headers(DOWN))
+        again.send(req_body(CHAT))
+        status, body = immediate((await again.wait_for(2))[1])
+        assert status == 409 and body["error"]["code"] == "request_already_finished"
+        again.close()
+        await asyncio.wait_for(atask, 3)
 
 
 async def test_guard_status_lookup_of_an_unknown_id_is_404() -> None:

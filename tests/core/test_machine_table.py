@@ -625,6 +625,40 @@ def test_the_guard_request_phase_is_in_the_table() -> None:
             assert m.handle(StreamClosed()) == [] and m.state is State.GUARD_CLOSED
 
 
+def opening_guard() -> GuardMachine:
+    m = GuardMachine.new(RID, STALL, at_request=True)
+    m.handle(RequestHeadersSeen("generation"))
+    m.handle(RequestBodySeen(None))
+    assert m.state is State.GUARD_OPENING
+    return m
+
+
+def test_a_stream_closed_during_its_intake_is_finished_if_the_intake_commits() -> None:
+    # The intake commits after the stream closed: the record is ours to finish, from
+    # Envoy's cause, or a repeat of its key would be "in progress" for as long as we live.
+    m = opening_guard()
+    assert m.handle(StreamClosed()) == [] and m.state is State.GUARD_LEFT_OPENING
+    assert not m.accepted
+    assert m.handle(StreamClosed()) == [] and m.state is State.GUARD_LEFT_OPENING
+    assert m.handle(RequestOpened(True)) == [AwaitCause()]
+    assert m.state is State.GUARD_AWAIT_CAUSE
+    assert m.handle(CauseLearned("client")) == [
+        Finish(Outcome.CLIENT_DISCONNECTED, 0, "client", True, "events")]
+    assert m.state is State.GUARD_CLOSED
+    # Envoy ended the stream for another reason: nothing was delivered, nothing ran.
+    m = opening_guard()
+    m.handle(StreamClosed())
+    m.handle(RequestOpened(True))
+    assert m.handle(CauseLearned("unknown")) == [
+        Finish(Outcome.UPSTREAM_FAILED, 0, "unknown", True, "events")]
+
+
+def test_a_stream_closed_during_an_intake_that_fails_records_nothing() -> None:
+    m = opening_guard()
+    m.handle(StreamClosed())
+    assert m.handle(RequestOpened(False)) == [] and m.state is State.GUARD_CLOSED
+
+
 def test_every_transition_declares_where_it_may_go() -> None:
     # The exhaustive pair test runs every handler; handle() refuses an undeclared arrow.
     for (role, _state, _ev), t in TABLE.items():

@@ -6,7 +6,11 @@ import signal
 import threading
 import time
 
+import httpx
 import pytest
+
+from extproc.core.intake import DEFAULT_TENANT
+from extproc.core.journal import request_id_for_key
 
 from .conftest import Gateway, Result
 
@@ -117,6 +121,31 @@ def test_a_fresh_request_goes_upstream_only_once_recorded(gw: Gateway) -> None:
     assert [(r["attempt"], r["outcome"]) for r in rows] == [(1, "completed")]
     j = gw.journal(res.request_id)
     assert (j["outcome"], j["attempt"], j["delivered_output_tokens"]) == ("completed", 1, 2)
+
+
+def test_a_client_that_leaves_during_its_intake_gets_a_finished_record(gw: Gateway) -> None:
+    """The client gives up while etcd is frozen in the intake; once etcd thaws the record
+    commits, and it is finished from Envoy's cause, not left in progress: a repeat of the
+    key is answered from it and nothing ran."""
+    etcd = gw.stack.procs["etcd"]
+    warm = gw.post(gw.body(max_tokens=2))
+    assert warm.status == 200
+    key = f"left-{time.time_ns()}"
+    rid = request_id_for_key(DEFAULT_TENANT, key)
+    etcd.signal(signal.SIGSTOP)
+    try:
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(gw.stack.base_url + "/v1/chat/completions", json=gw.body(max_tokens=2),
+                       headers={"Idempotency-Key": key}, timeout=0.3)
+        time.sleep(0.2)  # Envoy resets the guard's stream; the intake is still in etcd
+    finally:
+        etcd.signal(signal.SIGCONT)
+    j = gw.journal(rid, settle_s=5.0)
+    assert (j["outcome"], j["delivered_output_tokens"]) == ("client_disconnected", 0), j
+    again = gw.post(gw.body(max_tokens=2), key=key)
+    assert again.status == 409 and again.error is not None
+    assert again.error["code"] == "request_already_finished"
+    _nothing_ran(gw, rid)
 
 
 def test_processor_restart(gw: Gateway) -> None:
