@@ -292,9 +292,11 @@ class EtcdStore:
 
     # --- the revocation watch ----------------------------------------------------------
 
-    def on_live_change(self, rid: str, cb: Callable[[str | None], None]) -> Callable[[], None]:
-        """Call `cb(new_value_or_None)` when live/<rid> changes; returns an unsubscribe."""
-        return self._live_listeners.subscribe(rid, cb)
+    def on_live_change(self, rid: str, cb: Callable[[str | None], None],
+                       mine: str | None = None) -> Callable[[], None]:
+        """Call `cb(new_value_or_None)` when live/<rid> changes (with `mine`: only a change
+        of that attempt's value, `LiveListeners`); returns an unsubscribe."""
+        return self._live_listeners.subscribe(rid, cb, mine)
 
     async def _watch_live_loop(self) -> None:
         """One watch on <prefix>/live/ for the whole process, re-created on failure."""
@@ -302,7 +304,8 @@ class EtcdStore:
         while True:
             try:
                 req = rpc.WatchRequest(create_request=rpc.WatchCreateRequest(
-                    key=self.live_prefix, range_end=_prefix_end(self.live_prefix)))
+                    key=self.live_prefix, range_end=_prefix_end(self.live_prefix),
+                    prev_kv=True))
                 call = self._watch.Watch(iter([req]))
                 async for resp in call:
                     if resp.canceled:
@@ -316,7 +319,11 @@ class EtcdStore:
                     for ev in resp.events:
                         rid = bytes(ev.kv.key)[len(self.live_prefix):].decode()
                         value = None if ev.type == 1 else bytes(ev.kv.value).decode()
-                        self._live_listeners.fire(rid, value)
+                        if ev.HasField("prev_kv"):
+                            prev, known = bytes(ev.prev_kv.value).decode(), True
+                        else:  # a put that created the key replaced nothing
+                            prev, known = None, ev.type == 0 and ev.kv.version == 1
+                        self._live_listeners.fire(rid, value, prev, known)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # etcd down: the local lease deadline still protects

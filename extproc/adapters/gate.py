@@ -391,7 +391,7 @@ class GateSession(Session):
     def _admitted(self, waited_s: float) -> AdmitDecided:
         rid, attempt = self.rid or "", self.attempt
         self.waited_for_previous_s = waited_s
-        self._unwatch = self.p.journal.on_live_change(rid, self._on_live_change)
+        self._unwatch = self.p.journal.on_live_change(rid, self._on_live_change, self.aid)
         soft = self.cfg.timeouts.soft_first_delta_s
         loop = asyncio.get_running_loop()
         if soft > 0:

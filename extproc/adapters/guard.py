@@ -408,7 +408,7 @@ class GuardSession(Session):
                 lease.revoked = True
                 self.fenced_log()
                 self.p.spawn(self.on_fenced(), f"guard-fenced-{self.rid}")
-        self._unwatch = self.p.journal.on_live_change(self.rid or "", on_live)
+        self._unwatch = self.p.journal.on_live_change(self.rid or "", on_live, aid)
 
     def fenced_log(self) -> None:
         rlog(log, logging.WARNING, "attempt fenced: its lease was revoked or replaced",

@@ -87,30 +87,44 @@ class AdmitResult:
 
 
 class LiveListeners:
-    """Who wants to hear that `live/<rid>` changed (the revocation watch's subscribers)."""
+    """Who wants to hear that `live/<rid>` changed (the revocation watch's subscribers).
+
+    A subscriber for one attempt (`mine`) hears only changes of the key while it named that
+    attempt: etcd's watch can deliver a change made before the attempt was admitted (the
+    previous attempt's revocation) after the admission returned, and that is no
+    revocation of this one (the fault sweep found it: a recoverable attempt refused).
+    """
 
     def __init__(self) -> None:
-        self._by_rid: dict[str, list[Callable[[str | None], None]]] = {}
+        self._by_rid: dict[str, list[tuple[Callable[[str | None], None], str | None]]] = {}
 
-    def subscribe(self, rid: str, cb: Callable[[str | None], None]) -> Callable[[], None]:
-        """Call `cb(new_value_or_None)` when live/<rid> changes; returns an unsubscribe."""
-        self._by_rid.setdefault(rid, []).append(cb)
+    def subscribe(self, rid: str, cb: Callable[[str | None], None],
+                  mine: str | None = None) -> Callable[[], None]:
+        """Call `cb(new_value_or_None)` when live/<rid> changes (with `mine`: only from
+        that value); returns an unsubscribe."""
+        entry = (cb, mine)
+        self._by_rid.setdefault(rid, []).append(entry)
 
         def off() -> None:
             cbs = self._by_rid.get(rid)
-            if cbs and cb in cbs:
-                cbs.remove(cb)
+            if cbs and entry in cbs:
+                cbs.remove(entry)
                 if not cbs:
                     del self._by_rid[rid]
         return off
 
-    def fire(self, rid: str, value: str | None) -> None:
-        for cb in list(self._by_rid.get(rid, ())):
+    def fire(self, rid: str, value: str | None, prev: str | None = None,
+             prev_known: bool = False) -> None:
+        """One change of live/<rid>; `prev` is the value it replaced, when the store
+        knows it (an unknown one is told to every subscriber: deafness would be unsafe)."""
+        for cb, mine in list(self._by_rid.get(rid, ())):
+            if mine is not None and prev_known and prev != mine:
+                continue
             try:
                 cb(value)
             except Exception:
                 log.exception("live change callback failed",
-                              extra={"request_id": rid, "attempt_id": None})
+                              extra={"request_id": rid, "attempt_id": mine})
 
     def clear(self) -> None:
         self._by_rid.clear()

@@ -187,8 +187,9 @@ class MemoryStore:
         for _, value, lease in ops:
             if value is not None and lease and lease not in self._leases:
                 raise StoreUnavailable(f"etcd NOT_FOUND: etcdserver: {_LEASE_NOT_FOUND}")
-        events: list[tuple[str, str | None]] = []
+        events: list[tuple[str, str | None, str | None]] = []
         for key, value, lease in ops:
+            old = self._kv.get(key)
             if value is None:
                 if self._kv.pop(key, None) is None:
                     continue  # etcd: a delete of nothing is no event
@@ -196,12 +197,13 @@ class MemoryStore:
                 self._kv[key] = _Entry(value, lease)
             if key.startswith(self.live_prefix):
                 events.append((key[len(self.live_prefix):],
-                               None if value is None else value.decode()))
+                               None if value is None else value.decode(),
+                               None if old is None else old.value.decode()))
         self._fire(events)
 
-    def _fire(self, events: list[tuple[str, str | None]]) -> None:
-        for rid, value in events:
-            self._live_listeners.fire(rid, value)
+    def _fire(self, events: list[tuple[str, str | None, str | None]]) -> None:
+        for rid, value, prev in events:
+            self._live_listeners.fire(rid, value, prev, True)
 
     # --- leases -------------------------------------------------------------------------
 
@@ -272,9 +274,10 @@ class MemoryStore:
 
     # --- the revocation watch --------------------------------------------------------
 
-    def on_live_change(self, rid: str, cb: Callable[[str | None], None]) -> Callable[[], None]:
+    def on_live_change(self, rid: str, cb: Callable[[str | None], None],
+                       mine: str | None = None) -> Callable[[], None]:
         """Call `cb(new_value_or_None)` when live/<rid> changes; returns an unsubscribe."""
-        return self._live_listeners.subscribe(rid, cb)
+        return self._live_listeners.subscribe(rid, cb, mine)
 
     # --- journal ------------------------------------------------------------------------
 

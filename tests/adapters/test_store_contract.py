@@ -504,6 +504,26 @@ async def test_live_change_callbacks_fire_on_put_replace_revoke_and_fence(env: E
     off_other()
 
 
+async def test_an_attempts_listener_hears_only_changes_of_its_own_value(env: Env) -> None:
+    # etcd's watch may deliver the previous attempt's revocation after the next attempt's
+    # admission returned: the next attempt's listener must not take it for its own (the
+    # sweep's partition case did). Subscribed before the revocation, as a late delivery is.
+    s = env.store
+    mine: list[str | None] = []
+    every: list[str | None] = []
+    await _open(env)
+    off_mine = s.on_live_change("req_a", mine.append, "att_2")
+    off_every = s.on_live_change("req_a", every.append)
+    await s.end_attempt("req_a", 1, "att_1", _rec(1, "att_1"), expire=False)  # not att_2's
+    await _within(s.admit_attempt("req_a", 2, "att_2", _rec(2, "att_2"), 5.0))
+    await s.end_attempt("req_a", 2, "att_2", _rec(2, "att_2"), expire=True)  # att_2 fenced
+    await _until(lambda: every == [None, "att_2", "fenced:att_2"], "every change")
+    await _until(lambda: mine == ["fenced:att_2"], "att_2's own fence")
+    assert mine == ["fenced:att_2"]  # neither att_1's revocation nor att_2's own put
+    off_mine()
+    off_every()
+
+
 # --- the tool ledger ----------------------------------------------------------------------
 
 
