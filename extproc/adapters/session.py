@@ -16,7 +16,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 import grpc
 import grpclib.exceptions
@@ -48,6 +48,7 @@ from .tokenizer import load_tokenizers
 
 log = logging.getLogger("extproc")
 INVALID = NonRecordingSpan(INVALID_SPAN_CONTEXT)
+T = TypeVar("T")
 
 
 OUTCOME_RETRY_S = 60.0
@@ -112,41 +113,32 @@ class HandedOff:
     machine: GateMachine
 
 
-class HandOffs:
-    """Attempt id -> what the gate handed over; the guard takes it when the released headers
-    reach it and ends the span, and keeps the trace, at the attempt's real end. Bounded: a
-    guard that never saw the headers (its stream died first) must not pin them forever."""
+class Pending(Generic[T]):
+    """Id -> what one stream left for another stream of the same request to take, bounded:
+    the taker may never come (its stream died first), and must not pin items forever.
 
-    def __init__(self, keep: int = 10000) -> None:
-        self._items: OrderedDict[str, HandedOff] = OrderedDict()
+    Two are kept: the gate's released attempts (`handoffs`: attempt id -> HandedOff; the
+    guard takes it when the released headers reach it, and ends the span at the attempt's
+    real end; an evicted one's span is ended here) and the guard's intakes in flight
+    (`intakes`: request id -> the intake task, which the gate of attempt 1 waits for before
+    the attempt goes upstream, decision 0021; a committed intake leaves at once).
+    """
+
+    def __init__(self, keep: int = 10000,
+                 on_evict: Callable[[T], None] | None = None) -> None:
+        self._items: OrderedDict[str, T] = OrderedDict()
         self._keep = keep
+        self._on_evict = on_evict
 
-    def put(self, attempt_id: str, item: HandedOff) -> None:
-        self._items[attempt_id] = item
+    def put(self, key: str, item: T) -> None:
+        self._items[key] = item
         while len(self._items) > self._keep:
-            end_span(self._items.popitem(last=False)[1].span, None)
+            old = self._items.popitem(last=False)[1]
+            if self._on_evict is not None:
+                self._on_evict(old)
 
-    def take(self, attempt_id: str) -> HandedOff | None:
-        return self._items.pop(attempt_id, None)
-
-
-class Intakes:
-    """Request id -> its intake transaction in flight, which the gate of attempt 1 waits
-    for before the attempt goes upstream (decision 0021). A committed intake leaves at
-    once; a failed one stays for its gate to refuse the attempt. Bounded: the gate of a
-    request whose client left before routing never comes to take it."""
-
-    def __init__(self, keep: int = 10000) -> None:
-        self._items: OrderedDict[str, asyncio.Future[GatewayError | None]] = OrderedDict()
-        self._keep = keep
-
-    def put(self, rid: str, opening: asyncio.Future[GatewayError | None]) -> None:
-        self._items[rid] = opening
-        while len(self._items) > self._keep:
-            self._items.popitem(last=False)
-
-    def take(self, rid: str) -> asyncio.Future[GatewayError | None] | None:
-        return self._items.pop(rid, None)
+    def take(self, key: str) -> T | None:
+        return self._items.pop(key, None)
 
 
 class Processor:
@@ -175,8 +167,9 @@ class Processor:
         self.reached: OrderedDict[str, None] = OrderedDict()
         self._tasks: set[asyncio.Task[Any]] = set()
         self.open_streams = 0
-        self.handoffs = HandOffs()
-        self.intakes = Intakes()
+        self.handoffs: Pending[HandedOff] = Pending(
+            on_evict=lambda h: end_span(h.span, None))
+        self.intakes: Pending[asyncio.Future[GatewayError | None]] = Pending()
 
     def set_pool(self, pool: Pool) -> None:
         """A live pool's new membership (adapters.membership); sessions read it per request."""
