@@ -121,7 +121,13 @@ class Gateway:
     def __init__(self, stack: Stack, headers: dict[str, str] | None = None,
                  keyed: bool = True) -> None:
         self.stack = stack
-        self.client = httpx.Client(base_url=stack.base_url, timeout=30, headers=headers)
+        # Room for every thread a test starts: httpcore's sync pool can close an idle
+        # connection it has just handed to a queued request (encode/httpcore#1110), which a
+        # test sees as `ReadError: Bad file descriptor`; with no queue and no surplus idle
+        # connection to close, that path is never taken.
+        self.client = httpx.Client(
+            base_url=stack.base_url, timeout=30, headers=headers,
+            limits=httpx.Limits(max_connections=256, max_keepalive_connections=256))
         # Whether `post` sends a fresh Idempotency-Key unless told a key (or None).
         self.keyed = keyed
 
