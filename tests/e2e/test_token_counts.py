@@ -21,7 +21,7 @@ import pytest
 
 from extproc.devstack import Stack
 
-from .conftest import E2E_CONFIG, Gateway, Result, parse_events
+from .conftest import E2E_CONFIG, Gateway, Result, parse_events, word_tokenizer
 
 pytestmark = pytest.mark.e2e
 
@@ -128,16 +128,6 @@ def test_responses_deltas_carry_no_count_so_events_are_counted_and_said_so(
 
 
 # --- a configured tokenizer, and the option turned off ---------------------------------------
-
-
-def word_tokenizer(path: Path) -> Path:
-    """A real Hugging Face tokenizer.json: one token per whitespace-separated word (the demo
-    replica's tokens are " word" each)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    tok = Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.save(str(path))
-    return path
 
 
 @pytest.fixture(scope="module")
