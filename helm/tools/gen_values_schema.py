@@ -252,6 +252,10 @@ schema = {
                               "description": "the processor as a native sidecar (k8s >= 1.29)"},
             "python": {"type": "string", "minLength": 1},
             "extraEnv": k8s_list,
+            "extraVolumes": {**k8s_list, "description": "pod volumes for the processor's "
+                             "extraVolumeMounts (e.g. accounting.tokenizers files)"},
+            "extraVolumeMounts": {**k8s_list, "description": "mounts into the processor "
+                                  "container"},
             "resources": resources,
             "probes": obj({"periodSeconds": integer(1, 3600),
                            "timeoutSeconds": integer(2, 3600),

@@ -556,6 +556,23 @@ def test_etcd_tls_and_auth_point_the_processor_at_the_mounted_secrets() -> None:
     assert "tls" not in plain["etcd"] and "auth" not in plain["etcd"]
 
 
+def test_extra_volumes_mount_the_tokenizers_the_config_names() -> None:
+    values = "strict-idempotency-custom-timeouts-values.yaml"
+    v = _values(values)["processor"]
+    cfg = yaml.safe_load(_processor_config_text(values))
+    proc = _container(values, "processor")
+    vols = {x["name"]: x for x in _pod(values)["volumes"]}
+    assert vols["tokenizers"] == v["extraVolumes"][0]
+    (mount,) = [m for m in proc["volumeMounts"] if m["name"] == "tokenizers"]
+    assert mount == {"name": "tokenizers", "mountPath": "/models/tokenizers", "readOnly": True}
+    (path,) = cfg["accounting"]["tokenizers"].values()
+    assert path.startswith(mount["mountPath"] + "/")
+    # Only the processor mounts them; without the values nothing extra is rendered.
+    for c in ("envoy", "envoy-bootstrap"):
+        assert "tokenizers" not in {m["name"] for m in _container(values, c)["volumeMounts"]}
+    assert "tokenizers" not in {x["name"] for x in _pod(None)["volumes"]}
+
+
 def test_tenancy_and_idempotency_reach_the_processor() -> None:
     tls = yaml.safe_load(_processor_config_text("tls-etcd-4-replicas-tenancy-values.yaml"))
     assert tls["tenancy"]["header"] == "X-Tenant-ID"

@@ -235,6 +235,9 @@ reach Envoy's bootstrap exactly as they reach the processor). */}}
       mountPath: /etc/extproc/etcd-auth
       readOnly: true
     {{- end }}
+    {{- with $.Values.processor.extraVolumeMounts }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
 {{- end -}}
 
 {{/* The drain (files/drain.py) as a preStop: the processor's, or the drain container's. */}}
