@@ -323,10 +323,12 @@ class GateSession(Session):
     async def _admit(self, attempt: int) -> AdmitDecided:
         rid = self.rid or ""
         aid = self.aid or ""
-        opening = self.p.intakes.take(rid) if self.preadmitted is not None else None
+        opening = self.p.intakes.get(rid)
         if opening is not None:
             # The guard let the body go on while its intake commits (decision 0021):
-            # nothing goes upstream before the request and attempt 1 are recorded.
+            # nothing goes upstream before the request and attempt 1 are recorded. Every
+            # attempt waits, not only the first: when attempt 1 never reached a gate
+            # (connection refused), Envoy's attempt 2 can come before the commit.
             err = await asyncio.shield(opening)
             if err is not None:
                 self.intake_refused = True

@@ -133,6 +133,9 @@ class GuardSession(Session):
 
     async def on_closed(self) -> None:
         self._disarm()
+        if self.rid is not None and self.opening is None:
+            # A failed intake waited here for its gates; none comes after the stream.
+            self.p.intakes.take(self.rid)
         if self._unwatch is not None:
             self._unwatch()
             self._unwatch = None
@@ -512,6 +515,8 @@ class GuardSession(Session):
 
     async def opened_after_close(self, opening: asyncio.Task[GatewayError | None]) -> None:
         err = await opening
+        if err is not None and self.rid is not None:
+            self.p.intakes.take(self.rid)
         async with self.lock:
             if self.m is not None:
                 await self.feed(RequestOpened(err is None))

@@ -120,8 +120,9 @@ class Pending(Generic[T]):
     Two are kept: the gate's released attempts (`handoffs`: attempt id -> HandedOff; the
     guard takes it when the released headers reach it, and ends the span at the attempt's
     real end; an evicted one's span is ended here) and the guard's intakes in flight
-    (`intakes`: request id -> the intake task, which the gate of attempt 1 waits for before
-    the attempt goes upstream, decision 0021; a committed intake leaves at once).
+    (`intakes`: request id -> the intake task, which the gate of every attempt waits for
+    before the attempt goes upstream, decision 0021; a committed intake leaves at once, a
+    failed one when its guard's stream closes).
     """
 
     def __init__(self, keep: int = 10000,
@@ -139,6 +140,10 @@ class Pending(Generic[T]):
 
     def take(self, key: str) -> T | None:
         return self._items.pop(key, None)
+
+    def get(self, key: str) -> T | None:
+        """The item, left in place for other takers (several attempts wait on one intake)."""
+        return self._items.get(key)
 
 
 class Processor:

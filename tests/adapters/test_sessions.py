@@ -25,6 +25,7 @@ from extproc.adapters.session import Processor
 from extproc.core import headers as H
 from extproc.core.config import Config, load_config
 from extproc.gen.envoy.config.core.v3 import base_pb2 as core
+from extproc.gen.envoy.data.accesslog.v3 import accesslog_pb2 as al
 from extproc.gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
 from .support import RID, SSE_CONTENT, SSE_DONE, SSE_ROLE, FixedIds
@@ -244,7 +245,51 @@ async def test_a_fresh_request_whose_intake_fails_is_refused_by_its_gate() -> No
     store.unavailable = False
     await p.drain()
     assert await store.get(rid) is None  # nothing recorded, nothing to give back
-    assert p.intakes.take(rid) is None  # its gate took it
+    assert p.intakes.get(rid) is not None  # kept for any later attempt's gate ...
+    gate.close()
+    guard.close()
+    await asyncio.wait_for(gtask, 3)
+    assert p.intakes.get(rid) is None  # ... until the guard's stream is over
+
+
+def no_gate_entry(rid: str, attempt_1: str) -> al.HTTPAccessLogEntry:
+    """Envoy's per-attempt entry for an attempt whose upstream filters never ran."""
+    e = al.HTTPAccessLogEntry()
+    e.common_properties.access_log_type = al.UpstreamEnd
+    e.common_properties.upstream_cluster = "replicas"
+    e.common_properties.upstream_remote_address.socket_address.address = "127.0.0.1"
+    e.common_properties.upstream_remote_address.socket_address.port_value = 8001
+    e.common_properties.response_flags.upstream_connection_failure = True
+    e.request.request_headers[H.REQUEST_ID] = rid
+    e.request.request_headers[H.PREADMITTED] = attempt_1
+    return e
+
+
+async def test_a_later_attempt_waits_for_the_intake_too() -> None:
+    # Attempt 1's connection was refused, so no gate ran for it, and Envoy's attempt 2 reached
+    # its gate while the intake was still in flight (issue 24, finding 1). It must wait for
+    # the record, then take over the never-started attempt 1: not be refused as unknown.
+    p, store = proc()
+    release = held_intake(store)
+    guard, _, gtask = start(GuardSession, p)
+    guard.send(req_headers(FRESH))
+    rid = set_headers((await guard.wait_for(1))[0], "request_headers")[H.REQUEST_ID]
+    guard.send(req_body(CHAT))
+    sent = set_headers((await guard.wait_for(2))[1], "request_body")
+    p.causes.offer(no_gate_entry(rid, sent[H.PREADMITTED]))
+    gate, _, _ = start(GateSession, p)
+    gate.send(req_headers({H.REQUEST_ID: rid, H.ENVOY_ATTEMPT_COUNT: "2",
+                           H.ACCEPTED_AT: sent[H.ACCEPTED_AT],
+                           H.PREADMITTED: sent[H.PREADMITTED]},
+                          attrs={"upstream.address": "127.0.0.1:8002"}))
+    await asyncio.sleep(0.05)
+    assert gate.out == [] and await store.get(rid) is None
+    release.set()
+    (r,) = await gate.wait_for(1)
+    assert r.WhichOneof("response") == "request_headers", r
+    aid2 = set_headers(r, "request_headers")[H.ATTEMPT_ID]
+    view = await store.get(rid)
+    assert view is not None and view.live_attempt_id == aid2 != sent[H.PREADMITTED]
     gate.close()
     guard.close()
     await asyncio.wait_for(gtask, 3)
