@@ -508,6 +508,21 @@ class EtcdStore:
                          key=self._k(rid, f"attempts/{attempt:03d}")))]))
         return bool(resp.succeeded)
 
+    async def undo_intake(self, rid: str, attempt_id: str) -> bool:
+        """Remove a record our given-up intake may have written after all, while nothing
+        ran for it: `live` is still its attempt 1, nothing delivered, no outcome. The client
+        was told nothing was recorded; a late apply must not leave the key in progress."""
+        live_k = self._live(rid)
+        resp = await self._call(self._kv.Txn, rpc.TxnRequest(
+            compare=[rpc.Compare(key=live_k, target=rpc.Compare.VALUE,
+                                 result=rpc.Compare.EQUAL, value=attempt_id.encode()),
+                     _eq_version(self._k(rid, "delivery"), 0),
+                     _eq_version(self._k(rid, "outcome"), 0)],
+            success=[rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=live_k)),
+                     rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(
+                         key=self._req_prefix(rid), range_end=_prefix_end(self._req_prefix(rid))))]))
+        return bool(resp.succeeded)
+
     async def end_attempt(self, rid: str, attempt: int, attempt_id: str,
                           record: Mapping[str, Any], expire: bool) -> None:
         """Close the attempt's record and fence it, in one transaction.

@@ -36,6 +36,7 @@ from ..core.intake import (
     RequestMeta,
     StatusLookup,
     classify_request,
+    own_intake,
     parse_body,
 )
 from ..core.journal import (
@@ -68,7 +69,7 @@ from ..core.machine import (
 )
 from ..gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from . import envoy_codec as codec
-from .leases import AttemptLease, ProcessLease, StoreUnavailable
+from .leases import UNDO_SETTLE_S, AttemptLease, ProcessLease, StoreUnavailable
 from .logs import rlog
 from .session import CHUNK_TIME_SAMPLE, INVALID, Messages, Processor, Session, log, retrying
 from .telemetry import TRACEPARENT_HEADER, end_span
@@ -332,12 +333,40 @@ class GuardSession(Session):
     async def open_record(self, rid: str, record: dict[str, Any],
                           first: tuple[str, dict[str, Any]], digest: str,
                           key: str | None) -> GatewayError | None:
-        """The intake transaction: None when the request is new, else what to answer."""
-        try:
-            existing = await self.p.settled(await self.p.journal.open_request(
-                rid, record, first))
-        except StoreUnavailable as e:
-            return self._journal_down(rid, e)
+        """The intake transaction: None when the request is new, else what to answer.
+
+        Sent again (each try goes to the member in use, which moves on when one fails) until
+        `etcd.intake_deadline_s`: a record already there with our own attempt 1 is our
+        earlier try, applied though its answer was lost. An intake that gives up is taken
+        back when etcd answers again, so a late apply leaves no record stuck in progress.
+        """
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + self.cfg.etcd.intake_deadline_s
+        pause, tries = 0.05, 0
+        while True:
+            tries += 1
+            try:
+                existing = await self.p.journal.open_request(rid, record, first)
+                break
+            except StoreUnavailable as e:
+                if loop.time() + pause < give_up:
+                    rlog(log, logging.INFO, "intake not confirmed; sending it again", rid,
+                         first[0], error=str(e), tries=tries)
+                    await asyncio.sleep(pause)
+                    pause = min(pause * 2, 0.4)
+                    continue
+                aid = first[0]
+                store = self.p.journal
+                self.p.spawn(retrying(lambda: store.undo_intake(rid, aid),
+                                      "take back an unconfirmed intake", rid, aid,
+                                      settle_s=UNDO_SETTLE_S), f"guard-undo-intake-{rid}")
+                return self._journal_down(rid, e)
+        if existing is not None and own_intake(existing.attempts, existing.live_attempt_id,
+                                               first[0]):
+            rlog(log, logging.INFO, "intake confirmed by its own record", rid, first[0],
+                 tries=tries)
+            existing = None
+        existing = await self.p.settled(existing)
         if existing is None:
             # Recorded: a gate that comes from now on need not wait (nor find it here).
             self.p.intakes.take(rid)

@@ -24,7 +24,9 @@ Not modelled (said here so that no test relies on it):
     while `unavailable` (etcd's lapse after their TTL without keep-alives). Their loss is
     simulated with `revoke_lease()`, and noticed at once (etcd's loops notice within a third
     of a TTL): the process lease's local deadline is infinite until then.
-  - an etcd call that times out after applying: a failed call here applied nothing.
+  - an etcd call that times out after applying, only for the intake: `lose_next_intake_answer()`
+    (an intake whose deadline passed on a frozen or electing member, applied later). Every
+    other failed call here applied nothing.
   - more than one processor: one MemoryStore is one process's view of its own etcd.
 """
 
@@ -92,6 +94,7 @@ class MemoryStore:
         # While True every call raises StoreUnavailable, as with etcd down or partitioned.
         self.unavailable = False
         self._failures = 0
+        self._lost_intake_answers = 0
         self._closed = False
         self._kv: dict[str, _Entry] = {}
         self._leases: dict[int, float] = {}  # id -> expiry (clock.monotonic; inf: kept alive)
@@ -111,6 +114,11 @@ class MemoryStore:
         more (as each is one etcd call).
         """
         self._failures += n
+
+    def lose_next_intake_answer(self, n: int = 1) -> None:
+        """The next n intakes (open_request) apply, then raise StoreUnavailable: etcd
+        applied the transaction but the caller's deadline passed first."""
+        self._lost_intake_answers += n
 
     def expire_leases(self) -> None:
         """Apply every lease expiry due on the clock now (the callbacks of the `live` keys that
@@ -307,6 +315,10 @@ class MemoryStore:
                 raise
             self._forget_expired_leases()
             self._txn(ops())
+        if self._lost_intake_answers > 0:
+            self._lost_intake_answers -= 1
+            raise StoreUnavailable("etcd DEADLINE_EXCEEDED: the intake applied, its answer "
+                                   "was lost")
         return None
 
     async def get(self, rid: str) -> JournalView | None:
@@ -402,6 +414,18 @@ class MemoryStore:
         if self._value(live_k) != attempt_id.encode():
             return False
         self._txn([_delete(live_k), _delete(self._k(rid, f"attempts/{attempt:03d}"))])
+        return True
+
+    async def undo_intake(self, rid: str, attempt_id: str) -> bool:
+        """Remove a record our given-up intake may have written after all, while nothing
+        ran for it: `live` is still its attempt 1, nothing delivered, no outcome."""
+        self._enter()
+        if (self._value(self._live(rid)) != attempt_id.encode()
+                or self._k(rid, "delivery") in self._kv or self._k(rid, "outcome") in self._kv):
+            return False
+        pfx = self._req_prefix(rid)
+        self._txn([_delete(self._live(rid)), *(_delete(k) for k in sorted(self._kv)
+                                              if k.startswith(pfx))])
         return True
 
     async def end_attempt(self, rid: str, attempt: int, attempt_id: str,

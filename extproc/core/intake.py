@@ -195,3 +195,17 @@ def parse_body(body: bytes, cfg: Config, request_id: str,
                        request_digest=request_digest(path, obj),
                        estimated_prompt_tokens=estimate_prompt_tokens(
                            obj, cfg.policy.retry_cost.chars_per_token))
+
+
+def own_intake(attempts: tuple[Mapping[str, Any], ...], live: str | None,
+               first_attempt_id: str) -> bool:
+    """A record found where our intake meant to create one is our own earlier try's.
+
+    An intake whose answer was lost (a deadline, a member that went away) may have applied;
+    sent again, it finds the record. It is ours, and the intake a success, when attempt 1 is
+    the very attempt id minted for this try (ids are random: no other request has it) and
+    nothing else was admitted since; anything else is a repeat by someone else.
+    """
+    return (len(attempts) == 1 and attempts[0].get("attempt_id") == first_attempt_id
+            and live in (None, first_attempt_id))
+

@@ -252,6 +252,68 @@ async def test_a_fresh_request_whose_intake_fails_is_refused_by_its_gate() -> No
     assert p.intakes.get(rid) is None  # ... until the guard's stream is over
 
 
+async def test_an_intake_whose_answer_was_lost_is_confirmed_by_its_own_record() -> None:
+    # The intake applied but its answer never came (a member frozen or electing past the
+    # call's deadline); sent again it finds the record with its own attempt 1: success, not
+    # a repeat answered 409 request_in_progress (issue 24, findings 3 and 4).
+    p, store = proc()
+    store.lose_next_intake_answer()
+    guard, gs, gtask = start(GuardSession, p)
+    guard.send(req_headers(DOWN))
+    rid = set_headers((await guard.wait_for(1))[0], "request_headers")[H.REQUEST_ID]
+    guard.send(req_body(CHAT))
+    r = (await guard.wait_for(2))[1]
+    assert r.WhichOneof("response") == "request_body", r
+    sent = set_headers(r, "request_body")
+    view = await store.get(rid)
+    assert view is not None and view.live_attempt_id == sent[H.PREADMITTED]
+    assert [a["attempt_id"] for a in view.attempts] == [sent[H.PREADMITTED]]
+    assert gs.m is not None and gs.m.accepted
+    guard.close()
+    await asyncio.wait_for(gtask, 3)
+
+
+async def test_a_given_up_intake_that_applied_late_is_taken_back() -> None:
+    # The intake applied, then etcd stayed away past intake_deadline_s: the client is told
+    # `503 journal_unavailable`, nothing was run; when etcd answers again the record is
+    # taken back, so a repeat of the key runs instead of 409 request_in_progress forever
+    # (issue 24, finding 5).
+    p, store = proc({"etcd": {"timeout_s": 0.1, "intake_deadline_s": 0.3}})
+    store.lose_next_intake_answer()
+    real = store.open_request
+
+    async def then_down(*args: Any, **kw: Any) -> Any:
+        try:
+            return await real(*args, **kw)
+        finally:
+            store.unavailable = True
+    store.open_request = then_down  # type: ignore[method-assign]
+    guard, _, gtask = start(GuardSession, p)
+    guard.send(req_headers(DOWN))
+    rid = set_headers((await guard.wait_for(1))[0], "request_headers")[H.REQUEST_ID]
+    guard.send(req_body(CHAT))
+    status, body = immediate((await guard.wait_for(2, timeout_s=5))[1])
+    assert status == 503 and body["error"]["code"] == "journal_unavailable"
+    assert body["error"]["retryable"] is True
+    guard.close()
+    await asyncio.wait_for(gtask, 3)
+    store.open_request = real  # type: ignore[method-assign]
+    store.unavailable = False
+    assert await store.get(rid) is not None  # the late apply, until the take-back runs
+    for _ in range(60):
+        if await store.get(rid) is None:
+            break
+        await asyncio.sleep(0.05)
+    assert await store.get(rid) is None
+    again, _, atask = start(GuardSession, p)
+    again.send(req_headers(DOWN))
+    again.send(req_body(CHAT))
+    r = (await again.wait_for(2))[1]
+    assert r.WhichOneof("response") == "request_body", r  # it runs this time
+    again.close()
+    await asyncio.wait_for(atask, 3)
+
+
 def no_gate_entry(rid: str, attempt_1: str) -> al.HTTPAccessLogEntry:
     """Envoy's per-attempt entry for an attempt whose upstream filters never ran."""
     e = al.HTTPAccessLogEntry()

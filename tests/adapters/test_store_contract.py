@@ -362,6 +362,26 @@ async def test_undo_admission_only_while_live_is_still_that_attempt(env: Env) ->
     assert res.admitted
 
 
+async def test_undo_intake_only_while_nothing_ran(env: Env) -> None:
+    s = env.store
+    await _open(env)
+    assert not await s.undo_intake("req_a", "att_x")  # not its attempt 1
+    assert await s.undo_intake("req_a", "att_1")
+    assert await s.get("req_a") is None  # meta, guard, attempts/001 and live all gone
+    assert not await s.undo_intake("req_a", "att_1")
+    # Something ran: a fenced first delta (or an outcome) keeps the record.
+    await _open(env)
+    assert await s.fence_first_delta("req_a", "att_1", {"at": 1.0, "attempt_id": "att_1"})
+    assert not await s.undo_intake("req_a", "att_1")
+    view = await s.get("req_a")
+    assert view is not None and view.delivery is not None and view.live_attempt_id == "att_1"
+    await _open(env, rid="req_b")
+    assert await s.finish("req_b", {"outcome": "client_disconnected",
+                                    "delivered_output_tokens": 0})
+    assert not await s.undo_intake("req_b", "att_1")
+    assert await s.get("req_b") is not None
+
+
 # --- end_attempt ---------------------------------------------------------------------------
 
 
