@@ -140,7 +140,7 @@ def start_stack(kind: str, side: str, workdir: Path,
 # of requests, at least 3 per window) would refuse most of its retries, which is the budget
 # doing its job, not the failover path we time.
 FIGURE_CONFIG: dict[str, dict[str, Any]] = {
-    "failover": {"policy": {"retry_budget": {"min_retries": 1000}}}}
+    "failover": {"policy": {"retry_budget": {"min_retry_concurrency": 1000}}}}
 
 
 # --- process accounting -------------------------------------------------------------------

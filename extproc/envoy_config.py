@@ -306,9 +306,9 @@ def render(cfg: Config, topo: Topology, plain: bool = False) -> dict[str, Any]:
         "circuit_breakers": {"thresholds": [{
             # Envoy's default allows only 3 concurrent retries (UO under load). Envoy's own
             # retry budget, with the policy's numbers, bounds concurrent retries per Envoy;
-            # the processor's pool-wide budget bounds retries per window across gateways.
+            # the processor's bounds re-prefills in flight across gateways (decision 0023).
             "retry_budget": {"budget_percent": {"value": rb.fraction * 100},
-                             "min_retry_concurrency": max(1, rb.min_retries)},
+                             "min_retry_concurrency": max(1, rb.min_retry_concurrency)},
             "max_connections": 100000, "max_pending_requests": 100000,
             "max_requests": 100000}]},
         "typed_extension_protocol_options": {

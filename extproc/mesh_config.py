@@ -109,7 +109,7 @@ def _numbers(cfg: Config) -> str:
             f"fence_wait_s {t.fence_wait_s:g},\n# stall_after_first_delta_s "
             f"{t.stall_after_first_delta_s:g}, etcd.timeout_s {cfg.etcd.timeout_s:g}, "
             f"tools.wait_s {cfg.tools.wait_s:g}, retry budget {p.retry_budget.fraction:g} "
-            f"(min {p.retry_budget.min_retries}),\n# health checks "
+            f"(min {p.retry_budget.min_retry_concurrency}),\n# health checks "
             f"{'on' if cfg.pool.health_check.enabled else 'off'}, outlier detection "
             f"{'on' if cfg.pool.outlier_detection.enabled else 'off'}, Envoy tracer "
             f"{'to ' + cfg.telemetry.otlp_endpoint if cfg.telemetry.otlp_endpoint else 'off'}."

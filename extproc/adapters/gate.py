@@ -133,6 +133,10 @@ class GateSession(Session):
         for timer in (self._soft_timer, self._hard_timer):
             if timer is not None:
                 timer.cancel()
+        if self.aid is not None and (self.m is None or self.m.state is not State.GATE_RELEASED):
+            # Over before release (failed, or refused after the budget admitted it): a
+            # re-prefill stops counting in the budget. A released one ends with its request.
+            self.p.budget.retry_ended(self.aid)
         if self.m is not None:
             for a in self.m.handle(StreamClosed()):
                 if isinstance(a, EndAttempt):
@@ -345,7 +349,7 @@ class GateSession(Session):
             want_fingerprint=self.want_fingerprint if pool.enabled else None,
             replica_fingerprint=pool.fingerprint_of(self.replica or ""),
             replica=self.replica, prompt_tokens=self.prompt_tokens,
-            max_prompt_tokens=cfg.policy.retry_cost.max_prompt_tokens),
+            max_prompt_tokens=cfg.policy.retry_cost.max_prompt_tokens, attempt_id=aid),
             self.p.budget, self.p.clock.monotonic())
         last = self.p.budget.last
         if isinstance(verdict, GatewayError):

@@ -134,6 +134,9 @@ class GuardSession(Session):
 
     async def on_closed(self) -> None:
         self._disarm()
+        if self.rid is not None and self.aid1 is not None and self.tool is None:
+            # The request is over, and with it its re-prefills (the released one too).
+            self.p.budget.request_ended(self.rid, self.aid1)
         if self.rid is not None and self.opening is None:
             # A failed intake waited here for its gates; none comes after the stream.
             self.p.intakes.take(self.rid)
@@ -389,8 +392,9 @@ class GuardSession(Session):
 
     async def opened(self, meta: RequestMeta, route: tuple[str, list[str]] | None) -> None:
         """The intake committed: the request is ours."""
+        # In flight for the retry budget until this stream ends (on_closed).
+        self.p.budget.request_started(self.rid or "", self.p.clock.monotonic(), self.aid1 or "")
         await self.feed(RequestOpened(True))
-        self.p.budget.note_request(self.p.clock.monotonic())
         rlog(log, logging.INFO, "request accepted", self.rid, None, stream=meta.stream,
              model=meta.model, fingerprint=route[0] if route else None)
         self.span.add_event("request.accepted")

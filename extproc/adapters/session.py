@@ -159,7 +159,7 @@ class Processor:
         self.pool = pool_from_config(cfg.pool.replicas)
         self.tokenizers = load_tokenizers(cfg.accounting)
         rb = cfg.policy.retry_budget
-        self.budget = RetryBudget(rb.fraction, rb.min_retries, rb.window_s)
+        self.budget = RetryBudget(rb.fraction, rb.min_retry_concurrency, rb.in_flight_expiry_s)
         self.tel = Telemetry(cfg.telemetry, cfg.server.gateway_id, cfg.server.metrics_listen)
         od, hc = cfg.pool.outlier_detection, cfg.pool.health_check
         self.health = HostHealth(HealthPolicy(
@@ -246,7 +246,8 @@ class Processor:
         return await self.journal.get(view.request_id)
 
     async def share_budget(self) -> None:
-        """Every second: publish our retry-budget counts, learn the other gateways'."""
+        """Every second: publish our retry-budget counts (requests and re-prefills in
+        flight), learn the other gateways'."""
         while True:
             await asyncio.sleep(1.0)
             req, ret = self.budget.snapshot(self.clock.monotonic())

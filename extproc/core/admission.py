@@ -51,6 +51,7 @@ class AttemptRequest:
     replica: str | None = None
     prompt_tokens: int = 0
     max_prompt_tokens: int = 0  # 0: no retry-cost limit
+    attempt_id: str = ""  # the budget counts a re-prefill under it until its end
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +83,7 @@ def decide(req: AttemptRequest, budget: RetryBudget, now: float) -> Admitted | G
         limit = req.max_prompt_tokens
         if limit and req.prompt_tokens > limit:
             return too_expensive(rid, req.prompt_tokens, limit)
-        decision = budget.try_retry(now)
+        decision = budget.try_retry(now, req.attempt_id or f"{rid}#{req.attempt}", rid)
         if not decision.allowed:
             return budget_exhausted(rid, decision.retries, decision.requests, decision.limit)
     # The fence wait comes out of this attempt's own time: it may not eat all of it.

@@ -51,13 +51,25 @@ class UncertainSourceLiveness:
 
 @dataclass(frozen=True)
 class RetryBudgetConfig:
-    # Retries stay below this fraction of requests over the window, pool-wide ...
+    # Envoy's semantics, pool-wide (decision 0023): re-prefills in flight stay within
+    # max(min_retry_concurrency, fraction x requests in flight).
     fraction: float = 0.2
-    # ... but this many per window are always allowed (a quiet pool can still fail over;
-    # one frozen replica of three costs about one re-prefill per concurrent client before
-    # it is found out: decision 0010).
-    min_retries: int = 10
-    window_s: float = 10.0
+    # Re-prefills that may always be in flight: a quiet pool can always fail over (one
+    # frozen replica of three costs about one re-prefill per concurrent client before it
+    # is found out: decision 0010).
+    min_retry_concurrency: int = 10
+    # An entry whose end never came (a lost end) stops counting this long after its start.
+    in_flight_expiry_s: float = 600.0
+
+
+# The per-window keys of decision 0010, refused at start-up with what replaced them.
+RETRY_BUDGET_REPLACED = {
+    "min_retries": "replaced by min_retry_concurrency: the budget counts re-prefills in "
+                   "flight, not per window (decision 0023)",
+    "window_s": "removed: the budget counts re-prefills in flight, not per window; an entry "
+                "whose end never came stops counting after in_flight_expiry_s "
+                "(decision 0023)",
+}
 
 
 @dataclass(frozen=True)
@@ -435,10 +447,15 @@ def _policy(outer: _Reader) -> Policy:
     u.done()
     r.done()
     rb = outer.section("retry_budget")
+    for old, what in RETRY_BUDGET_REPLACED.items():
+        if old in rb.raw:
+            raise ConfigError(f"{rb.path}.{old}", what)
     budget = RetryBudgetConfig(
         fraction=rb.float_("fraction", RetryBudgetConfig.fraction, 0.0, 1.0),
-        min_retries=rb.int_("min_retries", RetryBudgetConfig.min_retries, 0, 1_000_000),
-        window_s=rb.float_("window_s", RetryBudgetConfig.window_s, 1.0, 3600.0),
+        min_retry_concurrency=rb.int_("min_retry_concurrency",
+                                      RetryBudgetConfig.min_retry_concurrency, 0, 1_000_000),
+        in_flight_expiry_s=rb.float_("in_flight_expiry_s",
+                                     RetryBudgetConfig.in_flight_expiry_s, 10.0, 86400.0),
     )
     rb.done()
     rc = outer.section("retry_cost")
@@ -689,6 +706,10 @@ def load_config(raw: Mapping[str, Any] | None) -> Config:
                           f"must be >= etcd.attempt_lease_ttl_s + 1 "
                           f"({etcd.attempt_lease_ttl_s + 1}) with "
                           f"uncertain_source_liveness.wait_for: lease_expiry")
+    if policy.retry_budget.in_flight_expiry_s < timeouts.first_delta_s:
+        # A re-prefill still waiting for its first delta would stop counting.
+        raise ConfigError("policy.retry_budget.in_flight_expiry_s",
+                          f"must be >= timeouts.first_delta_s ({timeouts.first_delta_s})")
     if etcd.attempt_lease_ttl_s > timeouts.fence_wait_s and timeouts.fence_wait_s > 0:
         # A retry may have to wait out the old lease; waiting less than its TTL would refuse
         # retries that are perfectly safe a moment later.

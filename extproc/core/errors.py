@@ -115,8 +115,8 @@ def upstream_timeout(request_id: str | None, waited_s: float, attempts: int) -> 
 def budget_exhausted(rid: str, retries: int, requests: int, limit: int) -> GatewayError:
     return GatewayError(
         ErrorCode.RETRY_BUDGET_EXHAUSTED,
-        f"the pool's retry budget is exhausted ({retries} retries for {requests} requests "
-        f"in the window, limit {limit}); nothing was sent to the client",
+        f"the pool's retry budget is exhausted ({retries} re-prefills in flight for "
+        f"{requests} requests in flight, limit {limit}); nothing was sent to the client",
         503, request_id=rid, retryable=True)
 
 

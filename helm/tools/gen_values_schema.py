@@ -186,9 +186,11 @@ proc_config = obj({
         }),
     }),
         "retry_budget": obj({
-            "fraction": num(0.0, 1.0, "retries / requests over the window, pool-wide"),
-            "min_retries": integer(0, 1_000_000),
-            "window_s": num(1.0, 3600.0),
+            "fraction": num(0.0, 1.0, "re-prefills / requests in flight, pool-wide"),
+            "min_retry_concurrency": integer(0, 1_000_000, "re-prefills always allowed in "
+                                             "flight (min_retries and window_s are gone: "
+                                             "decision 0023)"),
+            "in_flight_expiry_s": num(10.0, 86400.0),
         }),
         "retry_cost": obj({
             "max_prompt_tokens": integer(0, 10_000_000),

@@ -439,7 +439,7 @@ async def test_gate_holds_until_the_first_delta_is_fenced_then_hands_off() -> No
 
 
 async def test_gate_refuses_a_re_prefill_past_the_budget_but_not_a_first_run() -> None:
-    raw = {"policy": {"retry_budget": {"min_retries": 0, "fraction": 0.0}}}
+    raw = {"policy": {"retry_budget": {"min_retry_concurrency": 0, "fraction": 0.0}}}
     # Attempt 1 never reached a replica (no gate ran): attempt 2 is the first real run.
     p, store = proc(raw)
     await store.open_request(RID, {"request_id": RID}, None)

@@ -109,7 +109,7 @@ def req(**kw: object) -> AttemptRequest:
 
 
 def test_the_budget_never_refuses_a_first_run() -> None:
-    budget = RetryBudget(fraction=0.0, min_retries=0, window_s=10)  # refuses every re-prefill
+    budget = RetryBudget(fraction=0.0, min_retry_concurrency=0, expiry_s=600)  # refuses all
     for attempt in (1, 2, 3):
         v = decide(req(attempt=attempt, max_attempts=3, reached_before=False), budget, 0.0)
         assert isinstance(v, Admitted) and v.counts_as_retry is False
@@ -119,19 +119,19 @@ def test_the_budget_never_refuses_a_first_run() -> None:
 
 
 def test_only_re_prefills_are_counted() -> None:
-    budget = RetryBudget(fraction=0.2, min_retries=2, window_s=10)
-    for _ in range(5):
-        budget.note_request(0.0)
-    outcomes = [decide(req(attempt=2, reached_before=r), budget, 0.0)
-                for r in (False, True, False, True, True)]
+    budget = RetryBudget(fraction=0.2, min_retry_concurrency=2, expiry_s=600)
+    for i in range(5):
+        budget.request_started(f"req_{i}", 0.0)
+    outcomes = [decide(req(attempt=2, reached_before=r, attempt_id=f"att_{i}"), budget, 0.0)
+                for i, r in enumerate((False, True, False, True, True))]
     counted = [isinstance(o, Admitted) and o.counts_as_retry for o in outcomes]
     refused = [isinstance(o, GatewayError) for o in outcomes]
     assert counted == [False, True, False, True, False]
-    assert refused == [False, False, False, False, True]  # max(2, 0.2 x 5) = 2 re-prefills
+    assert refused == [False, False, False, False, True]  # max(2, 0.2 x 5) = 2 in flight
 
 
 def test_retry_cost_applies_to_re_prefills_only() -> None:
-    budget = RetryBudget(0.2, 10, 10)
+    budget = RetryBudget(0.2, 10, 600)
     big = dict(prompt_tokens=5000, max_prompt_tokens=1000)
     assert isinstance(decide(req(attempt=2, reached_before=False, **big), budget, 0), Admitted)
     v = decide(req(attempt=2, reached_before=True, **big), budget, 0)
@@ -139,7 +139,7 @@ def test_retry_cost_applies_to_re_prefills_only() -> None:
 
 
 def test_fingerprint_and_max_attempts() -> None:
-    b = RetryBudget(0.2, 10, 10)
+    b = RetryBudget(0.2, 10, 600)
     v = decide(req(want_fingerprint="fp-a", replica_fingerprint="fp-b", replica="x:1"), b, 0)
     assert isinstance(v, GatewayError) and v.code is ErrorCode.NO_COMPATIBLE_REPLICA
     v = decide(req(attempt=3, max_attempts=2), b, 0)
@@ -155,14 +155,14 @@ def test_fingerprint_and_max_attempts() -> None:
 def test_deadlines(attempt: int, elapsed: float, final: bool, deadline: float) -> None:
     max_attempts = 1 if (attempt, final) == (1, True) else 2
     v = decide(req(attempt=attempt, elapsed_s=elapsed, max_attempts=max_attempts,
-                   total_first_delta_s=30.0 * max_attempts), RetryBudget(0.2, 10, 10), 0)
+                   total_first_delta_s=30.0 * max_attempts), RetryBudget(0.2, 10, 600), 0)
     assert isinstance(v, Admitted)
     assert v.final is final and v.deadline_s == pytest.approx(deadline)
     assert v.fence_wait_s <= v.deadline_s - MIN_ATTEMPT_S
 
 
 def test_no_attempt_starts_without_budget_left() -> None:
-    v = decide(req(attempt=2, elapsed_s=59.8), RetryBudget(0.2, 10, 10), 0)
+    v = decide(req(attempt=2, elapsed_s=59.8), RetryBudget(0.2, 10, 600), 0)
     assert isinstance(v, GatewayError) and v.code is ErrorCode.UPSTREAM_TIMEOUT
     assert v.http_status == 504 and v.retryable is True and v.request_id == "req_1"
 
@@ -172,7 +172,7 @@ def test_no_attempt_starts_without_budget_left() -> None:
 def test_admission_invariants(attempt: int, max_attempts: int, reached: bool, elapsed: float,
                               first: float, fence: float) -> None:
     total = first * max_attempts
-    budget = RetryBudget(0.2, 10, 10)
+    budget = RetryBudget(0.2, 10, 600)
     v = decide(req(attempt=attempt, max_attempts=max_attempts, reached_before=reached,
                    elapsed_s=elapsed, first_delta_s=first, total_first_delta_s=total,
                    fence_wait_s=fence), budget, 0.0)
@@ -231,7 +231,7 @@ def test_first_delta_deadline(state: str, final: bool) -> None:
 def test_config_first_delta_total_and_pool_health() -> None:
     c = load_config({})
     assert c.timeouts.total_first_delta_s(c.policy.max_attempts) == 60.0
-    assert c.policy.retry_budget.min_retries == 10
+    assert c.policy.retry_budget.min_retry_concurrency == 10
     assert c.pool.health_check.path == "/health" and c.pool.outlier_detection.enabled
     c = load_config({"timeouts": {"first_delta_s": 5, "first_delta_total_s": 7}})
     assert c.timeouts.total_first_delta_s(2) == 7.0

@@ -26,7 +26,7 @@ E2E_CONFIG: dict[str, Any] = {
     "limits": {"max_request_body_bytes": 65536},
     # These tests exercise failover itself, many retries in a short time: the pool-wide
     # retry budget is tested on its own (test_pool.py) and set out of the way here.
-    "policy": {"retry_budget": {"min_retries": 100000}},
+    "policy": {"retry_budget": {"min_retry_concurrency": 100000}},
 }
 
 

@@ -442,7 +442,7 @@ async def test_one_endpoint_down_of_two_keeps_the_store_working(cluster: Cluster
 @pytest.fixture(scope="module")
 def tls_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     st = Stack(workdir=tmp_path_factory.mktemp("tls-stack"), replicas=2, etcd_tls_auth=True,
-               config={"policy": {"retry_budget": {"min_retries": 100000}}}).start()
+               config={"policy": {"retry_budget": {"min_retry_concurrency": 100000}}}).start()
     try:
         yield st
     finally:

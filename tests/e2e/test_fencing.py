@@ -33,7 +33,7 @@ CONFIG: dict[str, Any] = {
     "timeouts": {"first_delta_s": 2.0, "soft_first_delta_s": 0.5,
                  "stall_after_first_delta_s": 1.0, "access_log_wait_s": 0.5,
                  "fence_wait_s": 3.5, "progress_interval_s": 0.2},
-    "policy": {"retry_budget": {"min_retries": 100000}},  # budgets: test_pool.py
+    "policy": {"retry_budget": {"min_retry_concurrency": 100000}},  # budgets: test_pool.py
 }
 MAX = 8
 

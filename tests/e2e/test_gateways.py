@@ -24,7 +24,7 @@ BASE: dict[str, Any] = {
     "timeouts": {"first_delta_s": 5.0, "stall_after_first_delta_s": 1.0,
                  "access_log_wait_s": 0.5, "fence_wait_s": 12.0},
     "tenancy": {"api_key_header": "authorization"},
-    "policy": {"retry_budget": {"min_retries": 100000}},  # budgets: test_pool.py
+    "policy": {"retry_budget": {"min_retry_concurrency": 100000}},  # budgets: test_pool.py
 }
 ALICE = {"Authorization": "Bearer sk-alice"}
 BOB = {"Authorization": "Bearer sk-bob"}

@@ -255,7 +255,7 @@ def mstack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     cfg = {"server": {"metrics_listen": f"127.0.0.1:{free_port()}"},
            "timeouts": {"first_delta_s": 5.0, "stall_after_first_delta_s": 1.0,
                         "access_log_wait_s": 0.5, "fence_wait_s": 12.0},
-           "policy": {"retry_budget": {"min_retries": 100000}}}
+           "policy": {"retry_budget": {"min_retry_concurrency": 100000}}}
     st = Stack(workdir=tmp_path_factory.mktemp("metrics"), config=cfg, token_delay_ms=40).start()
     try:
         yield st

@@ -87,7 +87,7 @@ def otel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, Rece
                         "access_log_wait_s": 0.5, "fence_wait_s": 12.0},
            "telemetry": {"otlp_endpoint": f"127.0.0.1:{port}", "record_traces": "all",
                          "metrics_interval_s": 1.0},
-           "policy": {"retry_budget": {"min_retries": 100000}}}
+           "policy": {"retry_budget": {"min_retry_concurrency": 100000}}}
     st = Stack(workdir=tmp_path_factory.mktemp("otel"), config=cfg).start()
     try:
         yield st, rec

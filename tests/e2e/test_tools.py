@@ -28,7 +28,7 @@ CONFIG: dict[str, Any] = {
                  "stall_after_first_delta_s": 1.0, "access_log_wait_s": 0.5,
                  "fence_wait_s": 3.5},
     "tools": {"max_result_bytes": 4096, "wait_s": 5.0},
-    "policy": {"retry_budget": {"min_retries": 100000}},  # budgets: test_pool.py
+    "policy": {"retry_budget": {"min_retry_concurrency": 100000}},  # budgets: test_pool.py
 }
 MAX = 8
 

@@ -52,7 +52,7 @@ CONFIG: dict[str, Any] = {
     "tools": {"wait_s": 5.0},
     # The sweep runs hundreds of failovers in a row: the pool-wide retry budget is tested on
     # its own (tests/e2e/test_pool.py) and set out of the way here.
-    "policy": {"retry_budget": {"min_retries": 1000000}},
+    "policy": {"retry_budget": {"min_retry_concurrency": 1000000}},
 }
 UNSAFE_ENV = {"EXTPROC_UNSAFE_RELEASE_WITHOUT_FENCE": "1"}
 
