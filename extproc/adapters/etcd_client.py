@@ -5,7 +5,9 @@ that endpoint's own host (an IPv4 or IPv6 literal against the certificate's IP n
 name against its DNS names), or against `etcd.tls.server_name` when set. Calls go to the
 endpoint in use while its channel is connected; when it is not, to the next one that is. A
 call that fails before it was sent anywhere (gRPC: no connection to any address) is
-tried on the next endpoint within the same deadline; one that may have reached etcd is
+tried on the next endpoint within the same deadline, and so is one that a member refused
+because it knows of no leader (every unary call asks for one: `hasleader`, answered before
+anything is proposed); one that may have reached etcd is
 never sent twice (a transaction may have applied), it fails and the next call goes to the
 next endpoint.
 
@@ -42,6 +44,11 @@ _NOID = {"request_id": None, "attempt_id": None}
 # gRPC's own words for a call that never left the client, no connection could be made
 # (pick_first's and round_robin's).
 _NOT_SENT = ("failed to connect to all addresses", "connections to all backends failing")
+# Sent with every unary call: a member that knows of no leader answers at once with
+# `etcdserver: no leader` (rpctypes.ErrGRPCNoLeader, checked before anything is proposed)
+# instead of holding the call until its deadline, so the call goes to the next member.
+_REQUIRE_LEADER = (("hasleader", "true"),)
+_NO_LEADER = "etcdserver: no leader"
 # etcd's answers to a token it no longer accepts (rpctypes.ErrGRPCInvalidAuthToken,
 # ErrGRPCAuthOldRevision): authenticate again and retry.
 _TOKEN_REJECTED = ("invalid auth token", "revision of auth store is old")
@@ -333,6 +340,10 @@ def _token_rejected(e: grpc.aio.AioRpcError) -> bool:
     return any(m in d for m in _TOKEN_REJECTED)
 
 
+def _no_leader(e: grpc.aio.AioRpcError) -> bool:
+    return e.code() == grpc.StatusCode.UNAVAILABLE and _NO_LEADER in (e.details() or "")
+
+
 def _not_sent(e: grpc.aio.AioRpcError) -> bool:
     d = e.details() or ""
     return e.code() == grpc.StatusCode.UNAVAILABLE and any(m in d for m in _NOT_SENT)
@@ -379,7 +390,8 @@ async def _unary(c: EtcdClient, service: str, method: str, request: Any,
                 raise _new_error(grpc.StatusCode.DEADLINE_EXCEEDED,
                                  "authenticating took the whole deadline")
             return await getattr(ep.stubs[service], method)(
-                request, timeout=left, metadata=c.metadata(token, metadata))
+                request, timeout=left,
+                metadata=c.metadata(token, tuple(metadata or ()) + _REQUIRE_LEADER))
         except grpc.aio.AioRpcError as e:
             if not authenticating and not reauthed and (_token_rejected(e) or (
                     token is None and c._tokenless
@@ -388,7 +400,8 @@ async def _unary(c: EtcdClient, service: str, method: str, request: Any,
                 c.token_rejected(token)
                 reauthed = True
                 continue
-            if _not_sent(e):
+            if _not_sent(e) or _no_leader(e):
+                # Nothing was applied: the next member may take it within the deadline.
                 tried.add(ep.index)
                 c.move_on(ep)
                 if len(tried) < c.endpoint_count and deadline - loop.time() > 0:
