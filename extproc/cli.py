@@ -94,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--cells", type=int, default=1,
                    help="N cells (an Envoy and a processor each) on one port: one core each "
                         "(docs/decisions/0019-cells-for-more-cores.md)")
+    q.add_argument("--etcd-members", type=int, default=1,
+                   help="N etcd members on loopback (a cluster when N > 1), the processor "
+                        "given every member's endpoint (docs/chaos.md)")
     args = ap.parse_args(argv)
 
     if args.cmd == "serve":
@@ -159,8 +162,11 @@ def main(argv: list[str] | None = None) -> int:
             read_config(args.config)  # fail fast, naming the field
         if not 1 <= args.cells <= 64:
             raise SystemExit("run: --cells must be between 1 and 64")
+        if not 1 <= args.etcd_members <= 9:
+            raise SystemExit("run: --etcd-members must be between 1 and 9")
         return run_forever(args.config, args.workdir, args.replicas, args.port,
-                           live_pool=args.live_pool, cells=args.cells)
+                           live_pool=args.live_pool, cells=args.cells,
+                           etcd_members=args.etcd_members)
     return 2
 
 

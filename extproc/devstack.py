@@ -174,6 +174,13 @@ class Stack:
     etcd_tls_auth: bool = False
     etcd_metrics: str = ""  # etcd's plain-HTTP metrics and health (set when we start it)
     etcd_secure: dict[str, Any] = field(default_factory=dict)
+    # etcd members on loopback: 1 (the default) is one member as always; N > 1 is a cluster
+    # whose member 1 is the process `etcd` and member k >= 2 `etcd-<k>`, the processor given
+    # every member's endpoint. The chaos harness kills, freezes and restarts them by PID.
+    etcd_members: int = 1
+    etcd_endpoints: list[str] = field(default_factory=list)  # every member's client address
+    etcd_member_metrics: dict[str, str] = field(default_factory=dict)  # name -> host:port
+    _etcd_frozen: set[str] = field(default_factory=set)
     # More than one core (decision 0019): N cells, each an Envoy and a processor of its
     # own, sharing the listener port (SO_REUSEPORT), etcd and the replicas. Cell k >= 2
     # has the processes `processor-c<k>` / `envoy-c<k>` and gateway id `<gateway_id>-c<k>`.
@@ -233,13 +240,23 @@ class Stack:
 
     def _start_etcd(self) -> None:
         """One etcd member on loopback; with `etcd_tls_auth`, TLS-only with client
-        certificates and password auth (metrics and health on a plain port).
+        certificates and password auth (metrics and health on a plain port). With
+        `etcd_members` > 1, a cluster of that many plain members instead.
 
         A port found free can be taken before etcd binds it (another process's connection
         on this busy loopback): etcd then exits at once, and is started again on others.
         """
+        if self.etcd_members > 1 and self.etcd_tls_auth:
+            raise ValueError("etcd_members > 1 is not supported with etcd_tls_auth")
+        if self.etcd_members < 1:
+            raise ValueError(f"etcd_members must be at least 1, got {self.etcd_members}")
         for _ in range(3):
-            if self._start_etcd_once():
+            ok = (self._start_etcd_cluster_once() if self.etcd_members > 1
+                  else self._start_etcd_once())
+            if ok:
+                if not self.etcd_endpoints:
+                    self.etcd_endpoints = [self.etcd_endpoint]
+                    self.etcd_member_metrics = {"etcd": self.etcd_metrics}
                 return
         raise RuntimeError(f"etcd could not bind its ports three times: see "
                            f"{self.workdir / 'etcd.log'}")
@@ -289,12 +306,166 @@ class Stack:
                          "password_file": str(write_secret(sec / "password", "extproc-pw"))}}
         return True
 
+    def _start_etcd_cluster_once(self) -> bool:
+        """`etcd_members` plain members on loopback, each with its own data dir (kept, so
+        a member killed and started again rejoins with its data)."""
+        n = self.etcd_members
+        ports = free_ports(3 * n)
+        names = ["etcd" if k == 0 else f"etcd-{k + 1}" for k in range(n)]
+        initial = ",".join(f"gw-{name}=http://127.0.0.1:{ports[3 * k + 1]}"
+                           for k, name in enumerate(names))
+        self.etcd_endpoints, self.etcd_member_metrics = [], {}
+        started: list[tuple[Proc, int]] = []
+        for k, name in enumerate(names):
+            cport, pport, mport = ports[3 * k: 3 * k + 3]
+            data = self.workdir / f"{name}-data"
+            shutil.rmtree(data, ignore_errors=True)
+            self.etcd_endpoints.append(f"127.0.0.1:{cport}")
+            self.etcd_member_metrics[name] = f"127.0.0.1:{mport}"
+            p = Proc(name, [
+                _bin("etcd"), "--name", f"gw-{name}", "--data-dir", str(data),
+                "--listen-client-urls", f"http://127.0.0.1:{cport}",
+                "--advertise-client-urls", f"http://127.0.0.1:{cport}",
+                "--listen-metrics-urls", f"http://127.0.0.1:{mport}",
+                "--listen-peer-urls", f"http://127.0.0.1:{pport}",
+                "--initial-advertise-peer-urls", f"http://127.0.0.1:{pport}",
+                "--initial-cluster", initial, "--initial-cluster-state", "new",
+                "--initial-cluster-token", f"gw-{self.workdir.name}",
+                "--log-level", "warn", "--unsafe-no-fsync",
+            ], self.workdir / f"{name}.log")
+            seen = p.log_path.stat().st_size if p.log_path.exists() else 0
+            p.start()
+            self.procs[name] = p
+            started.append((p, seen))
+        self.etcd_endpoint = self.etcd_endpoints[0]
+        self.etcd_metrics = self.etcd_member_metrics["etcd"]
+        wait_until(lambda: all(self._etcd_member_healthy(nm) for nm in names)
+                   or not all(p.alive() for p, _ in started), 30, "etcd cluster health")
+        if all(p.alive() for p, _ in started):
+            return True
+        in_use = False
+        for p, seen in started:
+            if not p.alive():
+                with open(p.log_path, "rb") as f:
+                    f.seek(seen)
+                    in_use = in_use or b"address already in use" in f.read()
+        for p, _ in started:
+            p.stop()
+        if in_use:
+            return False
+        raise RuntimeError(f"an etcd member exited: see {self.workdir}/etcd*.log")
+
+    # --- etcd members (for the chaos harness and the member-loss tests) -----------------
+
+    def etcd_member_names(self) -> list[str]:
+        return list(self.etcd_member_metrics)
+
+    def _etcd_member_healthy(self, name: str) -> bool:
+        return _http_ok(f"http://{self.etcd_member_metrics[name]}/health")
+
+    def _etcd_member_metric(self, name: str, metric: str) -> float | None:
+        try:
+            with urllib.request.urlopen(f"http://{self.etcd_member_metrics[name]}/metrics",
+                                        timeout=0.5) as r:
+                text = r.read().decode()
+        except OSError:
+            return None
+        for line in text.splitlines():
+            if line.startswith(metric + " "):
+                return float(line.split()[1])
+        return None
+
+    def etcd_leader(self) -> str | None:
+        """The member that says it leads (etcd's own `etcd_server_is_leader` gauge), among
+        the members that run and are not frozen; None while there is none or several."""
+        leaders = [name for name in self.etcd_member_names()
+                   if name not in self._etcd_frozen and self.procs[name].alive()
+                   and self._etcd_member_metric(name, "etcd_server_is_leader") == 1.0]
+        return leaders[0] if len(leaders) == 1 else None
+
+    def wait_etcd_leader(self, timeout_s: float = 20.0, other_than: str = "") -> str:
+        """Wait until one member leads (and, with `other_than`, not that one)."""
+        found: list[str] = []
+
+        def leader() -> bool:
+            name = self.etcd_leader()
+            if name is not None and name != other_than:
+                found.append(name)
+                return True
+            return False
+        wait_until(leader, timeout_s, "an etcd leader" + (f" other than {other_than}"
+                                                          if other_than else ""), 0.1)
+        return found[-1]
+
+    def kill_etcd_member(self, name: str) -> None:
+        """SIGKILL one member (nothing restarts it: `restart_etcd_member` does)."""
+        p = self.procs[name]
+        self._etcd_frozen.discard(name)
+        p.signal(signal.SIGKILL)
+        if p.popen is not None:
+            p.popen.wait(5)
+
+    def restart_etcd_member(self, name: str, wait: bool = True,
+                            timeout_s: float = 30.0) -> None:
+        """Start a killed member again on its data dir and ports: it rejoins the cluster."""
+        p = self.procs[name]
+        if p.alive():
+            return
+        p.restarts += 1
+        p.start()
+        if wait:
+            wait_until(lambda: self._etcd_member_healthy(name) or not p.alive(), timeout_s,
+                       f"etcd member {name} healthy again")
+            if not p.alive():
+                raise RuntimeError(f"etcd member {name} exited: see {p.log_path}")
+
+    def freeze_etcd_member(self, name: str) -> None:
+        """SIGSTOP one member: its sockets accept, nothing answers."""
+        self._etcd_frozen.add(name)
+        self.procs[name].signal(signal.SIGSTOP)
+
+    def thaw_etcd_member(self, name: str) -> None:
+        self.procs[name].signal(signal.SIGCONT)
+        self._etcd_frozen.discard(name)
+
+    def lose_etcd_quorum(self, names: list[str] | None = None) -> list[str]:
+        """Kill a majority of the members (by default the last ones, never all when there
+        are several): the cluster cannot commit until `restore_etcd_quorum`."""
+        members = self.etcd_member_names()
+        need = len(members) // 2 + 1
+        chosen = list(names) if names is not None else members[len(members) - need:]
+        if len(chosen) < need:
+            raise ValueError(f"losing quorum needs {need} members, got {chosen}")
+        for name in chosen:
+            self.kill_etcd_member(name)
+        return chosen
+
+    def restore_etcd_quorum(self, names: list[str], timeout_s: float = 30.0) -> None:
+        """Start the killed members again and wait until every member is healthy."""
+        for name in names:
+            self.restart_etcd_member(name, wait=False)
+        self.wait_etcd_healthy(timeout_s)
+
+    def wait_etcd_healthy(self, timeout_s: float = 30.0) -> None:
+        """Every member runs, none is frozen, and each answers its health check."""
+        for name in list(self._etcd_frozen):
+            self.thaw_etcd_member(name)
+        wait_until(lambda: all(self._etcd_member_healthy(n) for n in self.etcd_member_names()),
+                   timeout_s, "every etcd member healthy", 0.1)
+
+    def kill_processor(self) -> None:
+        """SIGKILL cell 1's processor (`restart_processor` starts it again)."""
+        p = self.procs["processor"]
+        p.signal(signal.SIGKILL)
+        if p.popen is not None:
+            p.popen.wait(5)
+
     def _processor_config(self) -> dict[str, Any]:
         raw: dict[str, Any] = json.loads(json.dumps(self.config))
         raw.setdefault("server", {})
         raw["server"].setdefault("listen", f"127.0.0.1:{free_port()}")
         raw.setdefault("etcd", {})
-        raw["etcd"]["endpoints"] = [self.etcd_endpoint]
+        raw["etcd"]["endpoints"] = list(self.etcd_endpoints) or [self.etcd_endpoint]
         raw["etcd"].update(self.etcd_secure)
         if self.registry:
             raw["pool"] = {**(raw.get("pool") or {}), "discovery": "registry"}
@@ -571,7 +742,8 @@ class Stack:
         processors = [n for n in self.procs if n.startswith("processor-c")]
         for name in ["envoy", *envoys,
                      *[n for n in self.procs if n.startswith(("r", "proxy-"))],
-                     "tools", "processor", *processors, "etcd", "otlp"]:
+                     "tools", "processor", *processors, "etcd",
+                     *[n for n in self.etcd_member_metrics if n != "etcd"], "otlp"]:
             p = self.procs.get(name)
             if p is not None:
                 p.stop()
@@ -641,11 +813,12 @@ def cells_line(stack: Stack) -> str:
 
 def quickstart_banner(stack: Stack) -> str:
     url = stack.base_url
+    etcd = ", ".join(stack.etcd_endpoints or [stack.etcd_endpoint])
     body = ('{"model":"demo-model","stream":true,"max_tokens":12,'
             '"messages":[{"role":"user","content":"hi"}]}')
     return f"""
 Gateway ready on {url}
-  Envoy admin http://127.0.0.1:{stack.admin_port}, etcd {stack.etcd_endpoint},
+  Envoy admin http://127.0.0.1:{stack.admin_port}, etcd {etcd},
   processor {stack.processor_addr}, replicas {', '.join(str(p) for p in stack.replica_ports)}
 {cells_line(stack)}
 Logs: {stack.workdir}
@@ -679,13 +852,15 @@ Ctrl-C stops everything.
 
 
 def run_forever(config_path: str | None, workdir: str | None, replicas: int,
-                envoy_port: int, live_pool: bool = False, cells: int = 1) -> int:
+                envoy_port: int, live_pool: bool = False, cells: int = 1,
+                etcd_members: int = 1) -> int:
     raw: dict[str, Any] = {}
     if config_path:
         raw = yaml.safe_load(Path(config_path).read_text()) or {}
     wd = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="extproc-run-"))
     stack = Stack(workdir=wd, config=raw, replicas=replicas, envoy_port=envoy_port,
-                  span_printer=True, tool_server=True, registry=live_pool, cells=cells)
+                  span_printer=True, tool_server=True, registry=live_pool, cells=cells,
+                  etcd_members=etcd_members)
     stop = threading.Event()
 
     def _on_signal(signum: int, frame: Any) -> None:
