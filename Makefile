@@ -10,6 +10,7 @@ BIN    := $(VENV)/bin
 include proto/gen.mk
 include vllm/vllm.mk
 include sweep.mk
+include chaos.mk
 include image.mk
 
 .PHONY: help install run test lint typecheck unit e2e bench bench-quick bench-pool profile \
@@ -26,6 +27,7 @@ help:
 	@echo "make bench-cells   saturation with 1 and 2 cells (an Envoy and a processor each), ours and plain"
 	@echo "make profile    where the processor's time goes under load (py-spy)"
 	@echo "make sweep      the full fault sweep (docs/sweep.md)"
+	@echo "make soak       chaos: traffic while replicas, processor, etcd members fail (DURATION=180 SEED=1, docs/chaos.md)"
 	@echo "make test-vllm  the scenarios against real vLLM replicas (docs/real-engine.md)"
 
 $(VENV)/.installed: pyproject.toml

@@ -1,0 +1,77 @@
+"""python -m chaos --duration S --seed N [--etcd-members 3] [--out DIR]
+
+Exit status: 0 with no break, 1 with at least one break, 2 when the harness itself failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import yaml
+
+from .faults import FAULT_KINDS
+from .runner import CHAOS_CONFIG, Options, render_summary, run
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m chaos", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--duration", type=float, default=60.0,
+                    help="seconds of traffic and faults (the settle phase and checks follow)")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--etcd-members", type=int, default=3)
+    ap.add_argument("--replicas", type=int, default=3)
+    ap.add_argument("--workers", type=int, default=6, help="concurrent client workers")
+    ap.add_argument("--max-requests", type=int, default=20000)
+    ap.add_argument("--fault-share", type=float, default=0.3,
+                    help="share of requests carrying an x-replica-fault header")
+    ap.add_argument("--keyed-share", type=float, default=0.5,
+                    help="share of requests carrying an Idempotency-Key")
+    ap.add_argument("--faults", default=",".join(FAULT_KINDS),
+                    help=f"fault kinds of the chaos loop, comma-separated "
+                         f"(default all: {','.join(FAULT_KINDS)}; '' for none)")
+    ap.add_argument("--max-concurrent-faults", type=int, default=2)
+    ap.add_argument("--config", default=None,
+                    help="a processor config YAML merged over the chaos defaults")
+    ap.add_argument("--out", default=None, help="report directory (default chaos-out/...)")
+    args = ap.parse_args(argv)
+
+    kinds = tuple(k for k in args.faults.split(",") if k)
+    unknown = [k for k in kinds if k not in FAULT_KINDS]
+    if unknown:
+        ap.error(f"unknown fault kinds {unknown}; known: {', '.join(FAULT_KINDS)}")
+    if not 1 <= args.etcd_members <= 9:
+        ap.error("--etcd-members must be between 1 and 9")
+    if args.duration <= 0 or args.workers < 1 or args.max_requests < 1:
+        ap.error("--duration, --workers and --max-requests must be positive")
+    config = json.loads(json.dumps(CHAOS_CONFIG))
+    if args.config:
+        extra = yaml.safe_load(Path(args.config).read_text()) or {}
+        for section, values in extra.items():
+            if isinstance(values, dict):
+                config[section] = {**(config.get(section) or {}), **values}
+            else:
+                config[section] = values
+    out = Path(args.out) if args.out else None
+    opts = Options(duration_s=args.duration, seed=args.seed, etcd_members=args.etcd_members,
+                   replicas=args.replicas, workers=args.workers,
+                   max_requests=args.max_requests, fault_share=args.fault_share,
+                   keyed_share=args.keyed_share, kinds=kinds,
+                   max_concurrent_faults=args.max_concurrent_faults, out=out, config=config,
+                   log=lambda s: print(s, flush=True))
+    try:
+        report = run(opts)
+    except Exception as e:
+        print(f"chaos: the harness failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    print(render_summary(report, opts.out or report.workdir.parent), flush=True)
+    if report.harness_errors:
+        return 2 if not report.breaks else 1
+    return 1 if report.breaks else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

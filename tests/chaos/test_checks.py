@@ -1,0 +1,292 @@
+"""The chaos harness's checker, without sockets: each break kind is reported when its
+transcript shows it, and a clean transcript of every shape has none (so the checks can fail
+and do not fail for nothing)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from chaos.checks import BREAK_KINDS, Seen, Spec, Transcript, check, parse_sse, view
+from chaos.traffic import reference
+
+RID = "req_" + "a" * 26
+SSE = {"content-type": "text/event-stream", "x-gateway-request-id": RID}
+JSON = {"content-type": "application/json", "x-gateway-request-id": RID}
+
+
+def spec(family: str = "chat", stream: bool = True, key: str | None = None,
+         max_tokens: int = 4) -> Spec:
+    return Spec(family=family, stream=stream, prompt="hello", seed=3, max_tokens=max_tokens,
+                key=key)
+
+
+def data(obj: Any) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+def chat_stream(tokens: list[str], end: str = "done", role: int = 1,
+                error: dict[str, Any] | None = None) -> str:
+    out = ""
+    for _ in range(role):
+        out += data({"choices": [{"delta": {"role": "assistant", "content": ""},
+                                  "finish_reason": None}]})
+    for tok in tokens:
+        out += data({"choices": [{"delta": {"content": tok}, "finish_reason": None}]})
+    if end == "done":
+        out += data({"choices": [{"delta": {}, "finish_reason": "length"}]})
+        out += "data: [DONE]\n\n"
+    elif end == "error":
+        out += data({"error": error}) + "data: [DONE]\n\n"
+    return out
+
+
+def ours(n: int) -> dict[str, Any]:
+    return {"message": "Generation was interrupted after part of the answer was sent",
+            "type": "server_error", "code": "upstream_decode_interrupted", "request_id": RID,
+            "partial_output": True, "retryable": False, "delivered_output_tokens": n,
+            "delivered_output_tokens_exact": True}
+
+
+def record(outcome: str | None, delivered: int, sent: bool = True, exact: bool = True,
+           attempts: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {"request_id": RID, "phase": "done" if outcome else "prefill",
+            "outcome": outcome, "first_delta_sent": sent,
+            "delivered_output_tokens": delivered, "delivered_output_tokens_exact": exact,
+            "first_delta_at": 100.0 if sent else None,
+            "attempts": attempts if attempts is not None else [
+                {"attempt": 1, "admitted_at": 99.0, "released": sent}]}
+
+
+def transcript(s: Spec, body: str, status: int = 200, headers: dict[str, str] | None = None,
+               err: str | None = None, rec: dict[str, Any] | None = None,
+               rec_status: int = 200, repeats: list[Seen] | None = None,
+               elapsed: float = 0.5, processor_fault: bool = False) -> Transcript:
+    seen = Seen(status=status, headers=headers if headers is not None else SSE, body=body,
+                transport_error=err, elapsed_s=elapsed)
+    return Transcript(index=0, spec=s, seen=seen, reference=reference(s), hang_bound_s=30.0,
+                      request_id=RID, record=rec, record_status=rec_status,
+                      repeats=repeats or [], processor_fault=processor_fault)
+
+
+def kinds(t: Transcript) -> list[str]:
+    return sorted({b.kind for b in check(t)})
+
+
+def test_the_reference_is_the_demo_replicas_answer() -> None:
+    # The same rule as extproc/demo/tokens.py: " word" tokens, fully determined.
+    ref = reference(spec())
+    assert len(ref) == 4 and all(t.startswith(" ") for t in ref)
+    assert reference(spec()) == ref
+    assert reference(spec(family="messages")) == ref  # one user message, the same prompt
+    assert reference(spec(family="completions")) != ref
+
+
+def test_a_clean_complete_stream_has_no_break() -> None:
+    s = spec()
+    t = transcript(s, chat_stream(reference(s)), rec=record("completed", 4))
+    assert check(t) == []
+
+
+def test_a_clean_interrupted_stream_has_no_break() -> None:
+    s = spec()
+    t = transcript(s, chat_stream(reference(s)[:2], end="error", error=ours(2)),
+                   rec=record("upstream_decode_interrupted", 2))
+    assert check(t) == []
+
+
+def test_stitched_answers_are_reported() -> None:
+    """Two lifecycles: the first attempt's two tokens, then a whole second answer."""
+    s = spec()
+    ref = reference(s)
+    body = chat_stream(ref[:2], end="none") + chat_stream(ref)
+    t = transcript(s, body, rec=record("completed", 4))
+    got = kinds(t)
+    assert "two_lifecycles" in got and "not_prefix" in got
+
+
+def test_a_non_prefix_text_is_reported() -> None:
+    s = spec()
+    ref = reference(s)
+    t = transcript(s, chat_stream([ref[0], " foreign", *ref[2:]]),
+                   rec=record("completed", 4))
+    assert "not_prefix" in kinds(t)
+    assert "incomplete_answer" in kinds(t)
+
+
+def test_a_record_that_disagrees_with_the_client_is_reported() -> None:
+    s = spec()
+    ref = reference(s)
+    # The client read 2 units and our terminal event; the record says 3, exact.
+    t = transcript(s, chat_stream(ref[:2], end="error", error=ours(2)),
+                   rec=record("upstream_decode_interrupted", 3))
+    assert kinds(t) == ["journal_disagrees"]
+    # A cut before any content, recorded as one delivered token, exact (issue 24, 2).
+    t = transcript(s, chat_stream([], end="none"), err="RemoteProtocolError: cut",
+                   rec=record("upstream_decode_interrupted", 1))
+    assert "journal_disagrees" in kinds(t)
+    # A complete answer recorded as interrupted.
+    t = transcript(s, chat_stream(ref), rec=record("upstream_decode_interrupted", 4))
+    assert kinds(t) == ["journal_disagrees"]
+
+
+def test_a_terminal_event_that_miscounts_is_reported() -> None:
+    s = spec()
+    t = transcript(s, chat_stream(reference(s)[:2], end="error", error=ours(3)),
+                   rec=record("upstream_decode_interrupted", 2))
+    assert kinds(t) == ["terminal_disagrees"]
+
+
+def test_a_cut_stream_is_documented_only_after_content_or_with_the_processor_down() -> None:
+    s = spec()
+    ref = reference(s)
+    after = transcript(s, chat_stream(ref[:2], end="none"), err="RemoteProtocolError: x",
+                       rec=record("upstream_decode_interrupted", 2))
+    assert check(after) == []
+    before = transcript(s, chat_stream([], end="none"), err="RemoteProtocolError: x",
+                        rec=record("upstream_failed", 0, sent=False))
+    assert "undocumented_cut" in kinds(before)
+    proc = transcript(s, chat_stream([], end="none"), err="RemoteProtocolError: x",
+                      rec=record("gateway_interrupted", 0, sent=False),
+                      processor_fault=True)
+    assert check(proc) == []
+
+
+def test_a_clean_end_without_terminal_event_and_a_hang_are_reported() -> None:
+    s = spec()
+    t = transcript(s, chat_stream(reference(s)[:2], end="none"),
+                   rec=record("upstream_decode_interrupted", 2))
+    assert kinds(t) == ["no_terminal"]
+    t = transcript(s, chat_stream(reference(s), end="done"), elapsed=31.0,
+                   rec=record("completed", 4))
+    assert kinds(t) == ["hang"]
+
+
+def test_envoys_anonymous_reply_is_an_undocumented_error() -> None:
+    s = spec()
+    t = transcript(s, "", status=502, headers={"content-type": "text/plain"}, rec=None,
+                   rec_status=0)
+    assert kinds(t) == ["undocumented_error"]
+    # While the processor is down Envoy fails closed with 500: documented.
+    t = transcript(s, "", status=500, headers={}, rec=None, rec_status=0,
+                   processor_fault=True)
+    assert check(t) == []
+
+
+def test_a_rerun_after_delivery_in_the_record_is_reported() -> None:
+    s = spec()
+    atts = [{"attempt": 1, "admitted_at": 99.0, "released": True},
+            {"attempt": 2, "admitted_at": 100.5, "released": False}]
+    t = transcript(s, chat_stream(reference(s)), rec=record("completed", 4, attempts=atts))
+    assert kinds(t) == ["rerun_after_delivery"]
+
+
+def err_seen(status: int, code: str, **extra: Any) -> Seen:
+    return Seen(status=status, headers=JSON,
+                body=json.dumps({"error": {"code": code, "request_id": RID, **extra}}))
+
+
+def test_repeats_of_a_key() -> None:
+    s = spec(key="k1")
+    ref = reference(s)
+    done = record("completed", 4)
+    ok = transcript(s, chat_stream(ref), rec=done,
+                    repeats=[err_seen(409, "request_already_completed")])
+    assert check(ok) == []
+    stuck = transcript(s, chat_stream(ref), rec=done,
+                       repeats=[err_seen(409, "request_in_progress", retryable=True)] * 3)
+    assert kinds(stuck) == ["key_stuck"]
+    rerun = transcript(s, chat_stream(ref), rec=done,
+                       repeats=[Seen(status=200, headers=SSE, body=chat_stream(ref))])
+    assert kinds(rerun) == ["rerun_after_delivery"]
+    wrong = transcript(s, chat_stream(ref), rec=done,
+                       repeats=[err_seen(409, "request_already_finished")])
+    assert check(wrong) == []  # an end, not the same words: not a break
+    never = transcript(s, chat_stream(ref), rec=done)
+    assert kinds(never) == ["key_stuck"]
+
+
+def test_a_retryable_failure_that_delivered_nothing_may_run_again() -> None:
+    s = spec(key="k2")
+    first = json.dumps({"error": {"code": "upstream_unavailable", "request_id": RID,
+                                  "retryable": True, "partial_output": False}})
+    rec = record("upstream_failed", 0, sent=False)
+    refused = transcript(s, first, status=503, headers=JSON, rec=rec,
+                         repeats=[err_seen(409, "request_already_finished")])
+    assert kinds(refused) == ["retryable_key_refused"]
+    ran = transcript(s, first, status=503, headers=JSON, rec=rec,
+                     repeats=[Seen(status=200, headers=SSE, body=chat_stream(reference(s)))])
+    assert check(ran) == []
+
+
+def test_a_journal_unavailable_intake_left_in_progress_is_unsettled() -> None:
+    s = spec(key="k3")
+    first = json.dumps({"error": {"code": "journal_unavailable", "request_id": RID,
+                                  "retryable": True}})
+    rec = record(None, 0, sent=False)
+    t = transcript(s, first, status=503, headers=JSON, rec=rec,
+                   repeats=[err_seen(409, "request_in_progress")] * 5)
+    assert kinds(t) == ["key_stuck", "record_unsettled"]
+
+
+@pytest.mark.parametrize("family", ["completions", "responses", "messages"])
+def test_other_families_complete_and_stitched(family: str) -> None:
+    s = spec(family=family)
+    ref = reference(s)
+
+    def stream(tokens: list[str], complete: bool = True) -> str:
+        if family == "completions":
+            body = "".join(data({"choices": [{"text": t, "finish_reason": None}]})
+                           for t in tokens)
+            return body + (data({"choices": [{"text": "", "finish_reason": "length"}]})
+                           + "data: [DONE]\n\n" if complete else "")
+        if family == "responses":
+            body = "event: response.created\n" + data({"type": "response.created"})
+            body += "".join("event: response.output_text.delta\n"
+                            + data({"type": "response.output_text.delta", "delta": t})
+                            for t in tokens)
+            return body + ("event: response.completed\n"
+                           + data({"type": "response.completed"}) if complete else "")
+        body = "event: message_start\n" + data({"type": "message_start"})
+        body += "".join("event: content_block_delta\n"
+                        + data({"type": "content_block_delta",
+                                "delta": {"type": "text_delta", "text": t}}) for t in tokens)
+        return body + ("event: message_stop\n" + data({"type": "message_stop"})
+                       if complete else "")
+
+    assert check(transcript(s, stream(ref), rec=record("completed", 4))) == []
+    stitched = transcript(s, stream(ref[:1], complete=False) + stream(ref),
+                          rec=record("completed", 4))
+    assert "not_prefix" in kinds(stitched)
+    if family != "completions":
+        assert "two_lifecycles" in kinds(stitched)
+
+
+def test_a_unary_answer_must_be_the_whole_reference() -> None:
+    s = spec(stream=False)
+    ref = "".join(reference(s))
+    body = json.dumps({"choices": [{"message": {"role": "assistant", "content": ref}}],
+                       "usage": {"completion_tokens": 4}})
+    assert check(transcript(s, body, headers=JSON, rec=record("completed", 4))) == []
+    short = json.dumps({"choices": [{"message": {"content": ref[:-3]}}]})
+    assert kinds(transcript(s, short, headers=JSON, rec=record("completed", 4))) == [
+        "incomplete_answer"]
+
+
+def test_sse_reading_drops_a_half_event_and_every_kind_is_described() -> None:
+    evs = parse_sse('data: {"a": 1}\n\nevent: x\ndata: {"b"')
+    assert evs == [(None, {"a": 1})]
+    assert view(spec(), Seen(200, SSE, "")).outcome == "unended"
+    assert all(BREAK_KINDS.values())
+
+
+def test_a_replicas_own_overloaded_answer_passed_on_is_documented() -> None:
+    s = spec()
+    body = json.dumps({"error": {"message": "replica overloaded", "code": 503}})
+    rec = {**record("upstream_failed", 0, sent=False), "cause": "http 503"}
+    assert check(transcript(s, body, status=503, headers=JSON, rec=rec)) == []
+    rec["cause"] = "upstream"  # the journal does not say so: not a documented answer
+    assert kinds(transcript(s, body, status=503, headers=JSON, rec=rec)) == [
+        "undocumented_error"]
