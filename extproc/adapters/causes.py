@@ -5,6 +5,9 @@ client disconnect and an upstream death look like "the gRPC stream ended" to us.
 knows the difference (response flags DC vs UPE/UC/...), and tells it through the access
 log, usually 0-6 ms after our stream ends, sometimes before. Entries are matched on our
 request id header, which the access-log config adds to each entry.
+
+A downstream entry also says how much of the response body Envoy sent to the client
+(`response.response_body_bytes`): the guard counts delivery from it (decision 0025).
 """
 
 from __future__ import annotations
@@ -41,6 +44,19 @@ def cause_of(entry: al.HTTPAccessLogEntry) -> str:
     return "unknown"
 
 
+def body_bytes_sent(entry: al.HTTPAccessLogEntry) -> int:
+    """The response body bytes Envoy's connection manager passed to the client's codec,
+    after every filter (the guard's too): chunked framing and headers not included.
+
+    Measured on Envoy 1.40 (tests/e2e/test_delivery.py): equal to the body the client read,
+    byte for byte, in every run, and it leaves out a chunk the guard answered after an
+    upstream reset had destroyed the stream. `common_properties.downstream_wire_bytes_sent`
+    counts the same bytes plus headers and chunk framing, so it cannot be compared with
+    the guard's body offsets.
+    """
+    return int(entry.response.response_body_bytes)
+
+
 class CauseRegistry:
     """Meets access-log entries and guard streams halfway, in whichever order they come."""
 
@@ -49,8 +65,9 @@ class CauseRegistry:
         # on_attempt(replica address, cause, HTTP status) for every per-attempt entry of the
         # replicas cluster, attempts that never reached a gate included (pool health).
         self.on_attempt = on_attempt
-        self._early: OrderedDict[str, tuple[str, float]] = OrderedDict()
-        self._waiting: dict[str, asyncio.Future[str]] = {}
+        # key -> (cause, response body bytes sent, arrival time)
+        self._early: OrderedDict[str, tuple[str, int, float]] = OrderedDict()
+        self._waiting: dict[str, asyncio.Future[tuple[str, int]]] = {}
         self._keep = keep
         self._ttl = ttl_s
 
@@ -76,15 +93,15 @@ class CauseRegistry:
             rid = hdrs.get(REQUEST_ID)
         if not rid:
             return
-        cause = cause_of(entry)
+        got = (cause_of(entry), body_bytes_sent(entry))
         fut = self._waiting.pop(rid, None)
         if fut is not None and not fut.done():
-            fut.set_result(cause)
+            fut.set_result(got)
             return
         now = time.monotonic()
-        self._early[rid] = (cause, now)
+        self._early[rid] = (*got, now)
         while self._early and (len(self._early) > self._keep
-                               or now - next(iter(self._early.values()))[1] > self._ttl):
+                               or now - next(iter(self._early.values()))[2] > self._ttl):
             self._early.popitem(last=False)
 
     def seen(self, rid: str) -> bool:
@@ -97,10 +114,16 @@ class CauseRegistry:
 
     async def wait_entry(self, rid: str, timeout_s: float) -> str | None:
         """The cause from `rid`'s entry, or None if Envoy said nothing within the time."""
+        got = await self.wait_sent(rid, timeout_s)
+        return None if got is None else got[0]
+
+    async def wait_sent(self, rid: str, timeout_s: float) -> tuple[str, int] | None:
+        """The cause and the response body bytes Envoy sent (`body_bytes_sent`), from
+        `rid`'s entry, or None if Envoy said nothing within the time."""
         early = self._early.pop(rid, None)
         if early is not None:
-            return early[0]
-        fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+            return early[0], early[1]
+        fut: asyncio.Future[tuple[str, int]] = asyncio.get_running_loop().create_future()
         self._waiting[rid] = fut
         try:
             return await asyncio.wait_for(fut, timeout_s)

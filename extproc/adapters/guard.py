@@ -173,8 +173,7 @@ class GuardSession(Session):
                 self.take_over(hd.get(H.HANDOFF))
             await self.feed(ResponseHeaders(status=status,
                                             content_type=hd.get("content-type", ""),
-                                            end_of_stream=msg.response_headers.end_of_stream,
-                                            envoy_reply=H.ENVOY_REPLY in hd))
+                                            end_of_stream=msg.response_headers.end_of_stream))
         elif which == "response_body":
             body = msg.response_body
             if self.m is None or not self.m.accepted:
@@ -493,8 +492,10 @@ class GuardSession(Session):
         elif isinstance(a, Refuse):
             await self.write(codec.immediate(a.error, {H.REQUEST_ID: rid} if rid else None))
         elif isinstance(a, AwaitCause):
-            cause = await self.p.causes.wait(rid, self.cfg.timeouts.access_log_wait_s)
-            await self.feed(CauseLearned(cause))
+            # Why it ended, and how much of the body Envoy sent the client (decision 0025).
+            got = await self.p.causes.wait_sent(rid, self.cfg.timeouts.access_log_wait_s)
+            await self.feed(CauseLearned("unknown", None) if got is None
+                            else CauseLearned(got[0], got[1]))
 
     def _maybe_checkpoint(self) -> None:
         """Now and then record the delivered count, in case this process dies mid-stream."""
@@ -572,10 +573,17 @@ class GuardSession(Session):
                                delivered_output_tokens=f.delivered_output_tokens,
                                cause=f.cause, finished_at=self.p.clock.wall(),
                                gateway_id=self.cfg.server.gateway_id, exact=f.exact,
-                               source=f.source)
+                               source=f.source, bound=f.bound)
+        m = self.m
+        if m is not None and m.withheld:
+            # Forwarded by us, never written by Envoy: the stream was gone first.
+            rlog(log, logging.WARNING, "content the guard forwarded never reached the client",
+                 self.rid, str(self.attempt["attempt_id"]) if self.attempt else None,
+                 withheld_content_events=m.withheld, handed_bytes=m.sent)
         rlog(log, logging.INFO, "request finished", self.rid, None, outcome=str(f.outcome),
              delivered_output_tokens=f.delivered_output_tokens, cause=f.cause,
-             delivered_output_tokens_source=f.source)
+             delivered_output_tokens_source=f.source,
+             delivered_output_tokens_bound=f.bound)
         if f.cause in ("stall", "in-band error", "malformed event"):
             self.span.add_event("terminal_error.injected", {"llmgw.cause": f.cause})
         if f.outcome is Outcome.CLIENT_DISCONNECTED:
@@ -588,6 +596,7 @@ class GuardSession(Session):
                     "llmgw.delivered_output_tokens": f.delivered_output_tokens,
                     "llmgw.delivered_output_tokens_exact": f.exact,
                     "llmgw.delivered_output_tokens_source": f.source,
+                    "llmgw.delivered_output_tokens_bound": f.bound,
                     "llmgw.first_delta_sent": bool(self.m and self.m.delivered > 0),
                     "http.response.status_code": self.m.status if self.m else None})
         if self.m is not None and self.p.keep_trace(f.outcome is Outcome.COMPLETED):

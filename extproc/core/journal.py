@@ -142,7 +142,8 @@ class JournalView:
             "finished_at": self.outcome.get("finished_at") if self.outcome else None,
             "attempts": [dict(a) for a in self.attempts],
         }
-        for k in ("delivered_output_tokens_exact", "delivered_output_tokens_source"):
+        for k in ("delivered_output_tokens_exact", "delivered_output_tokens_source",
+                  "delivered_output_tokens_bound", "partial_output"):
             if self.outcome is not None and k in self.outcome:
                 d[k] = self.outcome[k]
         err = self.client_error()

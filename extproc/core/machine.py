@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import sys
+from array import array
+from bisect import bisect_right
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
@@ -79,8 +81,6 @@ class ResponseHeaders:
     status: int
     content_type: str
     end_of_stream: bool = False
-    # Envoy made this reply itself (its local_reply_config marks it, decision 0024).
-    envoy_reply: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,9 +130,15 @@ class LeaseLost:
 
 @dataclass(frozen=True, slots=True)
 class CauseLearned:
-    """Guard: the termination cause, from Envoy's access log (or 'unknown' on timeout)."""
+    """Guard: the termination cause, from Envoy's access log (or 'unknown' on timeout).
+
+    `body_bytes`: the response body bytes Envoy's entry says it sent downstream (its
+    `response_body_bytes`, counted after every filter); None when no entry came in time,
+    so what reached the client is not known (decision 0025).
+    """
 
     cause: str  # "client" | "upstream" | "timeout" | "unknown"
+    body_bytes: int | None = None
 
 
 Event: TypeAlias = (RequestStarted | AdmitDecided | ResponseHeaders | ResponseBody | FenceDecided
@@ -257,6 +263,9 @@ class Finish:
     # "events" (content events forwarded: a lower bound when the engine merges tokens).
     exact: bool = True
     source: str = "events"
+    # "upper": the count is of what the guard handed to Envoy, and Envoy did not say how
+    # much of it it sent: at most this much reached the client (decision 0025).
+    bound: str | None = None
 
 
 Action: TypeAlias = (Admit | ContinueRequest | Refuse | PassHeaders | HoldChunk | PassChunk
@@ -309,7 +318,7 @@ TRACE_RECORD_COST = 320
 # Records of events that repeat across requests (no request-specific data in them) are one
 # shared, never mutated dict each: an open stream holds references, not copies.
 _SHARED_RECORD_TYPES = (RequestStarted, ResponseHeaders, FenceDecided, FirstDeltaTimeout,
-                        StallTimeout, StreamClosed, CauseLearned, Fenced, LeaseLost,
+                        StallTimeout, StreamClosed, Fenced, LeaseLost,
                         RequestHeadersSeen, RequestOpened)
 _SHARED_RECORDS: dict[Event, dict[str, Any]] = {}
 
@@ -453,6 +462,16 @@ class GuardMachine(_Base):
     # Envoy's own plain-text 5xx (e.g. no healthy upstream, overflow): replaced by our JSON
     # error so every client sees the same contract.
     replaced_error: bytes | None = None
+    # Delivery is what left toward the client (decision 0025): `sent` is the body bytes of a
+    # stream handed to Envoy so far; `marks` holds, per content event forwarded, MARK_STRIDE
+    # numbers: the offset just past its last byte, then `delivered`, `engine_tokens` (-1:
+    # none) and len(`kept`) as of that event. Marks more than `max_buffer` bytes behind
+    # `sent` are folded into `floor` (bounded memory on a long stream).
+    sent: int = 0
+    marks: array[int] = field(default_factory=lambda: array("q"))
+    floor: tuple[int, int, int, int] = (0, 0, -1, 0)
+    bound: str | None = None  # "upper": Envoy did not say what it sent (see Finish)
+    withheld: int = 0  # content units the guard forwarded that Envoy never sent
 
     @classmethod
     def new(cls, request_id: str, stall_after_first_delta_s: float,
@@ -472,11 +491,55 @@ class GuardMachine(_Base):
         """What the client received, in tokens: (count, exact, source); decision 0018."""
         if self.delivered == 0:  # nothing reached the client (or a whole answer said 0)
             return 0, not self.uncounted, "events" if self.engine_tokens is None else "engine"
+        exact = self.bound != "upper"  # an upper bound is never called exact
         if self.engine_tokens is not None:
-            return self.engine_tokens, True, "engine"
+            return self.engine_tokens, exact, "engine"
         if self.count_text is not None and self.kept:
             return self.count_text(self.family.text_of(self.kept)), False, "tokenizer"
         return self.delivered, False, "events"
+
+    def mark(self, end: int) -> None:
+        """A content event forwarded: its last byte ends at body offset `end`."""
+        et = self.engine_tokens
+        self.marks.extend((end, self.delivered, -1 if et is None else et, len(self.kept)))
+
+    def sent_downstream(self, n: int) -> None:
+        """`n` more body bytes handed to Envoy; old marks folded once far enough behind."""
+        self.sent += n
+        marks = self.marks
+        if len(marks) >= MARK_STRIDE * MARKS_KEPT:
+            keep_from = self.sent - self.max_buffer
+            i = 0
+            while i < len(marks) and marks[i] < keep_from:
+                i += MARK_STRIDE
+            if i:
+                j = i - MARK_STRIDE
+                self.floor = (marks[j], marks[j + 1], marks[j + 2], marks[j + 3])
+                del marks[:i]
+
+    def cut_to(self, body_bytes: int | None) -> None:
+        """Envoy says it sent `body_bytes` of the body (None: it did not say): the counts
+        become those of the content events whose last byte is within it."""
+        if body_bytes is None:
+            if self.delivered > 0:
+                self.bound = "upper"
+            return
+        marks = self.marks
+        ends = marks[0::MARK_STRIDE]
+        if body_bytes >= self.sent or not ends or body_bytes >= ends[-1]:
+            return  # every content event forwarded went out
+        i = bisect_right(ends, body_bytes)
+        if i:
+            j = (i - 1) * MARK_STRIDE
+            end, units, et, kept = marks[j], marks[j + 1], marks[j + 2], marks[j + 3]
+        else:
+            end, units, et, kept = self.floor
+            if end > body_bytes:
+                self.bound = "upper"  # folded away: the oldest count kept is the bound
+        self.withheld = self.delivered - units
+        self.delivered = units
+        self.engine_tokens = None if et < 0 else et
+        del self.kept[kept:]
 
     def _terminal(self) -> bytes:
         """The family's terminal event: our error, in the stream's own shape."""
@@ -487,8 +550,14 @@ class GuardMachine(_Base):
     def _finish(self, outcome: Outcome, cause: str | None) -> Finish:
         n, exact, source = self.delivered_tokens()
         self.finished = Finish(outcome=outcome, delivered_output_tokens=n, cause=cause,
-                               exact=exact, source=source)
+                               exact=exact, source=source,
+                               bound=self.bound if n > 0 else None)
         return self.finished
+
+
+# GuardMachine.marks: numbers per content event; events kept before folding is considered.
+MARK_STRIDE = 4
+MARKS_KEPT = 4096
 
 
 # --- gate transitions -----------------------------------------------------------------
@@ -658,8 +727,7 @@ def _guard_headers(m: GuardMachine, ev: ResponseHeaders) -> list[Action]:
     m.status = ev.status
     m.streaming = ev.content_type.split(";", 1)[0].strip().lower() == "text/event-stream"
     m.state = State.GUARD_RESPONDING
-    if (ev.status >= 500 and (ev.envoy_reply or ev.content_type.startswith("text/plain"))
-            and not ev.end_of_stream):
+    if ev.status >= 500 and ev.content_type.startswith("text/plain") and not ev.end_of_stream:
         # Envoy's own local reply (no host answered, or its per-try timeout on the last
         # attempt): our error shape instead of its plain text.
         m.replaced_error = m.family.error_json(upstream_unavailable(
@@ -701,10 +769,12 @@ def _sse_forward(m: GuardMachine, events: list[SseEvent], end: bool) -> list[Act
             if keep:
                 m.kept.append(e.raw)
             m.delivered += e.content_units
+            m.mark(m.sent + len(out))
         elif e.kind in (EventKind.ERROR, EventKind.MALFORMED) and m.delivered > 0:
             # Replace their error (or garbage) with our terminal event; never forward it.
             out += m._terminal()
             m.state = State.GUARD_TERMINATED
+            m.sent_downstream(len(out))
             return [Send(bytes(out), True), DisarmWatchdog(),
                     m._finish(Outcome.UPSTREAM_DECODE_INTERRUPTED,
                               "in-band error" if e.kind is EventKind.ERROR else "malformed event")]
@@ -719,6 +789,7 @@ def _sse_forward(m: GuardMachine, events: list[SseEvent], end: bool) -> list[Act
                 m.engine_tokens = n
         else:
             out += e.raw
+    m.sent_downstream(len(out))
     acts: list[Action] = [Send(bytes(out), end)]
     if end:
         m.state = State.GUARD_COMPLETE
@@ -771,8 +842,9 @@ def _guard_stall(m: GuardMachine, ev: StallTimeout) -> list[Action]:
     # An incomplete event fragment still in the decoder is never sent: the terminal event
     # must parse cleanly on its own.
     m.state = State.GUARD_TERMINATED
-    return [Send(m._terminal(), True),
-            m._finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, "stall")]
+    end = m._terminal()
+    m.sent_downstream(len(end))
+    return [Send(end, True), m._finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, "stall")]
 
 
 def _guard_fenced(m: GuardMachine, ev: Fenced) -> list[Action]:
@@ -780,7 +852,9 @@ def _guard_fenced(m: GuardMachine, ev: Fenced) -> list[Action]:
         return []  # a complete answer (or a whole non-streaming body) is already out
     # Like a stall, but the cause is known: this attempt may not publish another byte.
     m.state = State.GUARD_TERMINATED
-    return [Send(m._terminal(), True),
+    end = m._terminal()
+    m.sent_downstream(len(end))
+    return [Send(end, True),
             DisarmWatchdog(), m._finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, "fenced")]
 
 
@@ -814,6 +888,10 @@ def _guard_closed(m: GuardMachine, ev: StreamClosed) -> list[Action]:
 
 def _guard_cause(m: GuardMachine, ev: CauseLearned) -> list[Action]:
     m.state = State.GUARD_CLOSED
+    # What the client got is what Envoy sent, not what we handed it (decision 0025): a
+    # reset can destroy the stream with our last chunks still unwritten.
+    if m.status == 200 and m.streaming:
+        m.cut_to(ev.body_bytes)
     if ev.cause == "client":
         return [m._finish(Outcome.CLIENT_DISCONNECTED, "client")]
     if m.delivered > 0:

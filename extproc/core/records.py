@@ -35,16 +35,19 @@ def request_meta(*, request_id: str, tenant: str, idempotency_key: str | None, e
 
 def outcome(*, outcome: str, delivered_output_tokens: int, cause: str | None,
             finished_at: float, gateway_id: str, exact: bool = True,
-            source: str = "events") -> dict[str, Any]:
+            source: str = "events", bound: str | None = None) -> dict[str, Any]:
     """`exact` / `source`: whether the count is the engine's own, and what it counted
-    (decision 0018)."""
+    (decision 0018). The count is of what reached the client's connection (decision 0025):
+    `partial_output` says whether any of the answer did. `bound: "upper"`: Envoy did not
+    say what it sent (its access-log entry never came), so the count is of what the guard
+    handed to Envoy, at most what the client got: never called exact."""
     rec: dict[str, Any] = {"outcome": outcome, "delivered_output_tokens": delivered_output_tokens,
                            "delivered_output_tokens_exact": exact,
                            "delivered_output_tokens_source": source,
+                           "partial_output": delivered_output_tokens > 0 and outcome != "completed",
                            "cause": cause, "finished_at": finished_at, "gateway_id": gateway_id}
-    if cause == "unknown":
-        # Envoy (or the network to it) vanished with bytes in flight: what we handed to
-        # Envoy is an upper bound of what the client got.
+    if bound is not None:
+        rec["delivered_output_tokens_bound"] = bound
         rec["delivered_output_tokens_exact"] = False
     return rec
 

@@ -83,7 +83,8 @@ def event_from_record(d: Mapping[str, Any]) -> Event:
     if t == "StreamClosed":
         return StreamClosed()
     if t == "CauseLearned":
-        return CauseLearned(str(d["cause"]))
+        sent = d.get("body_bytes")  # absent in traces kept before decision 0025
+        return CauseLearned(str(d["cause"]), None if sent is None else int(sent))
     raise ValueError(f"unknown event type in trace: {t!r}")
 
 

@@ -95,12 +95,15 @@ NO_ARG_FAULTS: Final = frozenset({"kill-before-headers", "kill-after-headers",
                                   "silent-before-headers"})
 # reset-after-deltas:N dies like kill-after-deltas:N, but closes the connection with an RST
 # (SO_LINGER {1, 0}) instead of the FIN a plain SIGKILL leaves.
+# reset-now-after-deltas:N is reset-after-deltas:N without the settle time: the RST follows
+# the Nth delta's bytes at once, so Envoy may read the reset before the gateway let that
+# delta go to the client (the race of issue 24, finding 2, made the common case).
 # freeze-after-deltas:N SIGSTOPs the whole replica process after writing N deltas (unary:
 # after computing N tokens, before the headers): the kernel still accepts connections, and
 # nothing answers, health checks included, until someone sends SIGCONT.
 COUNT_FAULTS: Final = frozenset(
     {"kill-after-compute", "kill-after-deltas", "stall-after-deltas", "error-after-deltas",
-     "reset-after-deltas", "freeze-after-deltas"}
+     "reset-after-deltas", "reset-now-after-deltas", "freeze-after-deltas"}
 )
 SECONDS_FAULTS: Final = frozenset({"slow-first-delta"})
 # overloaded:STATUS[:RETRY_AFTER_SECONDS] answers at once with 429 or 503 (alive, busy).
@@ -666,7 +669,7 @@ class Replica:
             return web.Response(status=499)
         if fault is not None and fault.kind == "kill-after-deltas":
             await self.die(att, wrote=False)
-        if fault is not None and fault.kind == "reset-after-deltas":
+        if fault is not None and fault.kind in ("reset-after-deltas", "reset-now-after-deltas"):
             await self.reset(request, att, wrote=False)
         if fault is not None and fault.kind == "stall-after-deltas":
             return await self._stall(request, att)
@@ -831,6 +834,8 @@ class Replica:
                 await self.die(att, wrote=True)
             if fault.kind == "reset-after-deltas":
                 await self.reset(request, att, wrote=True)
+            if fault.kind == "reset-now-after-deltas":
+                await self.reset(request, att, wrote=False)
             if fault.kind == "stall-after-deltas":
                 return await self._stall(request, att)
             if fault.kind == "freeze-after-deltas":

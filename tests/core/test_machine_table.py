@@ -534,9 +534,11 @@ def test_guard_stream_closed_mid_stream_awaits_the_cause() -> None:
         m.handle(ResponseBody(content("a") + content("b"), False))
         assert m.handle(StreamClosed()) == [DisarmWatchdog(), AwaitCause()]
         assert m.state is State.GUARD_AWAIT_CAUSE
-        assert m.handle(CauseLearned(cause)) == [Finish(outcome, 2, cause, exact=False)]
+        # Envoy's entry says it sent every byte the guard handed it (decision 0025).
+        sent = len(content("a") + content("b"))
+        assert m.handle(CauseLearned(cause, sent)) == [Finish(outcome, 2, cause, exact=False)]
         assert m.state is State.GUARD_CLOSED
-        assert m.handle(CauseLearned(cause)) == []
+        assert m.handle(CauseLearned(cause, sent)) == []
 
 
 def test_guard_stream_closed_before_delivery() -> None:
