@@ -9,11 +9,13 @@ processor + etcd). Three demo replicas; `timeouts.first_delta_s` is shortened to
 the bounds are seconds (everything else is the default policy: retry budget, pool health,
 first-delta budget). For each fault, on a fresh stack: N healthy requests (no fault
 header), C at a time, while replica r2 is SIGKILLed and kept down ("dead") or SIGSTOPped
-("frozen": the kernel still accepts its connections). A request counts as complete only
-with HTTP 200, every expected content event, `[DONE]` and no error event; anything else is
-counted by what the client saw. Prints, per side and fault: the share of complete
-requests, the worst and median wait, and ours / plain. Bounded: N requests per scenario,
-each with a 30 s client timeout.
+("frozen": the kernel still accepts its connections), or both at once ("two-down": r2 dead
+and r3 frozen, one healthy replica left; decision 0024). `--panic P` renders
+pool.healthy_panic_threshold P on both sides (the comparison in decision 0024). A request
+counts as complete only with HTTP 200, every expected content event, `[DONE]` and no error
+event; anything else is counted by what the client saw. Prints, per side and fault: the
+share of complete requests, the worst and median wait, and ours / plain. Bounded: N
+requests per scenario, each with a 30 s client timeout.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ FIRST = 3.0
 MAX_TOKENS = 16
 CONFIG: dict[str, Any] = {"timeouts": {"first_delta_s": FIRST, "soft_first_delta_s": 1.0,
                                        "stall_after_first_delta_s": 2.0}}
-FAULTS = ("dead", "frozen")
+FAULTS = ("dead", "frozen", "two-down")
 SIDES = ("plain", "ours")
 
 
@@ -73,16 +75,20 @@ def _one(base: str) -> dict[str, Any]:
             "code": code}
 
 
-def scenario(side: str, fault: str, n: int, conc: int, work: Path) -> dict[str, Any]:
-    st = Stack(workdir=work / f"{side}-{fault}", config=CONFIG, replicas=3,
+def scenario(side: str, fault: str, n: int, conc: int, work: Path,
+             pool: dict[str, Any] | None = None) -> dict[str, Any]:
+    config = {**CONFIG, "pool": pool} if pool else CONFIG
+    st = Stack(workdir=work / f"{side}-{fault}", config=config, replicas=3,
                plain=side == "plain").start()
     try:
         st.wait_replicas_healthy()
         time.sleep(2.5)  # Envoy's health checks have seen every replica healthy
-        if fault == "dead":
+        if fault in ("dead", "two-down"):
             st.hold_down("r2")
-        else:
+        if fault == "frozen":
             st.freeze("r2")
+        if fault == "two-down":
+            st.freeze("r3")
         lock = threading.Lock()
         rows: list[dict[str, Any]] = []
 
@@ -98,6 +104,8 @@ def scenario(side: str, fault: str, n: int, conc: int, work: Path) -> dict[str, 
     finally:
         if fault == "frozen":
             st.thaw("r2")
+        if fault == "two-down":
+            st.thaw("r3")
         st.release("r2")
         st.stop()
     took = sorted(r["took_s"] for r in rows)
@@ -114,14 +122,16 @@ def scenario(side: str, fault: str, n: int, conc: int, work: Path) -> dict[str, 
             "wall_s": wall, "failures": failures}
 
 
-def measure(n: int = 60, conc: int = 4, log: Any = None) -> list[dict[str, Any]]:
+def measure(n: int = 60, conc: int = 4, log: Any = None,
+            faults: tuple[str, ...] = FAULTS, pool: dict[str, Any] | None = None
+            ) -> list[dict[str, Any]]:
     out = []
     with tempfile.TemporaryDirectory(prefix="bench-pool-") as d:
-        for fault in FAULTS:
+        for fault in faults:
             for side in SIDES:
                 if log:
-                    log(f"pool availability: {side}, one replica {fault} ...")
-                out.append(scenario(side, fault, n, conc, Path(d)))
+                    log(f"pool availability: {side}, {fault} ...")
+                out.append(scenario(side, fault, n, conc, Path(d), pool))
     return out
 
 
@@ -133,7 +143,7 @@ def table(rows: list[dict[str, Any]]) -> str:
              f"{'fault':<8} {'side':<6} {'complete':>10} {'share':>7} {'p50 s':>7} "
              f"{'p99 s':>7} {'worst s':>8}  failures",
              "-" * 78]
-    for fault in FAULTS:
+    for fault in dict.fromkeys(r["fault"] for r in rows):
         for side in SIDES:
             r = by[(side, fault)]
             lines.append(f"{fault:<8} {side:<6} {r['complete']:>5}/{r['requests']:<4} "
@@ -150,10 +160,16 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=60)
     ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--faults", default=",".join(FAULTS),
+                    help=f"comma-separated, of {', '.join(FAULTS)}")
+    ap.add_argument("--panic", type=float, default=None,
+                    help="pool.healthy_panic_threshold for both sides (default: the config's)")
     ap.add_argument("--out", help="write the rows as JSON here")
     a = ap.parse_args(argv)
+    faults = tuple(f for f in a.faults.split(",") if f in FAULTS) or FAULTS
+    pool = None if a.panic is None else {"healthy_panic_threshold": max(0.0, min(a.panic, 100.0))}
     rows = measure(max(4, min(a.requests, 2000)), max(1, min(a.concurrency, 64)),
-                   lambda m: print(m, file=sys.stderr, flush=True))
+                   lambda m: print(m, file=sys.stderr, flush=True), faults, pool)
     print(table(rows))
     if a.out:
         Path(a.out).write_text(json.dumps(rows, indent=2))

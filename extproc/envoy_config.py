@@ -15,8 +15,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .core.admission import RETRY_HEADER
 from .core.config import Config
-from .core.headers import ATTEMPT_ID, ENVOY_ATTEMPT_COUNT, PREADMITTED, REQUEST_ID, ROLE_METADATA
+from .core.headers import (
+    ATTEMPT_ID,
+    ENVOY_ATTEMPT_COUNT,
+    ENVOY_REPLY,
+    PREADMITTED,
+    REQUEST_ID,
+    ROLE_METADATA,
+)
 
 
 @dataclass(frozen=True)
@@ -201,7 +209,7 @@ def render(cfg: Config, topo: Topology, plain: bool = False) -> dict[str, Any]:
                                                             ENVOY_ATTEMPT_COUNT, PREADMITTED])]
     filters.append({"name": "envoy.filters.http.router", "typed_config": router})
 
-    retry_policy = {
+    retry_policy: dict[str, Any] = {
         # 5xx includes the gate's own `:status: 503` for an attempt it fails on purpose.
         # 429 is overload, not death: retried on another host within max_attempts, after
         # the replica's Retry-After (capped) instead of Envoy's 10 ms back-off.
@@ -211,7 +219,10 @@ def render(cfg: Config, topo: Topology, plain: bool = False) -> dict[str, Any]:
             "reset_headers": [{"name": "retry-after", "format": "SECONDS"}],
             "max_interval": _dur(min(10.0, t.first_delta_s)),
         },
-        "num_retries": attempts - 1,
+        # max_attempts counts attempts that reached a replica; an attempt whose connection
+        # was refused (no byte sent, no gate ran) is one of pool.unreached_attempts more.
+        # The gate stops Envoy at the last real attempt (decision 0024).
+        "num_retries": attempts - 1 + cfg.pool.unreached_attempts,
         # The gate enforces first_delta_s itself from the attempt's start (a retry's wait
         # for the previous attempt's fence comes out of it). A replica that never sends
         # headers leaves the gate nothing to answer: this per-try timeout, a moment after
@@ -225,6 +236,13 @@ def render(cfg: Config, topo: Topology, plain: bool = False) -> dict[str, Any]:
         "host_selection_retry_max_attempts": 5,
         "retry_back_off": {"base_interval": "0.010s", "max_interval": "0.250s"},
     }
+    if not plain:
+        # With the processor, a response that came back (the replica's own 5xx/429, or the
+        # gate's 503) is retried only when the gate marks it: never after the last attempt
+        # that counts, so the spare attempts above serve refused connections only.
+        retry_policy["retry_on"] = "reset,connect-failure,refused-stream,retriable-headers"
+        del retry_policy["retriable_status_codes"]
+        retry_policy["retriable_headers"] = [{"name": RETRY_HEADER, "present_match": True}]
     routes: list[dict[str, Any]] = []
     if not plain:
         routes.append({"match": {"prefix": "/v1/requests/"},
@@ -255,7 +273,7 @@ def render(cfg: Config, topo: Topology, plain: bool = False) -> dict[str, Any]:
                     "envoy.extensions.tracers.opentelemetry.resource_detectors.v3."
                     "EnvironmentResourceDetectorConfig")}}]}},
             "random_sampling": {"value": 100}}
-    hcm = {
+    hcm: dict[str, Any] = {
         "@type": _t("envoy.extensions.filters.network.http_connection_manager.v3."
                     "HttpConnectionManager"),
         "stat_prefix": "ingress",
@@ -265,6 +283,7 @@ def render(cfg: Config, topo: Topology, plain: bool = False) -> dict[str, Any]:
         "access_log": access_logs,
         "http_filters": filters,
         **({"tracing": tracing} if tracing else {}),
+        **({} if plain else {"local_reply_config": local_reply_config()}),
         "route_config": {"name": "local", "virtual_hosts": [{
             "name": "gateway", "domains": ["*"], "include_request_attempt_count": True,
             "routes": routes}]},
@@ -334,7 +353,10 @@ def render(cfg: Config, topo: Topology, plain: bool = False) -> dict[str, Any]:
                     "grpc_services": [{"envoy_grpc": {"cluster_name": "extproc"}}]}}}
         replica_cluster["ignore_health_on_host_removal"] = True
     # Pool health in Envoy's own terms, the same with or without the processor (the plain
-    # side of the benchmarks is this exact cluster with no ext_proc).
+    # side of the benchmarks is this exact cluster with no ext_proc). Below the panic
+    # threshold Envoy would balance over every host, dead ones included (decision 0024).
+    replica_cluster["common_lb_config"] = {
+        "healthy_panic_threshold": {"value": cfg.pool.healthy_panic_threshold}}
     hcs = health_checks(cfg)
     if hcs:
         replica_cluster["health_checks"] = hcs
@@ -412,6 +434,52 @@ def render(cfg: Config, topo: Topology, plain: bool = False) -> dict[str, Any]:
         # An xDS client must name itself; the processor serves every node the same pool.
         boot = {"node": {"id": "llm-gateway", "cluster": "llm-gateway"}, **boot}
     return boot
+
+
+# Envoy's own replies that mean "no replica answered": no healthy host, refused or reset
+# before headers with every retry spent, overflow, or its per-try timeout on the last try.
+LOCAL_REPLY_FLAGS_UNAVAILABLE = ("UH", "UF", "UO", "URX", "UC", "LR", "UR", "UPE", "NC")
+LOCAL_REPLY_FLAGS_TIMEOUT = ("UT",)
+# Set on those replies, so the guard (when it still sees the response) gives the request's
+# API family its own error shape (docs/errors.md); the value is Envoy's response flags.
+ENVOY_REPLY_HEADER = ENVOY_REPLY
+
+
+def _local_reply_mapper(flags: tuple[str, ...], code: str, what: str) -> dict[str, Any]:
+    body = {"error": {
+        "message": f"no replica produced an answer ({what}: %LOCAL_REPLY_BODY%)",
+        "type": "server_error",
+        "code": code,
+        "request_id": f"%REQ({REQUEST_ID})%",
+        "partial_output": False,
+        "retryable": True,
+    }}
+    return {
+        "filter": {"and_filter": {"filters": [
+            {"status_code_filter": {"comparison": {
+                "op": "GE", "value": {"default_value": 500, "runtime_key": "llmgw_lr_min"}}}},
+            {"response_flag_filter": {"flags": list(flags)}}]}},
+        "headers_to_add": [
+            {"header": {"key": REQUEST_ID, "value": f"%REQ({REQUEST_ID})%"},
+             "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"},
+            {"header": {"key": ENVOY_REPLY_HEADER, "value": "%RESPONSE_FLAGS%"},
+             "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}],
+        "body_format_override": {"json_format": body,
+                                 "content_type": "application/json"},
+    }
+
+
+def local_reply_config() -> dict[str, Any]:
+    """Envoy's own 5xx (it made the reply itself: no host answered) in the gateway's error
+    shape, with the request's id in a header and in the body, so every client can look its
+    request up (GET /v1/requests/<id>). The gateway's own errors (the guard's and the gate's
+    ImmediateResponses) carry no upstream response flag and pass unchanged."""
+    return {"mappers": [
+        _local_reply_mapper(LOCAL_REPLY_FLAGS_TIMEOUT, "upstream_timeout",
+                            "Envoy's upstream timeout"),
+        _local_reply_mapper(LOCAL_REPLY_FLAGS_UNAVAILABLE, "upstream_unavailable",
+                            "Envoy's local reply"),
+    ]}
 
 
 # What the operators' listener serves of the admin interface: read-only, nothing else.

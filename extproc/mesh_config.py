@@ -51,6 +51,7 @@ def fragments(cfg: Config) -> dict[str, Any]:
         "access_log": hcm["access_log"],
         "stream_idle_timeout": hcm["stream_idle_timeout"],
         "request_timeout": hcm["request_timeout"],
+        "local_reply_config": hcm["local_reply_config"],
         "retry_policy": route["retry_policy"],
         "route_timeout": route["timeout"],
         "circuit_breakers": replicas["circuit_breakers"],
@@ -59,7 +60,8 @@ def fragments(cfg: Config) -> dict[str, Any]:
         "buffer_limit": lis["per_connection_buffer_limit_bytes"],
     }
     assert out["guard"]["name"] == "envoy.filters.http.ext_proc"
-    for key in ("health_checks", "outlier_detection", "load_balancing_policy"):
+    for key in ("health_checks", "outlier_detection", "load_balancing_policy",
+                "common_lb_config"):
         if key in replicas:
             out[key] = replicas[key]
     if "tracing" in hcm:
@@ -139,6 +141,7 @@ def istio_patches(cfg: Config) -> list[tuple[str, dict[str, Any]]]:
         "@type": f["hcm_type"],
         "stream_idle_timeout": f["stream_idle_timeout"],
         "request_timeout": f["request_timeout"],
+        "local_reply_config": f["local_reply_config"],
         "access_log": f["access_log"]}
     if "tracing" in f:
         hcm_value["tracing"] = f["tracing"]
@@ -155,7 +158,8 @@ def istio_patches(cfg: Config) -> list[tuple[str, dict[str, Any]]]:
                      "patch": {"operation": "ADD", "value": f["otel_cluster"]}}))
     out += [
         ("2. The connection manager: Envoy's idle timeout must never end a stream before the\n"
-         "guard's watchdog does; the access log tells the journal why a stream ended"
+         "guard's watchdog does; Envoy's own 5xx carry the request id in the gateway's error\n"
+         "shape (local_reply_config); the access log tells the journal why a stream ended"
          + ("; Envoy's\nOpenTelemetry tracer (it replaces one the mesh config sets)."
             if "tracing" in f else "."),
          {"applyTo": "NETWORK_FILTER", "match": on_hcm, "patch": {
@@ -192,14 +196,15 @@ def istio_patches(cfg: Config) -> list[tuple[str, dict[str, Any]]]:
          {"applyTo": "CLUSTER", "match": on_cluster,
           "patch": {"operation": "MERGE", "value": gate}}),
     ]
-    health = {k: f[k] for k in ("health_checks", "outlier_detection") if k in f}
+    health = {k: f[k] for k in ("health_checks", "outlier_detection", "common_lb_config")
+              if k in f}
     if health:
         out.append((
             "9. Pool health on the replica cluster, as render-envoy sets it: active HTTP health\n"
             "checks of every replica, and outlier detection (local-origin errors split out: a\n"
             "refused, reset or timed-out attempt counts apart from the replica's own 5xx;\n"
-            "success-rate ejection off). A DestinationRule's outlierDetection, if any, is\n"
-            "merged into and overridden by this.",
+            "success-rate ejection off), and the panic threshold (pool.healthy_panic_threshold).\n"
+            "A DestinationRule's outlierDetection, if any, is merged into and overridden by this.",
             {"applyTo": "CLUSTER", "match": on_cluster,
              "patch": {"operation": "MERGE", "value": health}}))
     return out
@@ -273,6 +278,8 @@ def eg_patches(cfg: Config, namespace: str) -> list[tuple[str, dict[str, Any]]]:
          "request timeout, and the access log that names why a stream ended.",
          p(_LISTENER_T, n["listener"], f"{hcm}/stream_idle_timeout", f["stream_idle_timeout"])),
         ("", p(_LISTENER_T, n["listener"], f"{hcm}/request_timeout", f["request_timeout"])),
+        ("Envoy's own 5xx carry the request id, in the gateway's error shape.",
+         p(_LISTENER_T, n["listener"], f"{hcm}/local_reply_config", f["local_reply_config"])),
     ]
     out += [("", p(_LISTENER_T, n["listener"], f"{hcm}/access_log/-", entry))
             for entry in f["access_log"]]
@@ -305,7 +312,7 @@ def eg_patches(cfg: Config, namespace: str) -> list[tuple[str, dict[str, Any]]]:
                     p(_CLUSTER_T, n["cluster"], "/load_balancing_policy",
                       f["load_balancing_policy"])))
     first = True
-    for key in ("health_checks", "outlier_detection"):
+    for key in ("health_checks", "outlier_detection", "common_lb_config"):
         if key in f:
             out.append((
                 "7. Pool health on the replica cluster, as render-envoy sets it: Envoy's active\n"

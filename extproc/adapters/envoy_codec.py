@@ -111,11 +111,13 @@ def request_trailers_response() -> ep.ProcessingResponse:
     return ep.ProcessingResponse(request_trailers=ep.TrailersResponse())
 
 
-def fail_attempt_headers(request_id: str) -> ep.ProcessingResponse:
-    """Answer held response headers as a 503 so the router retries on another host."""
+def fail_attempt_headers(request_id: str, retry: dict[str, str] | None = None
+                         ) -> ep.ProcessingResponse:
+    """Answer held response headers as a 503 so the router retries on another host
+    (`retry`: the header that asks it to, unless this was the last attempt)."""
     return continue_response_headers(
         {":status": "503", "content-type": "application/json",
-         "x-gateway-request-id": request_id},
+         "x-gateway-request-id": request_id, **(retry or {})},
         remove=("content-length",))
 
 

@@ -18,7 +18,14 @@ from opentelemetry.trace import Span, SpanKind
 
 from ..core import headers as H
 from ..core import records
-from ..core.admission import Admitted, AttemptRequest, decide
+from ..core.admission import (
+    RETRY_HEADER,
+    Admitted,
+    AttemptRequest,
+    decide,
+    envoy_retries,
+    retry_after_s,
+)
 from ..core.errors import (
     ErrorCode,
     GatewayError,
@@ -185,6 +192,11 @@ class GateSession(Session):
                 return
             self.model_revision = hd.get("x-model-revision")
             self.http_status = int(hd.get(":status", "0") or 0)
+            if self.http_status in (429, 503) and self.replica:
+                # Overloaded, not dead: tried after the others until its Retry-After.
+                wait = retry_after_s(hd.get("retry-after"), self.cfg.timeouts.first_delta_s)
+                if wait:
+                    self.p.health.overloaded(self.replica, self.p.clock.monotonic() + wait)
             await self.feed(ResponseHeaders(int(hd.get(":status", "0") or 0),
                                             hd.get("content-type", ""),
                                             msg.response_headers.end_of_stream))
@@ -225,7 +237,8 @@ class GateSession(Session):
             return None
         if isinstance(a, PassHeaders):
             # Only the gate may say which attempt the guard owns, never the replica.
-            await self.write(codec.continue_response_headers(remove=(H.HANDOFF,)))
+            await self.write(codec.continue_response_headers(
+                self._retry(self.http_status), remove=(H.HANDOFF,)))
             return None
         if isinstance(a, DropChunk):
             await self.write(codec.replace_response_body(b""))
@@ -259,7 +272,7 @@ class GateSession(Session):
             self.span.add_event("attempt.failed", {"llmgw.reason": a.reason})
             rlog(log, logging.WARNING, "attempt failed before first delta", rid, self.aid,
                  attempt=self.attempt, replica=self.replica, reason=a.reason)
-            await self.write(codec.fail_attempt_headers(rid))
+            await self.write(codec.fail_attempt_headers(rid, self._retry(503)))
             for i in range(a.held_chunks):
                 body = self.m.family.error_json(a.error) if self.m is not None else b""
                 await self.write(codec.replace_response_body(body if i == 0 else b""))
@@ -275,6 +288,12 @@ class GateSession(Session):
         if isinstance(a, Admit):
             return await self.admit(a.attempt)
         return None
+
+    def _retry(self, status: int) -> dict[str, str]:
+        """The header asking Envoy to retry this response, unless the attempt is the last
+        that counts (decision 0024)."""
+        final = self.admitted is None or self.admitted.final
+        return {RETRY_HEADER: "1"} if envoy_retries(status, final) else {}
 
     def facts(self) -> records.AttemptFacts:
         return records.AttemptFacts(
@@ -343,7 +362,8 @@ class GateSession(Session):
                    else 0.0)
         verdict = decide(AttemptRequest(
             request_id=rid, attempt=attempt, max_attempts=cfg.policy.max_attempts,
-            reached_before=rid in self.p.reached, elapsed_s=elapsed,
+            reached_before=rid in self.p.reached, reached_count=self.p.reached.get(rid, 0),
+            elapsed_s=elapsed,
             total_first_delta_s=t.total_first_delta_s(cfg.policy.max_attempts),
             first_delta_s=t.first_delta_s, fence_wait_s=t.fence_wait_s,
             want_fingerprint=self.want_fingerprint if pool.enabled else None,
@@ -496,7 +516,7 @@ class GateSession(Session):
         done = records.settle_end(facts, plan, entry, cancel_ack)
         cls, fence = done.failure_class, done.fence
         if a.timed_out and self.replica:
-            self.p.health.attempt_failed(self.replica, self.p.clock.monotonic())
+            self.p.health.first_delta_timed_out(self.replica, self.p.clock.monotonic())
         record = records.attempt_end(base, facts, done,
                                      ended_at if plan.revoke_now else self.p.clock.wall(),
                                      self.cfg.etcd.attempt_lease_ttl_s)

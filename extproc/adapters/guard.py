@@ -173,7 +173,8 @@ class GuardSession(Session):
                 self.take_over(hd.get(H.HANDOFF))
             await self.feed(ResponseHeaders(status=status,
                                             content_type=hd.get("content-type", ""),
-                                            end_of_stream=msg.response_headers.end_of_stream))
+                                            end_of_stream=msg.response_headers.end_of_stream,
+                                            envoy_reply=H.ENVOY_REPLY in hd))
         elif which == "response_body":
             body = msg.response_body
             if self.m is None or not self.m.accepted:

@@ -169,7 +169,8 @@ class Processor:
         self.causes = CauseRegistry(on_attempt=self.attempt_seen)
         # Requests with an attempt that reached a replica (a gate let it go upstream): a
         # later attempt of theirs is a re-prefill, charged to the retry budget.
-        self.reached: OrderedDict[str, None] = OrderedDict()
+        # How many of its attempts did (max_attempts counts only those, decision 0024).
+        self.reached: OrderedDict[str, int] = OrderedDict()
         self._tasks: set[asyncio.Task[Any]] = set()
         self.open_streams = 0
         self.handoffs: Pending[HandedOff] = Pending(
@@ -181,7 +182,7 @@ class Processor:
         self.pool = pool
 
     def mark_reached(self, rid: str) -> None:
-        self.reached[rid] = None
+        self.reached[rid] = self.reached.get(rid, 0) + 1
         while len(self.reached) > 20000:
             self.reached.popitem(last=False)
 
@@ -190,7 +191,10 @@ class Processor:
         detection counts it (refused, reset or timed out: a local-origin failure)."""
         now = self.clock.monotonic()
         if cause in ("upstream", "timeout"):
-            if self.health.attempt_failed(replica, now):
+            # A timed-out attempt (silent past the first-delta limit) ejects at once.
+            fail = (self.health.first_delta_timed_out if cause == "timeout"
+                    else self.health.attempt_failed)
+            if fail(replica, now):
                 rlog(log, logging.WARNING, "replica ejected after failed attempts", None, None,
                      replica=replica, cause=cause)
         elif status == 200:

@@ -25,6 +25,7 @@ from .errors import (
     no_compatible_replica,
     too_expensive,
     upstream_timeout,
+    upstream_unavailable,
 )
 
 # An attempt that would have less than this left of the request's budget is not started:
@@ -51,6 +52,10 @@ class AttemptRequest:
     replica: str | None = None
     prompt_tokens: int = 0
     max_prompt_tokens: int = 0  # 0: no retry-cost limit
+    # How many earlier attempts of this request reached a replica. Given, max_attempts
+    # counts only those (an attempt whose connection was refused spends none, decision
+    # 0024); None: Envoy's attempt count is the count.
+    reached_count: int | None = None
     attempt_id: str = ""  # the budget counts a re-prefill under it until its end
 
 
@@ -67,7 +72,15 @@ class Admitted:
 
 def decide(req: AttemptRequest, budget: RetryBudget, now: float) -> Admitted | GatewayError:
     rid = req.request_id
-    if req.attempt > req.max_attempts:
+    counted = req.attempt if req.reached_count is None else req.reached_count + 1
+    if req.reached_count is not None and counted > req.max_attempts:
+        # Envoy's spare attempts (pool.unreached_attempts) are for connections that never
+        # reached a replica; this one would be a run beyond max_attempts. Nothing was
+        # delivered and nothing more runs: the client may try again.
+        return upstream_unavailable(
+            rid, f"{req.reached_count} attempts reached a replica, max_attempts "
+                 f"{req.max_attempts}")
+    if counted > req.max_attempts:
         return attempts_exhausted(rid, req.attempt, req.max_attempts)
     if req.want_fingerprint and req.replica_fingerprint != req.want_fingerprint:
         # Defense in depth: Envoy's host list holds only compatible replicas, but whatever
@@ -89,9 +102,35 @@ def decide(req: AttemptRequest, budget: RetryBudget, now: float) -> Admitted | G
     # The fence wait comes out of this attempt's own time: it may not eat all of it.
     window = min(req.first_delta_s, remaining)
     fence_wait = max(0.0, min(req.fence_wait_s, window - MIN_ATTEMPT_S))
-    final = req.attempt >= req.max_attempts or remaining <= req.first_delta_s
+    final = counted >= req.max_attempts or remaining <= req.first_delta_s
     return Admitted(counts_as_retry=retry, fence_wait_s=fence_wait, deadline_s=window,
                     final=final)
+
+
+def envoy_retries(status: int, final: bool) -> bool:
+    """Whether Envoy should retry a response that came back from a replica (its own
+    non-200, passed through) or that the gate failed on purpose (503): 5xx and 429, as
+    before, but never after the last attempt that counts (`final`). Envoy's retry policy
+    retries a response only when the gate marks it (RETRY_HEADER), so the spare attempts
+    for refused connections (pool.unreached_attempts) are never spent on a re-run."""
+    return not final and (status >= 500 or status == 429)
+
+
+# The response header by which the gate asks Envoy to retry (retry_policy.retriable_headers).
+RETRY_HEADER = "x-gateway-retry"
+
+
+def retry_after_s(value: str | None, limit_s: float) -> float | None:
+    """A replica's Retry-After in seconds (delta-seconds only), capped at `limit_s`."""
+    if not value:
+        return None
+    try:
+        s = float(value.strip())
+    except ValueError:
+        return None
+    if s != s or s < 0:  # NaN or negative
+        return None
+    return min(s, limit_s)
 
 
 # --- the journal's admission, once its compare failed ----------------------------------

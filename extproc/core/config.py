@@ -247,8 +247,10 @@ class OutlierDetectionConfig:
     # Envoy's outlier detection on the replicas cluster, local-origin errors split out, and
     # the processor's passive view of the same evidence (extproc.core.health).
     enabled: bool = True
-    # Refused, reset or timed-out attempts in a row before a host is ejected.
-    consecutive_local_origin_failure: int = 2
+    # Refused, reset or timed-out attempts in a row before a host is ejected. One: a frozen
+    # host's first per-try timeout ejects it (decision 0024); a live host that failed once
+    # is back at its next good health check.
+    consecutive_local_origin_failure: int = 1
     # 5xx answered by the replica (or by the gate for it) in a row; 429 never counts.
     consecutive_5xx: int = 5
     interval_s: float = 1.0
@@ -269,6 +271,13 @@ class PoolConfig:
     discovery: str = "static"
     # A registration lapses this long after its agent stopped renewing it (docs/pool-membership.md).
     registration_ttl_s: int = 10
+    # Envoy's panic threshold on the replicas cluster, percent: below this share of healthy
+    # hosts Envoy balances over every host, healthy or not. 0: never; one healthy replica
+    # takes all the traffic while it has room (decision 0024).
+    healthy_panic_threshold: float = 0.0
+    # Attempts Envoy may make beyond policy.max_attempts for attempts that never reached a
+    # replica (connection refused: no byte sent); they do not count against max_attempts.
+    unreached_attempts: int = 2
 
 
 @dataclass(frozen=True)
@@ -693,7 +702,12 @@ def load_config(raw: Mapping[str, Any] | None) -> Config:
     pool = PoolConfig(replicas=tuple(reps), health_check=health, outlier_detection=outlier,
                       discovery=discovery,
                       registration_ttl_s=pl.int_("registration_ttl_s",
-                                                 PoolConfig.registration_ttl_s, 2, 300))
+                                                 PoolConfig.registration_ttl_s, 2, 300),
+                      healthy_panic_threshold=pl.float_(
+                          "healthy_panic_threshold", PoolConfig.healthy_panic_threshold,
+                          0.0, 100.0),
+                      unreached_attempts=pl.int_("unreached_attempts",
+                                                 PoolConfig.unreached_attempts, 0, 10))
     pl.done()
     policy = _policy(root.section("policy"))
     accounting = _accounting(root.section("accounting"))

@@ -20,5 +20,7 @@ ACCEPTED_AT = "x-gateway-accepted-at"
 # Guard -> gate: the request span's W3C trace context, so the attempt spans join its trace
 # (a client's own traceparent is the parent of the request span, not of the attempts).
 TRACEPARENT = "x-gateway-traceparent"
+# On Envoy's own 5xx replies (its local_reply_config): its response flags (decision 0024).
+ENVOY_REPLY = "x-gateway-envoy-reply"
 OWNED = (REQUEST_ID, ATTEMPT_ID, FINGERPRINT, PROMPT_TOKENS, PREADMITTED, HANDOFF, ACCEPTED_AT,
          TRACEPARENT)

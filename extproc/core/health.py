@@ -9,14 +9,19 @@ same "panic" choice Envoy makes when too few hosts are healthy).
 
 Two kinds of evidence, mirroring Envoy's: passive (how attempts ended, from the gate and
 from Envoy's per-attempt access log, like outlier detection's consecutive local-origin
-failures) and active (the processor's own probe of each replica's health path). Time is
-passed in, so this stays pure.
+failures) and active (the processor's own probe of each replica's health path). A first-delta
+timeout ejects at once, and a replica's own 429/503 with Retry-After marks it busy (tried
+after the healthy ones, before the dead) until then (decision 0024). Time is passed in, so
+this stays pure.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+
+# consecutive_failures this large: passive ejection is off (outlier_detection.enabled false).
+PASSIVE_OFF = 1 << 30
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,9 +38,11 @@ class HealthPolicy:
 
 
 class _Host:
-    __slots__ = ("ejected_until", "ejections", "failures", "probe_bad", "probe_down", "probe_good")
+    __slots__ = ("busy_until", "ejected_until", "ejections", "failures", "probe_bad",
+                 "probe_down", "probe_good")
 
     def __init__(self) -> None:
+        self.busy_until = 0.0
         self.failures = 0
         self.ejections = 0
         self.ejected_until = 0.0
@@ -67,6 +74,26 @@ class HostHealth:
         h.ejected_until = now + min(p.max_ejection_s, p.base_ejection_s * h.ejections)
         return True
 
+    def first_delta_timed_out(self, addr: str, now: float) -> bool:
+        """An attempt on `addr` produced no first delta within the limit: ejected at once
+        (decision 0024). A frozen host accepts connections and never answers, so every
+        request sent there costs a whole first-delta limit; one is evidence enough. A
+        good probe brings it back (a slow but alive replica answers its health check)."""
+        h = self._h(addr)
+        if self.policy.consecutive_failures < PASSIVE_OFF:  # passive ejection is on
+            h.failures = max(h.failures, self.policy.consecutive_failures - 1)
+        return self.attempt_failed(addr, now)
+
+    def overloaded(self, addr: str, until: float) -> None:
+        """The replica answered 429/503 with Retry-After: busy until then. Not dead (a slow
+        replica is not a dead one): it stays ahead of hosts known to be down."""
+        h = self._h(addr)
+        h.busy_until = max(h.busy_until, until)
+
+    def busy(self, addr: str, now: float) -> bool:
+        h = self._hosts.get(addr)
+        return h is not None and h.busy_until > now
+
     def attempt_succeeded(self, addr: str, now: float) -> None:
         h = self._h(addr)
         h.failures = 0
@@ -96,13 +123,16 @@ class HostHealth:
         return h is None or (not h.probe_down and h.ejected_until <= now)
 
     def order(self, hosts: Sequence[str], now: float) -> list[str]:
-        """Healthy hosts first, in the given order; then the others, soonest back first."""
-        good = [a for a in hosts if self.healthy(a, now)]
+        """Healthy hosts first, in the given order; then busy ones (a Retry-After not yet
+        over), soonest free first; then the unhealthy, soonest back first."""
+        good = [a for a in hosts if self.healthy(a, now) and not self.busy(a, now)]
         if len(good) == len(hosts):
             return list(hosts)
+        busy = [a for a in hosts if self.healthy(a, now) and self.busy(a, now)]
+        busy.sort(key=lambda a: self._h(a).busy_until)
         bad = [a for a in hosts if not self.healthy(a, now)]
         bad.sort(key=lambda a: (self._h(a).probe_down, self._h(a).ejected_until))
-        return good + bad
+        return good + busy + bad
 
     def unhealthy(self, hosts: Iterable[str], now: float) -> list[str]:
         return [a for a in hosts if not self.healthy(a, now)]

@@ -81,6 +81,8 @@ class ResponseHeaders:
     status: int
     content_type: str
     end_of_stream: bool = False
+    # Envoy made this reply itself (its local_reply_config marks it, decision 0024).
+    envoy_reply: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -727,7 +729,8 @@ def _guard_headers(m: GuardMachine, ev: ResponseHeaders) -> list[Action]:
     m.status = ev.status
     m.streaming = ev.content_type.split(";", 1)[0].strip().lower() == "text/event-stream"
     m.state = State.GUARD_RESPONDING
-    if ev.status >= 500 and ev.content_type.startswith("text/plain") and not ev.end_of_stream:
+    if (ev.status >= 500 and (ev.envoy_reply or ev.content_type.startswith("text/plain"))
+            and not ev.end_of_stream):
         # Envoy's own local reply (no host answered, or its per-try timeout on the last
         # attempt): our error shape instead of its plain text.
         m.replaced_error = m.family.error_json(upstream_unavailable(

@@ -84,6 +84,8 @@ def _expected() -> dict[str, Any]:
         "circuit_breakers": replicas["circuit_breakers"],
         "health_checks": replicas["health_checks"],
         "outlier_detection": replicas["outlier_detection"],
+        "common_lb_config": replicas["common_lb_config"],
+        "local_reply_config": hcm["local_reply_config"],
         "protocol_options": replicas["typed_extension_protocol_options"],
         "extproc_cluster": extproc,
         "buffer_limit": full["static_resources"]["listeners"][0][
@@ -176,7 +178,7 @@ def test_render_mesh_follows_the_config() -> None:
     (ef,) = yaml.safe_load_all(mesh_config.render_files(cfg, "istio")["envoyfilter.yaml"])
     patches = ef["spec"]["configPatches"]
     route = next(p for p in patches if p["applyTo"] == "HTTP_ROUTE")["patch"]["value"]["route"]
-    assert route["retry_policy"]["num_retries"] == 3
+    assert route["retry_policy"]["num_retries"] == 3 + cfg.pool.unreached_attempts
     assert route["retry_policy"]["per_try_timeout"] == "12.750s"
     assert not any("outlier_detection" in p["patch"]["value"] for p in patches)
     assert any("health_checks" in p["patch"]["value"] for p in patches)
@@ -218,6 +220,7 @@ def _istio_standin() -> dict[str, Any]:
     cl.pop("circuit_breakers")
     cl.pop("health_checks")  # the mesh's cluster has none of ours: the patches add them
     cl.pop("outlier_detection")
+    cl.pop("common_lb_config")
     return boot
 
 
@@ -301,7 +304,8 @@ def test_istio_fragments_equal_the_renderer() -> None:
     assert {"per_connection_buffer_limit_bytes": exp["buffer_limit"]} in values
     assert {"include_request_attempt_count": True} in values
     assert {"health_checks": exp["health_checks"],
-            "outlier_detection": exp["outlier_detection"]} in values
+            "outlier_detection": exp["outlier_detection"],
+            "common_lb_config": exp["common_lb_config"]} in values
 
 
 @pytest.mark.parametrize("otel", [False, True])
@@ -404,6 +408,7 @@ def _eg_standin() -> dict[str, dict[str, dict[str, Any]]]:
     cl.pop("circuit_breakers")
     cl.pop("health_checks")
     cl.pop("outlier_detection")
+    cl.pop("common_lb_config")
     backend = copy.deepcopy(_expected()["extproc_cluster"])
     backend["name"] = backend["load_assignment"]["cluster_name"] = EG_BACKEND
     return {"Listener": {EG_LISTENER: listener},
@@ -501,6 +506,7 @@ def test_envoy_gateway_fragments_equal_the_renderer() -> None:
     assert by_path[(EG_CLUSTER, None, "/circuit_breakers")] == exp["circuit_breakers"]
     assert by_path[(EG_CLUSTER, None, "/health_checks")] == exp["health_checks"]
     assert by_path[(EG_CLUSTER, None, "/outlier_detection")] == exp["outlier_detection"]
+    assert by_path[(EG_CLUSTER, None, "/common_lb_config")] == exp["common_lb_config"]
     assert by_path[(EG_CLUSTER, None, "/typed_extension_protocol_options")] == \
         exp["protocol_options"]
     # What the EnvoyExtensionPolicy itself says agrees with the renderer where it can.

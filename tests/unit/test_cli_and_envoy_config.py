@@ -75,7 +75,14 @@ def test_rendered_envoy_agrees_with_the_policy() -> None:
     boot = render(cfg, Topology())
     route = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
         "typed_config"]["route_config"]["virtual_hosts"][0]["routes"][-1]["route"]
-    assert route["retry_policy"]["num_retries"] == cfg.policy.max_attempts - 1
+    # max_attempts counts attempts that reached a replica; refused connections get spare
+    # attempts, and the gate stops Envoy at the last real one (decision 0024).
+    assert route["retry_policy"]["num_retries"] == (cfg.policy.max_attempts - 1
+                                                    + cfg.pool.unreached_attempts)
+    assert route["retry_policy"]["retry_on"] == ("reset,connect-failure,refused-stream,"
+                                                 "retriable-headers")
+    assert route["retry_policy"]["retriable_headers"] == [{"name": "x-gateway-retry",
+                                                           "present_match": True}]
     # Envoy's per-try timeout is the gate's first-delta limit plus a moment: it only ends
     # attempts whose replica never sent headers (the gate cannot answer those).
     backstop = cfg.timeouts.first_delta_s + 0.25
@@ -89,12 +96,22 @@ def test_rendered_envoy_agrees_with_the_policy() -> None:
         "no_traffic_interval": f"{hc.interval_s:.3f}s", "http_health_check": {"path": "/health"}}]
     od = cluster["outlier_detection"]
     assert od["split_external_local_origin_errors"] is True
-    assert od["consecutive_local_origin_failure"] == 2
+    assert od["consecutive_local_origin_failure"] == 1
     assert od["enforcing_consecutive_local_origin_failure"] == 100
     # The plain baseline keeps the same pool health: the benchmarks compare like with like.
     plain = render(cfg, Topology(), plain=True)["static_resources"]["clusters"][0]
     assert plain["health_checks"] == cluster["health_checks"]
     assert plain["outlier_detection"] == od
+    assert cluster["common_lb_config"] == plain["common_lb_config"] == {
+        "healthy_panic_threshold": {"value": cfg.pool.healthy_panic_threshold}}
+    # Envoy's own 5xx in the gateway's error shape, with the request id (not on plain).
+    hcm = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
+        "typed_config"]
+    mappers = hcm["local_reply_config"]["mappers"]
+    assert [m["body_format_override"]["json_format"]["error"]["code"] for m in mappers] == [
+        "upstream_timeout", "upstream_unavailable"]
+    assert all(m["headers_to_add"][0]["header"] == {
+        "key": "x-gateway-request-id", "value": "%REQ(x-gateway-request-id)%"} for m in mappers)
 
 
 def test_pool_health_can_be_turned_off() -> None:
