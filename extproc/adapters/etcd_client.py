@@ -124,11 +124,18 @@ def _new_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
 
 
+# A member whose call timed out or that knew no leader is passed over for this long while
+# another one is connected: a frozen member's channel stays READY (its kernel still holds
+# the connection), so the channel's state alone would send calls back to it.
+SUSPECT_S = 5.0
+
+
 class _Endpoint:
     def __init__(self, index: int, address: str, channel: grpc.aio.Channel) -> None:
         self.index = index
         self.address = address
         self.channel = channel
+        self.suspect_until = 0.0  # loop time
         self.stubs: dict[str, Any] = {
             "KV": rpc.KVStub(channel), "Lease": rpc.LeaseStub(channel),
             "Watch": rpc.WatchStub(channel), "Auth": rpc.AuthStub(channel)}
@@ -200,20 +207,28 @@ class EtcdClient:
         if not self._eps:
             raise _new_error(grpc.StatusCode.CANCELLED, "the etcd client is closed")
         n = len(self._eps)
+        now = asyncio.get_running_loop().time()
         cur = self._eps[self._current]
-        if cur.index not in exclude and cur.state() == grpc.ChannelConnectivity.READY:
+        if (cur.index not in exclude and cur.suspect_until <= now
+                and cur.state() == grpc.ChannelConnectivity.READY):
             return cur
         fallback: int | None = None
+        suspect: int | None = None
         for k in range(n):
             i = (self._current + k) % n
             if i in exclude:
                 continue
             st = self._eps[i].state()
             if st == grpc.ChannelConnectivity.READY:
+                if self._eps[i].suspect_until > now:
+                    suspect = i if suspect is None else suspect
+                    continue
                 self._current = i
                 return self._eps[i]
             if fallback is None and st != grpc.ChannelConnectivity.TRANSIENT_FAILURE:
                 fallback = i
+        if fallback is None and suspect is not None:
+            fallback = suspect  # every connected member is suspect: try one anyway
         if fallback is None:
             fallback = next((i % n for i in range(self._current, self._current + n)
                              if i % n not in exclude), self._current)
@@ -222,6 +237,8 @@ class EtcdClient:
 
     def move_on(self, ep: _Endpoint) -> None:
         """The call on `ep` failed in a way that may be the endpoint's: use the next one."""
+        with contextlib.suppress(RuntimeError):
+            ep.suspect_until = asyncio.get_running_loop().time() + SUSPECT_S
         if self._eps and self._current == ep.index and len(self._eps) > 1:
             self._current = (ep.index + 1) % len(self._eps)
             log.warning("etcd endpoint failing; using the next one",

@@ -512,7 +512,7 @@ class EtcdStore:
         """Remove a record our given-up intake may have written after all, while nothing
         ran for it: `live` is still its attempt 1, nothing delivered, no outcome. The client
         was told nothing was recorded; a late apply must not leave the key in progress."""
-        live_k = self._live(rid)
+        live_k, pfx = self._live(rid), self._req_prefix(rid)
         resp = await self._call(self._kv.Txn, rpc.TxnRequest(
             compare=[rpc.Compare(key=live_k, target=rpc.Compare.VALUE,
                                  result=rpc.Compare.EQUAL, value=attempt_id.encode()),
@@ -520,7 +520,7 @@ class EtcdStore:
                      _eq_version(self._k(rid, "outcome"), 0)],
             success=[rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=live_k)),
                      rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(
-                         key=self._req_prefix(rid), range_end=_prefix_end(self._req_prefix(rid))))]))
+                         key=pfx, range_end=_prefix_end(pfx)))]))
         return bool(resp.succeeded)
 
     async def end_attempt(self, rid: str, attempt: int, attempt_id: str,

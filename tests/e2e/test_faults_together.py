@@ -87,3 +87,96 @@ def test_a_later_attempt_waits_for_its_intake(blind_stack: Stack) -> None:
         blind_stack.release("r1")
         blind_stack.wait_replicas_healthy()
         gw.client.close()
+
+
+@pytest.fixture(scope="module")
+def etcd3_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    st = Stack(workdir=tmp_path_factory.mktemp("together-etcd3"), replicas=2,
+               etcd_members=3).start()
+    try:
+        yield st
+    finally:
+        st.stop()
+
+
+def _load_during(stack: Stack, fault: Any, workers: int, fault_after_s: float,
+                 after_fault_s: float, limit: int = 150) -> list[Result]:
+    """`workers` clients, each posting requests one after another (half keyed, half not)
+    from before `fault()` runs (after `fault_after_s`) until `after_fault_s` after it.
+    Bounded: at most `limit` requests per worker, each by the client's 30 s timeout."""
+    out: list[Result] = []
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def worker(w: int) -> None:
+        g = Gateway(stack)
+        try:
+            for i in range(limit):
+                if stop.is_set():
+                    break
+                r = g.post(g.body(max_tokens=4), key="auto" if (w + i) % 2 else None)
+                with lock:
+                    out.append(r)
+        finally:
+            g.client.close()
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(workers)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(fault_after_s)
+        fault()
+        time.sleep(after_fault_s)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(120)
+    return out
+
+
+def _every_one_completed(gw: Gateway, results: list[Result], ref: Result) -> None:
+    for r in results:
+        assert r.status == 200 and r.error is None, (r.status, r.raw[:400])
+        assert r.contents == ref.contents, r.raw[:400]
+        j = gw.journal(r.request_id, settle_s=10.0)
+        assert (j["outcome"], j["delivered_output_tokens"]) == ("completed", 4), j
+
+
+def test_the_processors_etcd_member_frozen_costs_no_request(etcd3_stack: Stack) -> None:
+    """Finding 4: the member the processor uses is SIGSTOPped. Requests whose intake was
+    sent to it are sent again to the next member (decision 0026): every request completes
+    with the exact answer and its record, none gets `503 journal_unavailable`."""
+    st = etcd3_stack
+    st.wait_etcd_healthy()
+    gw = Gateway(st)
+    ref = gw.post(gw.body(max_tokens=4))
+    assert ref.status == 200 and len(ref.contents) == 4
+    in_use = st.etcd_member_names()[0]  # the processor's first endpoint: the one in use
+    try:
+        results = _load_during(st, lambda: st.freeze_etcd_member(in_use), workers=3,
+                               fault_after_s=0.3, after_fault_s=3.0)
+    finally:
+        st.thaw_etcd_member(in_use)
+    assert len(results) >= 20  # some before the freeze, most during it
+    _every_one_completed(gw, results, ref)
+    gw.client.close()
+
+
+def test_the_etcd_leader_killed_costs_no_request(etcd3_stack: Stack) -> None:
+    """Finding 3: the leader is SIGKILLed under load. Calls during the election are refused
+    `no leader` at once or time out, and the intake goes again to the next member until
+    etcd.intake_deadline_s: every request completes with the exact answer and its record."""
+    st = etcd3_stack
+    st.wait_etcd_healthy()
+    gw = Gateway(st)
+    ref = gw.post(gw.body(max_tokens=4))
+    assert ref.status == 200
+    leader = st.wait_etcd_leader()
+    try:
+        results = _load_during(st, lambda: st.kill_etcd_member(leader), workers=3,
+                               fault_after_s=0.3, after_fault_s=3.0)
+        assert st.wait_etcd_leader(other_than=leader)
+    finally:
+        st.restart_etcd_member(leader)
+    assert len(results) >= 20  # some before the kill, most across the election
+    _every_one_completed(gw, results, ref)
+    gw.client.close()
