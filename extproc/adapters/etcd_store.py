@@ -56,6 +56,10 @@ def _put(key: bytes, value: bytes, lease: int = 0) -> Any:
     return rpc.RequestOp(request_put=rpc.PutRequest(key=key, value=value, lease=lease))
 
 
+def _delete(key: bytes) -> Any:
+    return rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=key))
+
+
 def _range(key: bytes, prefix: bool = False) -> Any:
     return rpc.RequestOp(request_range=rpc.RangeRequest(
         key=key, range_end=_prefix_end(key) if prefix else b""))
@@ -378,6 +382,78 @@ class EtcdStore:
         return self._assemble(rid, list(resp.responses[0].response_range.kvs)
                               + list(resp.responses[1].response_range.kvs))
 
+    async def reopen_request(self, rid: str, ended_outcome: Mapping[str, Any],
+                             history: tuple[int, Mapping[str, Any]],
+                             first_attempt: tuple[int, str, Mapping[str, Any]]
+                             ) -> JournalView | None:
+        """Run a finished request again as the same logical request (decision 0027).
+
+        One transaction, only while the record is as the caller read it: `outcome` still the
+        value read (`ended_outcome`: a concurrent re-open deleted it, a late writer changed
+        it), `delivery` and `live` absent (nothing delivered, no attempt may run),
+        `attempts/<n>` free, `meta` present. Then: the outcome moves to `history/<run>`
+        (`history` = (run, entry)), `progress` goes, the `guard` key is ours again, and the
+        run's first attempt (`first_attempt` = (n, id, record)) is admitted as the intake
+        admits attempt 1 (`live` on this process's lease). `meta` stays. None when
+        re-opened; else the record as it is now, for the caller to answer.
+        """
+        out_k, live_k = self._k(rid, "outcome"), self._live(rid)
+        n, aid, record = first_attempt
+        run, entry = history
+        att_k = self._k(rid, f"attempts/{n:03d}")
+
+        async def txn() -> rpc.TxnRequest:
+            rl = await self._retention_lease()
+            sl = await self.session_lease()
+            pl = await self.process_lease()
+            return rpc.TxnRequest(
+                compare=[rpc.Compare(key=out_k, target=rpc.Compare.VALUE,
+                                     result=rpc.Compare.EQUAL, value=_dumps(ended_outcome)),
+                         rpc.Compare(key=self._k(rid, "meta"), target=rpc.Compare.VERSION,
+                                     result=rpc.Compare.GREATER, version=0),
+                         _eq_version(self._k(rid, "delivery"), 0), _eq_version(live_k, 0),
+                         _eq_version(att_k, 0)],
+                success=[_delete(out_k), _delete(self._k(rid, "progress")),
+                         _put(self._k(rid, f"history/{run:03d}"), _dumps(entry), rl),
+                         _put(self._k(rid, "guard"), self.owner.encode(), sl),
+                         _put(live_k, aid.encode(), pl.lease_id),
+                         _put(att_k, _dumps(record), rl)],
+                failure=[_range(self._req_prefix(rid), prefix=True), _range(live_k)])
+
+        try:
+            resp = await self._call(self._kv.Txn, await txn())
+        except StoreUnavailable as e:
+            if _LEASE_NOT_FOUND not in str(e):
+                raise
+            await self._forget_expired_leases()
+            resp = await self._call(self._kv.Txn, await txn())
+        if resp.succeeded:
+            return None
+        return self._assemble(rid, list(resp.responses[0].response_range.kvs)
+                              + list(resp.responses[1].response_range.kvs))
+
+    async def undo_reopen(self, rid: str, history: tuple[int, Mapping[str, Any]],
+                          first_attempt: tuple[int, str]) -> bool:
+        """Take back a re-open our timed-out call may have applied after all, while nothing
+        ran for it (`live` still its first attempt, nothing delivered, no outcome): the
+        ended run's outcome comes back, the history entry, the attempt, `guard` and `live`
+        go. The client was told nothing ran; a late apply must not leave the key in
+        progress."""
+        n, aid = first_attempt
+        run, entry = history
+        live_k = self._live(rid)
+        rl = await self._retention_lease()
+        resp = await self._call(self._kv.Txn, rpc.TxnRequest(
+            compare=[rpc.Compare(key=live_k, target=rpc.Compare.VALUE,
+                                 result=rpc.Compare.EQUAL, value=aid.encode()),
+                     _eq_version(self._k(rid, "delivery"), 0),
+                     _eq_version(self._k(rid, "outcome"), 0)],
+            success=[_put(self._k(rid, "outcome"), _dumps(entry["outcome"]), rl),
+                     _delete(self._k(rid, f"history/{run:03d}")),
+                     _delete(self._k(rid, "guard")),
+                     _delete(self._k(rid, f"attempts/{n:03d}")), _delete(live_k)]))
+        return bool(resp.succeeded)
+
     async def get(self, rid: str) -> JournalView | None:
         req = rpc.TxnRequest(success=[_range(self._req_prefix(rid), prefix=True),
                                       _range(self._live(rid))])
@@ -396,8 +472,8 @@ class EtcdStore:
 
     async def admit_attempt(self, rid: str, attempt: int, attempt_id: str,
                             record: Mapping[str, Any], fence_wait_s: float,
-                            never_started: Callable[[str], bool] | None = None
-                            ) -> AdmitResult:
+                            never_started: Callable[[str], bool] | None = None,
+                            first_attempt: int = 1) -> AdmitResult:
         """Admit attempt n only if nothing was delivered and no other attempt is live.
 
         If another attempt still holds `live`, wait (bounded) for it to be revoked or to
@@ -407,7 +483,8 @@ class EtcdStore:
         `never_started(live_value)` says that the live attempt is one the guard admitted
         with the request and that Envoy's access log shows no gate ever ran for it (its
         connection failed before any byte was sent): it is taken over at once, in one
-        transaction conditioned on `live` still naming it (decision 0007).
+        transaction conditioned on `live` still naming it (decision 0007). That attempt is
+        `first_attempt`: 1, or a re-run's first (decision 0027).
         """
         pl = await self.process_lease()
         rl = await self._retention_lease()
@@ -451,9 +528,10 @@ class EtcdStore:
                         success=[_put(live_k, attempt_id.encode(), pl.lease_id),
                                  _put(att_k, _dumps({**record, "admitted_at": round(
                                      time.time(), 6)}), rl),
-                                 _put(self._k(rid, "attempts/001"), _dumps(
-                                     records.taken_over_first_attempt(
-                                         stale.decode(), round(time.time(), 6))), rl)])
+                                 _put(self._k(rid, f"attempts/{first_attempt:03d}"),
+                                      _dumps(records.taken_over_first_attempt(
+                                          stale.decode(), round(time.time(), 6),
+                                          first_attempt)), rl)])
                     if (await self._call(self._kv.Txn, take)).succeeded:
                         return AdmitResult(True, "admitted (attempt 1 never started)",
                                            AttemptLease(pl), time.monotonic() - start)

@@ -321,6 +321,55 @@ class MemoryStore:
                                    "was lost")
         return None
 
+    async def reopen_request(self, rid: str, ended_outcome: Mapping[str, Any],
+                             history: tuple[int, Mapping[str, Any]],
+                             first_attempt: tuple[int, str, Mapping[str, Any]]
+                             ) -> JournalView | None:
+        """Run a finished request again (EtcdStore.reopen_request); None when re-opened,
+        else the record as it is now."""
+        self._enter()
+        out_k, live_k = self._k(rid, "outcome"), self._live(rid)
+        n, aid, record = first_attempt
+        run, entry = history
+        att_k = self._k(rid, f"attempts/{n:03d}")
+        if (self._value(out_k) != _dumps(ended_outcome) or self._k(rid, "meta") not in self._kv
+                or self._k(rid, "delivery") in self._kv or live_k in self._kv
+                or att_k in self._kv):
+            return self._assemble(rid)
+
+        def ops() -> list[_Op]:
+            rl = self._retention_lease()
+            return [_delete(out_k), _delete(self._k(rid, "progress")),
+                    _put(self._k(rid, f"history/{run:03d}"), _dumps(entry), rl),
+                    _put(self._k(rid, "guard"), self.owner.encode(), self._session_now()),
+                    _put(live_k, aid.encode(), self._process_now().lease_id),
+                    _put(att_k, _dumps(record), rl)]
+
+        try:
+            self._txn(ops())
+        except StoreUnavailable as e:
+            if _LEASE_NOT_FOUND not in str(e):
+                raise
+            self._forget_expired_leases()
+            self._txn(ops())
+        return None
+
+    async def undo_reopen(self, rid: str, history: tuple[int, Mapping[str, Any]],
+                          first_attempt: tuple[int, str]) -> bool:
+        """Take back a re-open while nothing ran for it (EtcdStore.undo_reopen)."""
+        self._enter()
+        n, aid = first_attempt
+        run, entry = history
+        live_k = self._live(rid)
+        if (self._value(live_k) != aid.encode() or self._k(rid, "delivery") in self._kv
+                or self._k(rid, "outcome") in self._kv):
+            return False
+        self._txn([_put(self._k(rid, "outcome"), _dumps(entry["outcome"]),
+                        self._retention_lease()),
+                   _delete(self._k(rid, f"history/{run:03d}")), _delete(self._k(rid, "guard")),
+                   _delete(self._k(rid, f"attempts/{n:03d}")), _delete(live_k)])
+        return True
+
     async def get(self, rid: str) -> JournalView | None:
         self._enter()
         return self._assemble(rid)
@@ -334,8 +383,8 @@ class MemoryStore:
 
     async def admit_attempt(self, rid: str, attempt: int, attempt_id: str,
                             record: Mapping[str, Any], fence_wait_s: float,
-                            never_started: Callable[[str], bool] | None = None
-                            ) -> AdmitResult:
+                            never_started: Callable[[str], bool] | None = None,
+                            first_attempt: int = 1) -> AdmitResult:
         """Admit attempt n only if nothing was delivered and no other attempt is live,
         waiting (bounded) for another live attempt to go (EtcdStore.admit_attempt)."""
         self._check_up()
@@ -371,9 +420,10 @@ class MemoryStore:
                     # The take-over, conditioned as etcd's (nothing can run in between here).
                     if (self._value(live_k) == live and deliv_k not in self._kv
                             and att_k not in self._kv):
-                        self._txn([*admit, _put(self._k(rid, "attempts/001"), _dumps(
-                            records.taken_over_first_attempt(
-                                live.decode(), round(self.clock.wall(), 6))), rl)])
+                        self._txn([*admit, _put(self._k(rid, f"attempts/{first_attempt:03d}"),
+                                                _dumps(records.taken_over_first_attempt(
+                                                    live.decode(), round(self.clock.wall(), 6),
+                                                    first_attempt)), rl)])
                         return AdmitResult(True, "admitted (attempt 1 never started)",
                                            AttemptLease(pl), self.clock.monotonic() - start)
                     continue

@@ -205,6 +205,18 @@ def request_in_progress(request_id: str, phase: str) -> GatewayError:
         http_status=409, request_id=request_id, retryable=True, extra=(("phase", phase),))
 
 
+def request_fence_pending(request_id: str, expires_at: float | None) -> GatewayError:
+    """A repeat of a request that may run again (nothing was delivered) while one of its
+    attempts may still be running on a replica: it runs once that attempt is fenced."""
+    return GatewayError(
+        code=ErrorCode.REQUEST_IN_PROGRESS,
+        message="An attempt of the request with this Idempotency-Key may still be running "
+        "on a replica; repeat it once that attempt's lease has expired and it runs again",
+        http_status=409, request_id=request_id, retryable=True,
+        extra=(("phase", "done"),) + ((("fence_expires_at", expires_at),)
+                                      if expires_at is not None else ()))
+
+
 def repeat_of(err: GatewayError) -> GatewayError:
     """The recorded interruption, answered again to a repeat (409: nothing runs again)."""
     return GatewayError(code=err.code, message=err.message, http_status=409,

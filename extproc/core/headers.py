@@ -22,5 +22,8 @@ ACCEPTED_AT = "x-gateway-accepted-at"
 TRACEPARENT = "x-gateway-traceparent"
 # On Envoy's own 5xx replies (its local_reply_config): its response flags (decision 0024).
 ENVOY_REPLY = "x-gateway-envoy-reply"
+# Guard -> gate: a repeat of a key runs again (decision 0027): the journal's number of an
+# attempt is this offset plus Envoy's x-envoy-attempt-count (which starts at 1 again).
+ATTEMPT_OFFSET = "x-gateway-attempt-offset"
 OWNED = (REQUEST_ID, ATTEMPT_ID, FINGERPRINT, PROMPT_TOKENS, PREADMITTED, HANDOFF, ACCEPTED_AT,
-         TRACEPARENT)
+         TRACEPARENT, ATTEMPT_OFFSET)

@@ -8,6 +8,8 @@ The record lives in etcd as a few keys, each written by exactly one party at one
   live            the current attempt id, attached to that attempt's lease: the fence
   delivery        created by the fence transaction when the first delta is released
   outcome         written by the guard when the downstream stream ends
+  history/<n>     run n's end, moved here when a repeat runs the request again, which is
+                  allowed only while nothing was delivered (decision 0027)
 
 `first_delta_sent` is the existence of `delivery`: it is recorded before the bytes leave.
 """
@@ -20,7 +22,7 @@ import os
 import re
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
@@ -96,10 +98,31 @@ class JournalView:
     progress: Mapping[str, Any] | None = None
     guard: str | None = None  # the processor serving it; gone if that processor died
     extra: Mapping[str, Any] = field(default_factory=dict)
+    # The earlier runs of the key, each ended with nothing delivered (history/NNN, decision
+    # 0027), oldest first; empty while the request has run once.
+    history: tuple[Mapping[str, Any], ...] = ()
 
     @property
     def first_delta_sent(self) -> bool:
         return self.delivery is not None
+
+    @property
+    def runs(self) -> int:
+        """How many times this logical request was started (1 + its re-runs)."""
+        return 1 + len(self.history)
+
+    @property
+    def run_first_attempt(self) -> int:
+        """The journal number of the current run's first attempt (attempts go on across
+        runs: a re-run's first attempt follows the last attempt of the run before)."""
+        if not self.history:
+            return 1
+        return int(self.history[-1].get("last_attempt", 0)) + 1
+
+    @property
+    def last_attempt(self) -> int:
+        """The highest attempt number recorded (0: none)."""
+        return max((int(a.get("attempt", 0)) for a in self.attempts), default=0)
 
     @property
     def phase(self) -> Phase:
@@ -132,7 +155,10 @@ class JournalView:
             "model": self.meta.get("model"),
             "model_revision": (self.delivery or {}).get("model_revision")
             or (last or {}).get("model_revision"),
-            "retry_budget": max(0, max_attempts - len(self.attempts)),
+            # max_attempts holds per run (per HTTP request): what is left of the current one.
+            "retry_budget": max(0, max_attempts - sum(
+                1 for a in self.attempts
+                if int(a.get("attempt", 0)) >= self.run_first_attempt)),
             "outcome": self.outcome["outcome"] if self.outcome else None,
             "cause": self.outcome.get("cause") if self.outcome else None,
             "stream": self.meta.get("stream"),
@@ -141,6 +167,8 @@ class JournalView:
             "first_delta_at": (self.delivery or {}).get("at"),
             "finished_at": self.outcome.get("finished_at") if self.outcome else None,
             "attempts": [dict(a) for a in self.attempts],
+            "runs": self.runs,
+            "history": [dict(h) for h in self.history],
         }
         for k in ("delivered_output_tokens_exact", "delivered_output_tokens_source",
                   "delivered_output_tokens_bound", "partial_output"):
@@ -188,7 +216,8 @@ def orphan_outcome(view: JournalView, now: float) -> dict[str, Any]:
 
 def repeat_answer(view: JournalView, request_digest: str = "",
                   key: str | None = None) -> GatewayError:
-    """What a repeat of a request (same Idempotency-Key) gets: never a second run.
+    """What a repeat of a request (same Idempotency-Key) gets from the journal, when it does
+    not run again (`answer_repeat` decides that first).
 
     A repeat must be the same request: a different one under the key is refused, before
     anything of the first is told. Records written before digests were kept have none and
@@ -210,6 +239,131 @@ def repeat_answer(view: JournalView, request_digest: str = "",
     return errors.request_already_finished(rid, str(oc), view.delivered_output_tokens)
 
 
+# --- a key whose request ended with nothing delivered runs again (decision 0027) ---------
+
+# How many times one Idempotency-Key may be started: the first run and up to MAX_RUNS - 1
+# re-runs. It bounds the record (each run adds its attempts and a history entry) and the
+# prefills one key can cost; past it a repeat is answered from the journal, as before 0027.
+MAX_RUNS = 5
+
+# The ends after which a repeat may run the request again, provided nothing was delivered
+# (no `delivery` key), no attempt may still be running (no `live` key) and the upstream did
+# not refuse the request itself (a 4xx other than 408 and 429):
+#   upstream_failed      no attempt produced an answer: a replica died, reset, answered
+#                        5xx/429, timed out, or the gateway refused a further attempt
+#                        (budget, retry cost, fingerprint, journal): the pool's failure;
+#   client_disconnected  the client left before its first delta: its repeat is how it
+#                        asks for the answer it never got;
+#   gateway_interrupted  the processor serving it died before the fence (first_delta_sent
+#                        false: nothing left the gateway);
+#   refused              a managed error before any delta.
+# Never: completed (answered 409 request_already_completed) and upstream_decode_interrupted
+# (a delivered answer is never run twice): both are answered from the journal.
+RERUNNABLE = frozenset({Outcome.UPSTREAM_FAILED, Outcome.CLIENT_DISCONNECTED,
+                        Outcome.GATEWAY_INTERRUPTED, Outcome.REFUSED})
+# Statuses that say the request itself was refused, not the pool: the same body gets the
+# same answer, so a repeat is answered from the journal.
+_REQUEST_FAULT = range(400, 500)
+_NOT_REQUEST_FAULT = (408, 429)
+
+
+def _status_of(cause: Any) -> int | None:
+    """The HTTP status an outcome's cause names ("http 503"), if it names one."""
+    if isinstance(cause, str) and cause.startswith("http "):
+        try:
+            return int(cause[5:])
+        except ValueError:
+            return None
+    return None
+
+
+def rerun_blocker(view: JournalView, max_runs: int = MAX_RUNS) -> str | None:
+    """Why a repeat of this record may not run the request again; None when it may.
+
+    The journal's own question: may this input go to a replica again? Only while nothing
+    was delivered, nothing of the request may still run, and its last run ended for a
+    reason that was not the request's own.
+    """
+    oc = view.outcome_value
+    if oc is None:
+        return "it has no outcome yet"
+    if view.first_delta_sent:
+        return "its first delta was sent"
+    if oc not in RERUNNABLE:
+        return f"it ended {oc}"
+    outcome = view.outcome or {}
+    if view.delivered_output_tokens > 0 or outcome.get("partial_output") is True:
+        return "part of its answer was delivered"
+    status = _status_of(outcome.get("cause"))
+    if status in _REQUEST_FAULT and status not in _NOT_REQUEST_FAULT:
+        return f"the upstream refused the request itself ({outcome.get('cause')})"
+    if view.runs >= max_runs:
+        return f"it ran {view.runs} times (at most {max_runs} per key)"
+    if view.live_attempt_id is not None:
+        return "an attempt of it may still be running"
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Rerun:
+    """A repeat that runs again as the same logical request (same request_id, same body):
+    its attempts go on from the last one recorded, and the re-open is conditioned on the
+    outcome as read (`outcome`), so two repeats cannot both re-open it."""
+
+    request_id: str
+    run: int  # this run's number: 2 for the first re-run
+    first_attempt: int  # the journal number of its first attempt
+    ended_first_attempt: int  # the ended run's first attempt
+    outcome: Mapping[str, Any]
+
+    @property
+    def attempt_offset(self) -> int:
+        """Added to Envoy's attempt count (from 1 per HTTP request) to name an attempt."""
+        return self.first_attempt - 1
+
+    def history(self, at: float, gateway_id: str,
+                envoy_request_id: str | None) -> dict[str, Any]:
+        """`history/<run-1>`: the ended run, kept when the request runs again, so the status
+        lookup shows every run and its end."""
+        return {"run": self.run - 1, "first_attempt": self.ended_first_attempt,
+                "last_attempt": self.first_attempt - 1, "outcome": dict(self.outcome),
+                "reopened_at": at, "reopened_by": gateway_id,
+                "next_envoy_request_id": envoy_request_id}
+
+
+def answer_repeat(view: JournalView, request_digest: str = "", key: str | None = None,
+                  max_runs: int = MAX_RUNS) -> GatewayError | Rerun:
+    """A repeat of a known request (same Idempotency-Key): what it gets, or that it runs.
+
+    A different request under the key is refused first (422). A record that ended with
+    nothing delivered, for a reason not the request's own, runs again (`Rerun`); one whose
+    attempt may still be running is told so (409, retryable) and runs once it is fenced.
+    Everything else is answered from the journal (`repeat_answer`).
+    """
+    rid = view.request_id
+    kept = view.meta.get("request_digest")
+    if kept and request_digest and kept != request_digest:
+        return errors.idempotency_key_reused(rid, key or "")
+    why = rerun_blocker(view, max_runs)
+    if why is None:
+        return Rerun(request_id=rid, run=view.runs + 1, first_attempt=view.last_attempt + 1,
+                     ended_first_attempt=view.run_first_attempt, outcome=view.outcome or {})
+    if (view.live_attempt_id is not None and view.outcome is not None
+            and rerun_blocker(replace(view, live_attempt_id=None), max_runs) is None):
+        return errors.request_fence_pending(rid, _fence_expiry(view))
+    return repeat_answer(view, request_digest, key)
+
+
+def _fence_expiry(view: JournalView) -> float | None:
+    """When the `fenced:` marker left in `live` lapses, if its attempt's record says."""
+    live = view.live_attempt_id or ""
+    aid = live[len("fenced:"):] if live.startswith("fenced:") else live
+    for a in view.attempts:
+        if a.get("attempt_id") == aid and isinstance(a.get("lease_expires_by"), int | float):
+            return float(a["lease_expires_by"])
+    return None
+
+
 def validate_request_id(rid: str) -> GatewayError | None:
     if not REQUEST_ID_RE.match(rid):
         return bad_request(ErrorCode.INVALID_REQUEST_ID,
@@ -223,6 +377,7 @@ def assemble(request_id: str, entries: Iterable[tuple[str, bytes]],
     prefix, raw value) and its `live` value: what every journal store returns from get()."""
     meta: dict[str, Any] | None = None
     attempts: list[dict[str, Any]] = []
+    history: list[dict[str, Any]] = []
     delivery = outcome = progress = None
     guard: str | None = None
     for name, raw in entries:
@@ -234,6 +389,8 @@ def assemble(request_id: str, entries: Iterable[tuple[str, bytes]],
             meta = val
         elif name.startswith("attempts/"):
             attempts.append(val)
+        elif name.startswith("history/"):
+            history.append(val)
         elif name == "delivery":
             delivery = val
         elif name == "outcome":
@@ -243,6 +400,7 @@ def assemble(request_id: str, entries: Iterable[tuple[str, bytes]],
     if meta is None:
         return None
     attempts.sort(key=lambda a: int(a.get("attempt", 0)))
+    history.sort(key=lambda h: int(h.get("run", 0)))
     return JournalView(request_id=request_id, meta=meta, attempts=tuple(attempts),
                        live_attempt_id=live, delivery=delivery, outcome=outcome,
-                       progress=progress, guard=guard)
+                       progress=progress, guard=guard, history=tuple(history))

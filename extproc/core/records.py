@@ -88,23 +88,25 @@ class AttemptFacts:
                 "replica": self.replica, "model_revision": self.model_revision, "at": at}
 
 
-def first_attempt(attempt_id: str, gateway_id: str, at: float) -> dict[str, Any]:
-    """Attempt 1, admitted with the request in the guard's intake transaction."""
-    return {"attempt": 1, "attempt_id": attempt_id, "gateway_id": gateway_id,
+def first_attempt(attempt_id: str, gateway_id: str, at: float,
+                  attempt: int = 1) -> dict[str, Any]:
+    """Attempt 1, admitted with the request in the guard's intake transaction (or a re-run's
+    first attempt, admitted in its re-open: numbered after the last one, decision 0027)."""
+    return {"attempt": attempt, "attempt_id": attempt_id, "gateway_id": gateway_id,
             "admitted_at": at, "admitted_with_request": True}
 
 
 def refused_first_attempt(attempt_id: str, replica: str | None, at: float,
-                          code: str) -> dict[str, Any]:
+                          code: str, attempt: int = 1) -> dict[str, Any]:
     """Attempt 1 pre-admitted by the guard and refused by its gate: `live` is given back."""
-    return {"attempt": 1, "attempt_id": attempt_id, "replica": replica, "ended_at": at,
+    return {"attempt": attempt, "attempt_id": attempt_id, "replica": replica, "ended_at": at,
             "refused": code, "fence": str(Fence.REVOKE)}
 
 
-def taken_over_first_attempt(attempt_id: str, at: float) -> dict[str, Any]:
+def taken_over_first_attempt(attempt_id: str, at: float, attempt: int = 1) -> dict[str, Any]:
     """Attempt 1, admitted with the request, that no gate ever ran (Envoy could not connect:
     no byte reached a replica), as the next attempt's admission closes it (decision 0007)."""
-    return {"attempt": 1, "attempt_id": attempt_id, "released": False, "ended_at": at,
+    return {"attempt": attempt, "attempt_id": attempt_id, "released": False, "ended_at": at,
             "failure_class": "never_started", "fence": "taken_over"}
 
 

@@ -382,6 +382,134 @@ async def test_undo_intake_only_while_nothing_ran(env: Env) -> None:
     assert await s.get("req_b") is not None
 
 
+# --- reopen_request: a key whose request ended with nothing delivered runs again (0027) -----
+
+FAILED = {"outcome": "upstream_failed", "delivered_output_tokens": 0, "cause": "http 503",
+          "finished_at": 5.0}
+
+
+async def _failed_twice(env: Env, rid: str = "req_a") -> Any:
+    """req_a's run 1: attempts 1 and 2 ended (revoked), outcome upstream_failed."""
+    s = env.store
+    await _open(env, rid=rid)
+    await s.end_attempt(rid, 1, "att_1", _rec(1, "att_1", ended=True), expire=False)
+    assert (await _within(s.admit_attempt(rid, 2, "att_2", _rec(2, "att_2"), 5.0))).admitted
+    await s.end_attempt(rid, 2, "att_2", _rec(2, "att_2", ended=True), expire=False)
+    assert await s.finish(rid, FAILED)
+    view = await s.get(rid)
+    assert view is not None and view.outcome == FAILED and view.live_attempt_id is None
+    return view
+
+
+def _history(run: int = 1) -> dict[str, Any]:
+    return {"run": run, "first_attempt": 1, "last_attempt": 2, "outcome": FAILED,
+            "reopened_at": 6.0}
+
+
+async def test_reopen_runs_a_failed_request_again_and_only_once(env: Env) -> None:
+    s = env.store
+    before = await _failed_twice(env)
+    seen: list[str | None] = []
+    off = s.on_live_change("req_a", seen.append)
+    # Two repeats at once: one transaction wins, the other finds the record re-opened.
+    got = await _within(asyncio.gather(*(
+        s.reopen_request("req_a", FAILED, (1, _history()), (3, aid, _rec(3, aid)))
+        for aid in ("att_3a", "att_3b"))))
+    assert sorted(g is None for g in got) == [False, True]
+    winner = "att_3a" if got[0] is None else "att_3b"
+    lost = got[1] if got[0] is None else got[0]
+    assert lost is not None and lost.outcome is None and lost.live_attempt_id == winner
+    view = await s.get("req_a")
+    assert view is not None and view.outcome is None and str(view.phase) == "prefill"
+    assert view.meta == before.meta and view.guard == OWNER and view.progress is None
+    assert view.live_attempt_id == winner and view.delivery is None
+    assert view.attempts == (*before.attempts, _rec(3, winner))
+    assert view.history == (_history(),) and view.runs == 2
+    assert view.run_first_attempt == 3 and view.last_attempt == 3
+    await _until(lambda: seen == [winner], "the re-open's put of live")
+    off()
+    # A late repeat that read the old outcome changes nothing.
+    again = await s.reopen_request("req_a", FAILED, (1, _history()), (3, "att_x",
+                                                                      _rec(3, "att_x")))
+    assert again == view
+    # The new run goes on as any run: it fences, ends, and writes its own outcome.
+    assert await s.fence_first_delta("req_a", winner, {"at": 7.0, "attempt_id": winner})
+    done = {"outcome": "completed", "delivered_output_tokens": 4, "finished_at": 8.0}
+    assert await s.finish("req_a", done, (3, _rec(3, winner, released=True)))
+    view = await s.get("req_a")
+    assert view is not None and view.outcome == done and view.history == (_history(),)
+    assert view.live_attempt_id is None and view.guard is None
+    # Delivered now: never re-opened again.
+    assert await s.reopen_request("req_a", done, (2, _history(2)),
+                                  (4, "att_4", _rec(4, "att_4"))) == view
+
+
+async def test_reopen_is_refused_unless_the_record_is_as_read(env: Env) -> None:
+    s = env.store
+    before = await _failed_twice(env)
+    # The outcome changed since it was read; the attempt number is taken; no outcome.
+    for outcome, n in (({**FAILED, "cause": "http 502"}, 3), (FAILED, 2)):
+        assert await s.reopen_request("req_a", outcome, (1, _history()),
+                                      (n, "att_x", _rec(n, "att_x"))) == before
+    await _open(env, rid="req_b")  # in progress
+    b = await s.get("req_b")
+    assert await s.reopen_request("req_b", FAILED, (1, _history()),
+                                  (2, "att_x", _rec(2, "att_x"))) == b
+    # An attempt of uncertain liveness still holds `live` (a fenced: marker).
+    await _open(env, rid="req_c")
+    await s.end_attempt("req_c", 1, "att_1", _rec(1, "att_1"), expire=True)
+    assert await s.finish("req_c", FAILED)
+    c = await s.get("req_c")
+    assert c is not None and c.live_attempt_id == "fenced:att_1"
+    assert await s.reopen_request("req_c", FAILED, (1, _history()),
+                                  (2, "att_x", _rec(2, "att_x"))) == c
+    # Something was delivered.
+    await _open(env, rid="req_d")
+    assert await s.fence_first_delta("req_d", "att_1", {"at": 1.0, "attempt_id": "att_1"})
+    assert await s.finish("req_d", FAILED)
+    d = await s.get("req_d")
+    assert d is not None and d.delivery is not None and d.live_attempt_id is None
+    assert await s.reopen_request("req_d", FAILED, (1, _history()),
+                                  (2, "att_x", _rec(2, "att_x"))) == d
+
+
+async def test_a_reruns_never_started_first_attempt_is_taken_over_under_its_number(
+        env: Env) -> None:
+    s = env.store
+    before = await _failed_twice(env)
+    assert await s.reopen_request("req_a", FAILED, (1, _history()),
+                                  (3, "att_3", _rec(3, "att_3"))) is None
+    res = await _within(s.admit_attempt("req_a", 4, "att_4", _rec(4, "att_4"), 5.0,
+                                        lambda live: live == "att_3", first_attempt=3))
+    assert res.admitted and res.reason == "admitted (attempt 1 never started)"
+    view = await s.get("req_a")
+    assert view is not None and view.live_attempt_id == "att_4"
+    assert view.attempts[:2] == before.attempts  # run 1's attempts untouched
+    third = dict(view.attempts[2])
+    assert isinstance(third.pop("ended_at"), float)
+    assert third == {"attempt": 3, "attempt_id": "att_3", "released": False,
+                     "failure_class": "never_started", "fence": "taken_over"}
+    assert view.attempts[3] == {**_rec(4, "att_4"), "admitted_at": _admitted_at(view, 4)}
+
+
+async def test_undo_reopen_puts_the_ended_run_back_while_nothing_ran(env: Env) -> None:
+    s = env.store
+    before = await _failed_twice(env)
+    assert await s.reopen_request("req_a", FAILED, (1, _history()),
+                                  (3, "att_3", _rec(3, "att_3"))) is None
+    assert not await s.undo_reopen("req_a", (1, _history()), (3, "att_x"))  # not its attempt
+    assert await s.undo_reopen("req_a", (1, _history()), (3, "att_3"))
+    assert await s.get("req_a") == before  # outcome back; history, attempt, guard, live gone
+    assert not await s.undo_reopen("req_a", (1, _history()), (3, "att_3"))
+    # Its first delta was fenced: the re-open ran, and stays.
+    assert await s.reopen_request("req_a", FAILED, (1, _history()),
+                                  (3, "att_3", _rec(3, "att_3"))) is None
+    assert await s.fence_first_delta("req_a", "att_3", {"at": 7.0, "attempt_id": "att_3"})
+    assert not await s.undo_reopen("req_a", (1, _history()), (3, "att_3"))
+    view = await s.get("req_a")
+    assert view is not None and view.live_attempt_id == "att_3" and view.delivery is not None
+
+
 # --- end_attempt ---------------------------------------------------------------------------
 
 
