@@ -182,8 +182,15 @@ def test_a_reset_at_the_first_delta_leaves_a_record_that_agrees_with_the_client(
             assert j["outcome"] == "upstream_decode_interrupted"
             assert j["delivered_output_tokens_exact"] is True
         else:
-            seen.add(f"nothing ({res.status})")
+            seen.add(f"nothing ({res.status}, fenced: {j['first_delta_sent']})")
             assert j["outcome"] == "upstream_failed", j
-            assert j["first_delta_sent"] is True  # the fence stays: nothing re-runs
+            if j["first_delta_sent"]:
+                # The fence committed: no attempt ran after it, whatever the client saw.
+                assert not any(a.get("attempt", 0) > 1 and a.get("released")
+                               for a in j["attempts"]), j
+            else:
+                # Reset before the fence, and the re-run failed too (e.g. it met the
+                # replica the reset killed): nothing was released, a clean error.
+                assert res.status != 200, (res, j)
             assert len(gw.attempts_logged(res.request_id)) <= 2
     assert seen  # which branches ran is timing; every one of them must agree
