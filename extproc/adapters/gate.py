@@ -84,6 +84,8 @@ class GateSession(Session):
         "admitted",
         "aid",
         "attempt",
+        "attempt_offset",
+        "envoy_attempt",
         "failed_on_purpose",
         "first_admitted",
         "http_status",
@@ -110,7 +112,9 @@ class GateSession(Session):
         self.m: GateMachine | None = None
         self.rid: str | None = None
         self.aid: str | None = None
-        self.attempt = 0
+        self.attempt = 0  # the journal's number: attempt_offset + envoy_attempt
+        self.envoy_attempt = 0  # Envoy's x-envoy-attempt-count (from 1 per HTTP request)
+        self.attempt_offset = 0  # a re-run's: the attempts of the runs before (0027)
         self.replica: str | None = None
         self.lease: AttemptLease | None = None
         self.preadmitted: str | None = None  # attempt 1's id, admitted by the guard
@@ -160,15 +164,22 @@ class GateSession(Session):
                 return
             self.rid = rid
             try:
-                self.attempt = int(hd.get(H.ENVOY_ATTEMPT_COUNT, "1"))
+                self.envoy_attempt = int(hd.get(H.ENVOY_ATTEMPT_COUNT, "1"))
             except ValueError:
-                self.attempt = 1
+                self.envoy_attempt = 1
+            try:
+                # Set by our guard only (a client's is stripped): a repeat that runs again
+                # numbers its attempts after the last one recorded (decision 0027).
+                self.attempt_offset = max(0, int(hd.get(H.ATTEMPT_OFFSET, "0")))
+            except ValueError:
+                self.attempt_offset = 0
+            self.attempt = self.attempt_offset + self.envoy_attempt
             attrs = codec.attributes(msg)
             self.replica = str(attrs.get("upstream.address") or "") or None
             self.want_fingerprint = hd.get(H.FINGERPRINT)
             self.parent_tp = hd.get(TRACEPARENT_HEADER)
             self.first_admitted = hd.get(H.PREADMITTED) or None
-            if self.attempt == 1:
+            if self.envoy_attempt == 1:
                 self.preadmitted = self.first_admitted
             try:
                 self.prompt_tokens = int(hd.get(H.PROMPT_TOKENS, "0"))
@@ -179,7 +190,9 @@ class GateSession(Session):
             except ValueError:
                 self.accepted_at = None
             self.m = GateMachine.new(rid, self.cfg.limits.max_buffered_response_bytes)
-            await self.feed(RequestStarted(self.attempt,
+            # The machine counts Envoy's attempts (max_attempts is per HTTP request);
+            # records, logs and spans name the journal's (self.attempt).
+            await self.feed(RequestStarted(self.envoy_attempt,
                                            family_for_path(hd.get(":path", "")).name))
         elif which == "response_headers":
             hd = codec.headers_dict(msg.response_headers.headers)
@@ -279,6 +292,8 @@ class GateSession(Session):
             return None
         if isinstance(a, ContinueRequest):
             self.p.mark_reached(rid)
+            # The attempt offset stays: a removal here holds for Envoy's later attempts of
+            # the request too, whose gates need it (decision 0027).
             await self.write(codec.continue_request_headers({H.ATTEMPT_ID: self.aid or ""},
                                                             remove=(H.PREADMITTED,)))
             return None
@@ -316,7 +331,8 @@ class GateSession(Session):
                                  else self.md)
         host, _, port = (self.replica or "").rpartition(":")
         self.span = tel.start("llm.attempt", parent, SpanKind.CLIENT, {
-            "llmgw.request_id": rid, "llmgw.attempt_id": self.aid, "llmgw.attempt": attempt,
+            "llmgw.request_id": rid, "llmgw.attempt_id": self.aid,
+            "llmgw.attempt": self.attempt, "llmgw.envoy_attempt": attempt,
             "server.address": host or None, "server.port": int(port) if port.isdigit() else None,
             "llmgw.fingerprint": self.p.pool.fingerprint_of(self.replica or "")})
         res = await self._admit(attempt)
@@ -332,8 +348,10 @@ class GateSession(Session):
                 # The guard admitted it with the request: give `live` back.
                 aid, store = self.aid or "", self.p.journal
                 code = str(res.error.code) if res.error else "unknown"
-                rec = records.refused_first_attempt(aid, self.replica, self.p.clock.wall(), code)
-                self.p.spawn(retrying(lambda: store.end_attempt(rid, 1, aid, rec, False),
+                n = self.attempt  # 1, or a re-run's first (decision 0027)
+                rec = records.refused_first_attempt(aid, self.replica, self.p.clock.wall(), code,
+                                                    n)
+                self.p.spawn(retrying(lambda: store.end_attempt(rid, n, aid, rec, False),
                                       "give back a refused attempt", rid, aid),
                              f"gate-refused-{aid}")
             code = str(res.error.code) if res.error else "unknown"
@@ -344,8 +362,10 @@ class GateSession(Session):
         return res
 
     async def _admit(self, attempt: int) -> AdmitDecided:
+        """`attempt`: Envoy's count (the policy's); `n`: the journal's (decision 0027)."""
         rid = self.rid or ""
         aid = self.aid or ""
+        n = self.attempt
         opening = self.p.intakes.get(rid)
         if opening is not None:
             # The guard let the body go on while its intake commits (decision 0021):
@@ -390,12 +410,13 @@ class GateSession(Session):
                 return AdmitDecided(False, self._journal_down(e))
             return self._admitted(0.0)
         try:
-            res = await self.p.journal.admit_attempt(rid, attempt, aid, record,
-                                                   verdict.fence_wait_s, self._never_started)
+            res = await self.p.journal.admit_attempt(
+                rid, n, aid, record, verdict.fence_wait_s, self._never_started,
+                first_attempt=self.attempt_offset + 1)
         except StoreUnavailable as e:
             rlog(log, logging.WARNING, "journal unavailable at admission", rid, self.aid,
                  error=str(e))
-            self.p.spawn(retrying(lambda: self.p.journal.undo_admission(rid, attempt, aid),
+            self.p.spawn(retrying(lambda: self.p.journal.undo_admission(rid, n, aid),
                                   "undo an unconfirmed admission", rid, aid,
                                   settle_s=UNDO_SETTLE_S),
                          f"gate-undo-admit-{aid}")

@@ -25,6 +25,7 @@ from ..core.errors import (
     body_required,
     journal_unavailable,
     no_compatible_replica,
+    request_in_progress,
     request_not_found,
 )
 from ..core.failure import FailureClass
@@ -40,8 +41,10 @@ from ..core.intake import (
     parse_body,
 )
 from ..core.journal import (
+    JournalView,
     Outcome,
-    repeat_answer,
+    Rerun,
+    answer_repeat,
     tenant_digest,
 )
 from ..core.machine import (
@@ -95,6 +98,7 @@ class GuardSession(Session):
         "progress_at",
         "progress_inflight",
         "progress_sent",
+        "rerun",
         "tool",
         "watchdog",
         "watchdog_at",
@@ -116,6 +120,8 @@ class GuardSession(Session):
         self.progress_sent = 0
         self.progress_inflight = False
         self.tool: ToolCallHandler | None = None
+        # A repeat of a key that runs the request again (decision 0027), once re-opened.
+        self.rerun: Rerun | None = None
         # The intake transaction while this session waits for it (decision 0021).
         self.opening: asyncio.Task[GatewayError | None] | None = None
         self.md: dict[str, str] = {}
@@ -375,10 +381,51 @@ class GuardSession(Session):
             # Recorded: a gate that comes from now on need not wait (nor find it here).
             self.p.intakes.take(rid)
             return None
-        err = repeat_answer(existing, digest, key)
-        rlog(log, logging.INFO, "repeat of a known request", rid, None,
-             code=str(err.code), outcome=existing.outcome_value)
-        return err
+        return await self.repeat(rid, existing, first[0], digest, key)
+
+    async def repeat(self, rid: str, view: JournalView, aid: str, digest: str,
+                     key: str | None) -> GatewayError | None:
+        """A repeat of a known key: what to answer from the journal, or None when it runs
+        again as the same logical request (decision 0027), re-opened in one transaction with
+        `aid` as its first attempt, numbered after the last one recorded."""
+        for _ in range(2):  # once more if another repeat changed the record in between
+            verdict = answer_repeat(view, digest, key)
+            if isinstance(verdict, GatewayError):
+                rlog(log, logging.INFO, "repeat of a known request", rid, None,
+                     code=str(verdict.code), outcome=view.outcome_value, runs=view.runs)
+                return verdict
+            now, gw = self.p.clock.wall(), self.cfg.server.gateway_id
+            n = verdict.first_attempt
+            history = (verdict.run - 1, verdict.history(now, gw, self.envoy_request_id))
+            first = (n, aid, records.first_attempt(aid, gw, now, n))
+            try:
+                again = await self.p.journal.reopen_request(rid, verdict.outcome, history, first)
+                if again is None:
+                    self.rerun = verdict
+                    # Envoy counts this request's attempts from 1 again, and so does the
+                    # count of attempts that reached a replica (max_attempts is per run).
+                    self.p.reached.pop(rid, None)
+                    rlog(log, logging.INFO, "repeat runs the request again", rid, aid,
+                         run=verdict.run, attempt=n, ended=verdict.outcome.get("outcome"),
+                         ended_cause=verdict.outcome.get("cause"))
+                    return None
+                settled = await self.p.settled(again)
+            except StoreUnavailable as e:
+                self.undo_reopen_later(rid, history, n, aid)
+                return self._journal_down(rid, e)
+            if settled is None:  # the record is gone (its retention ran out)
+                return request_in_progress(rid, "prefill")
+            view = settled
+        return request_in_progress(rid, str(view.phase))
+
+    def undo_reopen_later(self, rid: str, history: tuple[int, dict[str, Any]], n: int,
+                          aid: str) -> None:
+        """A re-open whose answer never came may still apply: take it back once etcd
+        answers (nothing ran for it: the client is told journal_unavailable)."""
+        store = self.p.journal
+        self.p.spawn(retrying(lambda: store.undo_reopen(rid, history, (n, aid)),
+                              "take back an unconfirmed re-open", rid, aid,
+                              settle_s=UNDO_SETTLE_S), f"guard-undo-reopen-{rid}")
 
     def start_span(self, meta: RequestMeta, route: tuple[str, list[str]] | None) -> None:
         gen, rid = self.gen, self.rid or ""
@@ -399,6 +446,9 @@ class GuardSession(Session):
         rlog(log, logging.INFO, "request accepted", self.rid, None, stream=meta.stream,
              model=meta.model, fingerprint=route[0] if route else None)
         self.span.add_event("request.accepted")
+        if self.rerun is not None:
+            self.span.add_event("request.rerun", {"llmgw.run": self.rerun.run,
+                                                  "llmgw.first_attempt": self.rerun.first_attempt})
 
     def body_answer(self, meta: RequestMeta, route: tuple[str, list[str]] | None,
                     record: dict[str, Any], aid1: str) -> ep.ProcessingResponse:
@@ -407,6 +457,9 @@ class GuardSession(Session):
         tp = self.p.tel.traceparent(self.span)
         if tp:
             set_headers[TRACEPARENT_HEADER] = tp
+        if self.rerun is not None:
+            # The gates name their attempts after the runs before (decision 0027).
+            set_headers[H.ATTEMPT_OFFSET] = str(self.rerun.attempt_offset)
         lb: dict[str, Any] | None = None
         if route is not None:
             # Attempt n goes to hosts[n-1]: every host listed shares one fingerprint, so no

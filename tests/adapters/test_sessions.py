@@ -381,11 +381,14 @@ async def test_a_stream_reset_during_its_intake_still_gets_an_outcome(
     assert view.outcome["delivered_output_tokens"] == 0
     assert view.live_attempt_id is None
     if headers is DOWN:
+        # Nothing ran, nothing was delivered: a repeat of the key runs it again as the same
+        # request, its attempts numbered after attempt 1 (decision 0027).
         again, _, atask = start(GuardSession, p)
         again.send(req_headers(DOWN))
         again.send(req_body(CHAT))
-        status, body = immediate((await again.wait_for(2))[1])
-        assert status == 409 and body["error"]["code"] == "request_already_finished"
+        r = (await again.wait_for(2))[1]
+        assert r.WhichOneof("response") == "request_body", r
+        assert set_headers(r, "request_body")[H.ATTEMPT_OFFSET] == "1"
         again.close()
         await asyncio.wait_for(atask, 3)
 
@@ -497,3 +500,134 @@ async def test_gate_refuses_a_cross_fingerprint_host() -> None:
     await p.drain()
     view = await store.get(RID)
     assert view is not None and view.live_attempt_id is None  # `live` given back
+
+
+# --- a key whose request ended with nothing delivered runs again (decision 0027) ----------
+
+
+async def gate_run(p: Processor, rid: str, envoy_attempt: int, sent: dict[str, str],
+                   status: int) -> tuple[FakeContext, ep.ProcessingResponse]:
+    """One attempt's gate, as Envoy plays it: its headers (with what the guard set on the
+    body), admitted or refused; on admission the replica answers `status`."""
+    gate, _, task = start(GateSession, p)
+    h = {H.REQUEST_ID: rid, H.ENVOY_ATTEMPT_COUNT: str(envoy_attempt),
+         H.ACCEPTED_AT: sent[H.ACCEPTED_AT], H.PREADMITTED: sent[H.PREADMITTED]}
+    if H.ATTEMPT_OFFSET in sent:
+        h[H.ATTEMPT_OFFSET] = sent[H.ATTEMPT_OFFSET]
+    gate.send(req_headers(h, attrs={"upstream.address": REPLICA}))
+    (r,) = await gate.wait_for(1)
+    if r.WhichOneof("response") == "request_headers" and status != 200:
+        gate.send(resp_headers({":status": str(status), "content-type": "application/json"},
+                               eos=True))
+        await gate.wait_for(2)
+        gate.close()
+        await asyncio.wait_for(task, 3)
+    return gate, r
+
+
+async def test_a_key_whose_run_failed_with_nothing_delivered_runs_again() -> None:
+    # Run 1: both attempts answered 503 (the replicas overloaded), nothing delivered, outcome
+    # upstream_failed. The repeat of the key runs again as the same request: re-opened with
+    # its first attempt numbered 3, and its gate admits journal attempt 3 for Envoy's 1.
+    p, store = proc({"policy": {"retry_budget": {"min_retry_concurrency": 1000}}})
+    guard, _, gtask = start(GuardSession, p)
+    guard.send(req_headers(DOWN))
+    rid = set_headers((await guard.wait_for(1))[0], "request_headers")[H.REQUEST_ID]
+    guard.send(req_body(CHAT))
+    sent = set_headers((await guard.wait_for(2))[1], "request_body")
+    assert H.ATTEMPT_OFFSET not in sent  # a first run names its attempts as Envoy does
+    await gate_run(p, rid, 1, sent, 503)
+    await gate_run(p, rid, 2, sent, 503)
+    guard.send(resp_headers({":status": "503", "content-type": "application/json"}))
+    guard.send(resp_body(b'{"error":{"message":"overloaded"}}', eos=True))
+    await guard.wait_for(4)
+    guard.close()
+    await asyncio.wait_for(gtask, 3)
+    await p.drain()
+    first = await store.get(rid)
+    assert first is not None and first.outcome is not None and not first.first_delta_sent
+    assert (first.outcome["outcome"], first.outcome["cause"]) == ("upstream_failed", "http 503")
+    assert [a["attempt"] for a in first.attempts] == [1, 2] and first.live_attempt_id is None
+
+    # The repeat: same key, same body.
+    again, _, atask = start(GuardSession, p)
+    again.send(req_headers({**DOWN, H.ATTEMPT_OFFSET: "99"}))  # a client's is stripped
+    removed = set((await again.wait_for(1))[0].request_headers.response.header_mutation
+                  .remove_headers)
+    assert H.ATTEMPT_OFFSET in removed
+    again.send(req_body(CHAT))
+    r = (await again.wait_for(2))[1]
+    assert r.WhichOneof("response") == "request_body", r
+    sent2 = set_headers(r, "request_body")
+    aid3 = sent2[H.PREADMITTED]
+    assert sent2[H.ATTEMPT_OFFSET] == "2" and aid3 != sent[H.PREADMITTED]
+    reopened = await store.get(rid)
+    assert reopened is not None and reopened.outcome is None  # in progress again
+    assert reopened.live_attempt_id == aid3 and reopened.meta == first.meta
+    assert [(a["attempt"], a["attempt_id"]) for a in reopened.attempts][2] == (3, aid3)
+    (h,) = reopened.history
+    assert (h["run"], h["first_attempt"], h["last_attempt"]) == (1, 1, 2)
+    assert h["outcome"] == first.outcome
+
+    # Envoy's attempt 1 of the new HTTP request is the journal's attempt 3.
+    gate, r = await gate_run(p, rid, 1, sent2, 200)
+    assert r.WhichOneof("response") == "request_headers", r
+    assert set_headers(r, "request_headers") == {H.ATTEMPT_ID: aid3}
+    # Kept for Envoy's later attempts: a removal here would hold for them too.
+    assert list(r.request_headers.response.header_mutation.remove_headers) == [H.PREADMITTED]
+    gate.send(resp_headers({":status": "200", "content-type": "text/event-stream"}))
+    gate.send(resp_body(SSE_ROLE + SSE_CONTENT))
+    released = set_headers((await gate.wait_for(3))[1], "response_headers")
+    handoff = json.loads(released[H.HANDOFF])
+    assert (handoff["attempt"], handoff["attempt_id"]) == (3, aid3)
+    again.send(resp_headers({":status": "200", "content-type": "text/event-stream",
+                             H.HANDOFF: released[H.HANDOFF]}))
+    again.send(resp_body(SSE_ROLE + SSE_CONTENT))
+    again.send(resp_body(SSE_DONE, eos=True))
+    await again.wait_for(5)
+    again.close()
+    await asyncio.wait_for(atask, 3)
+    await p.drain()
+    done = await store.get(rid)
+    assert done is not None and done.outcome is not None
+    assert done.outcome["outcome"] == "completed" and done.delivery is not None
+    assert done.delivery["attempt"] == 3
+    assert [a["attempt"] for a in done.attempts] == [1, 2, 3]
+    assert done.attempts[2]["released"] is True and done.live_attempt_id is None
+    d = done.to_dict()
+    assert (d["attempt"], d["runs"], d["retry_budget"]) == (3, 2, 1)
+    assert [x["outcome"]["outcome"] for x in d["history"]] == ["upstream_failed"]
+
+    # Completed now: a further repeat is answered from the journal, nothing runs.
+    third, _, ttask = start(GuardSession, p)
+    third.send(req_headers(DOWN))
+    third.send(req_body(CHAT))
+    status, body = immediate((await third.wait_for(2))[1])
+    assert status == 409 and body["error"]["code"] == "request_already_completed"
+    third.close()
+    await asyncio.wait_for(ttask, 3)
+
+
+async def test_a_repeat_with_another_body_is_still_refused_after_a_failed_run() -> None:
+    p, store = proc()
+    guard, _, gtask = start(GuardSession, p)
+    guard.send(req_headers(DOWN))
+    rid = set_headers((await guard.wait_for(1))[0], "request_headers")[H.REQUEST_ID]
+    guard.send(req_body(CHAT))
+    await guard.wait_for(2)
+    guard.send(resp_headers({":status": "503", "content-type": "application/json"}))
+    guard.send(resp_body(b"{}", eos=True))
+    await guard.wait_for(4)
+    guard.close()
+    await asyncio.wait_for(gtask, 3)
+    await p.drain()
+    other = json.dumps({**json.loads(CHAT), "max_tokens": 3}).encode()
+    again, _, atask = start(GuardSession, p)
+    again.send(req_headers(DOWN))
+    again.send(req_body(other))
+    status, body = immediate((await again.wait_for(2))[1])
+    assert status == 422 and body["error"]["code"] == "idempotency_key_reused"
+    again.close()
+    await asyncio.wait_for(atask, 3)
+    view = await store.get(rid)
+    assert view is not None and view.outcome is not None and view.history == ()
