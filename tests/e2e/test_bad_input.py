@@ -128,8 +128,8 @@ def test_a_fresh_request_goes_upstream_only_once_recorded(gw: Gateway) -> None:
 
 def test_a_client_that_leaves_during_its_intake_gets_a_finished_record(gw: Gateway) -> None:
     """The client gives up while etcd is frozen in the intake; once etcd thaws the record
-    commits, and it is finished from Envoy's cause, not left in progress: a repeat of the
-    key is answered from it and nothing ran."""
+    commits, and it is finished from Envoy's cause, not left in progress. Nothing ran and
+    nothing was delivered, so a repeat of the key runs it (decision 0027): once."""
     etcd = gw.stack.procs["etcd"]
     warm = gw.post(gw.body(max_tokens=2))
     assert warm.status == 200
@@ -145,10 +145,14 @@ def test_a_client_that_leaves_during_its_intake_gets_a_finished_record(gw: Gatew
         etcd.signal(signal.SIGCONT)
     j = gw.journal(rid, settle_s=5.0)
     assert (j["outcome"], j["delivered_output_tokens"]) == ("client_disconnected", 0), j
-    again = gw.post(gw.body(max_tokens=2), key=key)
-    assert again.status == 409 and again.error is not None
-    assert again.error["code"] == "request_already_finished"
     _nothing_ran(gw, rid)
+    again = gw.post(gw.body(max_tokens=2), key=key)
+    assert again.status == 200 and again.request_id == rid and len(again.contents) == 2
+    assert [(r["attempt"], r["outcome"]) for r in gw.attempts_logged(rid)] == [
+        (1, "completed")]
+    after = gw.journal(rid)
+    assert (after["outcome"], after["runs"]) == ("completed", 2), after
+    assert after["history"][0]["outcome"]["outcome"] == "client_disconnected"
 
 
 def test_processor_restart(gw: Gateway) -> None:
