@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from pathlib import Path
 
 import yaml
 
 from .faults import FAULT_KINDS
-from .runner import CHAOS_CONFIG, Options, render_summary, run
+from .runner import CHAOS_CONFIG, Options, render_evidence, render_summary, run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,12 +63,23 @@ def main(argv: list[str] | None = None) -> int:
                    keyed_share=args.keyed_share, kinds=kinds,
                    max_concurrent_faults=args.max_concurrent_faults, out=out, config=config,
                    log=lambda s: print(s, flush=True))
+    def _stop(signum: int, frame: object) -> None:
+        # SIGTERM unwinds like Ctrl-C, so the run's `finally` stops every process it started.
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, _stop)
     try:
         report = run(opts)
+    except KeyboardInterrupt:
+        print("chaos: interrupted; every process it started is stopped", file=sys.stderr)
+        return 2
     except Exception as e:
         print(f"chaos: the harness failed: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     print(render_summary(report, opts.out or report.workdir.parent), flush=True)
+    if report.breaks:
+        print("\nthe first break of each kind, with its evidence:\n"
+              + render_evidence(report), flush=True)
     if report.harness_errors:
         return 2 if not report.breaks else 1
     return 1 if report.breaks else 0

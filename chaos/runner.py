@@ -369,3 +369,46 @@ def render_summary(report: Report, out: Path | None = None, max_breaks: int = 40
     if out is not None:
         lines.append(f"\nreport: {out / 'report.json'}; logs: {report.workdir}")
     return "\n".join(lines)
+
+
+def render_evidence(report: Report, per_kind: int = 1, max_lines: int = 14) -> str:
+    """The first break(s) of each kind with their evidence: what the client saw, the
+    record, the log lines naming the request (the whole of it is in report.json)."""
+    seen: Counter[str] = Counter()
+    chosen = []
+    for t, b in report.breaks:
+        if seen[b.kind] < per_kind:
+            seen[b.kind] += 1
+            chosen.append((t, b))
+    logs = collect_logs(report.workdir, {t.request_id for t, _ in chosen if t.request_id})
+    out: list[str] = []
+    for t, b in chosen:
+        s = t.seen
+        out.append(f"== {b.kind} {t.request_id or '(no request id)'}: {b.detail}")
+        out.append(f"   sent: {json.dumps(t.spec.to_dict())}")
+        hdrs = {k: v for k, v in s.headers.items() if k.startswith("x-") or k == "content-type"}
+        out.append(f"   client saw: status {s.status} {hdrs} after {s.elapsed_s:.3f}s"
+                   + (f", transport error: {s.transport_error}" if s.transport_error else ""))
+        evs = view(t.spec, s).events
+        if evs:
+            out.append(f"   events ({len(evs)}): " + "; ".join(
+                (n or "data") + ("=" + json.dumps(d)[:90] if n is None else "")
+                for n, d in evs[:8]) + (" ..." if len(evs) > 8 else ""))
+        elif s.body:
+            out.append(f"   body: {s.body[:200]!r}")
+        rec = t.record
+        if rec is not None:
+            keys = ("phase", "outcome", "cause", "first_delta_sent", "delivered_output_tokens",
+                    "delivered_output_tokens_exact", "first_delta_at")
+            out.append(f"   record: {json.dumps({k: rec.get(k) for k in keys})}")
+            for a in rec.get("attempts") or []:
+                out.append("     attempt " + json.dumps({k: a.get(k) for k in (
+                    "attempt", "replica", "admitted_at", "released", "failure_class",
+                    "fence", "envoy_cause", "http_status")}))
+        else:
+            out.append(f"   record: none (lookup status {t.record_status})")
+        for r in t.repeats[:3]:
+            out.append(f"   repeat: {r.status} {r.body[:160]!r}")
+        for line in logs.get(t.request_id, [])[:max_lines]:
+            out.append(f"   log {line[:300]}")
+    return "\n".join(out)

@@ -5,6 +5,7 @@ and do not fail for nothing)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -290,3 +291,24 @@ def test_a_replicas_own_overloaded_answer_passed_on_is_documented() -> None:
     rec["cause"] = "upstream"  # the journal does not say so: not a documented answer
     assert kinds(transcript(s, body, status=503, headers=JSON, rec=rec)) == [
         "undocumented_error"]
+
+
+def test_the_evidence_of_a_break_names_the_client_view_record_and_log_lines(
+        tmp_path: Path) -> None:
+    from chaos.runner import Report, render_evidence, render_summary
+    s = spec()
+    t = transcript(s, chat_stream(reference(s)[:2], end="error", error=ours(2)),
+                   rec=record("upstream_decode_interrupted", 3))
+    (tmp_path / "processor.log").write_text(f'{{"msg": "request finished", "request_id": '
+                                            f'"{RID}"}}\n{{"msg": "other"}}\n')
+    rep = Report(options={"seed": 1, "etcd_members": 3}, transcripts=[t], faults=[],
+                 breaks=[(t, b) for b in check(t)], workdir=tmp_path, started_at=0.0,
+                 wall_s=1.0)
+    ev = render_evidence(rep)
+    assert f"== journal_disagrees {RID}" in ev and "request finished" in ev
+    assert '"outcome": "upstream_decode_interrupted"' in ev and "other" not in ev
+    assert "journal_disagrees" in render_summary(rep) and not rep.ok
+    d = rep.to_dict()
+    assert d["breaks"][0]["logs"] == [f"processor.log: {{\"msg\": \"request finished\", "
+                                      f"\"request_id\": \"{RID}\"}}"]
+    assert d["summary"]["breaks_by_kind"] == {"journal_disagrees": 1}

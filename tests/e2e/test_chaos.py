@@ -11,7 +11,7 @@ import pytest
 
 from chaos.checks import FAMILIES
 from chaos.faults import FAULT_KINDS
-from chaos.runner import Options, render_summary, run
+from chaos.runner import Options, render_evidence, render_summary, run
 
 pytestmark = pytest.mark.e2e
 
@@ -37,4 +37,4 @@ def test_a_fixed_seed_slice_has_no_break(tmp_path: Path) -> None:
     assert any(k.endswith("/fault") for k in kinds), text
     assert summary["requests_by_outcome"].get("complete", 0) > 0, text
     assert not report.harness_errors, text
-    assert summary["breaks"] == 0, text
+    assert summary["breaks"] == 0, text + "\n\n" + render_evidence(report)
