@@ -481,9 +481,12 @@ def _check_record(t: Transcript, v: View, out: list[Break]) -> None:
             bad.append(f"delivered_output_tokens {delivered} (exact), the client "
                        f"read {n}")
     elif v.outcome == "error":
-        if sent:
-            bad.append(f"first_delta_sent true, the client got {t.seen.status} "
-                       f"{err.get('code')} and no content")
+        # A released first delta that never reached the client keeps the fence
+        # (`first_delta_sent: true`) with nothing delivered (decision 0025).
+        if sent and not (outcome in (None, "upstream_failed") and delivered == 0):
+            bad.append(f"first_delta_sent true with {delivered} delivered and outcome "
+                       f"{outcome}, the client got {t.seen.status} {err.get('code')} and "
+                       f"no content")
         if outcome in ("completed", "upstream_decode_interrupted"):
             bad.append(f"outcome {outcome}, the client got {t.seen.status} {err.get('code')}")
         if "no journal record" in str(err.get("message", "")):
@@ -569,8 +572,12 @@ def check(t: Transcript) -> list[Break]:
     v = _check_answer(t.spec, t.seen, t.reference, t.hang_bound_s, t.processor_fault, out,
                       record=t.record)
     if v.outcome == "cut":
+        # Documented: a reset after delivery; the processor down; or a released first
+        # delta that never left, recorded as such (decision 0025: the fence kept, nothing
+        # delivered).
         documented = len(v.units) > 0 or t.processor_fault or (
-            t.record is not None and t.record.get("outcome") in INTERRUPTED_OUTCOMES
+            t.record is not None and t.record.get("first_delta_sent") is True
+            and t.record.get("outcome") in ("upstream_failed", *INTERRUPTED_OUTCOMES)
             and t.record.get("delivered_output_tokens") == 0)
         if not documented:
             out.append(Break("undocumented_cut",

@@ -149,6 +149,10 @@ def test_a_cut_stream_is_documented_only_after_content_or_with_the_processor_dow
     before = transcript(s, chat_stream([], end="none"), err="RemoteProtocolError: x",
                         rec=record("upstream_failed", 0, sent=False))
     assert "undocumented_cut" in kinds(before)
+    # Decision 0025: a released first delta that never left: the fence kept, 0 delivered.
+    never_left = transcript(s, chat_stream([], end="none"), err="RemoteProtocolError: x",
+                            rec=record("upstream_failed", 0, sent=True))
+    assert check(never_left) == []
     proc = transcript(s, chat_stream([], end="none"), err="RemoteProtocolError: x",
                       rec=record("gateway_interrupted", 0, sent=False),
                       processor_fault=True)
@@ -312,3 +316,15 @@ def test_the_evidence_of_a_break_names_the_client_view_record_and_log_lines(
     assert d["breaks"][0]["logs"] == [f"processor.log: {{\"msg\": \"request finished\", "
                                       f"\"request_id\": \"{RID}\"}}"]
     assert d["summary"]["breaks_by_kind"] == {"journal_disagrees": 1}
+
+
+def test_an_error_answer_after_a_fence_whose_delta_never_left() -> None:
+    s = spec()
+    body = json.dumps({"error": {"code": "upstream_unavailable", "request_id": RID,
+                                 "retryable": True}})
+    ok = transcript(s, body, status=503, headers=JSON,
+                    rec=record("upstream_failed", 0, sent=True))
+    assert check(ok) == []
+    claims = transcript(s, body, status=503, headers=JSON,
+                        rec=record("upstream_decode_interrupted", 1, sent=True))
+    assert kinds(claims) == ["journal_disagrees"]
