@@ -106,3 +106,10 @@ def test_one_member_stays_the_default(stack: Stack) -> None:
     assert stack.etcd_member_names() == ["etcd"]
     assert stack.etcd_endpoints == [stack.etcd_endpoint]
     assert not (stack.workdir / "etcd-2.log").exists()
+
+
+def test_run_refuses_an_etcd_member_count_out_of_range() -> None:
+    from extproc.cli import main
+    for bad in ("0", "10"):
+        with pytest.raises(SystemExit, match="--etcd-members must be between 1 and 9"):
+            main(["run", "--etcd-members", bad])
