@@ -77,6 +77,7 @@ proc_config = obj({
     }),
     "etcd": obj({
         "timeout_s": num(0.05, 30.0, "deadline of every etcd call"),
+        "intake_deadline_s": num(0.05, 60.0, "the intake is sent again until then"),
         "prefix": {"type": "string", "pattern": "^/.*[^/]$"},
         "attempt_lease_ttl_s": integer(2, 600),
         "journal_retention_s": integer(60, 30 * 86400),
@@ -161,6 +162,8 @@ proc_config = obj({
                           desc="registry: replicas register in etcd (`extproc register`), "
                                "served to Envoy over EDS; pool.replicas must then be empty"),
         "registration_ttl_s": integer(2, 300),
+        "healthy_panic_threshold": num(0.0, 100.0),
+        "unreached_attempts": integer(0, 10),
     }),
     "policy": obj({"on_upstream_failure": obj({
         "before_first_delta": obj({

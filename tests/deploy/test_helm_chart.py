@@ -343,7 +343,8 @@ def test_values_drive_the_bootstrap() -> None:
     """Spot checks that the custom values really moved what they should."""
     boot = _bootstrap("strict-idempotency-custom-timeouts-values.yaml")
     route = _gateway_hcm(boot)["route_config"]["virtual_hosts"][0]["routes"][-1]["route"]
-    assert route["retry_policy"]["num_retries"] == 3
+    # max_attempts 4 - 1, plus pool.unreached_attempts (2) for refused connections (0024)
+    assert route["retry_policy"]["num_retries"] == 5
     # first_delta_s 12.5 + envoy_config.PER_TRY_MARGIN_S (0.25)
     assert route["retry_policy"]["per_try_timeout"] == "12.750s"
     assert "health_checks" not in _cluster(boot, "replicas")
