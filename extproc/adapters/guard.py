@@ -353,6 +353,7 @@ class GuardSession(Session):
         loop = asyncio.get_running_loop()
         give_up = loop.time() + self.cfg.etcd.intake_deadline_s
         pause, tries = 0.05, 0
+        existing: JournalView | None = None
         while True:
             tries += 1
             try:
@@ -365,11 +366,7 @@ class GuardSession(Session):
                     await asyncio.sleep(pause)
                     pause = min(pause * 2, 0.4)
                     continue
-                aid = first[0]
-                store = self.p.journal
-                self.p.spawn(retrying(lambda: store.undo_intake(rid, aid),
-                                      "take back an unconfirmed intake", rid, aid,
-                                      settle_s=UNDO_SETTLE_S), f"guard-undo-intake-{rid}")
+                self._take_back_intake(rid, first[0])
                 return self._journal_down(rid, e)
         if existing is not None and own_intake(existing.attempts, existing.live_attempt_id,
                                                first[0]):
@@ -426,6 +423,12 @@ class GuardSession(Session):
         self.p.spawn(retrying(lambda: store.undo_reopen(rid, history, (n, aid)),
                               "take back an unconfirmed re-open", rid, aid,
                               settle_s=UNDO_SETTLE_S), f"guard-undo-reopen-{rid}")
+
+    def _take_back_intake(self, rid: str, aid: str) -> None:
+        store = self.p.journal
+        self.p.spawn(retrying(lambda: store.undo_intake(rid, aid),
+                              "take back an unconfirmed intake", rid, aid,
+                              settle_s=UNDO_SETTLE_S), f"guard-undo-intake-{rid}")
 
     def start_span(self, meta: RequestMeta, route: tuple[str, list[str]] | None) -> None:
         gen, rid = self.gen, self.rid or ""
