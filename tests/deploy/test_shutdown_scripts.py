@@ -77,6 +77,13 @@ class _SlowHandler(http.server.BaseHTTPRequestHandler):
     delay_s = 0.2
 
     def do_GET(self) -> None:
+        if self.path == "/health":
+            # Envoy's active health check: with the panic threshold at 0 (decision 0024) a
+            # replica that fails it gets no traffic at all.
+            self.send_response(200)
+            self.send_header("content-length", "0")
+            self.end_headers()
+            return
         self.send_response(200)
         self.send_header("content-type", "text/event-stream")
         self.send_header("content-length", str(self.chunks * 9))
