@@ -445,8 +445,10 @@ def _check_record(t: Transcript, v: View, out: list[Break]) -> None:
         if t.record_status == 404 and (n > 0 or v.outcome == "complete"):
             out.append(Break("record_missing",
                              f"the client read {n} units ({v.outcome}); lookup 404"))
-        elif (t.record_status == 404 and v.outcome == "error"
+        elif (t.record_status == 404 and v.outcome == "error" and not t.processor_fault
               and err.get("code") not in ("journal_unavailable", None)):
+            # (With its processor killed, a request may die before its intake commits:
+            # Envoy fails closed, nothing ran, there is nothing to record.)
             out.append(Break("record_missing",
                              f"answered {t.seen.status} {err.get('code')}; lookup 404"))
         return

@@ -314,7 +314,10 @@ def run(opts: Options) -> Report:
                 harness_errors.append("a client worker outlived its bound")
         log(f"chaos: {len(traffic.transcripts)} requests sent; settling")
         _settle(stack, opts, harness_errors)
-        processor_down = [(f.start, (f.end or time.time()) + 1.0) for f in loop.faults
+        # A processor fault covers the request if it overlaps it (the kill's wall-clock
+        # stamp is taken just before the signal; 0.25 s either side for the two clocks),
+        # until 1 s after the processor is back.
+        processor_down = [(f.start - 0.25, (f.end or time.time()) + 1.0) for f in loop.faults
                           if f.kind == "processor_kill" and not f.error.startswith("inject")]
         transcripts = sorted(traffic.transcripts, key=lambda t: t.seen.started_at)
         for t in transcripts:

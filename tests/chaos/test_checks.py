@@ -328,3 +328,14 @@ def test_an_error_answer_after_a_fence_whose_delta_never_left() -> None:
     claims = transcript(s, body, status=503, headers=JSON,
                         rec=record("upstream_decode_interrupted", 1, sent=True))
     assert kinds(claims) == ["journal_disagrees"]
+
+
+def test_a_request_killed_with_its_processor_before_its_intake_has_no_record() -> None:
+    s = spec()
+    body = json.dumps({"error": {"code": "upstream_unavailable", "request_id": RID,
+                                 "retryable": True}})
+    gone = transcript(s, body, status=500, headers=JSON, rec=None, rec_status=404,
+                      processor_fault=True)
+    assert check(gone) == []
+    unexplained = transcript(s, body, status=503, headers=JSON, rec=None, rec_status=404)
+    assert kinds(unexplained) == ["record_missing"]
