@@ -52,7 +52,7 @@ test: install lint typecheck image-if-possible
 	$(BIN)/pytest -q
 
 lint: install
-	$(BIN)/ruff check extproc tests bench
+	$(BIN)/ruff check extproc tests bench chaos
 
 typecheck: install
 	$(BIN)/mypy extproc
