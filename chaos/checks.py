@@ -148,6 +148,10 @@ class Transcript:
     repeats: list[Seen] = field(default_factory=list)
     # A processor was killed or down while this request ran (its documented cuts apply).
     processor_fault: bool = False
+    # A processor was killed at or after this request's start: its record may have been
+    # settled `gateway_interrupted` by another reader (the guard's outcome write, or the
+    # whole stream, died with the process; docs/failure-classes.md).
+    processor_killed_after_start: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {"index": self.index, "request_id": self.request_id,
@@ -155,7 +159,8 @@ class Transcript:
                 "reference": "".join(self.reference), "hang_bound_s": self.hang_bound_s,
                 "record_status": self.record_status, "record": self.record,
                 "repeats": [r.to_dict() for r in self.repeats],
-                "processor_fault": self.processor_fault}
+                "processor_fault": self.processor_fault,
+                "processor_killed_after_start": self.processor_killed_after_start}
 
 
 @dataclass(frozen=True)
@@ -437,6 +442,25 @@ def _check_answer(spec: Spec, seen: Seen, reference: list[str], hang_bound_s: fl
     return v
 
 
+def _check_no_rerun(rec: dict[str, Any], out: list[Break]) -> None:
+    """Nothing re-run after delivery: one released attempt, none admitted after the
+    fence."""
+    attempts = rec.get("attempts") or []
+    released = [a for a in attempts if a.get("released")]
+    if len(released) > 1:
+        out.append(Break("rerun_after_delivery",
+                         f"{len(released)} attempts released: "
+                         f"{[a.get('attempt') for a in released]}"))
+    fence_at = rec.get("first_delta_at")
+    if isinstance(fence_at, int | float):
+        for a in attempts:
+            at = a.get("admitted_at") or a.get("started_at")
+            if isinstance(at, int | float) and at > fence_at:
+                out.append(Break("rerun_after_delivery",
+                                 f"attempt {a.get('attempt')} admitted {at - fence_at:.3f} s "
+                                 f"after the first delivery"))
+
+
 def _check_record(t: Transcript, v: View, out: list[Break]) -> None:
     rec, spec = t.record, t.spec
     n = _units_delivered(spec, v, t.reference)
@@ -456,6 +480,16 @@ def _check_record(t: Transcript, v: View, out: list[Break]) -> None:
     delivered = rec.get("delivered_output_tokens")
     exact = rec.get("delivered_output_tokens_exact", True)
     sent = rec.get("first_delta_sent")
+    if (outcome == "gateway_interrupted" and rec.get("cause") == "processor_lost"
+            and rec.get("delivered_output_tokens_bound") == "unknown" and exact is False):
+        # Settled by another reader after the processor died with the request unfinished
+        # in etcd: the record says it does not know what left. Documented, and only with a
+        # processor killed at or after the request's start.
+        if not (t.processor_killed_after_start or t.processor_fault):
+            out.append(Break("journal_disagrees", "settled processor_lost, but no processor "
+                                                  "was killed after the request started"))
+        _check_no_rerun(rec, out)
+        return
     if outcome is None:
         out.append(Break("record_unsettled", f"phase {rec.get('phase')}, no outcome "
                                              f"(the client saw {v.outcome})"))
@@ -495,21 +529,7 @@ def _check_record(t: Transcript, v: View, out: list[Break]) -> None:
             bad.append(f"the answer says {err.get('message')!r}, the journal has the record")
     if bad:
         out.append(Break("journal_disagrees", "; ".join(bad)))
-    # Nothing re-run after delivery: one released attempt, none admitted after the fence.
-    attempts = rec.get("attempts") or []
-    released = [a for a in attempts if a.get("released")]
-    if len(released) > 1:
-        out.append(Break("rerun_after_delivery",
-                         f"{len(released)} attempts released: "
-                         f"{[a.get('attempt') for a in released]}"))
-    fence_at = rec.get("first_delta_at")
-    if isinstance(fence_at, int | float):
-        for a in attempts:
-            at = a.get("admitted_at") or a.get("started_at")
-            if isinstance(at, int | float) and at > fence_at:
-                out.append(Break("rerun_after_delivery",
-                                 f"attempt {a.get('attempt')} admitted {at - fence_at:.3f} s "
-                                 f"after the first delivery"))
+    _check_no_rerun(rec, out)
 
 
 def _check_repeats(t: Transcript, v: View, out: list[Break]) -> None:

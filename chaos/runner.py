@@ -324,6 +324,7 @@ def run(opts: Options) -> Report:
             a0 = t.seen.started_at
             t.processor_fault = any(_overlaps(a0, a0 + t.seen.elapsed_s, s, e)
                                     for s, e in processor_down)
+            t.processor_killed_after_start = any(s >= a0 - 0.5 for s, _ in processor_down)
         with httpx.Client(base_url=stack.base_url) as client:
             wait_until(lambda: client.get("/v1/requests/req_" + "0" * 26).status_code == 404,
                        30.0, "the status endpoint answering")

@@ -52,6 +52,7 @@ T = TypeVar("T")
 
 
 OUTCOME_RETRY_S = 60.0
+RETRY_MAX_DELAY_S = 0.5
 # llmgw.chunk.processing_time is recorded for one body message in this many (a histogram
 # record per message would cost more than the message's own processing).
 CHUNK_TIME_SAMPLE = 64
@@ -68,17 +69,28 @@ async def retrying(fn: Callable[[], Awaitable[Any]], what: str, rid: str | None,
     """
     # Real waiting, on the event loop's own clock (the one asyncio.sleep uses).
     now = asyncio.get_running_loop().time
-    delay, deadline = 0.1, now() + limit_s
+    delay, deadline, tries = 0.1, now() + limit_s, 0
     while True:
         try:
             await fn()
+            if tries:
+                rlog(log, logging.INFO, f"done after etcd came back: {what}", rid, aid,
+                     tries=tries + 1)
             break
         except StoreUnavailable as e:
             if now() + delay > deadline:
                 rlog(log, logging.ERROR, f"gave up: {what}", rid, aid, error=str(e))
                 return False
+            if tries == 0:
+                # Said once: a write only this process holds (an outcome, a take-back) is
+                # pending; if the process dies before etcd answers, it is lost.
+                rlog(log, logging.WARNING, f"pending until etcd answers: {what}", rid, aid,
+                     error=str(e))
+            tries += 1
             await asyncio.sleep(delay)
-            delay = min(delay * 2, 2.0)
+            # At most RETRY_MAX_DELAY_S between tries: a pending write lands within that of
+            # etcd's return (each try fails fast while etcd has no leader: decision 0026).
+            delay = min(delay * 2, RETRY_MAX_DELAY_S)
     settled = now() + settle_s
     while now() < settled:
         await asyncio.sleep(0.25)

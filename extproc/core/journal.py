@@ -200,17 +200,21 @@ class JournalView:
 def orphan_outcome(view: JournalView, now: float) -> dict[str, Any]:
     """The outcome recorded for a request whose processor died mid-flight.
 
-    Before the fence nothing was released, so "0 delivered" is exact. After it, the last
-    progress checkpoint is a lower bound of what the client received: said so, not hidden.
+    Before the fence nothing was released, so "0 delivered" is exact. After it, nobody
+    knows: the last progress checkpoint is what the guard had handed to Envoy then, which
+    may not all have left (decision 0025), and the stream may have gone on after it (to its
+    very end: a complete answer whose outcome write was still waiting for etcd when the
+    process died). The count is the checkpoint's (0 without one), said to be unknown.
     """
     if not view.first_delta_sent:
         return {"outcome": str(Outcome.GATEWAY_INTERRUPTED), "delivered_output_tokens": 0,
                 "delivered_output_tokens_exact": True, "cause": "processor_lost",
                 "finished_at": now}
-    seen = int((view.progress or {}).get("delivered_output_tokens", 1))
+    seen = int((view.progress or {}).get("delivered_output_tokens", 0))
     return {"outcome": str(Outcome.GATEWAY_INTERRUPTED),
-            "delivered_output_tokens": max(1, seen),
-            "delivered_output_tokens_exact": False, "cause": "processor_lost",
+            "delivered_output_tokens": max(0, seen),
+            "delivered_output_tokens_exact": False,
+            "delivered_output_tokens_bound": "unknown", "cause": "processor_lost",
             "finished_at": now}
 
 

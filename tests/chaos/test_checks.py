@@ -339,3 +339,23 @@ def test_a_request_killed_with_its_processor_before_its_intake_has_no_record() -
     assert check(gone) == []
     unexplained = transcript(s, body, status=503, headers=JSON, rec=None, rec_status=404)
     assert kinds(unexplained) == ["record_missing"]
+
+
+def test_a_record_settled_after_its_processor_died_is_documented_only_then() -> None:
+    s = spec()
+    ref = reference(s)
+    lost = {**record("gateway_interrupted", 0), "cause": "processor_lost",
+            "delivered_output_tokens_exact": False,
+            "delivered_output_tokens_bound": "unknown"}
+    # A complete answer whose outcome write died with the processor (etcd away): the record
+    # says it does not know; documented when a processor was killed after the start ...
+    t = transcript(s, chat_stream(ref), rec=lost)
+    t.processor_killed_after_start = True
+    assert kinds(t) == []
+    # ... and a break when none was.
+    t = transcript(s, chat_stream(ref), rec=lost)
+    assert kinds(t) == ["journal_disagrees"]
+    # Without the "unknown" bound it is still compared, and disagrees.
+    t = transcript(s, chat_stream(ref), rec={**lost, "delivered_output_tokens_bound": None})
+    t.processor_killed_after_start = True
+    assert "journal_disagrees" in kinds(t)

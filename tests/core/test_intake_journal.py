@@ -430,13 +430,20 @@ def test_new_request_id_keeps_every_random_bit() -> None:
     assert new_request_id(5, b"\x00" * 9 + b"\x07") != new_request_id(5, b"\x00" * 10)
 
 
-def test_gateway_interrupted_reports_an_inexact_lower_bound() -> None:
+def test_gateway_interrupted_says_its_count_is_unknown() -> None:
     from extproc.core.journal import orphan_outcome
     v = view(delivery={"at": "t"}, progress={"delivered_output_tokens": 5})
     assert v.orphaned
     oc = orphan_outcome(v, 1.0)
     assert oc["outcome"] == "gateway_interrupted" and oc["delivered_output_tokens"] == 5
     assert oc["delivered_output_tokens_exact"] is False
+    # The checkpoint is what had been handed to Envoy then: it may not all have left
+    # (decision 0025) and the stream may have gone on; neither bound holds.
+    assert oc["delivered_output_tokens_bound"] == "unknown"
+    # Fenced, no checkpoint yet: 0, not a made-up 1 (the released delta may never have left).
+    no_checkpoint = orphan_outcome(view(delivery={"at": "t"}), 1.0)
+    assert no_checkpoint["delivered_output_tokens"] == 0
+    assert no_checkpoint["delivered_output_tokens_bound"] == "unknown"
     settled = view(delivery={"at": "t"}, outcome=oc)
     err = settled.client_error()
     assert err is not None and err.code is ErrorCode.GATEWAY_INTERRUPTED
