@@ -12,6 +12,7 @@ from typing import Any
 from google.protobuf import struct_pb2
 from google.protobuf.duration_pb2 import Duration
 
+from ..core import headers as H
 from ..core.errors import GatewayError
 from ..gen.envoy.config.core.v3 import base_pb2 as core
 from ..gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
@@ -111,19 +112,21 @@ def request_trailers_response() -> ep.ProcessingResponse:
     return ep.ProcessingResponse(request_trailers=ep.TrailersResponse())
 
 
-def fail_attempt_headers(request_id: str, retry: dict[str, str] | None = None
-                         ) -> ep.ProcessingResponse:
+def fail_attempt_headers(request_id: str, retry: dict[str, str] | None = None,
+                         code: str = "upstream_unavailable") -> ep.ProcessingResponse:
     """Answer held response headers as a 503 so the router retries on another host
     (`retry`: the header that asks it to, unless this was the last attempt)."""
     return continue_response_headers(
         {":status": "503", "content-type": "application/json",
-         "x-gateway-request-id": request_id, **(retry or {})},
+         "x-gateway-request-id": request_id, H.GATEWAY_ERROR: code, **(retry or {})},
         remove=("content-length",))
 
 
 def immediate(err: GatewayError, extra_headers: Mapping[str, str] | None = None
               ) -> ep.ProcessingResponse:
-    return immediate_json(err.http_status, err.json_bytes(), extra_headers, str(err.code))
+    return immediate_json(err.http_status, err.json_bytes(),
+                          {H.GATEWAY_ERROR: str(err.code), **(extra_headers or {})},
+                          str(err.code))
 
 
 def immediate_json(status: int, body: bytes, extra_headers: Mapping[str, str] | None = None,

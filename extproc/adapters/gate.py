@@ -285,7 +285,8 @@ class GateSession(Session):
             self.span.add_event("attempt.failed", {"llmgw.reason": a.reason})
             rlog(log, logging.WARNING, "attempt failed before first delta", rid, self.aid,
                  attempt=self.attempt, replica=self.replica, reason=a.reason)
-            await self.write(codec.fail_attempt_headers(rid, self._retry(503)))
+            await self.write(codec.fail_attempt_headers(rid, self._retry(503),
+                                                        str(a.error.code)))
             for i in range(a.held_chunks):
                 body = self.m.family.error_json(a.error) if self.m is not None else b""
                 await self.write(codec.replace_response_body(body if i == 0 else b""))

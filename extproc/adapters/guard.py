@@ -180,7 +180,8 @@ class GuardSession(Session):
             await self.feed(ResponseHeaders(status=status,
                                             content_type=hd.get("content-type", ""),
                                             end_of_stream=msg.response_headers.end_of_stream,
-                                            envoy_reply=H.ENVOY_REPLY in hd))
+                                            envoy_reply=H.ENVOY_REPLY in hd,
+                                            ours=H.GATEWAY_ERROR in hd))
         elif which == "response_body":
             body = msg.response_body
             if self.m is None or not self.m.accepted:

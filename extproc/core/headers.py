@@ -22,6 +22,9 @@ ACCEPTED_AT = "x-gateway-accepted-at"
 TRACEPARENT = "x-gateway-traceparent"
 # On Envoy's own 5xx replies (its local_reply_config): its response flags (decision 0024).
 ENVOY_REPLY = "x-gateway-envoy-reply"
+# On every error response the processor writes itself (its code): the guard leaves these as
+# they are and puts any other 5xx body (a replica's own) in our shape.
+GATEWAY_ERROR = "x-gateway-error"
 # Guard -> gate: a repeat of a key runs again (decision 0027): the journal's number of an
 # attempt is this offset plus Envoy's x-envoy-attempt-count (which starts at 1 again).
 ATTEMPT_OFFSET = "x-gateway-attempt-offset"

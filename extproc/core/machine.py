@@ -83,6 +83,8 @@ class ResponseHeaders:
     end_of_stream: bool = False
     # Envoy made this reply itself (its local_reply_config marks it, decision 0024).
     envoy_reply: bool = False
+    # The processor wrote this error itself (x-gateway-error): already in our shape.
+    ours: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -729,12 +731,13 @@ def _guard_headers(m: GuardMachine, ev: ResponseHeaders) -> list[Action]:
     m.status = ev.status
     m.streaming = ev.content_type.split(";", 1)[0].strip().lower() == "text/event-stream"
     m.state = State.GUARD_RESPONDING
-    if (ev.status >= 500 and (ev.envoy_reply or ev.content_type.startswith("text/plain"))
-            and not ev.end_of_stream):
+    if ev.status >= 500 and not ev.ours and not ev.end_of_stream:
         # Envoy's own local reply (no host answered, or its per-try timeout on the last
-        # attempt): our error shape instead of its plain text.
+        # attempt), or a replica's own 5xx on the last attempt: our error shape, with the
+        # request id, instead of its plain text or the engine's own JSON.
+        who = "gateway" if ev.envoy_reply else "upstream"
         m.replaced_error = m.family.error_json(upstream_unavailable(
-            m.request_id, f"gateway status {ev.status}", ev.status))
+            m.request_id, f"{who} status {ev.status}", ev.status))
     if ev.end_of_stream:
         m.state = State.GUARD_COMPLETE
     return [PassHeaders()]

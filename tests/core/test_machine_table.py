@@ -556,7 +556,7 @@ def test_guard_stream_closed_before_delivery() -> None:
 
 def test_guard_non_200_completes_as_upstream_failed() -> None:
     m = GuardMachine.new(RID, STALL)
-    m.handle(ResponseHeaders(503, "application/json"))
+    m.handle(ResponseHeaders(503, "application/json", ours=True))  # the gate's own 503
     body = b'{"error":{"code":"upstream_unavailable"}}'
     assert m.handle(ResponseBody(body, True)) == [Send(body, True)]
     assert m.handle(StreamClosed()) == [
@@ -666,3 +666,21 @@ def test_every_transition_declares_where_it_may_go() -> None:
     for (role, _state, _ev), t in TABLE.items():
         assert t.next, (role, _state, _ev)
         assert t.next <= set(GATE_STATES if role == "gate" else GUARD_STATES)
+
+
+def test_guard_puts_a_replicas_own_5xx_in_our_shape_and_leaves_ours() -> None:
+    # The last attempt's replica answered 500 with the engine's own JSON: the client gets
+    # our error with the request id (docs/errors.md), status kept.
+    m = GuardMachine.new(RID, STALL)
+    assert m.handle(ResponseHeaders(500, "application/json")) == [PassHeaders()]
+    (sent,) = m.handle(ResponseBody(b'{"object":"error","message":"boom","code":500}', True))
+    assert isinstance(sent, Send) and sent.end_of_stream
+    err = json.loads(sent.data)["error"]
+    assert err["request_id"] == RID and err["code"] == "upstream_unavailable"
+    assert err["retryable"] is True and "upstream status 500" in err["message"]
+    # An error the processor wrote itself (x-gateway-error) passes as it is.
+    ours = b'{"error":{"code":"journal_unavailable","request_id":"' + RID.encode() + b'"}}'
+    m = GuardMachine.new(RID, STALL)
+    assert m.handle(ResponseHeaders(503, "application/json", ours=True)) == [PassHeaders()]
+    (sent,) = m.handle(ResponseBody(ours, True))
+    assert isinstance(sent, Send) and sent.data == ours

@@ -180,3 +180,21 @@ def test_the_etcd_leader_killed_costs_no_request(etcd3_stack: Stack) -> None:
     assert len(results) >= 20  # some before the kill, most across the election
     _every_one_completed(gw, results, ref)
     gw.client.close()
+
+
+def test_a_replicas_own_5xx_on_the_last_attempt_reaches_the_client_in_our_shape(
+        gw: Gateway) -> None:
+    """Every attempt answered 503 by the replica itself (overloaded): the client gets our
+    error with its request id and the replica's status and Retry-After, not the engine's
+    own body (docs/errors.md); the record agrees."""
+    r = gw.post(gw.body(max_tokens=2), headers={"x-replica-fault": "overloaded:503:1",
+                                                "x-replica-fault-attempt": "all"})
+    assert r.status == 503 and r.transport_error is None, r.raw[:300]
+    assert r.error is not None, r.raw[:300]
+    assert r.error["code"] == "upstream_unavailable" and r.error["retryable"] is True
+    assert r.error["request_id"] == r.request_id
+    assert "upstream status 503" in r.error["message"]
+    assert r.headers.get("retry-after") == "1"
+    j = gw.journal(r.request_id)
+    assert (j["outcome"], j["delivered_output_tokens"], j["first_delta_sent"]) == (
+        "upstream_failed", 0, False), j
