@@ -5,7 +5,6 @@ and the journal. `make soak` runs the same for longer."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -16,18 +15,11 @@ from chaos.runner import Options, render_evidence, render_summary, run
 
 pytestmark = pytest.mark.e2e
 
-# Not in `make test` yet: the slice reports breaks that are still open (issue 24, see
-# docs/chaos.md "What it found"): a complete answer recorded `gateway_interrupted` when the
-# processor is killed while its outcome write waits for etcd, and a processor death after
-# the fence recorded as 1 delivered when nothing left (orphan_outcome). A test known to
-# fail would keep every submission from landing; `make soak-quick` runs it as it is.
-SLICE = os.environ.get("CHAOS_SLICE") == "1"
 
 SEED = 7
 DURATION_S = 35.0
 
 
-@pytest.mark.skipif(not SLICE, reason="open breaks (issue 24): run by make soak-quick")
 def test_a_fixed_seed_slice_has_no_break(tmp_path: Path) -> None:
     lines: list[str] = []
     report = run(Options(duration_s=DURATION_S, seed=SEED, workers=4, out=tmp_path,
