@@ -30,8 +30,8 @@ outcome or SETTLE_S after the fault ended: a record without an outcome then is u
 (404 is a record whose intake was taken back, decision 0026). In etcd-quorum, the requests
 that started while quorum was lost should get a clean `503 journal_unavailable` with a
 request id (the worst time to it is printed), and each keyed one that did not complete is
-sent again with its key SETTLE_S after the restore: still `409 request_in_progress` is a
-key stuck for good.
+sent again with its key SETTLE_S after the restore (in the other etcd cases too, when one
+did not complete): still `409 request_in_progress` is a key stuck for good.
 
 A request counts as complete only with HTTP 200, every expected content event, `[DONE]` and
 no error event; anything else is counted by what the client saw. Prints, per side and
@@ -271,15 +271,15 @@ def etcd_scenario(side: str, fault: str, n: int, conc: int, work: Path,
             info["clean_errors"] = len(clean)
             info["worst_to_error_s"] = max((r["took_s"] for r in clean), default=None)
             info["records"] = _settle(st.base_url, rows, t0 + end + SETTLE_S)
-            if fault == "etcd-quorum":
+            keyed_failed = [r for r in rows if r["key"] and not r["complete"]]
+            if fault == "etcd-quorum" or keyed_failed:
                 time.sleep(max(0.0, t0 + end + SETTLE_S - time.monotonic()))
                 repeats: dict[str, int] = {}
-                for r in rows:
-                    if r["key"] and not r["complete"]:
-                        again = _one(st.base_url, r["key"])
-                        k = "complete" if again["complete"] else (
-                            again["code"] or again["error"] or f"http {again['status']}")
-                        repeats[k] = repeats.get(k, 0) + 1
+                for r in keyed_failed:
+                    again = _one(st.base_url, r["key"])
+                    k = "complete" if again["complete"] else (
+                        again["code"] or again["error"] or f"http {again['status']}")
+                    repeats[k] = repeats.get(k, 0) + 1
                 info["repeats"] = repeats
     finally:
         if frozen:
@@ -327,10 +327,10 @@ def _etcd_line(fault: str, o: dict[str, Any], p: dict[str, Any]) -> list[str]:
     rec = e.get("records") or {}
     lines.append(f"{pad}records {SETTLE_S:g} s after the fault: "
                  + ", ".join(f"{k} {v}" for k, v in rec.items() if v or k == "no outcome"))
-    if fault == "etcd-quorum":
-        rep = e.get("repeats") or {}
+    if "repeats" in e:
+        rep = e["repeats"]
         got = ", ".join(f"{k} {v}" for k, v in rep.items()) or "-"
-        lines.append(f"{pad}keyed and not complete, repeated {SETTLE_S:g} s after the restore: "
+        lines.append(f"{pad}keyed and not complete, repeated {SETTLE_S:g} s after the fault: "
                      f"{sum(rep.values())} ({got}), still request_in_progress: "
                      f"{rep.get('request_in_progress', 0)}")
     return lines
