@@ -20,7 +20,7 @@ help:
 	@echo "make run        etcd + processor + Envoy (:10000) + demo replicas on loopback"
 	@echo "make test       ruff, mypy --strict, and every test (unit + real Envoy/etcd e2e)"
 	@echo "make bench      plain Envoy vs Envoy + processor vs the floor, ratios (docs/benchmarks.md)"
-	@echo "make bench-pool pool availability, one replica of three dead / frozen, plain vs ours"
+	@echo "make bench-pool pool availability: replicas dead / frozen / two down, etcd leader killed / member frozen / quorum lost; plain vs ours"
 	@echo "make bench-floors  message-path floors side by side: grpc.aio, tuned, grpclib (docs/benchmarks.md)"
 	@echo "make bench-transports  the real processor on grpc.aio and on grpclib vs plain Envoy"
 	@echo "make bench-timeline  where a request's time to first delta goes, step by step"
