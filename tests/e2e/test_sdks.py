@@ -180,13 +180,17 @@ def test_after_a_physical_reset_the_sdks_raise_transport_errors(
 
 
 def test_failover_before_the_first_delta_is_invisible_to_both_sdks(
-        oai: openai.OpenAI, ant: anthropic.Anthropic) -> None:
+        gw: Gateway, oai: openai.OpenAI, ant: anthropic.Anthropic) -> None:
     ref = [ev.type for ev in oai.responses.create(model="demo-model", input="hi",
                                                   max_output_tokens=6, stream=True)]
     got = [ev.type for ev in oai.responses.create(
         model="demo-model", input="hi", max_output_tokens=6, stream=True,
         extra_headers={"x-replica-fault": "kill-before-headers"})]
     assert got == ref and ref[-1] == "response.completed" and ref.count("response.created") == 1
+    # The killed replica is back and Envoy routes to it again before the next kill: with
+    # both of two replicas killed 40 ms apart, the first one ejected on its failure
+    # (decision 0024), the second request would rightly find no replica to re-run on.
+    gw.stack.wait_replicas_healthy()
     with ant.messages.stream(model="demo-model", max_tokens=6,
                              messages=[{"role": "user", "content": "hi"}],
                              extra_headers={"x-replica-fault": "kill-after-headers"}) as s:
