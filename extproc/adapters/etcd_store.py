@@ -30,7 +30,7 @@ from aetcd import rpc
 from ..core import records
 from ..core.admission import TAKE_OVER, WAIT, admission_poll_s, after_failed_admission
 from ..core.config import EtcdConfig
-from ..core.journal import JournalView, assemble
+from ..core.journal import JournalView, assemble, own_write
 from .etcd_client import EtcdClient
 from .leases import AdmitResult, AttemptLease, LiveListeners, ProcessLease, StoreUnavailable
 
@@ -513,6 +513,10 @@ class EtcdStore:
                     return AdmitResult(True, "admitted", AttemptLease(pl), waited)
                 has = [len(r.response_range.kvs) > 0 for r in resp.responses]
                 live_kvs = resp.responses[2].response_range.kvs
+                if has[3] and live_kvs and bytes(live_kvs[0].value) == attempt_id.encode():
+                    # Sent again after a lost answer: this attempt is admitted already.
+                    return AdmitResult(True, "admitted (an earlier try applied)",
+                                       AttemptLease(pl), waited)
                 verdict = after_failed_admission(
                     attempt=attempt, has_meta=has[0], delivered=has[1], attempt_taken=has[3],
                     live_never_started=bool(
@@ -558,9 +562,14 @@ class EtcdStore:
                 _eq_version(deliv_k, 0),
             ],
             success=[_put(deliv_k, _dumps(record), rl)],
+            failure=[_range(deliv_k)],
         )
         resp = await self._call(self._kv.Txn, req)
-        return bool(resp.succeeded)
+        if resp.succeeded:
+            return True
+        # Sent again after a lost answer: a `delivery` of this very attempt is our own.
+        kvs = resp.responses[0].response_range.kvs
+        return own_write(bytes(kvs[0].value) if kvs else None, attempt_id)
 
     async def undo_fence(self, rid: str, record: Mapping[str, Any]) -> bool:
         """Remove a `delivery` our timed-out fence call may have written after all.

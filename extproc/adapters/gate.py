@@ -12,7 +12,8 @@ import asyncio
 import json
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from opentelemetry.trace import Span, SpanKind
 
@@ -68,6 +69,12 @@ from .logs import rlog
 from .session import INVALID, HandedOff, Messages, Processor, Session, log, retrying
 from .telemetry import TRACEPARENT_HEADER, end_span
 
+T = TypeVar("T")
+# The admission and the fence are sent again only until this long before the attempt's
+# first-delta limit, so the attempt fails as "journal unavailable" (and Envoy may re-run
+# it) before Envoy's per-try timeout answers for it.
+FENCE_MARGIN_S = 0.25
+
 # Test-only: proves the fault sweep can fail (docs/sweep.md). Logged loudly at start-up.
 UNSAFE_RELEASE_WITHOUT_FENCE = os.environ.get("EXTPROC_UNSAFE_RELEASE_WITHOUT_FENCE") == "1"
 
@@ -77,6 +84,7 @@ UNSAFE_RELEASE_WITHOUT_FENCE = os.environ.get("EXTPROC_UNSAFE_RELEASE_WITHOUT_FE
 
 class GateSession(Session):
     __slots__ = (
+        "_hard_deadline",
         "_hard_timer",
         "_soft_timer",
         "_unwatch",
@@ -121,6 +129,7 @@ class GateSession(Session):
         self.first_admitted: str | None = None  # the same, as later attempts see it
         self.model_revision: str | None = None
         self.started_at = 0.0
+        self._hard_deadline = float("inf")  # loop time of the first-delta limit
         self.started_wall = 0.0
         self.closed = False
         self.http_status = 0
@@ -406,14 +415,15 @@ class GateSession(Session):
             # Admitted in the guard's intake transaction; the live key hangs on the process
             # lease (granted already, or granted now if another process admitted it).
             try:
-                self.lease = await self.p.journal.attempt_lease()
+                self.lease = await self._resent("attempt lease", self.p.journal.attempt_lease)
             except StoreUnavailable as e:
                 return AdmitDecided(False, self._journal_down(e))
             return self._admitted(0.0)
         try:
-            res = await self.p.journal.admit_attempt(
+            until = asyncio.get_running_loop().time() + verdict.deadline_s - FENCE_MARGIN_S
+            res = await self._resent("admission", lambda: self.p.journal.admit_attempt(
                 rid, n, aid, record, verdict.fence_wait_s, self._never_started,
-                first_attempt=self.attempt_offset + 1)
+                first_attempt=self.attempt_offset + 1), until=until)
         except StoreUnavailable as e:
             rlog(log, logging.WARNING, "journal unavailable at admission", rid, self.aid,
                  error=str(e))
@@ -426,6 +436,34 @@ class GateSession(Session):
             return self._refused(attempt_not_admitted(rid, res.reason))
         self.lease = res.lease
         return self._admitted(res.waited_s)
+
+    async def _resent(self, what: str, call: Callable[[], Awaitable[T]],
+                      until: float | None = None) -> T:
+        """A conditioned write that knows its own earlier try (the admission: `live` is this
+        attempt; the fence: `delivery` names it) is sent again while etcd does not answer,
+        each try to the member in use (which moves on when one fails), until
+        etcd.resend_deadline_s (decision 0026): an election or a frozen member costs a wait,
+        not the attempt."""
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + self.cfg.etcd.resend_deadline_s
+        if until is not None:
+            give_up = min(give_up, until)  # never past the attempt's first-delta limit
+        pause, tries = 0.05, 0
+        while True:
+            tries += 1
+            try:
+                res = await call()
+            except StoreUnavailable as e:
+                if loop.time() + pause >= give_up:
+                    raise
+                rlog(log, logging.INFO, f"{what} not confirmed; sending it again", self.rid,
+                     self.aid, error=str(e), tries=tries)
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 0.4)
+                continue
+            if tries > 1:
+                rlog(log, logging.INFO, f"{what} confirmed", self.rid, self.aid, tries=tries)
+            return res
 
     def _never_started(self, live: str) -> bool:
         """`live` is attempt 1 as the guard admitted it, and no gate ever ran for it."""
@@ -446,6 +484,7 @@ class GateSession(Session):
             self._soft_timer = loop.call_later(soft, self._on_soft_limit)
         deadline = (self.admitted.deadline_s if self.admitted is not None
                     else self.cfg.timeouts.first_delta_s)
+        self._hard_deadline = loop.time() + max(0.0, deadline - waited_s)
         self._hard_timer = loop.call_later(
             max(0.0, deadline - waited_s),
             lambda: self.p.spawn(self._on_first_delta_limit(), f"gate-limit-{self.aid}"))
@@ -489,7 +528,8 @@ class GateSession(Session):
             return False
         record = self.facts().fence(self.p.clock.wall())
         try:
-            return await self.p.journal.fence_first_delta(rid, self.aid or "", record)
+            return await self._resent("fence", lambda: self.p.journal.fence_first_delta(
+                rid, self.aid or "", record), until=self._hard_deadline - FENCE_MARGIN_S)
         except StoreUnavailable as e:
             rlog(log, logging.WARNING, "journal unavailable at the fence: not releasing", rid,
                  self.aid, error=str(e))

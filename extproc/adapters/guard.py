@@ -347,12 +347,12 @@ class GuardSession(Session):
         """The intake transaction: None when the request is new, else what to answer.
 
         Sent again (each try goes to the member in use, which moves on when one fails) until
-        `etcd.intake_deadline_s`: a record already there with our own attempt 1 is our
+        `etcd.resend_deadline_s`: a record already there with our own attempt 1 is our
         earlier try, applied though its answer was lost. An intake that gives up is taken
         back when etcd answers again, so a late apply leaves no record stuck in progress.
         """
         loop = asyncio.get_running_loop()
-        give_up = loop.time() + self.cfg.etcd.intake_deadline_s
+        give_up = loop.time() + self.cfg.etcd.resend_deadline_s
         pause, tries = 0.05, 0
         existing: JournalView | None = None
         while True:

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 from ..core import records
 from ..core.admission import TAKE_OVER, WAIT, admission_poll_s, after_failed_admission
 from ..core.config import EtcdConfig
-from ..core.journal import JournalView, assemble
+from ..core.journal import JournalView, assemble, own_write
 from .leases import AdmitResult, AttemptLease, LiveListeners, ProcessLease, StoreUnavailable
 from .ports import Clock, SystemClock
 
@@ -402,6 +402,10 @@ class MemoryStore:
                 self._enter()
                 live = self._value(live_k)
                 waited = self.clock.monotonic() - start
+                if live == attempt_id.encode() and att_k in self._kv:
+                    # Sent again after a lost answer: this attempt is admitted already.
+                    return AdmitResult(True, "admitted (an earlier try applied)",
+                                       AttemptLease(pl), waited)
                 admit = [_put(live_k, attempt_id.encode(), pl.lease_id),
                          _put(att_k, _dumps({**record,
                                              "admitted_at": round(self.clock.wall(), 6)}), rl)]
@@ -444,7 +448,8 @@ class MemoryStore:
         rl = self._retention_lease()
         deliv_k = self._k(rid, "delivery")
         if self._value(self._live(rid)) != attempt_id.encode() or deliv_k in self._kv:
-            return False
+            # Sent again after a lost answer: a `delivery` of this very attempt is our own.
+            return own_write(self._value(deliv_k), attempt_id)
         self._txn([_put(deliv_k, _dumps(record), rl)])
         return True
 

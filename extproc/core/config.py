@@ -132,7 +132,7 @@ class EtcdConfig:
     # next member, until this much time has passed: etcd elects a new leader within about
     # one election timeout (1 s by default) plus a campaign, and a frozen member holds each
     # call for `timeout_s`. Safe to send again: a record that is already ours is success.
-    intake_deadline_s: float = 3.0
+    resend_deadline_s: float = 3.0
     prefix: str = "/llmgw/v1"
     attempt_lease_ttl_s: int = 10
     journal_retention_s: int = 86400
@@ -565,7 +565,7 @@ def load_config(raw: Mapping[str, Any] | None) -> Config:
     etcd = EtcdConfig(
         endpoints=e.str_list("endpoints", EtcdConfig.endpoints),
         timeout_s=e.float_("timeout_s", EtcdConfig.timeout_s, 0.05, 30.0),
-        intake_deadline_s=e.float_("intake_deadline_s", EtcdConfig.intake_deadline_s,
+        resend_deadline_s=e.float_("resend_deadline_s", EtcdConfig.resend_deadline_s,
                                    0.05, 60.0),
         prefix=e.str_("prefix", EtcdConfig.prefix),
         attempt_lease_ttl_s=e.int_("attempt_lease_ttl_s", EtcdConfig.attempt_lease_ttl_s, 2, 600),
@@ -580,10 +580,10 @@ def load_config(raw: Mapping[str, Any] | None) -> Config:
                           f"must start with '/' and not end with '/', got {etcd.prefix!r}")
     for i, ep in enumerate(etcd.endpoints):
         _check_etcd_endpoint(f"etcd.endpoints[{i}]", ep)
-    if etcd.intake_deadline_s < etcd.timeout_s:
-        raise ConfigError("etcd.intake_deadline_s",
+    if etcd.resend_deadline_s < etcd.timeout_s:
+        raise ConfigError("etcd.resend_deadline_s",
                           f"must be at least etcd.timeout_s ({etcd.timeout_s}), got "
-                          f"{etcd.intake_deadline_s}")
+                          f"{etcd.resend_deadline_s}")
     e.done()
     t = root.section("timeouts")
     timeouts = TimeoutsConfig(

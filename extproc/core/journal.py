@@ -408,3 +408,16 @@ def assemble(request_id: str, entries: Iterable[tuple[str, bytes]],
     return JournalView(request_id=request_id, meta=meta, attempts=tuple(attempts),
                        live_attempt_id=live, delivery=delivery, outcome=outcome,
                        progress=progress, guard=guard, history=tuple(history))
+
+
+def own_write(raw: bytes | None, attempt_id: str) -> bool:
+    """A record found where a conditioned write of ours meant to put one (the fence's
+    `delivery`) is our own earlier try, applied although its answer was lost, when it names
+    this very attempt id (decision 0026)."""
+    if raw is None:
+        return False
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return False
+    return isinstance(value, dict) and value.get("attempt_id") == attempt_id

@@ -77,7 +77,7 @@ proc_config = obj({
     }),
     "etcd": obj({
         "timeout_s": num(0.05, 30.0, "deadline of every etcd call"),
-        "intake_deadline_s": num(0.05, 60.0, "the intake is sent again until then"),
+        "resend_deadline_s": num(0.05, 60.0, "intake, admission and fence sent again until then"),
         "prefix": {"type": "string", "pattern": "^/.*[^/]$"},
         "attempt_lease_ttl_s": integer(2, 600),
         "journal_retention_s": integer(60, 30 * 86400),

@@ -274,11 +274,11 @@ async def test_an_intake_whose_answer_was_lost_is_confirmed_by_its_own_record() 
 
 
 async def test_a_given_up_intake_that_applied_late_is_taken_back() -> None:
-    # The intake applied, then etcd stayed away past intake_deadline_s: the client is told
+    # The intake applied, then etcd stayed away past resend_deadline_s: the client is told
     # `503 journal_unavailable`, nothing was run; when etcd answers again the record is
     # taken back, so a repeat of the key runs instead of 409 request_in_progress forever
     # (issue 24, finding 5).
-    p, store = proc({"etcd": {"timeout_s": 0.1, "intake_deadline_s": 0.3}})
+    p, store = proc({"etcd": {"timeout_s": 0.1, "resend_deadline_s": 0.3}})
     store.lose_next_intake_answer()
     real = store.open_request
 

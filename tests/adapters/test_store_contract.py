@@ -334,7 +334,9 @@ async def test_the_first_delta_fence_only_for_the_live_attempt_and_only_once(env
     assert not await s.fence_first_delta("req_a", "att_other", deliv)
     assert not await s.fence_first_delta("req_nope", "att_1", deliv)
     assert await s.fence_first_delta("req_a", "att_1", deliv)
-    assert not await s.fence_first_delta("req_a", "att_1", {**deliv, "at": 13.0})
+    # Sent again (its answer lost): the attempt's own `delivery`, a success that writes
+    # nothing (decision 0026).
+    assert await s.fence_first_delta("req_a", "att_1", {**deliv, "at": 13.0})
     view = await s.get("req_a")
     assert view is not None and view.delivery == deliv and view.first_delta_sent
     assert str(view.phase) == "decode"
@@ -360,6 +362,26 @@ async def test_undo_admission_only_while_live_is_still_that_attempt(env: Env) ->
     assert view.attempts == (_rec(1, "att_1"),)
     res = await _within(s.admit_attempt("req_a", 2, "att_2b", _rec(2, "att_2b"), 5.0))
     assert res.admitted
+
+
+async def test_an_admission_or_fence_sent_again_knows_its_own_earlier_try(env: Env) -> None:
+    # The answer was lost (an election, a frozen member) and the gate sends the same write
+    # again (decision 0026): what it finds is its own, so it is a success, not a refusal.
+    s = env.store
+    await _open(env)
+    await s.end_attempt("req_a", 1, "att_1", _rec(1, "att_1"), expire=False)
+    res = await _within(s.admit_attempt("req_a", 2, "att_2", _rec(2, "att_2"), 5.0))
+    assert res.admitted
+    again = await _within(s.admit_attempt("req_a", 2, "att_2", _rec(2, "att_2"), 5.0))
+    assert again.admitted
+    other = await _within(s.admit_attempt("req_a", 2, "att_x", _rec(2, "att_x"), 0.2))
+    assert not other.admitted  # someone else's try of the same number is still refused
+    deliv = {"at": 1.0, "attempt_id": "att_2"}
+    assert await s.fence_first_delta("req_a", "att_2", deliv)
+    assert await s.fence_first_delta("req_a", "att_2", deliv)  # sent again: ours
+    assert not await s.fence_first_delta("req_a", "att_x", {"at": 1.0, "attempt_id": "att_x"})
+    view = await s.get("req_a")
+    assert view is not None and view.delivery == deliv and view.live_attempt_id == "att_2"
 
 
 async def test_undo_intake_only_while_nothing_ran(env: Env) -> None:

@@ -92,7 +92,7 @@ def test_etcd_frozen_gives_a_managed_error_before_anything_runs(gw: Gateway) -> 
     # Bounded by the intake's deadline (it is sent again until then: decision 0026) plus
     # one call's, never a hang.
     assert gw.stack.cfg is not None
-    assert took < gw.stack.cfg.etcd.intake_deadline_s + gw.stack.cfg.etcd.timeout_s + 1.0
+    assert took < gw.stack.cfg.etcd.resend_deadline_s + gw.stack.cfg.etcd.timeout_s + 1.0
     _nothing_ran(gw, r.headers["x-gateway-request-id"])
     ok = gw.post(gw.body(max_tokens=2))  # and it recovers by itself
     assert ok.status == 200 and len(ok.contents) == 2

@@ -164,7 +164,7 @@ def test_the_processors_etcd_member_frozen_costs_no_request(etcd3_stack: Stack) 
 def test_the_etcd_leader_killed_costs_no_request(etcd3_stack: Stack) -> None:
     """Finding 3: the leader is SIGKILLed under load. Calls during the election are refused
     `no leader` at once or time out, and the intake goes again to the next member until
-    etcd.intake_deadline_s: every request completes with the exact answer and its record."""
+    etcd.resend_deadline_s: every request completes with the exact answer and its record."""
     st = etcd3_stack
     st.wait_etcd_healthy()
     gw = Gateway(st)
