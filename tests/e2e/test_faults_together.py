@@ -198,3 +198,33 @@ def test_a_replicas_own_5xx_on_the_last_attempt_reaches_the_client_in_our_shape(
     j = gw.journal(r.request_id)
     assert (j["outcome"], j["delivered_output_tokens"], j["first_delta_sent"]) == (
         "upstream_failed", 0, False), j
+
+
+def test_a_keyed_intake_that_gave_up_does_not_leave_its_key_in_progress(gw: Gateway) -> None:
+    """Finding 5: etcd frozen past the intake's resend deadline. The client is told `503
+    journal_unavailable`, nothing run; every try of the intake waits in the frozen etcd and
+    the first applies when it wakes. The take-back (decision 0026) removes that record, so
+    a repeat of the key runs and completes instead of `409 request_in_progress` for good."""
+    assert gw.stack.cfg is not None
+    etcd = gw.stack.procs["etcd"]
+    warm = gw.post(gw.body(max_tokens=2))
+    assert warm.status == 200
+    key = f"gave-up-{time.time_ns()}"
+    etcd.signal(signal.SIGSTOP)
+    try:
+        first = gw.post(gw.body(max_tokens=2), key=key)
+    finally:
+        etcd.signal(signal.SIGCONT)
+    assert first.status == 503 and first.error is not None, first.raw[:300]
+    assert first.error["code"] == "journal_unavailable" and first.error["retryable"] is True
+    rid = first.request_id
+    # Bounded: the take-back lands within a few of its 0.5 s retries of etcd's return.
+    deadline = time.monotonic() + 10
+    while gw.status(rid).status_code != 404:
+        assert time.monotonic() < deadline, gw.status(rid).text
+        time.sleep(0.1)
+    again = gw.post(gw.body(max_tokens=2), key=key)
+    assert again.status == 200 and len(again.contents) == 2, again.raw[:300]
+    assert again.request_id == rid
+    j = gw.journal(rid)
+    assert (j["outcome"], j["delivered_output_tokens"]) == ("completed", 2), j
