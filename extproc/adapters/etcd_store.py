@@ -21,7 +21,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import grpc
@@ -341,6 +341,24 @@ class EtcdStore:
 
     # --- journal ---------------------------------------------------------------------
 
+    async def _write_or_read(self, rid: str,
+                             txn: Callable[[], Awaitable[rpc.TxnRequest]]) -> JournalView | None:
+        """Send a conditioned write whose failure branch reads the record: None when it
+        applied, else the record as found (the open and the re-open)."""
+        try:
+            resp = await self._call(self._kv.Txn, await txn())
+        except StoreUnavailable as e:
+            # A lease of ours expired while etcd was unreachable: nothing was written (a
+            # transaction is all or nothing), so re-grant what is gone and try once more.
+            if _LEASE_NOT_FOUND not in str(e):
+                raise
+            await self._forget_expired_leases()
+            resp = await self._call(self._kv.Txn, await txn())
+        if resp.succeeded:
+            return None
+        return self._assemble(rid, list(resp.responses[0].response_range.kvs)
+                              + list(resp.responses[1].response_range.kvs))
+
     async def open_request(self, rid: str, meta: Mapping[str, Any],
                            first_attempt: tuple[str, Mapping[str, Any]] | None = None
                            ) -> JournalView | None:
@@ -368,19 +386,7 @@ class EtcdStore:
                 failure=[_range(self._req_prefix(rid), prefix=True), _range(self._live(rid))],
             )
 
-        try:
-            resp = await self._call(self._kv.Txn, await txn())
-        except StoreUnavailable as e:
-            # A lease of ours expired while etcd was unreachable: nothing was written (a
-            # transaction is all or nothing), so re-grant what is gone and try once more.
-            if _LEASE_NOT_FOUND not in str(e):
-                raise
-            await self._forget_expired_leases()
-            resp = await self._call(self._kv.Txn, await txn())
-        if resp.succeeded:
-            return None
-        return self._assemble(rid, list(resp.responses[0].response_range.kvs)
-                              + list(resp.responses[1].response_range.kvs))
+        return await self._write_or_read(rid, txn)
 
     async def reopen_request(self, rid: str, ended_outcome: Mapping[str, Any],
                              history: tuple[int, Mapping[str, Any]],
@@ -420,17 +426,7 @@ class EtcdStore:
                          _put(att_k, _dumps(record), rl)],
                 failure=[_range(self._req_prefix(rid), prefix=True), _range(live_k)])
 
-        try:
-            resp = await self._call(self._kv.Txn, await txn())
-        except StoreUnavailable as e:
-            if _LEASE_NOT_FOUND not in str(e):
-                raise
-            await self._forget_expired_leases()
-            resp = await self._call(self._kv.Txn, await txn())
-        if resp.succeeded:
-            return None
-        return self._assemble(rid, list(resp.responses[0].response_range.kvs)
-                              + list(resp.responses[1].response_range.kvs))
+        return await self._write_or_read(rid, txn)
 
     async def undo_reopen(self, rid: str, history: tuple[int, Mapping[str, Any]],
                           first_attempt: tuple[int, str]) -> bool:

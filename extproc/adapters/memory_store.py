@@ -289,6 +289,16 @@ class MemoryStore:
 
     # --- journal ------------------------------------------------------------------------
 
+    def _txn_regranting(self, ops: Callable[[], list[_Op]]) -> None:
+        """As etcd_store: a put on a lease that expired meanwhile re-grants it, once."""
+        try:
+            self._txn(ops())
+        except StoreUnavailable as e:
+            if _LEASE_NOT_FOUND not in str(e):
+                raise
+            self._forget_expired_leases()
+            self._txn(ops())
+
     async def open_request(self, rid: str, meta: Mapping[str, Any],
                            first_attempt: tuple[str, Mapping[str, Any]] | None = None
                            ) -> JournalView | None:
@@ -308,13 +318,7 @@ class MemoryStore:
                         _put(self._k(rid, "attempts/001"), _dumps(record), rl)]
             return out
 
-        try:
-            self._txn(ops())
-        except StoreUnavailable as e:
-            if _LEASE_NOT_FOUND not in str(e):
-                raise
-            self._forget_expired_leases()
-            self._txn(ops())
+        self._txn_regranting(ops)
         if self._lost_intake_answers > 0:
             self._lost_intake_answers -= 1
             raise StoreUnavailable("etcd DEADLINE_EXCEEDED: the intake applied, its answer "
@@ -345,13 +349,7 @@ class MemoryStore:
                     _put(live_k, aid.encode(), self._process_now().lease_id),
                     _put(att_k, _dumps(record), rl)]
 
-        try:
-            self._txn(ops())
-        except StoreUnavailable as e:
-            if _LEASE_NOT_FOUND not in str(e):
-                raise
-            self._forget_expired_leases()
-            self._txn(ops())
+        self._txn_regranting(ops)
         return None
 
     async def undo_reopen(self, rid: str, history: tuple[int, Mapping[str, Any]],
