@@ -19,6 +19,7 @@ include image.mk
 help:
 	@echo "make run        etcd + processor + Envoy (:10000) + demo replicas on loopback"
 	@echo "make test       ruff, mypy --strict, and every test (unit + real Envoy/etcd e2e)"
+	@echo "make unit       every hermetic suite (core, adapters on the memory store and a real etcd, chaos checker, demo, unit): no Envoy"
 	@echo "make bench      plain Envoy vs Envoy + processor vs the floor, ratios (docs/benchmarks.md)"
 	@echo "make bench-pool pool availability: replicas dead / frozen / two down, etcd leader killed / member frozen / quorum lost; plain vs ours"
 	@echo "make bench-floors  message-path floors side by side: grpc.aio, tuned, grpclib (docs/benchmarks.md)"
@@ -58,7 +59,7 @@ typecheck: install
 	$(BIN)/mypy extproc
 
 unit: install
-	$(BIN)/pytest -q tests/core tests/unit tests/demo
+	$(BIN)/pytest -q tests/core tests/adapters tests/chaos tests/demo tests/unit
 
 e2e: install
 	$(BIN)/pytest -q tests/e2e
