@@ -436,6 +436,58 @@ async def test_one_endpoint_down_of_two_keeps_the_store_working(cluster: Cluster
         await s.close()
 
 
+# --- pool registrations: only a client with the credentials can write one ----------------
+
+
+async def test_a_registration_without_credentials_is_refused_and_the_pool_unchanged(
+        cluster: Cluster) -> None:
+    """Anyone who reaches etcd could put themselves in the pool (EDS serves whatever is
+    registered, decision 0014), so etcd's auth is what guards it. The agent's own write
+    (`EtcdPoolRegistry.register`, what `extproc register` runs) with a client certificate
+    but no user, or with a wrong password, is refused by etcd; the processor's listing,
+    the source of every EDS answer, still holds exactly the registration made with them."""
+    from extproc.adapters.etcd_pool import EtcdPoolRegistry
+    from extproc.core.membership import registration_record
+    fp = {"weights_revision": "demo@sha256:reg", "kv_cache_dtype": "fp16"}
+    good = _raw(cluster, [cluster.ep(0)])
+    prefix = good["etcd"]["prefix"]
+    sec = cluster.workdir / "secrets"
+    no_user = {**good["etcd"], "auth": {}}
+    wrong_pw = {**good["etcd"], "auth": {
+        "username_file": str(write_secret(sec / "reg-u", USER)),
+        "password_file": str(write_secret(sec / "reg-p", "guessed"))}}
+    ok = await _store(load_config(good).etcd)
+    try:
+        legit = EtcdPoolRegistry(ok)
+        await legit.register("127.0.0.1:18001", registration_record("127.0.0.1:18001", fp),
+                             30)
+        _, before = await legit.snapshot()
+        assert set(before) == {"127.0.0.1:18001"}
+        for raw, expected in ((no_user, "denied access (has etcd auth enabled?"),
+                              (wrong_pw, "refused the user or its password")):
+            bad = await _store(load_config({"etcd": raw}).etcd)
+            try:
+                with pytest.raises(StoreUnavailable) as err:
+                    await EtcdPoolRegistry(bad).register(
+                        "127.0.0.1:18666", registration_record("127.0.0.1:18666", fp), 30)
+                assert expected in str(err.value)
+            finally:
+                await bad.close()
+        # The same write with etcdctl, the client certificate and no user: refused too.
+        put = await asyncio.to_thread(
+            subprocess.run,
+            [_bin("etcdctl"), f"--endpoints=https://{cluster.ep(0)}",
+             f"--cacert={cluster.pki.ca_file}", f"--cert={cluster.pki.client_cert}",
+             f"--key={cluster.pki.client_key}", "put", f"{prefix}/pool/127.0.0.1:18667",
+             json.dumps(registration_record("127.0.0.1:18667", fp))],
+            capture_output=True, text=True, timeout=30, check=False)
+        assert put.returncode != 0 and "permission denied" in put.stderr, put
+        _, after = await legit.snapshot()
+        assert after == before  # nothing of the refused writes reached the pool
+    finally:
+        await ok.close()
+
+
 # --- one request through Envoy and the processor, etcd over TLS + auth -------------------
 
 
