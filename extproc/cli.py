@@ -53,6 +53,12 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--ops", default=None, metavar="HOST:PORT",
                    help="a listener serving only GET /ready and /stats/prometheus (routed to "
                         "the admin, which should then be on loopback)")
+    r.add_argument("--tools", action="append", default=[], metavar="HOST:PORT[,HOST:PORT]",
+                   help="the tool servers behind the tool route (repeat or comma-separate); "
+                        "needs --tool-listen")
+    r.add_argument("--tool-listen", default=None, metavar="HOST:PORT",
+                   help="the workers' listener serving the tool route (and nothing else); "
+                        "the client listener answers the tool prefix with 404")
     r.add_argument("--out", default=None, metavar="FILE",
                    help="write the bootstrap to FILE (atomically) instead of stdout")
     m = sub.add_parser("render-mesh", help="print the Istio or Envoy Gateway objects that "
@@ -122,12 +128,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "render-envoy":
         from .envoy_config import Topology, parse_hostport, render, replicas_from
         cfg = read_config(args.config)
-        topo = Topology(listen=parse_hostport(args.listen), admin=parse_hostport(args.admin),
-                        processor=args.processor or cfg.server.listen,
-                        replicas=replicas_from(args.replica or ["127.0.0.1:8001",
-                                                                "127.0.0.1:8002"]),
-                        ops=parse_hostport(args.ops) if args.ops else None)
-        text = yaml.safe_dump(render(cfg, topo, plain=args.plain), sort_keys=False)
+        try:
+            tools = replicas_from([t.strip() for arg in args.tools for t in arg.split(",")
+                                   if t.strip()])
+            topo = Topology(listen=parse_hostport(args.listen),
+                            admin=parse_hostport(args.admin),
+                            processor=args.processor or cfg.server.listen,
+                            replicas=replicas_from(args.replica or ["127.0.0.1:8001",
+                                                                    "127.0.0.1:8002"]),
+                            ops=parse_hostport(args.ops) if args.ops else None,
+                            tools=tools,
+                            tool_listen=(parse_hostport(args.tool_listen)
+                                         if args.tool_listen else None))
+            boot = render(cfg, topo, plain=args.plain)
+        except ValueError as e:
+            raise SystemExit(f"render-envoy: {e}") from e
+        text = yaml.safe_dump(boot, sort_keys=False)
         if args.out:
             out = Path(args.out)
             tmp = out.with_name(out.name + ".tmp")

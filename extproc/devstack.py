@@ -155,9 +155,12 @@ class Stack:
     health_path: str = "/health"
     replica_start_timeout_s: float = 20.0
     supervise_replicas: bool = True
-    # A demo tool server behind the gateway's tool route; replicas get --tool-gateway.
+    # A demo tool server behind the gateway's tool route, which Envoy serves on its own
+    # listener (decision 0029): replicas get --tool-gateway <tool_url>. `tool_port` is the
+    # tool SERVER's port, `tool_listen_port` the gateway's tool listener.
     tool_server: bool = False
     tool_port: int = 0
+    tool_listen_port: int = 0
     # One fingerprint mapping per replica (extproc.core.pool fields): the replicas get the
     # matching flags and the processor a `pool.replicas` section naming them.
     fingerprints: list[dict[str, Any]] | None = None
@@ -519,7 +522,8 @@ class Stack:
 
     def _start_tool_server(self) -> None:
         self.tool_port = free_port()
-        self.envoy_port = self.envoy_port or free_port()  # replicas must know the gateway
+        # The replicas must know the gateway's tool listener before Envoy starts.
+        self.tool_listen_port = self.tool_listen_port or free_port()
         p = Proc("tools", [sys.executable, "-m", "extproc.demo.tool_server", "--port",
                            str(self.tool_port), "--log-file", str(self.workdir / "tools.jsonl")],
                  self.workdir / "tools.log")
@@ -544,7 +548,7 @@ class Stack:
         if self.token_delay_ms:
             argv += ["--token-delay-ms", str(self.token_delay_ms)]
         if self.tool_server:
-            argv += ["--tool-gateway", f"http://127.0.0.1:{self.envoy_port}"]
+            argv += ["--tool-gateway", self.tool_url]
         if self.fingerprints:
             argv += ["--fingerprint", json.dumps(self.fingerprints[i])]
         return Proc(name, argv, self.workdir / f"replica-{name}.log")
@@ -641,7 +645,9 @@ class Stack:
                             replicas=tuple(("127.0.0.1", p) for p in
                                            (self.proxy_ports or self.replica_ports)),
                             access_log_path=str(self.workdir / f"envoy-access{suffix}.jsonl"),
-                            tools=(("127.0.0.1", self.tool_port),) if self.tool_server else ())
+                            tools=(("127.0.0.1", self.tool_port),) if self.tool_server else (),
+                            tool_listen=(("127.0.0.1", self.tool_listen_port)
+                                         if self.tool_server and not self.plain else None))
             path = self.workdir / (f"envoy-plain{suffix}.yaml" if self.plain
                                    else f"envoy{suffix}.yaml")
             path.write_text(yaml.safe_dump(render(cfg, topo, plain=self.plain),
@@ -776,6 +782,11 @@ class Stack:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.envoy_port}"
 
+    @property
+    def tool_url(self) -> str:
+        """The gateway's tool listener: where the workers (replicas) call tools."""
+        return f"http://127.0.0.1:{self.tool_listen_port}"
+
     def replica_log(self, name: str) -> list[dict[str, Any]]:
         path = self.workdir / f"replica-{name}.jsonl"
         if not path.exists():
@@ -811,6 +822,14 @@ def cells_line(stack: Stack) -> str:
             f"{', '.join(str(a) for a in stack.cell_admin_ports)}\n")
 
 
+def tools_line(stack: Stack) -> str:
+    if not stack.tool_server:
+        return ""
+    prefix = stack.cfg.tools.path_prefix if stack.cfg is not None else "/tools/"
+    return (f"  Tool listener {stack.tool_url} (the workers' tool route, decision 0029; "
+            f"{stack.base_url}{prefix} answers 404), tool server 127.0.0.1:{stack.tool_port}\n")
+
+
 def quickstart_banner(stack: Stack) -> str:
     url = stack.base_url
     etcd = ", ".join(stack.etcd_endpoints or [stack.etcd_endpoint])
@@ -820,7 +839,7 @@ def quickstart_banner(stack: Stack) -> str:
 Gateway ready on {url}
   Envoy admin http://127.0.0.1:{stack.admin_port}, etcd {etcd},
   processor {stack.processor_addr}, replicas {', '.join(str(p) for p in stack.replica_ports)}
-{cells_line(stack)}
+{tools_line(stack)}{cells_line(stack)}
 Logs: {stack.workdir}
 
 Stream a completion:

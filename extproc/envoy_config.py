@@ -36,6 +36,9 @@ class Topology:
     access_log_path: str | None = None
     # Tool servers behind the tool route (cfg.tools.path_prefix); none: no tool route.
     tools: tuple[tuple[str, int], ...] = ()
+    # The workers' listener: the tool route is served here and only here (decision 0029).
+    # Required with `tools`; the client listener answers the tool prefix with 404.
+    tool_listen: tuple[str, int] | None = None
     # The operators' listener: only GET /ready and GET /stats/prometheus, routed to the
     # admin (which then needs to listen on loopback only); none: no such listener.
     ops: tuple[str, int] | None = None
@@ -106,6 +109,95 @@ def _http2() -> dict[str, Any]:
     }}
 
 
+def _listener_ext_proc(cfg: Config, role: str) -> dict[str, Any]:
+    """The ext_proc filter of a downstream listener: the guard's on the client listener,
+    the same with role `tools` on the workers' tool listener."""
+    typed: dict[str, Any] = {
+        "@type": _t("envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"),
+        "grpc_service": _grpc_service(role),
+        "failure_mode_allow": False,
+    }
+    if role == "guard":
+        # The guard writes override_host's ordered host list into envoy.lb.
+        typed["metadata_options"] = {"receiving_namespaces": {"untyped": ["envoy.lb"]}}
+    # The guard answers from memory or after one bounded etcd call, except a repeated tool
+    # call, which waits up to tools.wait_s for the one executing it: Envoy must not cut
+    # that wait short with its own 504.
+    typed["message_timeout"] = _dur(max(2.0, cfg.etcd.timeout_s * 3,
+                                        cfg.tools.wait_s + 2 * cfg.etcd.timeout_s))
+    typed["processing_mode"] = {
+        "request_header_mode": "SEND",
+        "response_header_mode": "SEND",
+        "request_body_mode": "BUFFERED",
+        "response_body_mode": "FULL_DUPLEX_STREAMED",
+        "request_trailer_mode": "SKIP",
+        "response_trailer_mode": "SEND",
+    }
+    return {"name": "envoy.filters.http.ext_proc", "typed_config": typed}
+
+
+def _check_tools(topo: Topology) -> None:
+    if not topo.tools and topo.tool_listen is None:
+        return
+    if not topo.tools:
+        raise ValueError("a tool listener (tool_listen, --tool-listen) needs the tool "
+                         "servers behind it (tools, --tools host:port)")
+    if topo.tool_listen is None:
+        raise ValueError("tool servers (tools, --tools) need their own listener "
+                         "(tool_listen, --tool-listen host:port): the tool route is never "
+                         "served on the client listener (decision 0029)")
+    taken = {"the client listener": topo.listen, "the admin": topo.admin,
+             **({"the ops listener": topo.ops} if topo.ops is not None else {})}
+    for what, addr in taken.items():
+        if addr[1] == topo.tool_listen[1] and (
+                addr[0] == topo.tool_listen[0]
+                or "0.0.0.0" in (addr[0], topo.tool_listen[0])
+                or "::" in (addr[0], topo.tool_listen[0])):
+            raise ValueError(f"the tool listener {topo.tool_listen[0]}:{topo.tool_listen[1]} "
+                             f"must not share its port with {what}")
+
+
+def tool_listener(cfg: Config, topo: Topology, access_logs: list[dict[str, Any]],
+                  tracing: dict[str, Any] | None) -> dict[str, Any]:
+    """The workers' listener: the tool route (cfg.tools.path_prefix -> the `tools` cluster,
+    never retried by Envoy: the ledger decides what runs) behind an ext_proc filter of
+    role `tools`; any other path is a 404. Clients are never given this address."""
+    assert topo.tool_listen is not None
+    routes: list[dict[str, Any]] = [
+        {"match": {"prefix": cfg.tools.path_prefix},
+         "route": {"cluster": "tools", "timeout": "60s",
+                   "retry_policy": {"num_retries": 0}}},
+        {"match": {"prefix": "/"}, "direct_response": {"status": 404}},
+    ]
+    hcm: dict[str, Any] = {
+        "@type": _t("envoy.extensions.filters.network.http_connection_manager.v3."
+                    "HttpConnectionManager"),
+        "stat_prefix": "tools",
+        "codec_type": "AUTO",
+        "request_timeout": "0s",
+        "access_log": access_logs,
+        "http_filters": [
+            _listener_ext_proc(cfg, "tools"),
+            {"name": "envoy.filters.http.router", "typed_config": {
+                "@type": _t("envoy.extensions.filters.http.router.v3.Router")}}],
+        **({"tracing": tracing} if tracing else {}),
+        "local_reply_config": local_reply_config(),
+        "route_config": {"name": "tools", "virtual_hosts": [{
+            "name": "tools", "domains": ["*"], "routes": routes}]},
+    }
+    return {
+        "name": "tools",
+        "address": _addr(*topo.tool_listen),
+        # Cells (decision 0019) share this port as they share the client listener's.
+        "enable_reuse_port": True,
+        "per_connection_buffer_limit_bytes": max(1 << 20,
+                                                 2 * cfg.limits.max_request_body_bytes),
+        "filter_chains": [{"filters": [{
+            "name": "envoy.filters.network.http_connection_manager",
+            "typed_config": hcm}]}],
+    }
+
+
 # Envoy's per-try timeout fires this long after the gate's own first-delta limit, so the
 # gate (which knows more) normally decides, and Envoy only ends what the gate cannot.
 PER_TRY_MARGIN_S = 0.25
@@ -150,6 +242,8 @@ def outlier_detection(cfg: Config) -> dict[str, Any] | None:
 
 
 def render(cfg: Config, topo: Topology, plain: bool = False) -> dict[str, Any]:
+    if not plain:
+        _check_tools(topo)
     t = cfg.timeouts
     attempts = cfg.policy.max_attempts
     # The whole pre-delta budget, across retries, plus the post-delta watchdog: Envoy's own
@@ -172,33 +266,14 @@ def render(cfg: Config, topo: Topology, plain: bool = False) -> dict[str, Any]:
                 }},
             },
         })
+    # The tool listener shares the file log only: the guard's log feeds its termination
+    # causes, which concern the replicas' streams (decision 0004).
+    access_logs_file = list(access_logs)
     if not plain:
         access_logs.append(_grpc_access_log("guard", [REQUEST_ID]))
     filters: list[dict[str, Any]] = []
     if not plain:
-        filters.append({
-            "name": "envoy.filters.http.ext_proc",
-            "typed_config": {
-                "@type": _t("envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"),
-                "grpc_service": _grpc_service("guard"),
-                "failure_mode_allow": False,
-                # The guard writes override_host's ordered host list into envoy.lb.
-                "metadata_options": {"receiving_namespaces": {"untyped": ["envoy.lb"]}},
-                # The guard answers from memory or after one bounded etcd call, except a
-                # repeated tool call, which waits up to tools.wait_s for the one executing
-                # it: Envoy must not cut that wait short with its own 504.
-                "message_timeout": _dur(max(2.0, cfg.etcd.timeout_s * 3,
-                                            cfg.tools.wait_s + 2 * cfg.etcd.timeout_s)),
-                "processing_mode": {
-                    "request_header_mode": "SEND",
-                    "response_header_mode": "SEND",
-                    "request_body_mode": "BUFFERED",
-                    "response_body_mode": "FULL_DUPLEX_STREAMED",
-                    "request_trailer_mode": "SKIP",
-                    "response_trailer_mode": "SEND",
-                },
-            },
-        })
+        filters.append(_listener_ext_proc(cfg, "guard"))
     router: dict[str, Any] = {"@type": _t("envoy.extensions.filters.http.router.v3.Router")}
     if not plain:
         # One entry per attempt: how each attempt ended (UF/UC/UPE: dead; UT: timed out,
@@ -248,10 +323,10 @@ def render(cfg: Config, topo: Topology, plain: bool = False) -> dict[str, Any]:
         routes.append({"match": {"prefix": "/v1/requests/"},
                        "direct_response": {"status": 404}})
     if topo.tools and not plain:
-        # A side effect is never retried by Envoy: the ledger decides what runs.
+        # The tool route is the workers' (tool_listener): a client asking for it here gets
+        # a 404 from Envoy itself, whatever the processor does (decision 0029).
         routes.append({"match": {"prefix": cfg.tools.path_prefix},
-                       "route": {"cluster": "tools", "timeout": "60s",
-                                 "retry_policy": {"num_retries": 0}}})
+                       "direct_response": {"status": 404}})
     routes.append({"match": {"prefix": "/"},
                    "route": {"cluster": "replicas", "timeout": "0s",
                              "retry_policy": retry_policy}})
@@ -389,7 +464,8 @@ def render(cfg: Config, topo: Topology, plain: bool = False) -> dict[str, Any]:
                              "lb_endpoints": [{"endpoint": {"address": _addr(oh, op)}}]}]}})
     if topo.tools and not plain:
         clusters.append({
-            "name": "tools", "type": "STATIC", "connect_timeout": "1s",
+            # A name (e.g. a Service) is resolved by DNS, as for the replicas.
+            "name": "tools", "type": replica_cluster_type(topo.tools), "connect_timeout": "1s",
             "lb_policy": "ROUND_ROBIN",
             "load_assignment": {"cluster_name": "tools", "endpoints": [{"lb_endpoints": [
                 {"endpoint": {"address": _addr(h, p)}} for h, p in topo.tools]}]},
@@ -423,6 +499,8 @@ def render(cfg: Config, topo: Topology, plain: bool = False) -> dict[str, Any]:
             "name": "envoy.filters.network.http_connection_manager",
             "typed_config": hcm}]}],
     }]
+    if topo.tools and not plain:
+        listeners.append(tool_listener(cfg, topo, access_logs_file, tracing))
     if topo.ops is not None:
         listeners.append(ops_listener(topo.ops))
         clusters.append(admin_cluster(topo.admin))

