@@ -216,7 +216,8 @@ def test_chart_renders_one_pod_with_both_containers(values: str | None) -> None:
     # Envoy: /ready through the ops port, which is what render-envoy's --ops listens on;
     # no container port for the admin (it is on loopback).
     ports = {p["name"]: p["containerPort"] for p in envoy["ports"]}
-    assert ports == {"http": v["envoy"]["port"], "envoy-ops": v["envoy"]["opsPort"]}
+    assert ports == {"http": v["envoy"]["port"], "envoy-ops": v["envoy"]["opsPort"],
+                     **({"tools": v["envoy"]["toolPort"]} if v["tools"]["enabled"] else {})}
     assert envoy["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "envoy-ops"}
     assert envoy["livenessProbe"]["tcpSocket"] == {"port": "envoy-ops"}
     # Processor: grpc.health.v1 on the socket; readiness "" (etcd-aware), the others
@@ -576,11 +577,107 @@ def test_extra_volumes_mount_the_tokenizers_the_config_names() -> None:
 
 def test_tenancy_and_idempotency_reach_the_processor() -> None:
     tls = yaml.safe_load(_processor_config_text("tls-etcd-4-replicas-tenancy-values.yaml"))
-    assert tls["tenancy"]["header"] == "X-Tenant-ID"
+    assert tls["tenancy"] == {"header": "X-Tenant-ID"}  # api_key_header: null, deleted
     strict = yaml.safe_load(_processor_config_text(
         "strict-idempotency-custom-timeouts-values.yaml"))
     assert strict["idempotency"]["required"] is True
     assert strict["timeouts"]["first_delta_s"] == 12.5
+
+
+CI_TOOLS = "tools-values.yaml"
+
+
+def test_chart_default_tenancy_is_by_api_key() -> None:
+    """Decided (decisions 0029, 0030): by default a tenant is a digest of the Authorization
+    header, so the status lookup and key-derived ids are per API key."""
+    assert _values(None)["processor"]["config"]["tenancy"] == {
+        "header": None, "api_key_header": "authorization"}
+    cfg = yaml.safe_load(_processor_config_text(None))
+    assert cfg["tenancy"] == {"header": None, "api_key_header": "authorization"}
+    from extproc.core.config import load_config
+    from extproc.core.intake import Rejected, StatusLookup, classify_request
+    loaded = load_config({**cfg, "server": {**cfg["server"], "listen": "127.0.0.1:50051"}})
+    path = "/v1/requests/req_01m8tsrw5hj8k2tfbnddjgte4s"
+    got = classify_request({":method": "GET", ":path": path}, loaded)
+    assert isinstance(got, Rejected)
+    assert (got.error.http_status, got.error.message) == (
+        401, "header authorization is missing")
+    a = classify_request({":method": "GET", ":path": path, "authorization": "Bearer k1"},
+                         loaded)
+    b = classify_request({":method": "GET", ":path": path, "authorization": "Bearer k2"},
+                         loaded)
+    assert isinstance(a, StatusLookup) and isinstance(b, StatusLookup)
+    assert a.tenant != b.tenant and "k1" not in a.tenant
+
+
+def test_tools_off_by_default_no_tool_port_service_or_listener() -> None:
+    assert _values(None)["tools"]["enabled"] is False
+    assert "tools" not in {p["name"] for p in _container(None, "envoy")["ports"]}
+    assert [d["metadata"]["name"] for d in _render(None) if d["kind"] == "Service"] == [
+        "gw-llm-failover-extproc"]
+    boot = _bootstrap(None)
+    assert "tools" not in {x["name"] for x in boot["static_resources"]["listeners"]}
+    assert "tools" not in {c["name"] for c in boot["static_resources"]["clusters"]}
+    cmd = _container(None, "envoy-bootstrap")["command"]
+    assert "--tools" not in cmd and "--tool-listen" not in cmd
+
+
+def test_tools_on_renders_its_port_service_networkpolicy_and_listener() -> None:
+    v = _values(CI_TOOLS)
+    tool_port, prefix = v["envoy"]["toolPort"], v["processor"]["config"]["tools"][
+        "path_prefix"]
+    # The Envoy container's port `tools`...
+    ports = {p["name"]: p["containerPort"] for p in _container(CI_TOOLS, "envoy")["ports"]}
+    assert ports["tools"] == tool_port
+    # ...its own ClusterIP Service; the client Service does not carry it.
+    client = _doc(CI_TOOLS, "Service", "-extproc")
+    assert [p["name"] for p in client["spec"]["ports"]] == ["http"]
+    tools = _doc(CI_TOOLS, "Service", "-tools")
+    assert tools["spec"]["type"] == "ClusterIP"
+    assert tools["spec"]["selector"] == client["spec"]["selector"]
+    assert tools["spec"]["ports"] == [{"name": "tools", "port": v["tools"]["servicePort"],
+                                       "targetPort": "tools", "protocol": "TCP",
+                                       "appProtocol": "http"}]
+    # The NetworkPolicy: `http` from networkPolicy.from, `tools` only from the model
+    # servers' pods; no rule admits the tool port from anywhere else.
+    rules = _doc(CI_TOOLS, "NetworkPolicy")["spec"]["ingress"]
+    by_port = {r["ports"][0]["port"]: r for r in rules}
+    assert [p["port"] for p in by_port["http"]["ports"]] == ["http"]
+    assert by_port["http"]["from"] == v["networkPolicy"]["from"]
+    assert by_port["tools"]["ports"] == [{"port": "tools", "protocol": "TCP"}]
+    assert by_port["tools"]["from"] == v["tools"]["networkPolicyFrom"]
+    assert [r for r in rules if any(p["port"] == "tools" for p in r["ports"])] == [
+        by_port["tools"]]
+    # The init container renders the tool listener on envoy.toolPort, the servers behind it.
+    cmd = _container(CI_TOOLS, "envoy-bootstrap")["command"]
+    assert cmd[cmd.index("--tool-listen") + 1] == f"0.0.0.0:{tool_port}"
+    assert cmd[cmd.index("--tools") + 1] == ",".join(v["tools"]["servers"])
+    boot = _bootstrap(CI_TOOLS)
+    lis = _listener(boot, "tools")
+    assert lis["address"]["socket_address"] == {"address": "0.0.0.0", "port_value": tool_port}
+    hcm = lis["filter_chains"][0]["filters"][0]["typed_config"]
+    assert hcm["http_filters"][0]["typed_config"]["grpc_service"]["initial_metadata"] == [
+        {"key": "x-extproc-role", "value": "tools"}]
+    assert [r.get("route", {}).get("cluster") for r in hcm["route_config"]["virtual_hosts"][
+        0]["routes"]] == ["tools", None]
+    cluster = _cluster(boot, "tools")
+    assert cluster["type"] == "STRICT_DNS"  # a Service name among the servers
+    assert [f'{e["endpoint"]["address"]["socket_address"]["address"]}:'
+            f'{e["endpoint"]["address"]["socket_address"]["port_value"]}'
+            for e in cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]] == v[
+        "tools"]["servers"]
+    # The client listener: the tool prefix is a direct 404.
+    groutes = _gateway_hcm(boot)["route_config"]["virtual_hosts"][0]["routes"]
+    assert {"match": {"prefix": prefix}, "direct_response": {"status": 404}} in groutes
+
+
+def test_notes_give_the_tool_service(
+        tmp_path: Path) -> None:
+    notes = _notes(CI_TOOLS, tmp_path)
+    assert "Tools:     http://gw-llm-failover-extproc-tools.default.svc:8080 (the model " \
+        "servers' tool calls only; /tools/ on the gateway answers 404)" in notes
+    assert "WARNING" not in notes
+    assert "Tools:" not in _notes(None, tmp_path / "plain")
 
 
 # --- failures name the value ----------------------------------------------------------
@@ -598,8 +695,17 @@ def test_tenancy_and_idempotency_reach_the_processor() -> None:
     (["--set", "podDisruptionBudget.maxUnavailable=null"],
      "podDisruptionBudget: set minAvailable or maxUnavailable"),
     (["--set", "envoy.adminPort=10000"],
-     "envoy.port, envoy.adminPort, envoy.opsPort and metrics.processor.port (when enabled) "
-     "must all differ"),
+     "envoy.port, envoy.adminPort, envoy.opsPort, metrics.processor.port (when enabled) and "
+     "envoy.toolPort (when tools.enabled) must all differ"),
+    (["--set", "tools.enabled=true", "--set-json", "tools.servers=[\"t:80\"]",
+      "--set", "envoy.toolPort=9902"], "must all differ: [10000 9901 9902 9464 9902]"),
+    (["--set", "tools.enabled=true"],
+     "tools.servers is required when tools.enabled is true"),
+    (["--set", "tools.enabled=true", "--set-json", "tools.servers=[\"t:80\"]",
+      "--set", "networkPolicy.enabled=true"],
+     "tools.networkPolicyFrom is required when tools.enabled and networkPolicy.enabled are "
+     "true: the model servers' pods"),
+    (["--set-json", "tools.servers=[\"no-port\"]"], "tools.servers.0: Does not match pattern"),
     (["--set", "metrics.processor.port=9902"], "must all differ: [10000 9901 9902 9902]"),
     (["--set", "processor.nativeSidecar=true", "--kube-version", "1.28.0"],
      "processor.nativeSidecar=true needs Kubernetes >= 1.29"),

@@ -78,10 +78,19 @@ Included by the Deployment, so `helm template` fails with these messages.
 {{- if and $v.processor.nativeSidecar (semverCompare "<1.29.0-0" $kube) -}}
 {{- fail (printf "processor.nativeSidecar=true needs Kubernetes >= 1.29 (init containers with restartPolicy: Always), this is %s: set it false, or pass --kube-version to helm template" $kube) -}}
 {{- end -}}
+{{- if $v.tools.enabled -}}
+{{- if not $v.tools.servers -}}
+{{- fail "tools.servers is required when tools.enabled is true: the tool servers (host:port) behind the tool route" -}}
+{{- end -}}
+{{- if and $v.networkPolicy.enabled (not $v.tools.networkPolicyFrom) -}}
+{{- fail "tools.networkPolicyFrom is required when tools.enabled and networkPolicy.enabled are true: the model servers' pods (NetworkPolicyPeer list), the only ones admitted to the tool port" -}}
+{{- end -}}
+{{- end -}}
 {{- $ports := list (int $v.envoy.port) (int $v.envoy.adminPort) (int $v.envoy.opsPort) -}}
 {{- if $v.metrics.processor.enabled -}}{{- $ports = append $ports (int $v.metrics.processor.port) -}}{{- end -}}
+{{- if $v.tools.enabled -}}{{- $ports = append $ports (int $v.envoy.toolPort) -}}{{- end -}}
 {{- if ne (len $ports) (len (uniq $ports)) -}}
-{{- fail (printf "envoy.port, envoy.adminPort, envoy.opsPort and metrics.processor.port (when enabled) must all differ: %v" $ports) -}}
+{{- fail (printf "envoy.port, envoy.adminPort, envoy.opsPort, metrics.processor.port (when enabled) and envoy.toolPort (when tools.enabled) must all differ: %v" $ports) -}}
 {{- end -}}
 {{- end -}}
 
@@ -132,6 +141,9 @@ Included by the Deployment, so `helm template` fails with these messages.
       "--processor" (printf "unix:%s" (include "lfe.socket" .))) -}}
 {{- range $v.replicas.endpoints -}}
 {{- $cmd = concat $cmd (list "--replica" (printf "%s:%d" .host (int .port))) -}}
+{{- end -}}
+{{- if $v.tools.enabled -}}
+{{- $cmd = concat $cmd (list "--tool-listen" (printf "0.0.0.0:%d" (int $v.envoy.toolPort)) "--tools" (join "," $v.tools.servers)) -}}
 {{- end -}}
 {{- $cmd = concat $cmd (list "--out" "/etc/envoy/envoy.yaml") -}}
 {{- toYaml $cmd -}}
