@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -110,6 +111,12 @@ def main(argv: list[str] | None = None) -> int:
         from .adapters.logs import setup
         from .adapters.server import serve
         setup(cfg.server.log_level)
+        if cfg.tenancy.header is None and cfg.tenancy.api_key_header is None:
+            # Decision 0030: off stays the processor's default; said once, at start-up.
+            logging.getLogger("extproc").warning(
+                "tenancy is off: every client shares one namespace of request ids and may "
+                "read any record by its id; set tenancy.api_key_header or tenancy.header",
+                extra={"request_id": None, "attempt_id": None})
         try:
             import uvloop
             uvloop.install()
