@@ -4,7 +4,8 @@ A smoke test of the chart itself: what `helm template` renders (the processor's 
 the Deployment: the envoy-bootstrap init container, Envoy, the processor, their volumes,
 securityContext and probes) runs as a pod, from localhost/llm-failover-extproc and
 localhost/llm-failover-envoy (`make image`), against a real etcd and a demo replica on
-loopback. A stream goes through; the chart's exec probe answers SERVING inside the processor
+loopback. A stream goes through (with an API key: the chart's default tenancy; one without
+gets the clear 401); the chart's exec probe answers SERVING inside the processor
 container; the chart's drain script (the processor's preStop, which podman does not run
 itself) stops Envoy, and the pod then stops with every container's status 0.
 
@@ -161,10 +162,17 @@ def test_chart_pod_plays_streams_probes_and_drains(played: PlayedPod) -> None:
     assert _exec(played, "processor", "touch", "/opt/extproc/x").returncode != 0
 
     # A stream through the pod's Envoy and processor, to the replica on loopback.
+    # The chart's default tenancy is by API key: every request carries one.
+    key = {"authorization": "Bearer kp-key"}
     with httpx.Client(base_url=f"http://127.0.0.1:{played.port}", timeout=30) as c:
-        resp = c.post("/v1/chat/completions", headers={"Idempotency-Key": "kp-" + uuid.uuid4().hex},
-                      json={"model": "demo-model", "stream": True, "max_tokens": N, "seed": 7,
-                            "messages": [{"role": "user", "content": "hi"}]})
+        body = {"model": "demo-model", "stream": True, "max_tokens": N, "seed": 7,
+                "messages": [{"role": "user", "content": "hi"}]}
+        # Without one: the clear 401, and no replica sees the request.
+        resp = c.post("/v1/chat/completions", json=body)
+        assert resp.status_code == 401, resp.text
+        assert resp.json()["error"]["message"] == "header authorization is missing"
+        resp = c.post("/v1/chat/completions", json=body,
+                      headers={"Idempotency-Key": "kp-" + uuid.uuid4().hex, **key})
         assert resp.status_code == 200, resp.text
         rid = resp.headers["x-gateway-request-id"]
         events = [ln[len("data: "):] for ln in resp.text.splitlines() if ln.startswith("data: ")]
@@ -175,14 +183,14 @@ def test_chart_pod_plays_streams_probes_and_drains(played: PlayedPod) -> None:
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
         deadline = time.monotonic() + 5
         while True:  # the outcome is written at stream end
-            j = c.get(f"/v1/requests/{rid}").json()
+            j = c.get(f"/v1/requests/{rid}", headers=key).json()
             if j["outcome"] is not None or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
     assert (j["outcome"], j["attempt"], j["delivered_output_tokens"]) == ("completed", 1, N)
     rows = [json.loads(x) for x in played.replica_log.read_text().splitlines() if x.strip()]
-    assert [(r["attempt"], r["outcome"]) for r in rows if r.get("request_id") == rid] == [
-        (1, "completed")]
+    assert [(r["attempt"], r["outcome"]) for r in rows] == [(1, "completed")]
+    assert rows[0]["request_id"] == rid
 
     # The processor's preStop, as the kubelet would run it: Envoy drains and exits, status 0.
     d = _exec(played, "processor", "python3", "/opt/extproc/scripts/drain.py", "--admin",
