@@ -7,6 +7,8 @@ stream forever). Layout (docs/architecture.md):
   <prefix>/req/<rid>/meta | attempts/NNN | delivery | outcome | progress   (retention lease)
   <prefix>/req/<rid>/guard      the processor serving the request (its session lease)
   <prefix>/live/<rid>           the live attempt id (that attempt's own lease): the fence
+  <prefix>/cred/<rid>/<aid>     sha256 of the attempt's tool-call secret (retention lease),
+                                written with the `live` that makes the attempt live (0028)
 
 The two transactions that make failover honest are `admit_attempt` (a new attempt only while
 nothing was delivered and no other attempt holds a live lease) and `fence_first_delta`
@@ -149,6 +151,14 @@ class EtcdStore:
 
     def _live(self, rid: str) -> bytes:
         return self.live_prefix + rid.encode()
+
+    def _cred(self, rid: str, aid: str) -> bytes:
+        return self.prefix + b"/cred/" + rid.encode() + b"/" + aid.encode()
+
+    def _cred_put(self, rid: str, aid: str, credential: str | None, lease: int) -> list[Any]:
+        """The attempt's credential digest, in the transaction that makes it live."""
+        return [] if credential is None else [_put(self._cred(rid, aid), credential.encode(),
+                                                   lease)]
 
     # --- leases ----------------------------------------------------------------------
 
@@ -360,13 +370,14 @@ class EtcdStore:
                               + list(resp.responses[1].response_range.kvs))
 
     async def open_request(self, rid: str, meta: Mapping[str, Any],
-                           first_attempt: tuple[str, Mapping[str, Any]] | None = None
-                           ) -> JournalView | None:
+                           first_attempt: tuple[str, Mapping[str, Any]] | None = None,
+                           credential: str | None = None) -> JournalView | None:
         """Create the record; if it exists already (a repeat), return it instead.
 
         With `first_attempt` (id, record) the same transaction admits attempt 1: its `live`
         key goes on this process's lease, so the gate of attempt 1 needs no etcd call of its
-        own (one round trip fewer before the first byte).
+        own (one round trip fewer before the first byte); `credential` (the digest of its
+        secret, decision 0028) goes to `cred/<rid>/<aid>` in it too.
         """
         key = self._k(rid, "meta")
 
@@ -379,7 +390,8 @@ class EtcdStore:
                 pl = await self.process_lease()
                 aid, record = first_attempt
                 ops += [_put(self._live(rid), aid.encode(), pl.lease_id),
-                        _put(self._k(rid, "attempts/001"), _dumps(record), rl)]
+                        _put(self._k(rid, "attempts/001"), _dumps(record), rl),
+                        *self._cred_put(rid, aid, credential, rl)]
             return rpc.TxnRequest(
                 compare=[_eq_version(key, 0)],
                 success=ops,
@@ -390,8 +402,8 @@ class EtcdStore:
 
     async def reopen_request(self, rid: str, ended_outcome: Mapping[str, Any],
                              history: tuple[int, Mapping[str, Any]],
-                             first_attempt: tuple[int, str, Mapping[str, Any]]
-                             ) -> JournalView | None:
+                             first_attempt: tuple[int, str, Mapping[str, Any]],
+                             credential: str | None = None) -> JournalView | None:
         """Run a finished request again as the same logical request (decision 0027).
 
         One transaction, only while the record is as the caller read it: `outcome` still the
@@ -400,7 +412,8 @@ class EtcdStore:
         `attempts/<n>` free, `meta` present. Then: the outcome moves to `history/<run>`
         (`history` = (run, entry)), `progress` goes, the `guard` key is ours again, and the
         run's first attempt (`first_attempt` = (n, id, record)) is admitted as the intake
-        admits attempt 1 (`live` on this process's lease). `meta` stays. None when
+        admits attempt 1 (`live` on this process's lease, its `credential` digest beside
+        it, decision 0028). `meta` stays. None when
         re-opened; else the record as it is now, for the caller to answer.
         """
         out_k, live_k = self._k(rid, "outcome"), self._live(rid)
@@ -423,7 +436,8 @@ class EtcdStore:
                          _put(self._k(rid, f"history/{run:03d}"), _dumps(entry), rl),
                          _put(self._k(rid, "guard"), self.owner.encode(), sl),
                          _put(live_k, aid.encode(), pl.lease_id),
-                         _put(att_k, _dumps(record), rl)],
+                         _put(att_k, _dumps(record), rl),
+                         *self._cred_put(rid, aid, credential, rl)],
                 failure=[_range(self._req_prefix(rid), prefix=True), _range(live_k)])
 
         return await self._write_or_read(rid, txn)
@@ -432,9 +446,9 @@ class EtcdStore:
                           first_attempt: tuple[int, str]) -> bool:
         """Take back a re-open our timed-out call may have applied after all, while nothing
         ran for it (`live` still its first attempt, nothing delivered, no outcome): the
-        ended run's outcome comes back, the history entry, the attempt, `guard` and `live`
-        go. The client was told nothing ran; a late apply must not leave the key in
-        progress."""
+        ended run's outcome comes back, the history entry, the attempt, its credential,
+        `guard` and `live` go. The client was told nothing ran; a late apply must not leave
+        the key in progress."""
         n, aid = first_attempt
         run, entry = history
         live_k = self._live(rid)
@@ -447,7 +461,8 @@ class EtcdStore:
             success=[_put(self._k(rid, "outcome"), _dumps(entry["outcome"]), rl),
                      _delete(self._k(rid, f"history/{run:03d}")),
                      _delete(self._k(rid, "guard")),
-                     _delete(self._k(rid, f"attempts/{n:03d}")), _delete(live_k)]))
+                     _delete(self._k(rid, f"attempts/{n:03d}")), _delete(live_k),
+                     _delete(self._cred(rid, aid))]))
         return bool(resp.succeeded)
 
     async def get(self, rid: str) -> JournalView | None:
@@ -469,8 +484,13 @@ class EtcdStore:
     async def admit_attempt(self, rid: str, attempt: int, attempt_id: str,
                             record: Mapping[str, Any], fence_wait_s: float,
                             never_started: Callable[[str], bool] | None = None,
-                            first_attempt: int = 1) -> AdmitResult:
+                            first_attempt: int = 1,
+                            credential: str | None = None) -> AdmitResult:
         """Admit attempt n only if nothing was delivered and no other attempt is live.
+
+        `credential` (the digest of the attempt's secret, decision 0028) is put at
+        `cred/<rid>/<aid>` by whichever transaction makes it live (the admission or the
+        take-over).
 
         If another attempt still holds `live`, wait (bounded) for it to be revoked or to
         expire: that is the mission's `wait_for: cancel_ack_or_lease_expiry`. The watch
@@ -500,7 +520,8 @@ class EtcdStore:
                     ],
                     success=[_put(live_k, attempt_id.encode(), pl.lease_id),
                              _put(att_k, _dumps({**record, "admitted_at": round(
-                                 time.time(), 6)}), rl)],
+                                 time.time(), 6)}), rl),
+                             *self._cred_put(rid, attempt_id, credential, rl)],
                     failure=[_range(meta_k), _range(deliv_k), _range(live_k), _range(att_k)],
                 )
                 resp = await self._call(self._kv.Txn, req)
@@ -531,7 +552,8 @@ class EtcdStore:
                                  _put(self._k(rid, f"attempts/{first_attempt:03d}"),
                                       _dumps(records.taken_over_first_attempt(
                                           stale.decode(), round(time.time(), 6),
-                                          first_attempt)), rl)])
+                                          first_attempt)), rl),
+                                 *self._cred_put(rid, attempt_id, credential, rl)])
                     if (await self._call(self._kv.Txn, take)).succeeded:
                         return AdmitResult(True, "admitted (attempt 1 never started)",
                                            AttemptLease(pl), time.monotonic() - start)
@@ -581,20 +603,23 @@ class EtcdStore:
         return bool(resp.succeeded)
 
     async def undo_admission(self, rid: str, attempt: int, attempt_id: str) -> bool:
-        """Remove an admission our timed-out call may have written after all."""
+        """Remove an admission our timed-out call may have written after all (its
+        credential with it)."""
         live_k = self._live(rid)
         resp = await self._call(self._kv.Txn, rpc.TxnRequest(
             compare=[rpc.Compare(key=live_k, target=rpc.Compare.VALUE,
                                  result=rpc.Compare.EQUAL, value=attempt_id.encode())],
             success=[rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=live_k)),
                      rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(
-                         key=self._k(rid, f"attempts/{attempt:03d}")))]))
+                         key=self._k(rid, f"attempts/{attempt:03d}"))),
+                     _delete(self._cred(rid, attempt_id))]))
         return bool(resp.succeeded)
 
     async def undo_intake(self, rid: str, attempt_id: str) -> bool:
         """Remove a record our given-up intake may have written after all, while nothing
         ran for it: `live` is still its attempt 1, nothing delivered, no outcome. The client
-        was told nothing was recorded; a late apply must not leave the key in progress."""
+        was told nothing was recorded; a late apply must not leave the key in progress.
+        Attempt 1's credential goes with it."""
         live_k, pfx = self._live(rid), self._req_prefix(rid)
         resp = await self._call(self._kv.Txn, rpc.TxnRequest(
             compare=[rpc.Compare(key=live_k, target=rpc.Compare.VALUE,
@@ -603,7 +628,8 @@ class EtcdStore:
                      _eq_version(self._k(rid, "outcome"), 0)],
             success=[rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=live_k)),
                      rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(
-                         key=pfx, range_end=_prefix_end(pfx)))]))
+                         key=pfx, range_end=_prefix_end(pfx))),
+                     _delete(self._cred(rid, attempt_id))]))
         return bool(resp.succeeded)
 
     async def end_attempt(self, rid: str, attempt: int, attempt_id: str,
@@ -728,27 +754,48 @@ class ToolLedger:
         # Present while the executing call's processor is alive (its session lease).
         return self.s.prefix + b"/tools-exec/" + key.encode()
 
-    async def claim(self, key: str, rid: str, attempt_id: str,
-                    entry: Mapping[str, Any]) -> tuple[bool, dict[str, Any] | None, bool, bool]:
-        """Claim the first execution, only for the live attempt.
+    async def credential(self, rid: str, attempt_id: str) -> tuple[str | None, int]:
+        """The attempt's stored credential digest (None: none) and its key's mod_revision
+        (0 when absent), for `claim` to compare (decision 0028)."""
+        resp = await self.s._call(self.s._kv.Range,
+                                  rpc.RangeRequest(key=self.s._cred(rid, attempt_id)))
+        if not resp.kvs:
+            return None, 0
+        kv = resp.kvs[0]
+        return bytes(kv.value).decode(errors="replace"), int(kv.mod_revision)
+
+    async def claim(self, key: str, rid: str, attempt_id: str, entry: Mapping[str, Any],
+                    credential_rev: int) -> tuple[bool, dict[str, Any] | None, bool, bool]:
+        """Claim the first execution, only for the live attempt whose credential was checked.
 
         Returns (claimed, existing entry, caller is the live attempt, executor alive).
-        One transaction: the fence check and the claim cannot be separated by a revocation.
+        One transaction: the fence check, the credential (its key unchanged since it was
+        read and compared: `credential_rev`, its mod_revision then) and the claim cannot be
+        separated by a revocation or an undo. "Live" is false when the credential key
+        changed or went: such an attempt is no longer the one that was checked.
         """
         rl = await self.s._retention_lease(self.ttl_s)
         sl = await self.s.session_lease()
         k, ex, live = self._k(key), self._exec(key), self.s._live(rid)
+        cred = self.s._cred(rid, attempt_id)
         resp = await self.s._call(self.s._kv.Txn, rpc.TxnRequest(
             compare=[_eq_version(k, 0),
                      rpc.Compare(key=live, target=rpc.Compare.VALUE, result=rpc.Compare.EQUAL,
-                                 value=attempt_id.encode())],
+                                 value=attempt_id.encode()),
+                     rpc.Compare(key=cred, target=rpc.Compare.MOD, result=rpc.Compare.EQUAL,
+                                 mod_revision=credential_rev),
+                     # An absent key's mod_revision is 0: never a credential.
+                     rpc.Compare(key=cred, target=rpc.Compare.VERSION,
+                                 result=rpc.Compare.GREATER, version=0)],
             success=[_put(k, _dumps(entry), rl), _put(ex, attempt_id.encode(), sl)],
-            failure=[_range(k), _range(live), _range(ex)]))
+            failure=[_range(k), _range(live), _range(ex), _range(cred)]))
         if resp.succeeded:
             return True, None, True, True
         kvs = [list(r.response_range.kvs) for r in resp.responses]
         existing = json.loads(kvs[0][0].value) if kvs[0] else None
-        is_live = bool(kvs[1]) and bytes(kvs[1][0].value) == attempt_id.encode()
+        same_cred = bool(kvs[3]) and int(kvs[3][0].mod_revision) == credential_rev
+        is_live = (bool(kvs[1]) and bytes(kvs[1][0].value) == attempt_id.encode()
+                   and same_cred)
         return False, existing, is_live, bool(kvs[2])
 
     async def undo_claim(self, key: str, entry: Mapping[str, Any]) -> bool:

@@ -27,6 +27,7 @@ from ..core.admission import (
     envoy_retries,
     retry_after_s,
 )
+from ..core.credentials import digest
 from ..core.errors import (
     ErrorCode,
     GatewayError,
@@ -105,6 +106,7 @@ class GateSession(Session):
         "preadmitted",
         "prompt_tokens",
         "replica",
+        "secret",
         "slow",
         "started_at",
         "started_wall",
@@ -126,6 +128,9 @@ class GateSession(Session):
         self.replica: str | None = None
         self.lease: AttemptLease | None = None
         self.preadmitted: str | None = None  # attempt 1's id, admitted by the guard
+        # This attempt's credential (decision 0028): attempt 1's from the guard, any other's
+        # minted here. Sent upstream only; never logged, never in the hand-off.
+        self.secret: str | None = None
         self.first_admitted: str | None = None  # the same, as later attempts see it
         self.model_revision: str | None = None
         self.started_at = 0.0
@@ -190,6 +195,10 @@ class GateSession(Session):
             self.first_admitted = hd.get(H.PREADMITTED) or None
             if self.envoy_attempt == 1:
                 self.preadmitted = self.first_admitted
+                if self.preadmitted is not None:
+                    # Minted by the guard with attempt 1 (its digest in the intake). A later
+                    # attempt never takes it: it mints its own at its admission.
+                    self.secret = hd.get(H.ATTEMPT_SECRET) or None
             try:
                 self.prompt_tokens = int(hd.get(H.PROMPT_TOKENS, "0"))
             except ValueError:
@@ -304,8 +313,15 @@ class GateSession(Session):
             self.p.mark_reached(rid)
             # The attempt offset stays: a removal here holds for Envoy's later attempts of
             # the request too, whose gates need it (decision 0027).
-            await self.write(codec.continue_request_headers({H.ATTEMPT_ID: self.aid or ""},
-                                                            remove=(H.PREADMITTED,)))
+            # The attempt's own secret replaces whatever an earlier attempt's request carried
+            # (an upstream filter's mutation stays on Envoy's later attempts).
+            if self.secret is not None:
+                await self.write(codec.continue_request_headers(
+                    {H.ATTEMPT_ID: self.aid or "", H.ATTEMPT_SECRET: self.secret},
+                    remove=(H.PREADMITTED,)))
+            else:
+                await self.write(codec.continue_request_headers(
+                    {H.ATTEMPT_ID: self.aid or ""}, remove=(H.PREADMITTED, H.ATTEMPT_SECRET)))
             return None
         if isinstance(a, Refuse):
             await self.write(codec.immediate(a.error, {H.REQUEST_ID: rid}))
@@ -419,11 +435,14 @@ class GateSession(Session):
             except StoreUnavailable as e:
                 return AdmitDecided(False, self._journal_down(e))
             return self._admitted(0.0)
+        # The admission makes it live with its own credential (decision 0028).
+        self.secret = self.p.ids.attempt_secret()
+        cred = digest(self.secret)
         try:
             until = asyncio.get_running_loop().time() + verdict.deadline_s - FENCE_MARGIN_S
             res = await self._resent("admission", lambda: self.p.journal.admit_attempt(
                 rid, n, aid, record, verdict.fence_wait_s, self._never_started,
-                first_attempt=self.attempt_offset + 1), until=until)
+                first_attempt=self.attempt_offset + 1, credential=cred), until=until)
         except StoreUnavailable as e:
             rlog(log, logging.WARNING, "journal unavailable at admission", rid, self.aid,
                  error=str(e))

@@ -20,6 +20,7 @@ from opentelemetry.trace import Span, SpanKind
 
 from ..core import headers as H
 from ..core import records
+from ..core.credentials import digest
 from ..core.errors import (
     GatewayError,
     body_required,
@@ -27,6 +28,7 @@ from ..core.errors import (
     no_compatible_replica,
     request_in_progress,
     request_not_found,
+    tool_route_not_here,
 )
 from ..core.failure import FailureClass
 from ..core.families import family_for_path
@@ -78,6 +80,10 @@ from .session import CHUNK_TIME_SAMPLE, INVALID, Messages, Processor, Session, l
 from .telemetry import TRACEPARENT_HEADER, end_span
 from .tools import ToolCallHandler
 
+# Response headers that never reach a client: the gate's hand-off, and an attempt's secret
+# (a replica could echo it back; decision 0028).
+NEVER_TO_CLIENT = (H.HANDOFF, H.ATTEMPT_SECRET)
+
 # --- guard ---------------------------------------------------------------------------
 
 
@@ -88,6 +94,7 @@ class GuardSession(Session):
         "attempt",
         "attempt_machine",
         "attempt_span",
+        "cred1",
         "envoy_request_id",
         "finished",
         "first_delta_evented",
@@ -99,16 +106,22 @@ class GuardSession(Session):
         "progress_inflight",
         "progress_sent",
         "rerun",
+        "secret1",
         "tool",
+        "tools_listener",
         "watchdog",
         "watchdog_at",
     )
 
-    def __init__(self, proc: Processor, ctx: Messages) -> None:
+    def __init__(self, proc: Processor, ctx: Messages, tools: bool = False) -> None:
         self.detach = False
         self.p = proc
         self.cfg = proc.cfg
         self.ctx = ctx
+        # The role of the stream's filter: False, the client listener (role `guard`), which
+        # never serves the tool route; True, the tool listener (role `tools`), which serves
+        # only it (decision 0028).
+        self.tools_listener = tools
         self.lock = asyncio.Lock()
         self.m: GuardMachine | None = None
         self.rid: str | None = None
@@ -132,6 +145,10 @@ class GuardSession(Session):
         # The attempt the gate handed over at release: its record, and its permission to
         # publish (process lease + the revocation watch).
         self.aid1: str | None = None
+        # Attempt 1's secret until the body answer carries it to its gate (never logged),
+        # and the digest the intake (or the re-open) records for it.
+        self.secret1: str | None = None
+        self.cred1: str | None = None
         self.attempt: dict[str, Any] | None = None
         self.lease: AttemptLease | None = None
         self.attempt_span: Span | None = None
@@ -172,7 +189,7 @@ class GuardSession(Session):
         elif which == "response_headers":
             hd = codec.headers_dict(msg.response_headers.headers)
             if self.m is None or not self.m.accepted:
-                await self.write(codec.continue_response_headers(remove=(H.HANDOFF,)))
+                await self.write(codec.continue_response_headers(remove=NEVER_TO_CLIENT))
                 return
             status = int(hd.get(":status", "0") or 0)
             if status == 200:
@@ -229,7 +246,19 @@ class GuardSession(Session):
         return m
 
     async def on_request_headers(self, hd: dict[str, str], end_of_stream: bool) -> None:
-        if hd.get(":path", "").startswith(self.cfg.tools.path_prefix):
+        path = hd.get(":path", "")
+        is_tool = path.startswith(self.cfg.tools.path_prefix)
+        if is_tool != self.tools_listener:
+            # A tool call on the client listener, or anything else on the tool listener:
+            # refused before anything is read (no ledger, no journal).
+            err = tool_route_not_here(path.split("?", 1)[0], self.tools_listener)
+            self._machine("", "rejected")
+            rlog(log, logging.WARNING, "request refused: wrong listener for its path", None,
+                 None, code=str(err.code), path=path.split("?", 1)[0],
+                 tools_listener=self.tools_listener)
+            await self.write(codec.immediate(err))
+            return
+        if is_tool:
             self._machine("", "tool")
             self.tool = ToolCallHandler(self.cfg, self.p.ledger, self.write, self.p.spawn,
                                         retrying)
@@ -310,6 +339,10 @@ class GuardSession(Session):
         # Attempt 1 is admitted in the same transaction as the record (its gate finds it
         # in a header we set): one etcd round trip fewer before the first byte.
         self.aid1 = aid1 = self.p.ids.attempt_id()
+        # Attempt 1's credential (decision 0028): its digest is recorded with it, the
+        # secret goes to its gate (and on to its replica) in the body answer.
+        self.secret1 = self.p.ids.attempt_secret()
+        self.cred1 = digest(self.secret1)
         first = records.first_attempt(aid1, self.cfg.server.gateway_id, self.p.clock.wall())
         self.opening = opening = self.p.spawn(
             self.open_record(rid, record, (aid1, first), meta.request_digest,
@@ -358,7 +391,8 @@ class GuardSession(Session):
         while True:
             tries += 1
             try:
-                existing = await self.p.journal.open_request(rid, record, first)
+                existing = await self.p.journal.open_request(rid, record, first,
+                                                             credential=self.cred1)
                 break
             except StoreUnavailable as e:
                 if loop.time() + pause < give_up:
@@ -397,7 +431,8 @@ class GuardSession(Session):
             history = (verdict.run - 1, verdict.history(now, gw, self.envoy_request_id))
             first = (n, aid, records.first_attempt(aid, gw, now, n))
             try:
-                again = await self.p.journal.reopen_request(rid, verdict.outcome, history, first)
+                again = await self.p.journal.reopen_request(rid, verdict.outcome, history, first,
+                                                            credential=self.cred1)
                 if again is None:
                     self.rerun = verdict
                     # Envoy counts this request's attempts from 1 again, and so does the
@@ -458,6 +493,11 @@ class GuardSession(Session):
                     record: dict[str, Any], aid1: str) -> ep.ProcessingResponse:
         set_headers = {H.PROMPT_TOKENS: str(meta.estimated_prompt_tokens), H.PREADMITTED: aid1,
                        H.ACCEPTED_AT: f"{record['created_at']:.6f}"}
+        if self.secret1 is not None:
+            # For the gate of attempt 1, which keeps it; a later attempt's gate replaces it
+            # with its own. Not kept here any longer than this answer needs it.
+            set_headers[H.ATTEMPT_SECRET] = self.secret1
+            self.secret1 = None
         tp = self.p.tel.traceparent(self.span)
         if tp:
             set_headers[TRACEPARENT_HEADER] = tp
@@ -531,10 +571,10 @@ class GuardSession(Session):
             if self.m is not None and self.m.replaced_error is not None:
                 await self.write(codec.continue_response_headers(
                     {H.REQUEST_ID: rid, "content-type": "application/json"},
-                    remove=("content-length", H.HANDOFF)))
+                    remove=("content-length", *NEVER_TO_CLIENT)))
             else:
                 await self.write(codec.continue_response_headers({H.REQUEST_ID: rid},
-                                                                 remove=(H.HANDOFF,)))
+                                                                 remove=NEVER_TO_CLIENT))
         elif isinstance(a, Send):
             if a.data or a.end_of_stream:
                 await self.write(codec.streamed_response_body(a.data, a.end_of_stream))

@@ -68,6 +68,7 @@ def _dumps(obj: Mapping[str, Any]) -> bytes:
 class _Entry:
     value: bytes
     lease: int  # 0: none
+    mod: int = 0  # etcd's mod_revision: the store revision of the last put of this key
 
 
 # One operation of a transaction: (key, value, lease) puts, (key, None, 0) deletes.
@@ -97,6 +98,7 @@ class MemoryStore:
         self._lost_intake_answers = 0
         self._closed = False
         self._kv: dict[str, _Entry] = {}
+        self._revision = 1  # etcd's store revision: one more per transaction that writes
         self._leases: dict[int, float] = {}  # id -> expiry (clock.monotonic; inf: kept alive)
         self._next_lease = 0x7E57_0000
         self._retention: dict[int, tuple[int, float]] = {}  # ttl -> (lease id, granted)
@@ -185,6 +187,13 @@ class MemoryStore:
     def _live(self, rid: str) -> str:
         return self.live_prefix + rid
 
+    def _cred(self, rid: str, aid: str) -> str:
+        return f"{self.prefix}/cred/{rid}/{aid}"
+
+    def _cred_put(self, rid: str, aid: str, credential: str | None, lease: int) -> list[_Op]:
+        return [] if credential is None else [_put(self._cred(rid, aid), credential.encode(),
+                                                   lease)]
+
     def _value(self, key: str) -> bytes | None:
         e = self._kv.get(key)
         return None if e is None else e.value
@@ -196,13 +205,15 @@ class MemoryStore:
             if value is not None and lease and lease not in self._leases:
                 raise StoreUnavailable(f"etcd NOT_FOUND: etcdserver: {_LEASE_NOT_FOUND}")
         events: list[tuple[str, str | None, str | None]] = []
+        if ops:
+            self._revision += 1
         for key, value, lease in ops:
             old = self._kv.get(key)
             if value is None:
                 if self._kv.pop(key, None) is None:
                     continue  # etcd: a delete of nothing is no event
             else:
-                self._kv[key] = _Entry(value, lease)
+                self._kv[key] = _Entry(value, lease, self._revision)
             if key.startswith(self.live_prefix):
                 events.append((key[len(self.live_prefix):],
                                None if value is None else value.decode(),
@@ -300,9 +311,10 @@ class MemoryStore:
             self._txn(ops())
 
     async def open_request(self, rid: str, meta: Mapping[str, Any],
-                           first_attempt: tuple[str, Mapping[str, Any]] | None = None
-                           ) -> JournalView | None:
-        """Create the record (admitting attempt 1 with it); a repeat gets the record back."""
+                           first_attempt: tuple[str, Mapping[str, Any]] | None = None,
+                           credential: str | None = None) -> JournalView | None:
+        """Create the record (admitting attempt 1 with it, its credential digest beside it);
+        a repeat gets the record back."""
         self._enter()
         key = self._k(rid, "meta")
         if key in self._kv:
@@ -315,7 +327,8 @@ class MemoryStore:
             if first_attempt is not None:
                 aid, record = first_attempt
                 out += [_put(self._live(rid), aid.encode(), self._process_now().lease_id),
-                        _put(self._k(rid, "attempts/001"), _dumps(record), rl)]
+                        _put(self._k(rid, "attempts/001"), _dumps(record), rl),
+                        *self._cred_put(rid, aid, credential, rl)]
             return out
 
         self._txn_regranting(ops)
@@ -327,8 +340,8 @@ class MemoryStore:
 
     async def reopen_request(self, rid: str, ended_outcome: Mapping[str, Any],
                              history: tuple[int, Mapping[str, Any]],
-                             first_attempt: tuple[int, str, Mapping[str, Any]]
-                             ) -> JournalView | None:
+                             first_attempt: tuple[int, str, Mapping[str, Any]],
+                             credential: str | None = None) -> JournalView | None:
         """Run a finished request again (EtcdStore.reopen_request); None when re-opened,
         else the record as it is now."""
         self._enter()
@@ -347,7 +360,7 @@ class MemoryStore:
                     _put(self._k(rid, f"history/{run:03d}"), _dumps(entry), rl),
                     _put(self._k(rid, "guard"), self.owner.encode(), self._session_now()),
                     _put(live_k, aid.encode(), self._process_now().lease_id),
-                    _put(att_k, _dumps(record), rl)]
+                    _put(att_k, _dumps(record), rl), *self._cred_put(rid, aid, credential, rl)]
 
         self._txn_regranting(ops)
         return None
@@ -365,7 +378,8 @@ class MemoryStore:
         self._txn([_put(self._k(rid, "outcome"), _dumps(entry["outcome"]),
                         self._retention_lease()),
                    _delete(self._k(rid, f"history/{run:03d}")), _delete(self._k(rid, "guard")),
-                   _delete(self._k(rid, f"attempts/{n:03d}")), _delete(live_k)])
+                   _delete(self._k(rid, f"attempts/{n:03d}")), _delete(live_k),
+                   _delete(self._cred(rid, aid))])
         return True
 
     async def get(self, rid: str) -> JournalView | None:
@@ -382,7 +396,8 @@ class MemoryStore:
     async def admit_attempt(self, rid: str, attempt: int, attempt_id: str,
                             record: Mapping[str, Any], fence_wait_s: float,
                             never_started: Callable[[str], bool] | None = None,
-                            first_attempt: int = 1) -> AdmitResult:
+                            first_attempt: int = 1,
+                            credential: str | None = None) -> AdmitResult:
         """Admit attempt n only if nothing was delivered and no other attempt is live,
         waiting (bounded) for another live attempt to go (EtcdStore.admit_attempt)."""
         self._check_up()
@@ -406,7 +421,8 @@ class MemoryStore:
                                        AttemptLease(pl), waited)
                 admit = [_put(live_k, attempt_id.encode(), pl.lease_id),
                          _put(att_k, _dumps({**record,
-                                             "admitted_at": round(self.clock.wall(), 6)}), rl)]
+                                             "admitted_at": round(self.clock.wall(), 6)}), rl),
+                         *self._cred_put(rid, attempt_id, credential, rl)]
                 if (meta_k in self._kv and deliv_k not in self._kv and live is None
                         and att_k not in self._kv):
                     self._txn(admit)
@@ -466,7 +482,8 @@ class MemoryStore:
         live_k = self._live(rid)
         if self._value(live_k) != attempt_id.encode():
             return False
-        self._txn([_delete(live_k), _delete(self._k(rid, f"attempts/{attempt:03d}"))])
+        self._txn([_delete(live_k), _delete(self._k(rid, f"attempts/{attempt:03d}")),
+                   _delete(self._cred(rid, attempt_id))])
         return True
 
     async def undo_intake(self, rid: str, attempt_id: str) -> bool:
@@ -478,7 +495,8 @@ class MemoryStore:
             return False
         pfx = self._req_prefix(rid)
         self._txn([_delete(self._live(rid)), *(_delete(k) for k in sorted(self._kv)
-                                              if k.startswith(pfx))])
+                                              if k.startswith(pfx)),
+                   _delete(self._cred(rid, attempt_id))])
         return True
 
     async def end_attempt(self, rid: str, attempt: int, attempt_id: str,
@@ -578,9 +596,17 @@ class MemoryLedger:
     def _exec(self, key: str) -> str:
         return self.s.prefix + "/tools-exec/" + key
 
-    async def claim(self, key: str, rid: str, attempt_id: str,
-                    entry: Mapping[str, Any]) -> tuple[bool, dict[str, Any] | None, bool, bool]:
-        """Claim the first execution, only for the live attempt.
+    async def credential(self, rid: str, attempt_id: str) -> tuple[str | None, int]:
+        """The stored credential digest and its key's mod_revision (None, 0: absent)."""
+        s = self.s
+        s._enter()
+        e = s._kv.get(s._cred(rid, attempt_id))
+        return (None, 0) if e is None else (e.value.decode(errors="replace"), e.mod)
+
+    async def claim(self, key: str, rid: str, attempt_id: str, entry: Mapping[str, Any],
+                    credential_rev: int) -> tuple[bool, dict[str, Any] | None, bool, bool]:
+        """Claim the first execution, only for the live attempt whose credential key is
+        unchanged since it was checked (ToolLedger.claim).
 
         Returns (claimed, existing entry, caller is the live attempt, executor alive).
         """
@@ -589,7 +615,9 @@ class MemoryLedger:
         rl = s._retention_lease(self.ttl_s)
         sl = s._session_now()
         k, ex = self._k(key), self._exec(key)
-        is_live = s._value(s._live(rid)) == attempt_id.encode()
+        cred = s._kv.get(s._cred(rid, attempt_id))
+        is_live = (s._value(s._live(rid)) == attempt_id.encode() and cred is not None
+                   and cred.mod == credential_rev)
         if k not in s._kv and is_live:
             s._txn([_put(k, _dumps(entry), rl), _put(ex, attempt_id.encode(), sl)])
             return True, None, True, True

@@ -8,6 +8,7 @@ hermetic test can drive the sessions with no sockets but Envoy's messages.
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
@@ -24,6 +25,7 @@ class Clock(Protocol):
 class Ids(Protocol):
     def request_id(self) -> str: ...
     def attempt_id(self) -> str: ...
+    def attempt_secret(self) -> str: ...
 
 
 class SystemClock:
@@ -41,24 +43,29 @@ class RandomIds:
     def attempt_id(self) -> str:
         return "att_" + new_request_id()[4:]
 
+    def attempt_secret(self) -> str:
+        """A live attempt's credential for its tool calls (decision 0028)."""
+        return secrets.token_urlsafe(32)
+
 
 class Journal(Protocol):
     """The request journal and its fence (etcd_store.EtcdStore documents each call)."""
 
     async def open_request(self, rid: str, meta: Mapping[str, Any],
-                           first_attempt: tuple[str, Mapping[str, Any]] | None = None
-                           ) -> JournalView | None: ...
+                           first_attempt: tuple[str, Mapping[str, Any]] | None = None,
+                           credential: str | None = None) -> JournalView | None: ...
     async def reopen_request(self, rid: str, ended_outcome: Mapping[str, Any],
                              history: tuple[int, Mapping[str, Any]],
-                             first_attempt: tuple[int, str, Mapping[str, Any]]
-                             ) -> JournalView | None: ...
+                             first_attempt: tuple[int, str, Mapping[str, Any]],
+                             credential: str | None = None) -> JournalView | None: ...
     async def undo_reopen(self, rid: str, history: tuple[int, Mapping[str, Any]],
                           first_attempt: tuple[int, str]) -> bool: ...
     async def get(self, rid: str) -> JournalView | None: ...
     async def admit_attempt(self, rid: str, attempt: int, attempt_id: str,
                             record: Mapping[str, Any], fence_wait_s: float,
                             never_started: Callable[[str], bool] | None = None,
-                            first_attempt: int = 1) -> AdmitResult: ...
+                            first_attempt: int = 1,
+                            credential: str | None = None) -> AdmitResult: ...
     async def fence_first_delta(self, rid: str, attempt_id: str,
                                 record: Mapping[str, Any]) -> bool: ...
     async def undo_fence(self, rid: str, record: Mapping[str, Any]) -> bool: ...
@@ -85,8 +92,9 @@ class Journal(Protocol):
 class Ledger(Protocol):
     """The tool-call ledger (etcd_store.ToolLedger documents each call)."""
 
+    async def credential(self, rid: str, attempt_id: str) -> tuple[str | None, int]: ...
     async def claim(self, key: str, rid: str, attempt_id: str,
-                    entry: Mapping[str, Any]
+                    entry: Mapping[str, Any], credential_rev: int
                     ) -> tuple[bool, dict[str, Any] | None, bool, bool]: ...
     async def undo_claim(self, key: str, entry: Mapping[str, Any]) -> bool: ...
     async def get(self, key: str) -> tuple[dict[str, Any] | None, bool]: ...

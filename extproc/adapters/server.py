@@ -44,7 +44,11 @@ async def process_stream(proc: Processor, md: Mapping[str, str], io: Messages) -
     """One ext_proc stream; the role comes from its initial metadata."""
     role = md.get(H.ROLE_METADATA, "guard")
     session: GuardSession | GateSession
-    session = GateSession(proc, io) if role == "gate" else GuardSession(proc, io)
+    # `gate`: an attempt's upstream stream; `tools`: the tool listener's filter, a guard that
+    # serves only the tool route; anything else: the client listener's guard, which never
+    # serves it (decision 0028).
+    session = (GateSession(proc, io) if role == "gate"
+               else GuardSession(proc, io, tools=role == "tools"))
     # The metadata is only read again for trace context: do not keep it per stream.
     session.md = dict(md) if proc.tel.tracing else {}
     proc.open_streams += 1

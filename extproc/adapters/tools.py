@@ -1,8 +1,11 @@
 """The tool route: server-side tool calls go through the guard and the etcd ledger.
 
 A call is forwarded to the tool server only by the one request that claims its ledger key,
-and only if its attempt is the live one (one transaction). Everyone else gets the recorded
-result, waits for it (bounded), or a clear refusal. Rules: `extproc.core.tools`.
+and only if it carries its attempt's credential and that attempt is the live one: the
+credential's digest is compared first (constant time), then the claim transaction checks
+`live`, the ledger key and that the credential key is unchanged (decision 0028). Everyone
+else gets the recorded result, waits for it (bounded), or a clear refusal. Rules:
+`extproc.core.tools`.
 """
 
 from __future__ import annotations
@@ -13,8 +16,10 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from ..core import headers as H
 from ..core.config import Config
-from ..core.errors import GatewayError, tool_ledger_unavailable
+from ..core.credentials import matches
+from ..core.errors import ErrorCode, GatewayError, tool_ledger_unavailable
 from ..core.tools import (
     Replay,
     ResultCapture,
@@ -25,6 +30,7 @@ from ..core.tools import (
     in_progress_error,
     parse_tool_call,
     running_entry,
+    unauthorized_error,
     unknown_entry,
 )
 from ..gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
@@ -64,13 +70,29 @@ class ToolCallHandler:
     async def on_request_headers(self, hd: dict[str, str]) -> None:
         call = parse_tool_call(hd, self.cfg.tools.path_prefix)
         if isinstance(call, GatewayError):
+            if call.code is ErrorCode.TOOL_CALL_UNAUTHORIZED:
+                rlog(log, logging.WARNING, "tool call refused: no attempt credential",
+                     call.request_id, hd.get(H.ATTEMPT_ID), path=hd.get(":path"))
             await self.write(codec.immediate(call))
             return
         self.call = call
+        # The credential first, for every call (a first one, a repeat, a replay): nothing
+        # of the ledger is read or claimed for a caller that is not the attempt's worker.
+        try:
+            stored, cred_rev = await self.ledger.credential(call.request_id, call.attempt_id)
+        except StoreUnavailable as e:
+            await self._refuse_unavailable(e)
+            return
+        if not matches(call.secret, stored):
+            rlog(log, logging.WARNING, "tool call refused: attempt credential missing or "
+                 "wrong", call.request_id, call.attempt_id, tool=call.tool, key=call.key,
+                 stored=stored is not None)
+            await self.write(codec.immediate(unauthorized_error(call)))
+            return
         entry = running_entry(call, time.time())
         try:
             claimed, existing, is_live, executor_alive = await self.ledger.claim(
-                call.key, call.request_id, call.attempt_id, entry)
+                call.key, call.request_id, call.attempt_id, entry, cred_rev)
         except StoreUnavailable as e:
             await self._refuse_unavailable(e)
             # The claim may still apply when etcd wakes; take it back, or it would block
@@ -85,7 +107,9 @@ class ToolCallHandler:
             self.entry = entry
             rlog(log, logging.INFO, "tool call executing", call.request_id, call.attempt_id,
                  tool=call.tool, key=call.key)
-            await self.write(codec.continue_request_headers({"idempotency-key": call.key}))
+            # The secret stops here: the tool server never sees it.
+            await self.write(codec.continue_request_headers({"idempotency-key": call.key},
+                                                            remove=(H.ATTEMPT_SECRET,)))
             return
         if not is_live:
             rlog(log, logging.WARNING, "tool call refused: attempt is fenced", call.request_id,
@@ -134,7 +158,7 @@ class ToolCallHandler:
     async def on_response_headers(self, hd: dict[str, str], end_of_stream: bool) -> None:
         self.status = int(hd.get(":status", "0") or 0)
         self.resp_headers = hd
-        await self.write(codec.continue_response_headers())
+        await self.write(codec.continue_response_headers(remove=(H.ATTEMPT_SECRET,)))
         if end_of_stream:
             await self._record_done()
 

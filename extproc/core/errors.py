@@ -41,6 +41,8 @@ class ErrorCode(StrEnum):
     TOOL_CALL_IN_PROGRESS = "tool_call_in_progress"
     TOOL_CALL_OUTCOME_UNKNOWN = "tool_call_outcome_unknown"
     TOOL_RESULT_NOT_REPLAYABLE = "tool_result_not_replayable"
+    TOOL_CALL_UNAUTHORIZED = "tool_call_unauthorized"
+    TOOL_ROUTE_NOT_HERE = "tool_route_not_here"
 
 
 INTERRUPTED_MESSAGE = "Generation was interrupted after part of the answer was sent"
@@ -288,3 +290,21 @@ def tool_in_progress(request_id: str, key: str) -> GatewayError:
     return GatewayError(ErrorCode.TOOL_CALL_IN_PROGRESS,
                         f"tool call {key} is being executed by another call",
                         409, request_id=request_id, retryable=True)
+
+
+def tool_call_unauthorized(request_id: str, attempt_id: str) -> GatewayError:
+    """A tool call without the live attempt's credential: missing, malformed and wrong
+    secrets get this one answer (no oracle), and nothing is claimed or run."""
+    return GatewayError(
+        ErrorCode.TOOL_CALL_UNAUTHORIZED,
+        f"tool calls of attempt {attempt_id} need that attempt's credential in the "
+        "x-gateway-attempt-secret header: it is missing or does not match",
+        403, request_id=request_id, retryable=False)
+
+
+def tool_route_not_here(path: str, tools_listener: bool) -> GatewayError:
+    """The tool route is served only on the tool listener, and that listener serves nothing
+    else (decision 0028)."""
+    where = ("this listener serves only the tool route" if tools_listener
+             else "the tool route is not served on the client listener")
+    return GatewayError(ErrorCode.TOOL_ROUTE_NOT_HERE, f"{where}: {path!r}", 404)

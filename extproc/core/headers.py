@@ -28,5 +28,9 @@ GATEWAY_ERROR = "x-gateway-error"
 # Guard -> gate: a repeat of a key runs again (decision 0027): the journal's number of an
 # attempt is this offset plus Envoy's x-envoy-attempt-count (which starts at 1 again).
 ATTEMPT_OFFSET = "x-gateway-attempt-offset"
+# Gate -> replica only: the attempt's own secret (decision 0028), which the replica's worker
+# presents on its tool calls. Never in a response to a client, a log line, a span or the
+# hand-off; the guard removes it from every response toward the client.
+ATTEMPT_SECRET = "x-gateway-attempt-secret"
 OWNED = (REQUEST_ID, ATTEMPT_ID, FINGERPRINT, PROMPT_TOKENS, PREADMITTED, HANDOFF, ACCEPTED_AT,
-         TRACEPARENT, ATTEMPT_OFFSET)
+         TRACEPARENT, ATTEMPT_OFFSET, ATTEMPT_SECRET)

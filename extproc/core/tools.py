@@ -1,7 +1,8 @@
 """Side effects happen once: the tool-call ledger's rules, without I/O.
 
-A model worker calls a server-side tool through the gateway's tool route with three headers
-(`x-gateway-request-id`, `x-gateway-attempt-id`, `x-tool-call-id`). The ledger key is the
+A model worker calls a server-side tool through the gateway's tool route with four headers
+(`x-gateway-request-id`, `x-gateway-attempt-id`, `x-tool-call-id` and its attempt's
+credential, `x-gateway-attempt-secret`: decision 0028; `core.credentials`). The ledger key is the
 mission's `idempotency_key = <logical_request_id>:<tool_call_id>`: it names the *logical*
 request, not the GPU attempt, so a re-run on another replica finds the earlier execution.
 
@@ -18,12 +19,12 @@ import base64
 import hashlib
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from . import errors
-from .errors import ErrorCode, GatewayError, bad_request
-from .headers import ATTEMPT_ID, REQUEST_ID
+from .errors import ErrorCode, GatewayError, bad_request, tool_call_unauthorized
+from .headers import ATTEMPT_ID, ATTEMPT_SECRET, REQUEST_ID
 from .journal import REQUEST_ID_RE
 
 TOOL_CALL_ID = "x-tool-call-id"
@@ -40,6 +41,9 @@ class ToolCall:
     attempt_id: str
     call_id: str
     tool: str
+    # The presented credential: checked against the journal's digest, never logged or
+    # printed (kept out of repr), never forwarded to the tool server.
+    secret: str = field(default="", repr=False)
 
     @property
     def key(self) -> str:
@@ -66,7 +70,15 @@ def parse_tool_call(headers: Mapping[str, str], prefix: str) -> ToolCall | Gatew
         return bad_request(ErrorCode.INVALID_HEADER,
                            f"tool calls need a {TOOL_CALL_ID} header of 1-128 "
                            "characters [A-Za-z0-9_.:-]", rid)
-    return ToolCall(request_id=rid, attempt_id=aid, call_id=cid, tool=tool)
+    secret = headers.get(ATTEMPT_SECRET, "")
+    if not secret:
+        # 403 like a wrong one, with the same body: its absence tells a caller nothing new.
+        return tool_call_unauthorized(rid, aid)
+    return ToolCall(request_id=rid, attempt_id=aid, call_id=cid, tool=tool, secret=secret)
+
+
+def unauthorized_error(call: ToolCall) -> GatewayError:
+    return tool_call_unauthorized(call.request_id, call.attempt_id)
 
 
 def running_entry(call: ToolCall, now: float) -> dict[str, Any]:

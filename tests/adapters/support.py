@@ -15,6 +15,7 @@ class FixedIds:
 
     def __init__(self) -> None:
         self.n = 0
+        self.secrets = 0  # counted apart, so the ids stay what they were
 
     def request_id(self) -> str:
         self.n += 1
@@ -23,3 +24,8 @@ class FixedIds:
     def attempt_id(self) -> str:
         self.n += 1
         return f"att_test_{self.n}"
+
+    def attempt_secret(self) -> str:
+        """Shaped as the gateway mints them (43 url-safe characters): secret_test_1_xxx..."""
+        self.secrets += 1
+        return f"secret_test_{self.secrets}_".ljust(43, "x")

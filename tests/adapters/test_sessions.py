@@ -24,6 +24,7 @@ from extproc.adapters.memory_store import MemoryLedger, MemoryStore
 from extproc.adapters.session import Processor
 from extproc.core import headers as H
 from extproc.core.config import Config, load_config
+from extproc.core.credentials import digest
 from extproc.gen.envoy.config.core.v3 import base_pb2 as core
 from extproc.gen.envoy.data.accesslog.v3 import accesslog_pb2 as al
 from extproc.gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
@@ -31,6 +32,16 @@ from extproc.gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from .support import RID, SSE_CONTENT, SSE_DONE, SSE_ROLE, FixedIds
 
 REPLICA = "127.0.0.1:8001"
+
+
+class _AnyRev:
+    """Equal to any positive store revision."""
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, int) and other > 0
+
+
+ANY_REV: Any = _AnyRev()
 
 
 class FakeContext:
@@ -128,15 +139,21 @@ DOWN = {":method": "POST", ":path": "/v1/chat/completions", "content-type": "app
 async def test_guard_accepts_opens_the_journal_and_streams() -> None:
     p, store = proc()
     ctx, _, task = start(GuardSession, p)
-    ctx.send(req_headers({**DOWN, H.PREADMITTED: "forged", H.TRACEPARENT: "forged"}))
+    ctx.send(req_headers({**DOWN, H.PREADMITTED: "forged", H.TRACEPARENT: "forged",
+                          H.ATTEMPT_SECRET: "forged-by-the-client"}))
     (r,) = await ctx.wait_for(1)
     rid = set_headers(r, "request_headers")[H.REQUEST_ID]
     removed = set(r.request_headers.response.header_mutation.remove_headers)
-    assert {H.PREADMITTED, H.TRACEPARENT, H.ACCEPTED_AT, H.ATTEMPT_ID} <= removed
+    assert {H.PREADMITTED, H.TRACEPARENT, H.ACCEPTED_AT, H.ATTEMPT_ID,
+            H.ATTEMPT_SECRET} <= removed
     ctx.send(req_body(CHAT))
     r = (await ctx.wait_for(2))[1]
     sent = set_headers(r, "request_body")
     assert sent[H.PREADMITTED] == "att_test_1" and float(sent[H.ACCEPTED_AT]) > 0
+    # Attempt 1's secret goes to its gate; the journal keeps only its digest, beside `live`.
+    secret = sent[H.ATTEMPT_SECRET]
+    assert secret == "secret_test_1_".ljust(43, "x")
+    assert await p.ledger.credential(rid, "att_test_1") == (digest(secret), ANY_REV)
     view = await store.get(rid)
     assert view is not None and view.live_attempt_id == "att_test_1"
     assert view.meta["endpoint"] == "/v1/chat/completions" and view.outcome is None
@@ -146,7 +163,8 @@ async def test_guard_accepts_opens_the_journal_and_streams() -> None:
                            H.HANDOFF: handoff}))
     r = (await ctx.wait_for(3))[2]
     assert set_headers(r, "response_headers") == {H.REQUEST_ID: rid}
-    assert list(r.response_headers.response.header_mutation.remove_headers) == [H.HANDOFF]
+    assert list(r.response_headers.response.header_mutation.remove_headers) == [
+        H.HANDOFF, H.ATTEMPT_SECRET]
     ctx.send(resp_body(SSE_ROLE + SSE_CONTENT + SSE_CONTENT))
     ctx.send(resp_body(SSE_DONE, eos=True))
     out = await ctx.wait_for(5)
@@ -403,14 +421,21 @@ async def test_guard_status_lookup_of_an_unknown_id_is_404() -> None:
     await asyncio.wait_for(task, 3)
 
 
+PRE_SECRET = "pre_admitted_attempt_secret_".ljust(43, "p")
+
+
 async def open_request(store: MemoryStore, p: Processor) -> None:
     await store.open_request(RID, {"request_id": RID, "created_at": p.clock.wall()},
-                             ("att_pre", {"attempt": 1, "attempt_id": "att_pre"}))
+                             ("att_pre", {"attempt": 1, "attempt_id": "att_pre"}),
+                             credential=digest(PRE_SECRET))
 
 
 def gate_headers(attempt: int, accepted_at: float, **extra: str) -> ep.ProcessingRequest:
+    """What Envoy gives attempt n's gate: the guard's headers (attempt 1's secret among
+    them: an earlier mutation stays on Envoy's later attempts)."""
     h = {H.REQUEST_ID: RID, H.ENVOY_ATTEMPT_COUNT: str(attempt),
-         H.ACCEPTED_AT: f"{accepted_at:.6f}", H.PREADMITTED: "att_pre", **extra}
+         H.ACCEPTED_AT: f"{accepted_at:.6f}", H.PREADMITTED: "att_pre",
+         H.ATTEMPT_SECRET: PRE_SECRET, **extra}
     return req_headers(h, attrs={"upstream.address": REPLICA})
 
 
@@ -420,7 +445,9 @@ async def test_gate_holds_until_the_first_delta_is_fenced_then_hands_off() -> No
     ctx, _s, task = start(GateSession, p)
     ctx.send(gate_headers(1, p.clock.wall()))
     (r,) = await ctx.wait_for(1)
-    assert set_headers(r, "request_headers") == {H.ATTEMPT_ID: "att_pre"}
+    # Attempt 1 goes upstream with the guard's secret for it, the one the journal keeps.
+    assert set_headers(r, "request_headers") == {H.ATTEMPT_ID: "att_pre",
+                                                 H.ATTEMPT_SECRET: PRE_SECRET}
     assert list(r.request_headers.response.header_mutation.remove_headers) == [H.PREADMITTED]
     ctx.send(resp_headers({":status": "200", "content-type": "text/event-stream"}))
     ctx.send(resp_body(SSE_ROLE))  # not content: still held, nothing answered
@@ -458,8 +485,13 @@ async def test_gate_refuses_a_re_prefill_past_the_budget_but_not_a_first_run() -
     p.mark_reached(RID)
     ctx, _, task = start(GateSession, p)
     ctx.send(gate_headers(2, p.clock.wall()))
-    status, body = immediate((await ctx.wait_for(1))[0])
+    (refused,) = await ctx.wait_for(1)
+    status, body = immediate(refused)
     assert status == 503 and body["error"]["code"] == "retry_budget_exhausted"
+    # A refused later attempt sends nothing upstream and shows no secret (attempt 1's
+    # came with its headers; none was minted for it: it was never admitted).
+    assert PRE_SECRET.encode() not in refused.SerializeToString()
+    assert p.ids.secrets == 0  # type: ignore[attr-defined]
     ctx.close()
     await asyncio.wait_for(task, 3)
 
@@ -511,7 +543,8 @@ async def gate_run(p: Processor, rid: str, envoy_attempt: int, sent: dict[str, s
     body), admitted or refused; on admission the replica answers `status`."""
     gate, _, task = start(GateSession, p)
     h = {H.REQUEST_ID: rid, H.ENVOY_ATTEMPT_COUNT: str(envoy_attempt),
-         H.ACCEPTED_AT: sent[H.ACCEPTED_AT], H.PREADMITTED: sent[H.PREADMITTED]}
+         H.ACCEPTED_AT: sent[H.ACCEPTED_AT], H.PREADMITTED: sent[H.PREADMITTED],
+         H.ATTEMPT_SECRET: sent[H.ATTEMPT_SECRET]}
     if H.ATTEMPT_OFFSET in sent:
         h[H.ATTEMPT_OFFSET] = sent[H.ATTEMPT_OFFSET]
     gate.send(req_headers(h, attrs={"upstream.address": REPLICA}))
@@ -572,7 +605,11 @@ async def test_a_key_whose_run_failed_with_nothing_delivered_runs_again() -> Non
     # Envoy's attempt 1 of the new HTTP request is the journal's attempt 3.
     gate, r = await gate_run(p, rid, 1, sent2, 200)
     assert r.WhichOneof("response") == "request_headers", r
-    assert set_headers(r, "request_headers") == {H.ATTEMPT_ID: aid3}
+    # With the re-run's own secret, recorded (as a digest) by the re-open.
+    assert set_headers(r, "request_headers") == {H.ATTEMPT_ID: aid3,
+                                                 H.ATTEMPT_SECRET: sent2[H.ATTEMPT_SECRET]}
+    assert sent2[H.ATTEMPT_SECRET] != sent[H.ATTEMPT_SECRET]
+    assert await p.ledger.credential(rid, aid3) == (digest(sent2[H.ATTEMPT_SECRET]), ANY_REV)
     # Kept for Envoy's later attempts: a removal here would hold for them too.
     assert list(r.request_headers.response.header_mutation.remove_headers) == [H.PREADMITTED]
     gate.send(resp_headers({":status": "200", "content-type": "text/event-stream"}))
@@ -631,3 +668,127 @@ async def test_a_repeat_with_another_body_is_still_refused_after_a_failed_run() 
     await asyncio.wait_for(atask, 3)
     view = await store.get(rid)
     assert view is not None and view.outcome is not None and view.history == ()
+
+
+# --- the attempt credential and the tool route (decision 0028) ------------------------------
+
+TOOL_RID, TOOL_AID = "req_" + "t" * 26, "att_" + "a" * 26
+OTHER_RID, OTHER_AID = "req_" + "o" * 26, "att_" + "b" * 26
+SECRET_A, SECRET_B = "secret_of_a_".ljust(43, "a"), "secret_of_b_".ljust(43, "b")
+
+
+def tool_headers(rid: str, aid: str, secret: str | None, call: str = "evil_1",
+                 path: str = "/tools/demo_tool") -> ep.ProcessingRequest:
+    h = {":method": "POST", ":path": path, "content-type": "application/json",
+         H.REQUEST_ID: rid, H.ATTEMPT_ID: aid, "x-tool-call-id": call}
+    if secret is not None:
+        h[H.ATTEMPT_SECRET] = secret
+    return req_headers(h)
+
+
+async def two_live_requests() -> tuple[Processor, MemoryStore]:
+    """TOOL_RID's attempt TOOL_AID and OTHER_RID's OTHER_AID are live, each with its own
+    credential (as their intakes write them)."""
+    p, store = proc()
+    for rid, aid, secret in ((TOOL_RID, TOOL_AID, SECRET_A), (OTHER_RID, OTHER_AID, SECRET_B)):
+        assert await store.open_request(rid, {"request_id": rid}, (aid, {"attempt": 1,
+                                                                          "attempt_id": aid}),
+                                        credential=digest(secret)) is None
+    return p, store
+
+
+async def one_call(p: Processor, msg: ep.ProcessingRequest, tools: bool = True
+                   ) -> ep.ProcessingResponse:
+    ctx = FakeContext()
+    s = GuardSession(p, ctx, tools=tools)
+    task = asyncio.ensure_future(s.run())
+    ctx.send(msg)
+    (r,) = await ctx.wait_for(1)
+    ctx.close()
+    await asyncio.wait_for(task, 3)
+    await p.drain()
+    return r
+
+
+@pytest.mark.parametrize("case", ["none", "wrong", "other attempt's", "other request's ids",
+                                  "malformed", "the digest"])
+async def test_a_tool_call_without_the_live_attempts_own_secret_is_403_and_claims_nothing(
+        case: str) -> None:
+    p, store = await two_live_requests()
+    rid, aid, secret = {
+        "none": (TOOL_RID, TOOL_AID, None),
+        "wrong": (TOOL_RID, TOOL_AID, "x" * 43),
+        "other attempt's": (TOOL_RID, TOOL_AID, SECRET_B),  # request B's worker, A's ids
+        "other request's ids": (TOOL_RID, OTHER_AID, SECRET_B),  # B's attempt, A's request
+        "malformed": (TOOL_RID, TOOL_AID, SECRET_A + "!"),
+        "the digest": (TOOL_RID, TOOL_AID, digest(SECRET_A)),  # what the journal keeps
+    }[case]
+    r = await one_call(p, tool_headers(rid, aid, secret))
+    status, body = immediate(r)
+    assert status == 403 and body["error"]["code"] == "tool_call_unauthorized"
+    # One answer for every case (no oracle): the one a missing secret gets.
+    none = await one_call(p, tool_headers(rid, aid, None))
+    assert r.immediate_response.body == none.immediate_response.body
+    assert secret is None or secret.encode() not in r.SerializeToString()
+    # Nothing claimed, nothing forwarded; the attempts are unharmed.
+    assert await p.ledger.get(f"{rid}:evil_1") == (None, False)
+    for owner, live in ((TOOL_RID, TOOL_AID), (OTHER_RID, OTHER_AID)):
+        view = await store.get(owner)
+        assert view is not None and view.live_attempt_id == live
+
+
+async def test_the_live_attempts_own_secret_claims_and_stops_at_the_gateway() -> None:
+    p, _ = await two_live_requests()
+    r = await one_call(p, tool_headers(TOOL_RID, TOOL_AID, SECRET_A, call="call_1"))
+    assert r.WhichOneof("response") == "request_headers", r
+    assert set_headers(r, "request_headers") == {"idempotency-key": f"{TOOL_RID}:call_1"}
+    # The tool server never sees the credential.
+    assert list(r.request_headers.response.header_mutation.remove_headers) == [
+        H.ATTEMPT_SECRET]
+    # Claimed by it (the stream then closed before any result: recorded as unknown).
+    entry, _ = await p.ledger.get(f"{TOOL_RID}:call_1")
+    assert entry is not None and entry["state"] == "unknown"
+    assert entry["attempt_id"] == TOOL_AID and SECRET_A not in json.dumps(entry)
+
+
+async def test_a_fenced_attempts_secret_no_longer_claims() -> None:
+    p, store = await two_live_requests()
+    await store.end_attempt(TOOL_RID, 1, TOOL_AID, {"attempt": 1}, expire=True)
+    status, body = immediate(await one_call(p, tool_headers(TOOL_RID, TOOL_AID, SECRET_A)))
+    assert status == 409 and body["error"]["code"] == "attempt_fenced"
+    assert await p.ledger.get(f"{TOOL_RID}:evil_1") == (None, False)
+
+
+async def test_the_client_listener_never_serves_the_tool_route() -> None:
+    p, _ = await two_live_requests()
+    # Even with the live attempt's own secret: role `guard` refuses before reading anything.
+    before = await p.ledger.credential(TOOL_RID, TOOL_AID)
+    p.ledger = None  # type: ignore[assignment]  # any use of the ledger would raise
+    status, body = immediate(await one_call(p, tool_headers(TOOL_RID, TOOL_AID, SECRET_A),
+                                            tools=False))
+    assert status == 404 and body["error"]["code"] == "tool_route_not_here"
+    assert before[0] == digest(SECRET_A)
+
+
+async def test_the_tool_listener_serves_nothing_but_the_tool_route() -> None:
+    p, store = proc()
+    for path in ("/v1/chat/completions", f"/v1/requests/{RID}", "/v1/models"):
+        status, body = immediate(await one_call(p, req_headers({**DOWN, ":path": path})))
+        assert status == 404 and body["error"]["code"] == "tool_route_not_here"
+    assert await store.get(RID) is None
+
+
+async def test_gate_of_a_later_attempt_sends_its_own_secret_never_attempt_1s() -> None:
+    p, store = proc()
+    await open_request(store, p)
+    await store.end_attempt(RID, 1, "att_pre", {"attempt": 1}, expire=False)
+    ctx, _, task = start(GateSession, p)
+    ctx.send(gate_headers(2, p.clock.wall()))  # attempt 1's secret still on the request
+    (r,) = await ctx.wait_for(1)
+    sent = set_headers(r, "request_headers")
+    aid2, secret2 = sent[H.ATTEMPT_ID], sent[H.ATTEMPT_SECRET]
+    assert aid2 != "att_pre" and secret2 != PRE_SECRET
+    assert await p.ledger.credential(RID, aid2) == (digest(secret2), ANY_REV)
+    # Attempt 1's secret no longer matches anything live; the new one is attempt 2's.
+    ctx.close()
+    await asyncio.wait_for(task, 3)

@@ -27,6 +27,7 @@ from extproc.adapters.leases import AdmitResult, StoreUnavailable
 from extproc.adapters.memory_store import MemoryLedger, MemoryStore
 from extproc.adapters.ports import Journal, Ledger
 from extproc.core.config import EtcdConfig, load_config
+from extproc.core.credentials import digest
 from extproc.devstack import _http_ok, free_port, wait_until
 
 OWNER = "contract/1"
@@ -166,9 +167,21 @@ def _rec(n: int, aid: str, **extra: Any) -> dict[str, Any]:
     return {"attempt": n, "attempt_id": aid, "replica": f"r{n}", **extra}
 
 
+def _cred(aid: str) -> str:
+    """The digest of attempt `aid`'s secret as the journal keeps it (decision 0028)."""
+    return digest(f"secret_of_{aid}".ljust(43, "s"))
+
+
 async def _open(env: Env, rid: str = "req_a", aid: str = "att_1") -> None:
     assert await env.store.open_request(rid, {**META, "request_id": rid},
-                                        (aid, _rec(1, aid))) is None
+                                        (aid, _rec(1, aid)), credential=_cred(aid)) is None
+
+
+async def _claim(env: Env, key: str, rid: str, aid: str, entry: dict[str, Any]
+                 ) -> tuple[bool, dict[str, Any] | None, bool, bool]:
+    """As the tool route claims: with the mod_revision of the credential it just read."""
+    _, rev = await env.ledger.credential(rid, aid)
+    return await env.ledger.claim(key, rid, aid, entry, rev)
 
 
 async def _open_watched(env: Env) -> tuple[list[str | None], Callable[[], None]]:
@@ -559,7 +572,7 @@ async def test_end_attempt_with_expire_leaves_a_fenced_marker_until_its_ttl(env:
     assert view is not None and view.live_attempt_id == "fenced:att_1"
     assert view.attempts == (_rec(1, "att_1", released=False),)
     assert not await s.fence_first_delta("req_a", "att_1", {"at": 1.0})
-    assert (await env.ledger.claim("req_a:c1", "req_a", "att_1", {"state": "running"})
+    assert (await _claim(env, "req_a:c1", "req_a", "att_1", {"state": "running"})
             == (False, None, False, False))
 
     task = asyncio.create_task(s.admit_attempt("req_a", 2, "att_2", _rec(2, "att_2"), 6.0))
@@ -702,24 +715,24 @@ async def test_the_ledger_claims_once_for_the_live_attempt(env: Env) -> None:
     await _open(env)
     entry = {"state": "running", "attempt_id": "att_1", "name": "search"}
     assert await led.get("req_a:c1") == (None, False)
-    assert await led.claim("req_a:c1", "req_a", "att_1", entry) == (True, None, True, True)
+    assert await _claim(env, "req_a:c1", "req_a", "att_1", entry) == (True, None, True, True)
     assert await led.get("req_a:c1") == (entry, True)  # in progress, its executor alive
-    assert (await led.claim("req_a:c1", "req_a", "att_1", {**entry, "name": "x"})
+    assert (await _claim(env, "req_a:c1", "req_a", "att_1", {**entry, "name": "x"})
             == (False, entry, True, True))
-    assert (await led.claim("req_a:c1", "req_a", "att_other", entry)
+    assert (await _claim(env, "req_a:c1", "req_a", "att_other", entry)
             == (False, entry, False, True))
-    assert (await led.claim("req_a:c2", "req_a", "att_other", entry)
+    assert (await _claim(env, "req_a:c2", "req_a", "att_other", entry)
             == (False, None, False, False))  # not the live attempt: refused
 
     result = {"state": "done", "result": {"ok": True, "items": [1, 2]}}
     await led.record("req_a:c1", result)
     assert await led.get("req_a:c1") == (result, False)  # executor marker released
-    assert (await led.claim("req_a:c1", "req_a", "att_1", entry)
+    assert (await _claim(env, "req_a:c1", "req_a", "att_1", entry)
             == (False, result, True, False))
 
     # A fenced attempt claims nothing, and the live one sees its marker is gone.
     await s.end_attempt("req_a", 1, "att_1", _rec(1, "att_1"), expire=False)
-    assert (await led.claim("req_a:c3", "req_a", "att_1", entry)
+    assert (await _claim(env, "req_a:c3", "req_a", "att_1", entry)
             == (False, None, False, False))
 
 
@@ -727,12 +740,99 @@ async def test_the_ledger_take_back_removes_only_that_claim(env: Env) -> None:
     led = env.ledger
     await _open(env)
     entry = {"state": "running", "attempt_id": "att_1"}
-    assert (await led.claim("req_a:c1", "req_a", "att_1", entry))[0]
+    assert (await _claim(env, "req_a:c1", "req_a", "att_1", entry))[0]
     assert not await led.undo_claim("req_a:c1", {**entry, "state": "other"})
     assert await led.get("req_a:c1") == (entry, True)
     assert await led.undo_claim("req_a:c1", entry)
     assert await led.get("req_a:c1") == (None, False)
     assert not await led.undo_claim("req_a:c1", entry)
+
+
+# --- the attempt credential (decision 0028) -----------------------------------------------
+
+
+async def _rev(env: Env, rid: str, aid: str) -> int:
+    stored, rev = await env.ledger.credential(rid, aid)
+    assert stored == _cred(aid) and rev > 0, (aid, stored, rev)
+    return rev
+
+
+async def test_the_credential_is_written_by_every_transaction_that_makes_an_attempt_live(
+        env: Env) -> None:
+    s, led = env.store, env.ledger
+    await _open(env)  # the intake, attempt 1 pre-admitted
+    await _rev(env, "req_a", "att_1")
+    assert await led.credential("req_a", "att_2") == (None, 0)
+    await s.end_attempt("req_a", 1, "att_1", _rec(1, "att_1"), expire=False)
+    res = await _within(s.admit_attempt("req_a", 2, "att_2", _rec(2, "att_2"), 5.0,
+                                        credential=_cred("att_2")))  # the gate's admission
+    assert res.admitted
+    await _rev(env, "req_a", "att_2")
+    # The take-over of a never-started attempt makes the new one live with its credential.
+    await _open(env, rid="req_b", aid="att_b1")
+    res = await _within(s.admit_attempt("req_b", 2, "att_b2", _rec(2, "att_b2"), 5.0,
+                                        lambda live: live == "att_b1",
+                                        credential=_cred("att_b2")))
+    assert res.admitted and res.reason == "admitted (attempt 1 never started)"
+    await _rev(env, "req_b", "att_b2")
+    # The re-open of a key (decision 0027): its first attempt's credential with it.
+    await _failed_twice(env, rid="req_c")
+    assert await s.reopen_request("req_c", FAILED, (1, _history()),
+                                  (3, "att_3", _rec(3, "att_3")),
+                                  credential=_cred("att_3")) is None
+    await _rev(env, "req_c", "att_3")
+    # No credential given, none written (never a key without a digest).
+    assert await s.open_request("req_d", {**META, "request_id": "req_d"},
+                                ("att_d1", _rec(1, "att_d1"))) is None
+    assert await led.credential("req_d", "att_d1") == (None, 0)
+
+
+async def test_every_take_back_takes_the_credential_back(env: Env) -> None:
+    s, led = env.store, env.ledger
+    await _open(env)
+    assert await s.undo_intake("req_a", "att_1")
+    assert await led.credential("req_a", "att_1") == (None, 0)
+    await _open(env, rid="req_b", aid="att_b1")
+    await s.end_attempt("req_b", 1, "att_b1", _rec(1, "att_b1"), expire=False)
+    assert (await _within(s.admit_attempt("req_b", 2, "att_b2", _rec(2, "att_b2"), 5.0,
+                                          credential=_cred("att_b2")))).admitted
+    assert await s.undo_admission("req_b", 2, "att_b2")
+    assert await led.credential("req_b", "att_b2") == (None, 0)
+    await _rev(env, "req_b", "att_b1")  # another attempt's stays (its `live` is gone)
+    await _failed_twice(env, rid="req_c")
+    assert await s.reopen_request("req_c", FAILED, (1, _history()),
+                                  (3, "att_3", _rec(3, "att_3")),
+                                  credential=_cred("att_3")) is None
+    assert await s.undo_reopen("req_c", (1, _history()), (3, "att_3"))
+    assert await led.credential("req_c", "att_3") == (None, 0)
+
+
+async def test_a_claim_holds_only_with_the_credential_as_it_was_read(env: Env) -> None:
+    s, led = env.store, env.ledger
+    entry = {"state": "running", "attempt_id": "att_2"}
+    await _open(env)
+    await s.end_attempt("req_a", 1, "att_1", _rec(1, "att_1"), expire=False)
+    assert (await _within(s.admit_attempt("req_a", 2, "att_2", _rec(2, "att_2"), 5.0,
+                                          credential=_cred("att_2")))).admitted
+    read = await _rev(env, "req_a", "att_2")
+    # Taken back and admitted again in between (same id, same digest, a new key): the
+    # revision read before no longer holds, though `live` names the attempt again.
+    assert await s.undo_admission("req_a", 2, "att_2")
+    assert (await _within(s.admit_attempt("req_a", 2, "att_2", _rec(2, "att_2"), 5.0,
+                                          credential=_cred("att_2")))).admitted
+    now = await _rev(env, "req_a", "att_2")
+    assert now != read
+    assert await led.claim("req_a:c1", "req_a", "att_2", entry, read) == (
+        False, None, False, False)
+    assert await led.claim("req_a:c1", "req_a", "att_2", entry, 0) == (
+        False, None, False, False)  # "absent" is never a credential
+    assert await led.get("req_a:c1") == (None, False)  # nothing claimed
+    assert await led.claim("req_a:c1", "req_a", "att_2", entry, now) == (True, None, True, True)
+    # Live without any credential (an intake that wrote none): nothing to claim with.
+    assert await s.open_request("req_d", {**META, "request_id": "req_d"},
+                                ("att_d1", _rec(1, "att_d1"))) is None
+    assert await led.claim("req_d:c1", "req_d", "att_d1", entry, 0) == (
+        False, None, False, False)
 
 
 # --- the rest of the journal --------------------------------------------------------------
@@ -780,7 +880,7 @@ async def test_memory_fail_next_and_unavailable_raise_and_apply_nothing() -> Non
     with pytest.raises(StoreUnavailable):
         await s.admit_attempt("req_a", 2, "att_2", _rec(2, "att_2"), 1.0)
     with pytest.raises(StoreUnavailable):
-        await MemoryLedger(s, 3600).claim("req_a:c", "req_a", "att_1", {})
+        await MemoryLedger(s, 3600).claim("req_a:c", "req_a", "att_1", {}, 1)
     s.unavailable = False
     assert await s.healthy()
     assert await s.fence_first_delta("req_a", "att_1", {"at": 1.0})

@@ -15,24 +15,42 @@ from extproc.core.tools import (
     done_entry,
     parse_tool_call,
     running_entry,
+    unauthorized_error,
     unknown_entry,
 )
 
 RID = "req_" + "a" * 26
 AID = "att_" + "b" * 26
+SECRET = "s" * 43
 
 
 def hdrs(**kw: str) -> dict[str, str]:
     h = {":method": "POST", ":path": "/tools/demo_tool", "x-gateway-request-id": RID,
-         "x-gateway-attempt-id": AID, "x-tool-call-id": "call_07"}
+         "x-gateway-attempt-id": AID, "x-tool-call-id": "call_07",
+         "x-gateway-attempt-secret": SECRET}
     h.update(kw)
     return h
 
 
 def test_parse_and_key_uses_the_logical_request() -> None:
     call = parse_tool_call(hdrs(), "/tools/")
-    assert call == ToolCall(RID, AID, "call_07", "demo_tool")
+    assert call == ToolCall(RID, AID, "call_07", "demo_tool", SECRET)
     assert isinstance(call, ToolCall) and call.key == f"{RID}:call_07"
+    assert SECRET not in repr(call)  # a logged call never shows its credential
+
+
+def test_a_call_without_its_attempt_credential_is_403_not_400() -> None:
+    no_secret = hdrs()
+    del no_secret["x-gateway-attempt-secret"]
+    for h in (no_secret, hdrs(**{"x-gateway-attempt-secret": ""})):
+        err = parse_tool_call(h, "/tools/")
+        assert isinstance(err, GatewayError)
+        assert (err.http_status, err.code) == (403, ErrorCode.TOOL_CALL_UNAUTHORIZED)
+        # The same answer a wrong secret gets from the tool route (no oracle).
+        call = parse_tool_call(hdrs(), "/tools/")
+        assert isinstance(call, ToolCall)
+        assert err.json_bytes() == unauthorized_error(call).json_bytes()
+        assert err.request_id == RID and err.retryable is False
 
 
 @pytest.mark.parametrize("bad", [

@@ -65,12 +65,15 @@ def test_a_take_back_catches_the_write_etcd_applies_after_it(stack: Stack) -> No
         entry = {"state": "running", "attempt_id": aid}
         try:
             await store._kv.Put(rpc.PutRequest(key=store._live(rid), value=aid.encode()))
+            # Its credential digest (decision 0028): a claim compares its revision.
+            await store._kv.Put(rpc.PutRequest(key=store._cred(rid, aid), value=b"0" * 64))
+            _, cred_rev = await ledger.credential(rid, aid)
             answers: list[bool] = []
 
             async def undo() -> None:
                 answers.append(await ledger.undo_claim(key, entry))
                 if len(answers) == 1:  # etcd applies the queued claim just after
-                    claimed, _, _, _ = await ledger.claim(key, rid, aid, entry)
+                    claimed, _, _, _ = await ledger.claim(key, rid, aid, entry, cred_rev)
                     assert claimed
 
             assert await retrying(undo, "undo a claim", rid, aid, settle_s=UNDO_SETTLE_S)
