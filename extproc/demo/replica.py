@@ -65,6 +65,11 @@ TOOL_CALL_HEADER: Final = "x-replica-tool-call"
 # Apply the tool call's pause only on this Envoy attempt (e.g. a partitioned attempt 1).
 TOOL_DELAY_ATTEMPT_HEADER: Final = "x-replica-tool-delay-attempt"
 ATTEMPT_ID_HEADER: Final = "x-gateway-attempt-id"
+# The attempt's credential the gateway sends upstream with it (decision 0028): forwarded
+# on this attempt's tool calls, never logged. extproc.core.headers.ATTEMPT_SECRET.
+ATTEMPT_SECRET_HEADER: Final = "x-gateway-attempt-secret"
+# How many attempts' secrets the test hook remembers (oldest forgotten first).
+KEPT_CREDENTIALS: Final = 4096
 REQUEST_ID_HEADER: Final = "x-request-id"
 
 STALL_LIMIT_S: Final = 600.0
@@ -144,6 +149,7 @@ class Attempt:
     prompt: str = ""
     seed: int = 0
     attempt_id: str | None = None
+    secret: str | None = field(default=None, repr=False)  # forwarded, never logged
 
 
 @dataclass
@@ -391,6 +397,8 @@ class Replica:
         self.log_file = log_file
         self.token_delay_s = token_delay_s
         self.port = 0
+        # attempt id -> the secret it came with, for the test hook below (bounded).
+        self.credentials: dict[str, str] = {}
 
     # ----- logging -------------------------------------------------------------------
 
@@ -473,6 +481,23 @@ class Replica:
 
     # ----- small endpoints -----------------------------------------------------------
 
+    def remember_credential(self, attempt_id: str, secret: str) -> None:
+        self.credentials[attempt_id] = secret
+        while len(self.credentials) > KEPT_CREDENTIALS:
+            del self.credentials[next(iter(self.credentials))]
+
+    async def credential(self, request: web.Request) -> web.Response:
+        """`GET /debug/attempts/<attempt_id>/credential`: a TEST HOOK of the loopback demo.
+
+        The secret the gateway sent with that attempt, so a test can act as that attempt's
+        worker (or as one that stole it). A real model server never hands its credential
+        out; this one answers only a loopback peer, and only for attempts it has seen.
+        """
+        secret = self.credentials.get(request.match_info["attempt_id"])
+        if secret is None or request.remote not in ("127.0.0.1", "::1"):
+            return _json({"error": "unknown attempt"}, status=404)
+        return _json({"secret": secret})
+
     async def health(self, request: web.Request) -> web.Response:
         return _json({"status": "ok", "name": self.name})
 
@@ -529,6 +554,9 @@ class Replica:
                     and delay_attempt.strip() != str(att.attempt)):
                 att.tool_plan.delay_s = 0.0
             att.attempt_id = headers.get(ATTEMPT_ID_HEADER)
+            att.secret = headers.get(ATTEMPT_SECRET_HEADER)
+            if att.attempt_id and att.secret:
+                self.remember_credential(att.attempt_id, att.secret)
             raw = await request.read()
             try:
                 body = json.loads(raw)
@@ -615,6 +643,9 @@ class Replica:
             return
         headers = {GATEWAY_ID_HEADER: att.request_id or "", ATTEMPT_ID_HEADER:
                    att.attempt_id or "", "x-tool-call-id": plan.call_id}
+        if att.secret:
+            # The worker proves it is this attempt's: the gateway's tool route needs it.
+            headers[ATTEMPT_SECRET_HEADER] = att.secret
         body = {"call_id": plan.call_id, "arguments": {"query": att.prompt[:64]}}
         try:
             async with aiohttp.ClientSession() as session, session.post(
@@ -997,6 +1028,7 @@ def build_app(replica: Replica) -> web.Application:
     app.router.add_get("/health", replica.health)
     app.router.add_get("/fingerprint", replica.fingerprint_view)
     app.router.add_get("/v1/models", replica.models)
+    app.router.add_get("/debug/attempts/{attempt_id}/credential", replica.credential)
     app.router.add_post("/v1/chat/completions", replica.chat)
     app.router.add_post("/v1/completions", replica.completions)
     app.router.add_post("/v1/responses", replica.responses)

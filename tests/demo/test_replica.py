@@ -576,3 +576,54 @@ async def test_reset_fault_closes_with_rst_kill_with_fin(
     (line,) = replica.log_lines()
     assert (line["outcome"], line["fault"], line["tokens_written"]) == ("killed", fault,
                                                                          deltas)
+
+
+# ----- the attempt credential (decision 0028) ----------------------------------------------
+
+
+async def test_the_attempt_secret_goes_to_its_own_tool_calls_and_the_test_hook_only(
+        spawn: Spawn, client: httpx.AsyncClient) -> None:
+    from aiohttp import web
+
+    seen: list[dict[str, str]] = []
+
+    async def tool(request: web.Request) -> web.Response:
+        seen.append({k.lower(): v for k, v in request.headers.items()})
+        return web.json_response({"ok": True})
+
+    app = web.Application()
+    app.router.add_post("/tools/{name}", tool)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = _free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        replica = await spawn("creds", "--tool-gateway", f"http://127.0.0.1:{port}")
+        calls = {}
+        for n, secret in ((1, "secret_of_attempt_one_".ljust(43, "z")), (2, None)):
+            rid, aid = _rid(), "att_" + str(n) * 26
+            headers = {"x-gateway-request-id": rid, "x-gateway-attempt-id": aid,
+                       "x-replica-tool-call": f"call_{n}@2"}
+            if secret is not None:
+                headers["x-gateway-attempt-secret"] = secret
+            status, _, exc = await _read_stream(client, replica.url + CHAT, _chat_body(),
+                                                headers)
+            assert status == 200 and exc is None
+            line = await replica.log_for(rid)
+            assert line["tool_calls"][0]["status"] == 200
+            calls[n] = (aid, secret, line)
+        first, second = seen
+        # Forwarded as received, on that attempt's own call; none when none came.
+        assert first["x-gateway-attempt-secret"] == calls[1][1]
+        assert first["x-gateway-attempt-id"] == calls[1][0]
+        assert "x-gateway-attempt-secret" not in second
+        # The demo's test hook: the secret of an attempt it has seen, else 404.
+        r = await client.get(f"{replica.url}/debug/attempts/{calls[1][0]}/credential")
+        assert r.status_code == 200 and r.json() == {"secret": calls[1][1]}
+        for unknown in (calls[2][0], "att_never_seen"):
+            r = await client.get(f"{replica.url}/debug/attempts/{unknown}/credential")
+            assert r.status_code == 404
+        # Never in its attempt log.
+        assert str(calls[1][1]) not in replica.log_path.read_text()
+    finally:
+        await runner.cleanup()
