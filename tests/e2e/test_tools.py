@@ -18,7 +18,7 @@ import pytest
 
 from extproc.devstack import Stack
 
-from .conftest import Gateway
+from .conftest import Gateway, Result, parse_events
 
 pytestmark = pytest.mark.e2e
 
@@ -114,25 +114,73 @@ def test_a_fenced_attempt_cannot_trigger_the_side_effect(tgw: Gateway) -> None:
     assert j["outcome"] == "completed"
 
 
+def attempt_secret(st: Stack, aid: str, timeout_s: float = 10.0) -> str:
+    """The attempt's secret as its worker holds it: asked of the demo replica that served
+    the attempt (its loopback test hook, GET /debug/attempts/<id>/credential), each replica
+    in turn until one knows it."""
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(timeout=5) as c:
+        while True:
+            for port in st.replica_ports:
+                try:
+                    r = c.get(f"http://127.0.0.1:{port}/debug/attempts/{aid}/credential")
+                except httpx.HTTPError:
+                    continue  # a replica restarting after a kill
+                if r.status_code == 200:
+                    secret: str = r.json()["secret"]
+                    return secret
+            assert time.monotonic() < deadline, f"no replica knows attempt {aid}"
+            time.sleep(0.1)
+
+
+def tool_call(url: str, rid: str, aid: str, call_id: str, secret: str | None,
+              **headers: str) -> httpx.Response:
+    """One call of the demo tool as a worker makes it (the secret left out when None)."""
+    h = {"x-gateway-request-id": rid, "x-gateway-attempt-id": aid,
+         "x-tool-call-id": call_id, **headers}
+    if secret is not None:
+        h["x-gateway-attempt-secret"] = secret
+    with httpx.Client(base_url=url, timeout=30) as c:
+        return c.post("/tools/demo_tool", json={"q": call_id}, headers=h)
+
+
 class LiveAttempt:
-    """A slow stream held open, so tests can call the tool route as its live attempt."""
+    """A slow stream held open, so tests can call the tool route as its live attempt's own
+    worker: on the tool listener, with the secret the gateway gave the replica."""
 
-    def __init__(self, g: Gateway) -> None:
-        self.client = httpx.Client(base_url=g.stack.base_url, timeout=30)
-        self.cm = self.client.stream("POST", "/v1/chat/completions",
-                                     # long enough to outlive every test using it (the
-                                     # fixture closes it); a finished attempt is fenced
-                                     json=g.body(max_tokens=400),
-                                     headers={"x-replica-token-delay-ms": "100"})
-        r = self.cm.__enter__()
-        self.rid = r.headers["x-gateway-request-id"]
-        self.aid = r.headers["x-gateway-attempt-id"]
+    def __init__(self, g: Gateway, max_tokens: int = 400, token_delay_ms: int = 100,
+                 headers: dict[str, str] | None = None) -> None:
+        self.stack = g.stack
+        self.client = httpx.Client(base_url=g.stack.base_url, timeout=30,
+                                   headers=g.client.headers)
+        # max_tokens: by default long enough to outlive every test using it (the fixture
+        # closes it); a finished attempt is fenced.
+        self.body = g.body(max_tokens=max_tokens)
+        self.cm = self.client.stream(
+            "POST", "/v1/chat/completions", json=self.body,
+            headers={"x-replica-token-delay-ms": str(token_delay_ms), **(headers or {})})
+        self.response = self.cm.__enter__()
+        self.rid = self.response.headers["x-gateway-request-id"]
+        self.aid = self.response.headers["x-gateway-attempt-id"]
+        self.secret = attempt_secret(self.stack, self.aid)
 
-    def call(self, call_id: str, **headers: str) -> httpx.Response:
-        h = {"x-gateway-request-id": self.rid, "x-gateway-attempt-id": self.aid,
-             "x-tool-call-id": call_id, **headers}
-        with httpx.Client(base_url=self.client.base_url, timeout=30) as c:
-            return c.post("/tools/demo_tool", json={"q": call_id}, headers=h)
+    def call(self, call_id: str, *, secret: str | None = None, no_secret: bool = False,
+             url: str | None = None, **headers: str) -> httpx.Response:
+        """A tool call as this attempt (its real secret unless told another, or none)."""
+        return tool_call(url or self.stack.tool_url, self.rid, self.aid, call_id,
+                         None if no_secret else (secret or self.secret), **headers)
+
+    def rest(self) -> Result:
+        """Read the stream to its end: what the client got, as `Gateway.post` gives it."""
+        raw = b""
+        err: str | None = None
+        try:
+            for chunk in self.response.iter_raw():
+                raw += chunk
+        except httpx.HTTPError as e:
+            err = f"{type(e).__name__}: {e}"
+        return Result(status=self.response.status_code, headers=dict(self.response.headers),
+                      raw=raw, transport_error=err, events=parse_events(raw))
 
     def close(self) -> None:
         self.cm.__exit__(None, None, None)
@@ -216,13 +264,11 @@ def test_etcd_frozen_briefly_and_beyond_the_timeout(tgw: Gateway, live: LiveAtte
 
 
 def test_bad_tool_calls_are_refused(tgw: Gateway, live: LiveAttempt) -> None:
-    c = httpx.Client(base_url=tgw.stack.base_url, timeout=10)
+    c = httpx.Client(base_url=tgw.stack.tool_url, timeout=10)
     r = c.post("/tools/demo_tool", json={}, headers={"x-tool-call-id": "x"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_header"
-    r = c.post("/tools/demo_tool", json={}, headers={
-        "x-gateway-request-id": live.rid, "x-gateway-attempt-id": "att_" + "0" * 26,
-        "x-tool-call-id": "stranger"})
-    assert r.status_code == 409 and r.json()["error"]["code"] == "attempt_fenced"
+    # Another attempt id of the same request, with the live attempt's secret: that attempt
+    # has no credential, so the call is not authorized (docs/security.md).
+    r = live.call("stranger", **{"x-gateway-attempt-id": "att_" + "0" * 26})
+    assert r.status_code == 403 and r.json()["error"]["code"] == "tool_call_unauthorized"
     assert executions(tgw, f"{live.rid}:stranger") == []
-
-
