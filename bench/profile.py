@@ -32,7 +32,7 @@ BUCKETS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("etcd (aetcd stubs, our store)", ("etcd_store.py", "aetcd")),
     ("logging / telemetry", ("logging/", "logs.py", "telemetry.py", "opentelemetry")),
     ("SSE parsing", ("core/sse.py",)),
-    ("state machine", ("core/machine.py",)),
+    ("state machine", ("core/machine.py", "core/gate.py", "core/guard.py")),
     ("protobuf build/parse", ("envoy_codec.py", "google/protobuf", "_pb2")),
     ("grpc.aio read/write", ("grpc/aio", "grpc/_cython", "_server.py", "_call.py")),
     ("our session code", ("adapters/session.py", "adapters/guard.py", "adapters/gate.py",

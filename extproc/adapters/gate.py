@@ -34,10 +34,7 @@ from ..core.errors import (
     attempt_not_admitted,
     journal_unavailable,
 )
-from ..core.failure import FailureClass
-from ..core.failure import Fence as FenceKind
-from ..core.families import family_for_path
-from ..core.machine import (
+from ..core.events import (
     Action,
     Admit,
     AdmitDecided,
@@ -49,7 +46,6 @@ from ..core.machine import (
     Fence,
     FenceDecided,
     FirstDeltaTimeout,
-    GateMachine,
     HoldChunk,
     LeaseLost,
     PassChunk,
@@ -62,6 +58,10 @@ from ..core.machine import (
     State,
     StreamClosed,
 )
+from ..core.failure import FailureClass
+from ..core.failure import Fence as FenceKind
+from ..core.families import family_for_path
+from ..core.gate import GateMachine
 from ..gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from . import envoy_codec as codec
 from .causes import NO_GATE

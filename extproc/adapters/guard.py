@@ -30,8 +30,31 @@ from ..core.errors import (
     request_not_found,
     tool_route_not_here,
 )
+from ..core.events import (
+    Action,
+    ArmWatchdog,
+    AwaitCause,
+    CauseLearned,
+    DisarmWatchdog,
+    Event,
+    Fenced,
+    Finish,
+    PassHeaders,
+    Refuse,
+    RequestBodySeen,
+    RequestHeadersSeen,
+    RequestOpened,
+    ResponseBody,
+    ResponseHeaders,
+    Send,
+    StallTimeout,
+    State,
+    StreamClosed,
+)
 from ..core.failure import FailureClass
 from ..core.families import family_for_path
+from ..core.gate import GateMachine
+from ..core.guard import GuardMachine
 from ..core.intake import (
     Generation,
     PassThrough,
@@ -48,29 +71,6 @@ from ..core.journal import (
     Rerun,
     answer_repeat,
     tenant_digest,
-)
-from ..core.machine import (
-    Action,
-    ArmWatchdog,
-    AwaitCause,
-    CauseLearned,
-    DisarmWatchdog,
-    Event,
-    Fenced,
-    Finish,
-    GateMachine,
-    GuardMachine,
-    PassHeaders,
-    Refuse,
-    RequestBodySeen,
-    RequestHeadersSeen,
-    RequestOpened,
-    ResponseBody,
-    ResponseHeaders,
-    Send,
-    StallTimeout,
-    State,
-    StreamClosed,
 )
 from ..gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from . import envoy_codec as codec

@@ -26,14 +26,12 @@ from opentelemetry.trace import INVALID_SPAN_CONTEXT, NonRecordingSpan, Span
 from ..core.budget import RetryBudget
 from ..core.config import Config
 from ..core.errors import GatewayError
+from ..core.gate import GateMachine
+from ..core.guard import GuardMachine
 from ..core.health import HealthPolicy, HostHealth
 from ..core.journal import (
     JournalView,
     orphan_outcome,
-)
-from ..core.machine import (
-    GateMachine,
-    GuardMachine,
 )
 from ..core.pool import Pool, pool_from_config
 from ..core.replay import record as trace_record

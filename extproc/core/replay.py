@@ -14,17 +14,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import ErrorCode, GatewayError
-from .machine import (
+from .events import (
     AdmitDecided,
     CauseLearned,
     Event,
     Fenced,
     FenceDecided,
     FirstDeltaTimeout,
-    GateMachine,
-    GuardMachine,
     LeaseLost,
-    ProtocolViolation,
     RequestBodySeen,
     RequestHeadersSeen,
     RequestOpened,
@@ -35,6 +32,9 @@ from .machine import (
     State,
     StreamClosed,
 )
+from .gate import GateMachine
+from .guard import GuardMachine
+from .machine import ProtocolViolation
 from .records import replay_end
 from .usage import UsageMode
 

@@ -11,20 +11,22 @@ import json
 from typing import Any
 
 from extproc.core import records
-from extproc.core.journal import JournalView, Outcome
-from extproc.core.machine import (
-    MARK_STRIDE,
-    MARKS_KEPT,
+from extproc.core.events import (
     AwaitCause,
     CauseLearned,
     DisarmWatchdog,
     Finish,
-    GuardMachine,
     ResponseBody,
     ResponseHeaders,
     StallTimeout,
     StreamClosed,
 )
+from extproc.core.guard import (
+    MARK_STRIDE,
+    MARKS_KEPT,
+    GuardMachine,
+)
+from extproc.core.journal import JournalView, Outcome
 from extproc.core.replay import record, replay
 from extproc.core.sse import encode_event
 from extproc.core.usage import UsageMode

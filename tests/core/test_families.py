@@ -16,21 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from extproc.core.errors import decode_interrupted, upstream_unavailable
-from extproc.core.families import (
-    CHAT,
-    COMPLETIONS,
-    FAMILIES,
-    GENERATION_PATHS,
-    MESSAGES,
-    RESPONSES,
-    Family,
-    classify_messages,
-    classify_responses,
-    family_for_path,
-    family_named,
-)
-from extproc.core.journal import Outcome
-from extproc.core.machine import (
+from extproc.core.events import (
     AdmitDecided,
     ArmWatchdog,
     DisarmWatchdog,
@@ -39,8 +25,6 @@ from extproc.core.machine import (
     Fenced,
     FenceDecided,
     Finish,
-    GateMachine,
-    GuardMachine,
     HoldChunk,
     Release,
     RequestBodySeen,
@@ -54,6 +38,22 @@ from extproc.core.machine import (
     State,
     StreamClosed,
 )
+from extproc.core.families import (
+    CHAT,
+    COMPLETIONS,
+    FAMILIES,
+    GENERATION_PATHS,
+    MESSAGES,
+    RESPONSES,
+    Family,
+    classify_messages,
+    classify_responses,
+    family_for_path,
+    family_named,
+)
+from extproc.core.gate import GateMachine
+from extproc.core.guard import GuardMachine
+from extproc.core.journal import Outcome
 from extproc.core.replay import record, replay
 from extproc.core.sse import EventKind, SseDecoder, parse_event_json
 

@@ -12,19 +12,19 @@ from extproc.core.admission import MIN_ATTEMPT_S, Admitted, AttemptRequest, deci
 from extproc.core.budget import RetryBudget
 from extproc.core.config import ConfigError, load_config
 from extproc.core.errors import ErrorCode, GatewayError
-from extproc.core.health import HealthPolicy, HostHealth
-from extproc.core.machine import (
+from extproc.core.events import (
     AdmitDecided,
     EndAttempt,
     FailAttempt,
     FirstDeltaTimeout,
-    GateMachine,
     Refuse,
     RequestStarted,
     ResponseHeaders,
     State,
     StreamClosed,
 )
+from extproc.core.gate import GateMachine
+from extproc.core.health import HealthPolicy, HostHealth
 
 HOSTS = ["a:1", "b:1", "c:1"]
 

@@ -11,8 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from extproc.core.errors import ErrorCode, GatewayError, decode_interrupted
-from extproc.core.journal import Outcome
-from extproc.core.machine import (
+from extproc.core.events import (
     AdmitDecided,
     AwaitCause,
     CauseLearned,
@@ -23,10 +22,7 @@ from extproc.core.machine import (
     Fence,
     FenceDecided,
     Finish,
-    GateMachine,
-    GuardMachine,
     PassChunk,
-    ProtocolViolation,
     Release,
     RequestStarted,
     ResponseBody,
@@ -36,6 +32,10 @@ from extproc.core.machine import (
     State,
     StreamClosed,
 )
+from extproc.core.gate import GateMachine
+from extproc.core.guard import GuardMachine
+from extproc.core.journal import Outcome
+from extproc.core.machine import ProtocolViolation
 from extproc.core.sse import DONE_EVENT, EventKind, SseDecoder, SseEvent, encode_event
 
 RID = "req_0123456789abcdefghjkmnpqrs"

@@ -8,9 +8,7 @@ from typing import Any, get_args
 import pytest
 
 from extproc.core.errors import ErrorCode, GatewayError, decode_interrupted
-from extproc.core.journal import Outcome
-from extproc.core.machine import (
-    TABLE,
+from extproc.core.events import (
     Admit,
     AdmitDecided,
     ArmWatchdog,
@@ -27,13 +25,10 @@ from extproc.core.machine import (
     FenceDecided,
     Finish,
     FirstDeltaTimeout,
-    GateMachine,
-    GuardMachine,
     HoldChunk,
     LeaseLost,
     PassChunk,
     PassHeaders,
-    ProtocolViolation,
     Refuse,
     Release,
     RequestBodySeen,
@@ -47,9 +42,22 @@ from extproc.core.machine import (
     State,
     StreamClosed,
 )
+from extproc.core.gate import (
+    GATE_TABLE,
+    GateMachine,
+)
+from extproc.core.guard import (
+    GUARD_TABLE,
+    GuardMachine,
+)
+from extproc.core.journal import Outcome
+from extproc.core.machine import ProtocolViolation
 from extproc.core.sse import DONE_EVENT, EventKind, SseDecoder, encode_event
 
 RID = "req_0123456789abcdefghjkmnpqrs"
+# Both roles' rows, keyed as (role, state, event type).
+TABLE = {**{("gate", s, e): t for (s, e), t in GATE_TABLE.items()},
+         **{("guard", s, e): t for (s, e), t in GUARD_TABLE.items()}}
 SSE = "text/event-stream"
 STALL = 15.0
 

@@ -68,7 +68,11 @@ def test_records_carry_what_the_journal_shows() -> None:
 
 
 def test_an_end_plan_in_a_trace_is_decided_again_by_replay() -> None:
-    from extproc.core.machine import GateMachine, RequestStarted, StreamClosed
+    from extproc.core.events import (
+        RequestStarted,
+        StreamClosed,
+    )
+    from extproc.core.gate import GateMachine
     from extproc.core.records import end_trace, replay_end
     from extproc.core.replay import record, replay
 

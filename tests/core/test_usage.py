@@ -17,12 +17,8 @@ from hypothesis import strategies as st
 
 from extproc.core.config import load_config
 from extproc.core.errors import decode_interrupted
-from extproc.core.families import CHAT, COMPLETIONS, MESSAGES, RESPONSES
-from extproc.core.intake import parse_body
-from extproc.core.journal import Outcome
-from extproc.core.machine import (
+from extproc.core.events import (
     Finish,
-    GuardMachine,
     RequestBodySeen,
     RequestHeadersSeen,
     RequestOpened,
@@ -31,6 +27,10 @@ from extproc.core.machine import (
     StallTimeout,
     StreamClosed,
 )
+from extproc.core.families import CHAT, COMPLETIONS, MESSAGES, RESPONSES
+from extproc.core.guard import GuardMachine
+from extproc.core.intake import parse_body
+from extproc.core.journal import Outcome
 from extproc.core.replay import record, replay
 from extproc.core.sse import SseDecoder, encode_event
 from extproc.core.usage import ASKED, UsageMode, ask_for_usage, take_usage

@@ -1,0 +1,455 @@
+"""The guard: the logical request downstream, from its headers to its recorded outcome.
+
+Its data, its handlers and its rows (`GuardMachine.TABLE`); read down the rows to draw a
+request's life.
+"""
+
+from __future__ import annotations
+
+import json
+from array import array
+from bisect import bisect_right
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import decode_interrupted, upstream_unavailable
+from .events import (
+    Action,
+    ArmWatchdog,
+    AwaitCause,
+    CauseLearned,
+    DisarmWatchdog,
+    Fenced,
+    Finish,
+    PassHeaders,
+    Refuse,
+    RequestBodySeen,
+    RequestHeadersSeen,
+    RequestOpened,
+    ResponseBody,
+    ResponseHeaders,
+    Send,
+    StallTimeout,
+    State,
+    StreamClosed,
+)
+from .families import CHAT, Family, family_named
+from .journal import Outcome
+from .machine import Machine, T, Table, counting_decoder, stay
+from .sse import EventKind, SseDecoder, SseEvent
+from .usage import UsageMode, take_usage
+
+S = State
+
+
+@dataclass(slots=True)
+class GuardMachine(Machine):
+    """The logical request downstream: count what the client got, end it honestly."""
+
+    stall_after_first_delta_s: float = 15.0
+    streaming: bool = False
+    family: Family = CHAT
+    decoder: SseDecoder = field(default_factory=counting_decoder)
+    delivered: int = 0  # content units forwarded downstream
+    # The engine's running completion count as of the last event forwarded (None: a
+    # content event came without one, so it no longer says what the client has).
+    usage_mode: UsageMode = UsageMode.OFF
+    engine_tokens: int | None = None
+    # A tokenizer for the request's model (adapters.tokenizer), and the forwarded content
+    # events it re-encodes when the engine gave no count; set by the adapter, not traced.
+    count_text: Callable[[str], int] | None = None
+    kept: list[bytes] = field(default_factory=list)
+    uncounted: bool = False  # a whole (non-streaming) answer that reported no usage
+    # Families whose terminal event refers to the stream (Responses): the data of its first
+    # event and of the last one forwarded (references, not copies).
+    first_data: bytes = b""
+    last_data: bytes = b""
+    status: int = 0
+    body: bytearray = field(default_factory=bytearray)  # non-streaming body (bounded)
+    max_buffer: int = 4 << 20
+    finished: Finish | None = None
+    done_seen: bool = False  # `[DONE]` forwarded: the client has a complete answer
+    # Envoy's own plain-text 5xx (e.g. no healthy upstream, overflow): replaced by our JSON
+    # error so every client sees the same contract.
+    replaced_error: bytes | None = None
+    # Delivery is what left toward the client (decision 0025): `sent` is the body bytes of a
+    # stream handed to Envoy so far; `marks` holds, per content event forwarded, MARK_STRIDE
+    # numbers: the offset just past its last byte, then `delivered`, `engine_tokens` (-1:
+    # none) and len(`kept`) as of that event. Marks more than `max_buffer` bytes behind
+    # `sent` are folded into `floor` (bounded memory on a long stream).
+    sent: int = 0
+    marks: array[int] = field(default_factory=lambda: array("q"))
+    floor: tuple[int, int, int, int] = (0, 0, -1, 0)
+    bound: str | None = None  # "upper": Envoy did not say what it sent (see Finish)
+    withheld: int = 0  # content units the guard forwarded that Envoy never sent
+
+    @classmethod
+    def new(cls, request_id: str, stall_after_first_delta_s: float,
+            max_buffer: int = 4 << 20, at_request: bool = False) -> GuardMachine:
+        """At the request's headers (`at_request`, as the guard runs it), or already
+        accepted and waiting for the response (tests of the response path)."""
+        state = State.GUARD_NEW if at_request else State.GUARD_WAITING
+        return cls(request_id=request_id, state=state, role="guard", initial_state=state,
+                   stall_after_first_delta_s=stall_after_first_delta_s, max_buffer=max_buffer)
+
+    @property
+    def accepted(self) -> bool:
+        """A logical request of ours, past its intake."""
+        return self.state not in REQUEST_PHASE
+
+    def delivered_tokens(self) -> tuple[int, bool, str]:
+        """What the client received, in tokens: (count, exact, source); decision 0018."""
+        if self.delivered == 0:  # nothing reached the client (or a whole answer said 0)
+            return 0, not self.uncounted, "events" if self.engine_tokens is None else "engine"
+        exact = self.bound != "upper"  # an upper bound is never called exact
+        if self.engine_tokens is not None:
+            return self.engine_tokens, exact, "engine"
+        if self.count_text is not None and self.kept:
+            return self.count_text(self.family.text_of(self.kept)), False, "tokenizer"
+        return self.delivered, False, "events"
+
+    def mark(self, end: int) -> None:
+        """A content event forwarded: its last byte ends at body offset `end`."""
+        et = self.engine_tokens
+        self.marks.extend((end, self.delivered, -1 if et is None else et, len(self.kept)))
+
+    def sent_downstream(self, n: int) -> None:
+        """`n` more body bytes handed to Envoy; old marks folded once far enough behind."""
+        self.sent += n
+        marks = self.marks
+        if len(marks) >= MARK_STRIDE * MARKS_KEPT:
+            keep_from = self.sent - self.max_buffer
+            i = 0
+            while i < len(marks) and marks[i] < keep_from:
+                i += MARK_STRIDE
+            if i:
+                j = i - MARK_STRIDE
+                self.floor = (marks[j], marks[j + 1], marks[j + 2], marks[j + 3])
+                del marks[:i]
+
+    def cut_to(self, body_bytes: int | None) -> None:
+        """Envoy says it sent `body_bytes` of the body (None: it did not say): the counts
+        become those of the content events whose last byte is within it."""
+        if body_bytes is None:
+            if self.delivered > 0:
+                self.bound = "upper"
+            return
+        marks = self.marks
+        ends = marks[0::MARK_STRIDE]
+        if body_bytes >= self.sent or not ends or body_bytes >= ends[-1]:
+            return  # every content event forwarded went out
+        i = bisect_right(ends, body_bytes)
+        if i:
+            j = (i - 1) * MARK_STRIDE
+            end, units, et, kept = marks[j], marks[j + 1], marks[j + 2], marks[j + 3]
+        else:
+            end, units, et, kept = self.floor
+            if end > body_bytes:
+                self.bound = "upper"  # folded away: the oldest count kept is the bound
+        self.withheld = self.delivered - units
+        self.delivered = units
+        self.engine_tokens = None if et < 0 else et
+        del self.kept[kept:]
+
+    def _terminal(self) -> bytes:
+        """The family's terminal event: our error, in the stream's own shape."""
+        n, exact, _ = self.delivered_tokens()
+        return self.family.terminal(decode_interrupted(self.request_id, n, exact),
+                                    self.first_data, self.last_data)
+
+    def _finish(self, outcome: Outcome, cause: str | None) -> Finish:
+        n, exact, source = self.delivered_tokens()
+        self.finished = Finish(outcome=outcome, delivered_output_tokens=n, cause=cause,
+                               exact=exact, source=source,
+                               bound=self.bound if n > 0 else None)
+        return self.finished
+
+
+# GuardMachine.marks: numbers per content event; events kept before folding is considered.
+MARK_STRIDE = 4
+MARKS_KEPT = 4096
+
+
+GuardFn = Callable[[GuardMachine, Any], list[Action]]
+
+
+def _guard_headers(m: GuardMachine, ev: ResponseHeaders) -> list[Action]:
+    m.status = ev.status
+    m.streaming = ev.content_type.split(";", 1)[0].strip().lower() == "text/event-stream"
+    m.state = State.GUARD_RESPONDING
+    if ev.status >= 500 and not ev.ours and not ev.end_of_stream:
+        # Envoy's own local reply (no host answered, or its per-try timeout on the last
+        # attempt), or a replica's own 5xx on the last attempt: our error shape, with the
+        # request id, instead of its plain text or the engine's own JSON.
+        who = "gateway" if ev.envoy_reply else "upstream"
+        m.replaced_error = m.family.error_json(upstream_unavailable(
+            m.request_id, f"{who} status {ev.status}", ev.status))
+    if ev.end_of_stream:
+        m.state = State.GUARD_COMPLETE
+    return [PassHeaders()]
+
+
+def _sse_forward(m: GuardMachine, events: list[SseEvent], end: bool) -> list[Action]:
+    out = bytearray()
+    ctx = m.family.wants_context
+    mode = m.usage_mode
+    usage = mode is not UsageMode.OFF  # only a family with running usage gets another mode
+    final_count = m.family.final_count
+    keep = m.count_text is not None
+    for e in events:
+        if m.done_seen:
+            continue  # nothing after `[DONE]` reaches the client: its answer is complete
+        if ctx and e.data:
+            # What the family's terminal event refers to (the first event, the last one
+            # forwarded); the event replaced below never counts as forwarded.
+            if not m.first_data:
+                m.first_data = e.data
+            if e.kind is not EventKind.ERROR and e.kind is not EventKind.MALFORMED:
+                m.last_data = e.data
+        if e.kind is EventKind.DONE:
+            m.done_seen = True
+            out += e.raw
+            if final_count is not None and (n := final_count(e.data)) is not None:
+                m.engine_tokens = n
+        elif e.kind is EventKind.CONTENT:
+            if usage:
+                raw, m.engine_tokens = take_usage(mode, e)
+                out += raw
+            else:
+                out += e.raw
+                m.engine_tokens = None  # output the last count did not include
+            if keep:
+                m.kept.append(e.raw)
+            m.delivered += e.content_units
+            m.mark(m.sent + len(out))
+        elif e.kind in (EventKind.ERROR, EventKind.MALFORMED) and m.delivered > 0:
+            # Replace their error (or garbage) with our terminal event; never forward it.
+            out += m._terminal()
+            m.state = State.GUARD_TERMINATED
+            m.sent_downstream(len(out))
+            return [Send(bytes(out), True), DisarmWatchdog(),
+                    m._finish(Outcome.UPSTREAM_DECODE_INTERRUPTED,
+                              "in-band error" if e.kind is EventKind.ERROR else "malformed event")]
+        elif usage and e.kind is EventKind.NON_CONTENT:
+            raw, n = take_usage(mode, e)
+            out += raw
+            if n is not None:
+                m.engine_tokens = n
+        elif final_count is not None and e.kind is EventKind.NON_CONTENT and m.delivered:
+            out += e.raw
+            if (n := final_count(e.data)) is not None:
+                m.engine_tokens = n
+        else:
+            out += e.raw
+    m.sent_downstream(len(out))
+    acts: list[Action] = [Send(bytes(out), end)]
+    if end:
+        m.state = State.GUARD_COMPLETE
+        acts.append(DisarmWatchdog())
+    elif m.done_seen:
+        acts.append(DisarmWatchdog())  # complete answer: silence now is no interruption
+    elif m.delivered > 0:
+        m.state = State.GUARD_STREAMING
+        acts.append(ArmWatchdog(m.stall_after_first_delta_s))
+    return acts
+
+
+def _guard_body(m: GuardMachine, ev: ResponseBody) -> list[Action]:
+    if m.status == 200 and m.streaming:
+        events = m.decoder.feed(ev.data)
+        if ev.end_of_stream:
+            events += m.decoder.finish()
+        # Only complete events are forwarded; an incomplete one waits in the decoder for
+        # its rest, so a terminal event can never land in the middle of theirs.
+        return _sse_forward(m, events, ev.end_of_stream)
+    if m.replaced_error is not None:
+        data, m.replaced_error = m.replaced_error, b""
+        if ev.end_of_stream:
+            m.state = State.GUARD_COMPLETE
+        return [Send(data, ev.end_of_stream)]
+    # Non-streaming or an error status: pass bytes through; count once complete.
+    if m.status == 200 and len(m.body) <= m.max_buffer:
+        m.body += ev.data
+    if ev.end_of_stream:
+        m.state = State.GUARD_COMPLETE
+        if m.status == 200:
+            n = _output_tokens(m.family, bytes(m.body))
+            # A whole answer went out: its usage is the engine's count; without one,
+            # nothing says how many tokens it held (0, not exact).
+            m.delivered, m.engine_tokens, m.uncounted = n or 0, n, n is None
+    return [Send(ev.data, ev.end_of_stream)]
+
+
+def _output_tokens(family: Family, body: bytes) -> int | None:
+    try:
+        obj = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    return family.output_tokens(obj)
+
+
+def _guard_stall(m: GuardMachine, ev: StallTimeout) -> list[Action]:
+    if m.delivered == 0 or m.done_seen:
+        return []  # before delivery, stalls belong to Envoy's per-try timeout (retryable)
+    # An incomplete event fragment still in the decoder is never sent: the terminal event
+    # must parse cleanly on its own.
+    m.state = State.GUARD_TERMINATED
+    end = m._terminal()
+    m.sent_downstream(len(end))
+    return [Send(end, True), m._finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, "stall")]
+
+
+def _guard_fenced(m: GuardMachine, ev: Fenced) -> list[Action]:
+    if m.done_seen or not (m.status == 200 and m.streaming):
+        return []  # a complete answer (or a whole non-streaming body) is already out
+    # Like a stall, but the cause is known: this attempt may not publish another byte.
+    m.state = State.GUARD_TERMINATED
+    end = m._terminal()
+    m.sent_downstream(len(end))
+    return [Send(end, True),
+            DisarmWatchdog(), m._finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, "fenced")]
+
+
+def _guard_ignore(m: GuardMachine, ev: Any) -> list[Action]:
+    return []
+
+
+def _guard_body_after_end(m: GuardMachine, ev: ResponseBody) -> list[Action]:
+    # Bytes after we ended the stream are never forwarded: the stream is over for the client.
+    return []
+
+
+def _guard_closed(m: GuardMachine, ev: StreamClosed) -> list[Action]:
+    if m.state is State.GUARD_COMPLETE:
+        m.state = State.GUARD_CLOSED
+        ok = m.status == 200
+        return [DisarmWatchdog(),
+                m._finish(Outcome.COMPLETED if ok else Outcome.UPSTREAM_FAILED,
+                          None if ok else f"http {m.status}")]
+    if m.state is State.GUARD_TERMINATED:
+        m.state = State.GUARD_CLOSED
+        return []
+    if m.done_seen:
+        # `[DONE]` reached the client before the reset: its answer is complete.
+        m.state = State.GUARD_CLOSED
+        return [DisarmWatchdog(), m._finish(Outcome.COMPLETED, "reset after [DONE]")]
+    # Ended without an end of stream: the client left, or the upstream was reset.
+    m.state = State.GUARD_AWAIT_CAUSE
+    return [DisarmWatchdog(), AwaitCause()]
+
+
+def _guard_cause(m: GuardMachine, ev: CauseLearned) -> list[Action]:
+    m.state = State.GUARD_CLOSED
+    # What the client got is what Envoy sent, not what we handed it (decision 0025): a
+    # reset can destroy the stream with our last chunks still unwritten.
+    if m.status == 200 and m.streaming:
+        m.cut_to(ev.body_bytes)
+    if ev.cause == "client":
+        return [m._finish(Outcome.CLIENT_DISCONNECTED, "client")]
+    if m.delivered > 0:
+        if ev.cause == "unknown":
+            return [m._finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, "unknown")]
+        return [m._finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, ev.cause)]
+    return [m._finish(Outcome.UPSTREAM_FAILED, ev.cause)]
+
+
+def _guard_cause_late(m: GuardMachine, ev: CauseLearned) -> list[Action]:
+    return []
+
+
+def _guard_stall_ignored(m: GuardMachine, ev: StallTimeout) -> list[Action]:
+    return []
+
+
+# --- guard: the request's intake ------------------------------------------------------
+
+
+REQUEST_PHASE = frozenset({State.GUARD_NEW, State.GUARD_AWAITING_BODY, State.GUARD_OPENING,
+                           State.GUARD_LEFT_OPENING, State.GUARD_ASIDE})
+
+
+def _guard_request_headers(m: GuardMachine, ev: RequestHeadersSeen) -> list[Action]:
+    m.state = State.GUARD_AWAITING_BODY if ev.kind == "generation" else State.GUARD_ASIDE
+    if ev.family != m.family.name:
+        m.family = family_named(ev.family)
+        m.decoder = m.family.decoder()
+    return []
+
+
+def _guard_request_body(m: GuardMachine, ev: RequestBodySeen) -> list[Action]:
+    if ev.error is not None:
+        m.state = State.GUARD_ASIDE
+        return [Refuse(ev.error)]
+    m.usage_mode = ev.usage
+    m.state = State.GUARD_OPENING
+    return []
+
+
+def _guard_opened(m: GuardMachine, ev: RequestOpened) -> list[Action]:
+    m.state = State.GUARD_WAITING if ev.accepted else State.GUARD_ASIDE
+    return []
+
+
+def _guard_closed_early(m: GuardMachine, ev: StreamClosed) -> list[Action]:
+    # Before the intake there is no record to finish.
+    m.state = State.GUARD_CLOSED
+    return []
+
+
+def _guard_closed_opening(m: GuardMachine, ev: StreamClosed) -> list[Action]:
+    # The intake goes on (its own task): what it answers decides whether there is a
+    # record to finish.
+    m.state = State.GUARD_LEFT_OPENING
+    return []
+
+
+def _guard_opened_after_close(m: GuardMachine, ev: RequestOpened) -> list[Action]:
+    if not ev.accepted:
+        m.state = State.GUARD_CLOSED
+        return []
+    # Recorded, with nobody left to answer: finish it as any stream that ended without an
+    # end, from Envoy's own cause (a record left open would answer every repeat of its key
+    # with request_in_progress for as long as this process lives).
+    m.state = State.GUARD_AWAIT_CAUSE
+    return [AwaitCause()]
+
+
+GUARD_TABLE: Table = {
+    (S.GUARD_NEW, RequestHeadersSeen): T(_guard_request_headers, S.GUARD_AWAITING_BODY,
+                                              S.GUARD_ASIDE),
+    (S.GUARD_AWAITING_BODY, RequestBodySeen): T(_guard_request_body, S.GUARD_OPENING,
+                                                     S.GUARD_ASIDE),
+    (S.GUARD_OPENING, RequestOpened): T(_guard_opened, S.GUARD_WAITING, S.GUARD_ASIDE),
+    **{(st, StreamClosed): T(_guard_closed_early, S.GUARD_CLOSED) for st in (
+        S.GUARD_NEW, S.GUARD_AWAITING_BODY, S.GUARD_ASIDE)},
+    (S.GUARD_OPENING, StreamClosed): T(_guard_closed_opening, S.GUARD_LEFT_OPENING),
+    (S.GUARD_LEFT_OPENING, RequestOpened): T(_guard_opened_after_close,
+                                                  S.GUARD_AWAIT_CAUSE, S.GUARD_CLOSED),
+    (S.GUARD_LEFT_OPENING, StreamClosed): T(lambda m, ev: [], S.GUARD_LEFT_OPENING),
+    (S.GUARD_WAITING, ResponseHeaders): T(_guard_headers, S.GUARD_RESPONDING,
+                                               S.GUARD_COMPLETE),
+    (S.GUARD_RESPONDING, ResponseBody): T(_guard_body, S.GUARD_RESPONDING,
+                                               S.GUARD_STREAMING, S.GUARD_COMPLETE,
+                                               S.GUARD_TERMINATED),
+    (S.GUARD_STREAMING, ResponseBody): T(_guard_body, S.GUARD_STREAMING,
+                                              S.GUARD_COMPLETE, S.GUARD_TERMINATED),
+    (S.GUARD_RESPONDING, StallTimeout): T(_guard_stall_ignored, S.GUARD_RESPONDING),
+    (S.GUARD_STREAMING, StallTimeout): T(_guard_stall, S.GUARD_STREAMING,
+                                              S.GUARD_TERMINATED),
+    (S.GUARD_TERMINATED, ResponseBody): T(_guard_body_after_end, S.GUARD_TERMINATED),
+    **stay(_guard_stall_ignored, (S.GUARD_TERMINATED, S.GUARD_COMPLETE, S.GUARD_CLOSED),
+            StallTimeout),
+    (S.GUARD_AWAIT_CAUSE, CauseLearned): T(_guard_cause, S.GUARD_CLOSED),
+    (S.GUARD_CLOSED, CauseLearned): T(_guard_cause_late, S.GUARD_CLOSED),
+    (S.GUARD_CLOSED, StreamClosed): T(lambda m, ev: [], S.GUARD_CLOSED),
+    (S.GUARD_RESPONDING, Fenced): T(_guard_fenced, S.GUARD_RESPONDING,
+                                         S.GUARD_TERMINATED),
+    (S.GUARD_STREAMING, Fenced): T(_guard_fenced, S.GUARD_STREAMING, S.GUARD_TERMINATED),
+    **stay(_guard_ignore, (S.GUARD_WAITING, S.GUARD_COMPLETE, S.GUARD_TERMINATED,
+                            S.GUARD_AWAIT_CAUSE, S.GUARD_CLOSED), Fenced),
+    **{(st, StreamClosed): T(_guard_closed, S.GUARD_CLOSED, S.GUARD_AWAIT_CAUSE)
+       for st in (S.GUARD_WAITING, S.GUARD_RESPONDING, S.GUARD_STREAMING, S.GUARD_COMPLETE,
+                  S.GUARD_TERMINATED)},
+}
+GuardMachine.TABLE = GUARD_TABLE
