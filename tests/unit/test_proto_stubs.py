@@ -1,4 +1,4 @@
-"""Our own wire-compatible subset of the Envoy API (proto/extproc/gen -> extproc/gen).
+"""Our own wire-compatible subset of the Envoy API (proto/envoy -> extproc/gen/envoy).
 
 These tests pin what matters for wire compatibility: package/message names, field
 numbers and gRPC method paths. The end-to-end tests against a real Envoy are the
@@ -215,12 +215,14 @@ def _generated_files(root: Path) -> dict[str, Path]:
 def test_committed_stubs_match_protoc_output(tmp_path: Path) -> None:
     grpc_tools = importlib.import_module("grpc_tools")
     include = Path(str(grpc_tools.__file__)).parent / "_proto"
-    protos = sorted(str(p.relative_to(REPO_ROOT)) for p in PROTO_DIR.rglob("*.proto"))
+    # protoc sees proto/ as the virtual path extproc/gen/ (proto/gen.mk does the same).
+    protos = sorted("extproc/gen/" + str(p.relative_to(PROTO_DIR))
+                    for p in PROTO_DIR.rglob("*.proto"))
     out = tmp_path / "out"
     out.mkdir()
     cmd = [
         sys.executable, "-m", "grpc_tools.protoc",
-        "-I", "proto", "-I", str(include),
+        "-I", "extproc/gen=proto", "-I", str(include),
         f"--python_out={out}", f"--pyi_out={out}", f"--grpc_python_out={out}",
         *protos,
     ]  # fmt: skip
