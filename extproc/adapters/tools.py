@@ -1,203 +1,195 @@
-"""The tool route: server-side tool calls go through the guard and the etcd ledger.
+"""The tool route's executor: Envoy's messages in as events, `core.tool_route`'s actions out
+as codec and ledger calls.
 
 A call is forwarded to the tool server only by the one request that claims its ledger key,
-and only if it carries its attempt's credential and that attempt is the live one: the
-credential's digest is compared first (constant time), then the claim transaction checks
-`live`, the ledger key and that the credential key is unchanged (decision 0028). Everyone
-else gets the recorded result, waits for it (bounded), or a clear refusal. Rules:
-`extproc.core.tools`.
+and only with its attempt's credential while that attempt is the live one (decision 0028);
+everyone else gets the recorded result, waits for it (bounded), or a clear refusal. Every
+one of those rules is a row of `core.tool_route.ToolRoute`; here each action is carried out,
+a wait's answer (a store's reply, a timer) fed back as the next event. The log lines are
+derived from (event, actions) in `observe`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from ..core import headers as H
 from ..core.config import Config
-from ..core.credentials import matches
-from ..core.errors import ErrorCode, GatewayError, tool_ledger_unavailable
-from ..core.tools import (
-    Replay,
-    ResultCapture,
-    ToolCall,
-    answer_for,
-    done_entry,
-    fenced_error,
-    in_progress_error,
-    parse_tool_call,
-    running_entry,
-    unauthorized_error,
-    unknown_entry,
+from ..core.headers import ATTEMPT_ID
+from ..core.tool_route import (
+    Action,
+    Answer,
+    AnswerReplay,
+    Claim,
+    ClaimAnswered,
+    ContinueRequestBody,
+    CredentialRead,
+    Event,
+    Forward,
+    HeadersSeen,
+    LedgerRead,
+    PassBody,
+    PassResponseHeaders,
+    ReadCredential,
+    ReadLedger,
+    Record,
+    Recorded,
+    RecordLater,
+    RequestBodySeen,
+    ResponseBodySeen,
+    ResponseHeadersSeen,
+    StartTimer,
+    StoreDown,
+    StreamClosed,
+    TimerFired,
+    ToolRoute,
+    UndoClaimLater,
+    Why,
 )
 from ..gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from . import envoy_codec as codec
 from .leases import UNDO_SETTLE_S, StoreUnavailable
 from .logs import rlog
-from .ports import Ledger
+from .ports import Clock, Ledger, SystemClock
 
 log = logging.getLogger("extproc.tools")
+
+Sleep = Callable[[float], Awaitable[None]]
 
 
 class ToolCallHandler:
     def __init__(self, cfg: Config, ledger: Ledger,
                  write: Callable[[ep.ProcessingResponse], Awaitable[None]],
                  spawn: Callable[[Awaitable[Any], str], Any],
-                 retrying: Callable[..., Awaitable[bool]]) -> None:
-        self.cfg = cfg
+                 retrying: Callable[..., Awaitable[bool]],
+                 clock: Clock | None = None, sleep: Sleep = asyncio.sleep) -> None:
+        t = cfg.tools
+        self.m = ToolRoute(t.path_prefix, t.wait_s, t.max_result_bytes)
         self.ledger = ledger
         self.write = write
         self.spawn = spawn
         self.retrying = retrying
-        self.call: ToolCall | None = None
-        self.entry: dict[str, Any] | None = None  # our running entry, if we execute
-        self.status = 0
-        self.resp_headers: dict[str, str] = {}
-        self.result = ResultCapture(cfg.tools.max_result_bytes)
-        self.recorded = False
+        self.clock: Clock = clock or SystemClock()
+        # The timers of the bounded wait, on the injected clock's time.
+        self.sleep = sleep
 
     @property
     def rid(self) -> str | None:
-        return self.call.request_id if self.call else None
+        return self.m.request_id
 
     @property
     def aid(self) -> str | None:
-        return self.call.attempt_id if self.call else None
+        return self.m.attempt_id
 
     async def on_request_headers(self, hd: dict[str, str]) -> None:
-        call = parse_tool_call(hd, self.cfg.tools.path_prefix)
-        if isinstance(call, GatewayError):
-            if call.code is ErrorCode.TOOL_CALL_UNAUTHORIZED:
-                rlog(log, logging.WARNING, "tool call refused: no attempt credential",
-                     call.request_id, hd.get(H.ATTEMPT_ID), path=hd.get(":path"))
-            await self.write(codec.immediate(call))
-            return
-        self.call = call
-        # The credential first, for every call (a first one, a repeat, a replay): nothing
-        # of the ledger is read or claimed for a caller that is not the attempt's worker.
-        try:
-            stored, cred_rev = await self.ledger.credential(call.request_id, call.attempt_id)
-        except StoreUnavailable as e:
-            await self._refuse_unavailable(e)
-            return
-        if not matches(call.secret, stored):
-            rlog(log, logging.WARNING, "tool call refused: attempt credential missing or "
-                 "wrong", call.request_id, call.attempt_id, tool=call.tool, key=call.key,
-                 stored=stored is not None)
-            await self.write(codec.immediate(unauthorized_error(call)))
-            return
-        entry = running_entry(call, time.time())
-        try:
-            claimed, existing, is_live, executor_alive = await self.ledger.claim(
-                call.key, call.request_id, call.attempt_id, entry, cred_rev)
-        except StoreUnavailable as e:
-            await self._refuse_unavailable(e)
-            # The claim may still apply when etcd wakes; take it back, or it would block
-            # every later call of this key as "in progress" with nothing executing.
-            ledger, key = self.ledger, call.key
-            self.spawn(self.retrying(lambda: ledger.undo_claim(key, entry),
-                                     "undo an unconfirmed tool claim", call.request_id,
-                                     call.attempt_id, settle_s=UNDO_SETTLE_S),
-                       f"tool-undo-{key}")
-            return
-        if claimed:
-            self.entry = entry
-            rlog(log, logging.INFO, "tool call executing", call.request_id, call.attempt_id,
-                 tool=call.tool, key=call.key)
-            # The secret stops here: the tool server never sees it.
-            await self.write(codec.continue_request_headers({"idempotency-key": call.key},
-                                                            remove=(H.ATTEMPT_SECRET,)))
-            return
-        if not is_live:
-            rlog(log, logging.WARNING, "tool call refused: attempt is fenced", call.request_id,
-                 call.attempt_id, key=call.key)
-            await self.write(codec.immediate(fenced_error(call)))
-            return
-        assert existing is not None
-        await self._answer_repeat(call, existing, executor_alive)
+        await self.feed(HeadersSeen(hd))
 
-    async def _answer_repeat(self, call: ToolCall, entry: dict[str, Any],
-                             executor_alive: bool) -> None:
-        deadline = time.monotonic() + self.cfg.tools.wait_s
-        delay = 0.01
-        while True:
-            ans = answer_for(entry, call, executor_alive)
-            if isinstance(ans, Replay):
-                rlog(log, logging.INFO, "tool call replayed from the ledger", call.request_id,
-                     call.attempt_id, key=call.key, status=ans.status)
-                await self.write(codec.immediate_raw(ans.status, ans.body, ans.headers))
-                return
-            if isinstance(ans, GatewayError):
-                rlog(log, logging.WARNING, "tool call refused", call.request_id,
-                     call.attempt_id, key=call.key, code=str(ans.code))
-                await self.write(codec.immediate(ans))
-                return
-            # Another call is executing it right now: wait (bounded) for its result.
-            if time.monotonic() + delay > deadline:
-                await self.write(codec.immediate(in_progress_error(call)))
-                return
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.2)
-            try:
-                got, executor_alive = await self.ledger.get(call.key)
-            except StoreUnavailable as e:
-                await self._refuse_unavailable(e)
-                return
-            if got is not None:
-                entry = got
-
-    async def _refuse_unavailable(self, e: Exception) -> None:
-        rlog(log, logging.WARNING, "tool ledger unavailable: not executing", self.rid,
-             self.aid, error=str(e))
-        # Fail closed: no execution without a ledger record.
-        await self.write(codec.immediate(tool_ledger_unavailable(self.rid)))
+    async def on_request_body(self) -> None:
+        await self.feed(RequestBodySeen())
 
     async def on_response_headers(self, hd: dict[str, str], end_of_stream: bool) -> None:
-        self.status = int(hd.get(":status", "0") or 0)
-        self.resp_headers = hd
-        await self.write(codec.continue_response_headers(remove=(H.ATTEMPT_SECRET,)))
-        if end_of_stream:
-            await self._record_done()
+        await self.feed(ResponseHeadersSeen(hd, end_of_stream, self.clock.wall()))
 
     async def on_response_body(self, data: bytes, end_of_stream: bool) -> None:
-        if self.entry is None:
-            await self.write(codec.streamed_response_body(data, end_of_stream))
-            return
-        self.result.add(data)
-        if end_of_stream:
-            # Recorded before the caller sees the end of the result: a caller that got it
-            # and retries finds it in the ledger.
-            await self._record_done()
-        await self.write(codec.streamed_response_body(data, end_of_stream))
-
-    async def _record_done(self) -> None:
-        if self.entry is None or self.recorded or self.call is None:
-            return
-        self.recorded = True
-        entry = done_entry(self.entry, self.status, self.resp_headers, self.result,
-                           time.time())
-        key, rid, aid = self.call.key, self.rid, self.aid
-        ok = await self.retrying(lambda: self.ledger.record(key, entry),
-                                 "record a tool result", rid, aid, 5.0)
-        if not ok:
-            # Keep trying in the background; the caller still gets the result it caused.
-            self.spawn(self.retrying(lambda: self.ledger.record(key, entry),
-                                     "record a tool result", rid, aid),
-                       f"tool-record-{key}")
-        rlog(log, logging.INFO, "tool result recorded", rid, aid, key=key,
-             status=self.status, size=self.result.size, truncated=self.result.too_large)
+        await self.feed(ResponseBodySeen(data, end_of_stream, self.clock.wall()))
 
     async def on_closed(self) -> None:
-        """The stream ended; if we executed and never saw the whole result, say so."""
-        if self.entry is None or self.recorded or self.call is None:
-            return
-        self.recorded = True
-        entry = unknown_entry(self.entry, "the tool call ended before its result was complete",
-                              time.time())
-        key, rid, aid = self.call.key, self.rid, self.aid
-        rlog(log, logging.WARNING, "tool call outcome unknown", rid, aid, key=key)
-        await self.retrying(lambda: self.ledger.record(key, entry),
-                            "record an unknown tool outcome", rid, aid)
+        await self.feed(StreamClosed(self.clock.wall()))
+
+    async def feed(self, ev: Event) -> None:
+        """Feed `ev`, carry out its actions; an action that waits feeds its answer next."""
+        pending: list[Event] = [ev]
+        while pending:
+            ev = pending.pop()
+            actions = self.m.handle(ev)
+            observe(self.m, ev, actions)
+            for a in actions:
+                nxt = await self.act(a)
+                if nxt is not None:
+                    pending.append(nxt)
+
+    async def act(self, a: Action) -> Event | None:
+        ledger = self.ledger
+        try:
+            if isinstance(a, ReadCredential):
+                stored, rev = await ledger.credential(a.request_id, a.attempt_id)
+                return CredentialRead(stored, rev, self.clock.wall())
+            if isinstance(a, Claim):
+                got = await ledger.claim(a.key, a.request_id, a.attempt_id, a.entry,
+                                         a.credential_rev)
+                return ClaimAnswered(*got, mono=self.clock.monotonic())
+            if isinstance(a, ReadLedger):
+                seen, alive = await ledger.get(a.key)
+                return LedgerRead(seen, alive, self.clock.monotonic())
+        except StoreUnavailable as e:
+            return StoreDown(str(e))
+        if isinstance(a, StartTimer):
+            await self.sleep(a.seconds)
+            return TimerFired(a.kind)
+        if isinstance(a, Record):
+            key, entry = a.key, a.entry
+            ok = await self.retrying(lambda: ledger.record(key, entry), a.what, self.rid,
+                                     self.aid, *(() if a.limit_s is None else (a.limit_s,)))
+            return Recorded(ok)
+        if isinstance(a, RecordLater):
+            key, entry = a.key, a.entry
+            self.spawn(self.retrying(lambda: ledger.record(key, entry), a.what, self.rid,
+                                     self.aid), f"tool-record-{key}")
+        elif isinstance(a, UndoClaimLater):
+            key, entry = a.key, a.entry
+            self.spawn(self.retrying(lambda: ledger.undo_claim(key, entry),
+                                     "undo an unconfirmed tool claim", self.rid, self.aid,
+                                     settle_s=UNDO_SETTLE_S), f"tool-undo-{key}")
+        elif isinstance(a, Forward):
+            await self.write(codec.continue_request_headers(a.set_headers, remove=a.remove))
+        elif isinstance(a, Answer):
+            await self.write(codec.immediate(a.error))
+        elif isinstance(a, AnswerReplay):
+            r = a.replay
+            await self.write(codec.immediate_raw(r.status, r.body, r.headers))
+        elif isinstance(a, PassResponseHeaders):
+            await self.write(codec.continue_response_headers(remove=a.remove))
+        elif isinstance(a, PassBody):
+            await self.write(codec.streamed_response_body(a.data, a.end_of_stream))
+        elif isinstance(a, ContinueRequestBody):
+            await self.write(codec.continue_request_body())
+        return None
+
+
+def observe(m: ToolRoute, ev: Event, actions: list[Action]) -> None:
+    """The tool route's log lines, derived from what it decided (never its secret)."""
+    rid, aid, call = m.request_id, m.attempt_id, m.call
+    key = call.key if call else None
+    for a in actions:
+        if isinstance(a, Answer):
+            if a.why is Why.NO_CREDENTIAL and isinstance(ev, HeadersSeen):
+                rlog(log, logging.WARNING, "tool call refused: no attempt credential",
+                     a.error.request_id, ev.headers.get(ATTEMPT_ID),
+                     path=ev.headers.get(":path"))
+            elif a.why is Why.UNAUTHORIZED and isinstance(ev, CredentialRead):
+                rlog(log, logging.WARNING, "tool call refused: attempt credential missing or "
+                     "wrong", rid, aid, tool=call.tool if call else None, key=key,
+                     stored=ev.stored is not None)
+            elif a.why is Why.FENCED:
+                rlog(log, logging.WARNING, "tool call refused: attempt is fenced", rid, aid,
+                     key=key)
+            elif a.why is Why.REFUSED:
+                rlog(log, logging.WARNING, "tool call refused", rid, aid, key=key,
+                     code=str(a.error.code))
+            elif a.why is Why.UNAVAILABLE and isinstance(ev, StoreDown):
+                # Fail closed: no execution without a ledger record.
+                rlog(log, logging.WARNING, "tool ledger unavailable: not executing", rid, aid,
+                     error=ev.error)
+        elif isinstance(a, AnswerReplay):
+            rlog(log, logging.INFO, "tool call replayed from the ledger", rid, aid, key=key,
+                 status=a.replay.status)
+        elif isinstance(a, Forward):
+            rlog(log, logging.INFO, "tool call executing", rid, aid,
+                 tool=call.tool if call else None, key=key)
+        elif isinstance(a, Record) and isinstance(ev, StreamClosed):
+            rlog(log, logging.WARNING, "tool call outcome unknown", rid, aid, key=key)
+    if isinstance(ev, Recorded) and m.done is not None and m.result is not None:
+        rlog(log, logging.INFO, "tool result recorded", rid, aid, key=key, status=m.status,
+             size=m.result.size, truncated=m.result.too_large)

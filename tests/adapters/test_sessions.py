@@ -792,3 +792,42 @@ async def test_gate_of_a_later_attempt_sends_its_own_secret_never_attempt_1s() -
     # Attempt 1's secret no longer matches anything live; the new one is attempt 2's.
     ctx.close()
     await asyncio.wait_for(task, 3)
+
+
+async def test_a_repeat_of_a_running_tool_call_waits_on_timers_then_gets_the_result() -> None:
+    """The bounded wait runs on the executor's injected sleep (no real time): the second
+    call of a key waits while the first runs, and replays its result once recorded."""
+    from extproc.adapters.session import retrying
+    from extproc.adapters.tools import ToolCallHandler
+    p, _ = await two_live_requests()
+    first_out: list[ep.ProcessingResponse] = []
+
+    async def w1(r: ep.ProcessingResponse) -> None:
+        first_out.append(r)
+    first = ToolCallHandler(p.cfg, p.ledger, w1, p.spawn, retrying, p.clock)
+    hd = {":method": "POST", ":path": "/tools/demo_tool", H.REQUEST_ID: TOOL_RID,
+          H.ATTEMPT_ID: TOOL_AID, "x-tool-call-id": "call_w", H.ATTEMPT_SECRET: SECRET_A}
+    await first.on_request_headers(dict(hd))
+    assert first_out[-1].WhichOneof("response") == "request_headers"  # forwarded
+    pauses: list[float] = []
+
+    async def sleep(s: float) -> None:
+        pauses.append(s)
+        if len(pauses) == 2:  # meanwhile the tool server answers the first call
+            await first.on_response_headers({":status": "200",
+                                             "content-type": "application/json"}, False)
+            await first.on_response_body(b'{"r":1}', True)
+    second_out: list[ep.ProcessingResponse] = []
+
+    async def w2(r: ep.ProcessingResponse) -> None:
+        second_out.append(r)
+    second = ToolCallHandler(p.cfg, p.ledger, w2, p.spawn, retrying, p.clock, sleep)
+    await second.on_request_headers(dict(hd))
+    assert pauses == [0.01, 0.02]
+    (r,) = second_out
+    assert r.immediate_response.status.code == 200 and r.immediate_response.body == b'{"r":1}'
+    replayed = {h.header.key: h.header.raw_value.decode()
+                for h in r.immediate_response.headers.set_headers}
+    assert replayed.get("x-tool-replayed") == "true"
+    # The first call's caller got its last chunk after the record.
+    assert first_out[-1].WhichOneof("response") == "response_body"
