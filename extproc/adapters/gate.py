@@ -9,7 +9,6 @@ record as `core.records` plans. Decisions come from `core.machine.GateMachine`.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 from collections.abc import Awaitable, Callable
@@ -62,6 +61,8 @@ from ..core.failure import FailureClass
 from ..core.failure import Fence as FenceKind
 from ..core.families import family_for_path
 from ..core.gate import GateMachine
+from ..core.handoff import HandOff, TraceSnapshot
+from ..core.replay import snapshot
 from ..gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from . import envoy_codec as codec
 from .causes import NO_GATE
@@ -289,10 +290,10 @@ class GateSession(Session):
             # Registered before the headers go out: the guard looks for it when they arrive.
             self.span.add_event("attempt.handed_off")
             if self.aid is not None and self.m is not None:
-                self.p.handoffs.put(self.aid, HandedOff(self.span, self.m))
+                self.p.handoffs.put(self.aid, HandedOff(self.span, self.handoff(snapshot(self.m))))
                 self.span = INVALID
             await self.write(codec.continue_response_headers(
-                {H.ATTEMPT_ID: self.aid or "", H.HANDOFF: self.handoff()}))
+                {H.ATTEMPT_ID: self.aid or "", H.HANDOFF: self.handoff().header()}))
             for _ in range(a.held_chunks):
                 await self.write(codec.continue_response_body())
             if a.hand_off:
@@ -344,9 +345,9 @@ class GateSession(Session):
             model_revision=self.p.pool.fingerprint_of(self.replica or "") or self.model_revision,
             slow=self.slow)
 
-    def handoff(self) -> str:
-        return json.dumps(self.facts().handoff(self.lease.lease_id if self.lease else 0),
-                          separators=(",", ":"))
+    def handoff(self, trace: TraceSnapshot | None = None) -> HandOff:
+        return HandOff.from_record(self.facts().base(),
+                                   self.lease.lease_id if self.lease else 0, trace)
 
     async def admit(self, attempt: int) -> AdmitDecided:
         rid = self.rid or ""

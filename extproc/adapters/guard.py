@@ -53,8 +53,8 @@ from ..core.events import (
 )
 from ..core.failure import FailureClass
 from ..core.families import family_for_path
-from ..core.gate import GateMachine
 from ..core.guard import GuardMachine
+from ..core.handoff import TraceSnapshot
 from ..core.intake import (
     Generation,
     PassThrough,
@@ -152,7 +152,7 @@ class GuardSession(Session):
         self.attempt: dict[str, Any] | None = None
         self.lease: AttemptLease | None = None
         self.attempt_span: Span | None = None
-        self.attempt_machine: GateMachine | None = None
+        self.attempt_machine: TraceSnapshot | None = None
         self._unwatch: Callable[[], None] | None = None
 
     async def on_closed(self) -> None:
@@ -529,7 +529,7 @@ class GuardSession(Session):
         self.attempt = info
         got = self.p.handoffs.take(aid)
         self.attempt_span = got.span if got is not None else None
-        self.attempt_machine = got.machine if got is not None else None
+        self.attempt_machine = got.handoff.trace if got is not None else None
         pl = self.p.journal.current_process_lease()
         # The attempt's `live` key hangs on the lease of the process that admitted it; when
         # that is us, its local deadline also bounds publishing (etcd unreachable).

@@ -28,6 +28,7 @@ from ..core.config import Config
 from ..core.errors import GatewayError
 from ..core.gate import GateMachine
 from ..core.guard import GuardMachine
+from ..core.handoff import HandOff, TraceSnapshot
 from ..core.health import HealthPolicy, HostHealth
 from ..core.journal import (
     JournalView,
@@ -117,10 +118,11 @@ WRITE_GONE = (grpc.aio.AioRpcError, RuntimeError, asyncio.InvalidStateError,
 
 @dataclass(frozen=True, slots=True)
 class HandedOff:
-    """A gate's attempt, released and handed to the guard of the same request."""
+    """A gate's attempt, released and handed to the guard of the same request: the frozen
+    record (core.handoff) and the attempt's open span."""
 
     span: Span
-    machine: GateMachine
+    handoff: HandOff
 
 
 class Pending(Generic[T]):
@@ -225,7 +227,7 @@ class Processor:
         mode = self.cfg.telemetry.record_traces
         return mode == "all" or (mode == "failures" and not clean)
 
-    async def save_trace(self, rid: str, name: str, m: GateMachine | GuardMachine,
+    async def save_trace(self, rid: str, name: str, m: GateMachine | GuardMachine | TraceSnapshot,
                          meta: dict[str, Any]) -> None:
         try:
             await self.journal.put_trace(rid, name, trace_record(

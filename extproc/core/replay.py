@@ -34,6 +34,7 @@ from .events import (
 )
 from .gate import GateMachine
 from .guard import GuardMachine
+from .handoff import TraceSnapshot
 from .machine import ProtocolViolation
 from .records import replay_end
 from .usage import UsageMode
@@ -101,26 +102,35 @@ def summary(m: GateMachine | GuardMachine) -> dict[str, Any]:
     return out
 
 
-def record(m: GateMachine | GuardMachine, meta: Mapping[str, Any],
-           max_bytes: int) -> dict[str, Any]:
-    """The stored trace, cut to `max_bytes` of events (a prefix replays as a prefix)."""
+def snapshot(m: GateMachine | GuardMachine) -> TraceSnapshot:
+    """The machine's trace as it stands now, frozen (the hand-off carries the gate's)."""
     params: dict[str, Any] = {"max_buffer": m.max_buffer}
     if m.initial_state is not None:
         params["initial_state"] = str(m.initial_state)
     if isinstance(m, GuardMachine):
         params["stall_after_first_delta_s"] = m.stall_after_first_delta_s
-    events: list[dict[str, Any]] = []
+    return TraceSnapshot(role=m.role, request_id=m.request_id, params=params,
+                         events=tuple(m.trace), decisions=tuple(m.decisions),
+                         summary=summary(m))
+
+
+def record(m: GateMachine | GuardMachine | TraceSnapshot, meta: Mapping[str, Any],
+           max_bytes: int) -> dict[str, Any]:
+    """The stored trace, cut to `max_bytes` of events (a prefix replays as a prefix)."""
+    snap = m if isinstance(m, TraceSnapshot) else snapshot(m)
+    events: list[Mapping[str, Any]] = []
     size = 0
-    for ev in m.trace:
+    for ev in snap.events:
         n = len(json.dumps(ev))
         if size + n > max_bytes:
             break
         events.append(ev)
         size += n
-    truncated = len(events) < len(m.trace)
-    return {"format": FORMAT, "role": m.role, "request_id": m.request_id, "params": params,
-            "meta": dict(meta), "events": events, "decisions": m.decisions[: len(events)],
-            "summary": None if truncated else summary(m), "truncated": truncated}
+    truncated = len(events) < len(snap.events)
+    return {"format": FORMAT, "role": snap.role, "request_id": snap.request_id,
+            "params": dict(snap.params), "meta": dict(meta), "events": events,
+            "decisions": list(snap.decisions[: len(events)]),
+            "summary": None if truncated else dict(snap.summary), "truncated": truncated}
 
 
 @dataclass(frozen=True, slots=True)
