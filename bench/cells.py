@@ -6,7 +6,7 @@
 A cell is one Envoy (`--concurrency 1`) and, on our side, one processor; N cells share the
 listener port (SO_REUSEPORT), etcd and the 2 demo replicas. Per repeat, four stacks in turn
 (fresh each; the order reverses between repeats): plain x1, plain x2, ours x1, ours x2 (plain
-x2 is two Envoys on the port, the same shape without processors). Each runs bench/run.py's
+x2 is two Envoys on the port, the same shape without processors). Each runs bench/measure.py's
 saturation figure (32 looping streams of 256 chunks, CPU accounted per process from /proc).
 Prints delivered chunks/s (min/median/max), ours/plain for the same number of cells, the
 scaling from 1 to 2 cells, and the cores each part used, per cell; writes
@@ -29,20 +29,20 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import run
+from bench.measure import QUICK, RESULTS, Params, machine_info, run_loop, saturation, wait_idle
 from extproc.devstack import Stack
 
 CONFIGS = (("plain", 1), ("plain", 2), ("ours", 1), ("ours", 2))
 
 
-def measure(side: str, cells: int, p: run.Params, work: Path, log: Any) -> dict[str, Any]:
+def measure(side: str, cells: int, p: Params, work: Path, log: Any) -> dict[str, Any]:
     wd = work / f"{side}-x{cells}-{time.time_ns()}"
-    idle = run.wait_idle(p, log)
+    idle = wait_idle(p, log)
     st = Stack(workdir=wd, config={}, replicas=2, plain=side == "plain", cells=cells).start()
     try:
         time.sleep(0.3)
         log(f"  {side} x{cells}: saturation ...")
-        r = run.run_loop(run.saturation(st, p))
+        r = run_loop(saturation(st, p))
         r["died"] = sorted(set(r["died"]) | {k for k, pr in st.procs.items() if not pr.alive()})
     finally:
         st.stop()
@@ -102,18 +102,18 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="1 repeat, short windows")
     ap.add_argument("--repeats", type=int, help="default 3 (1 with --quick)")
-    ap.add_argument("--out", default=str(run.RESULTS / "cells.json"))
+    ap.add_argument("--out", default=str(RESULTS / "cells.json"))
     a = ap.parse_args(argv)
-    p = run.QUICK if a.quick else run.Params()
+    p = QUICK if a.quick else Params()
     p = dataclasses.replace(p, repeats=max(1, min(a.repeats or p.repeats, 10)))
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    work = run.RESULTS / "work-cells"
+    work = RESULTS / "work-cells"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    meta = run.machine_info()
+    meta = machine_info()
     runs: list[dict[str, Any]] = []
     for rep in range(p.repeats):
         log(f"repeat {rep + 1}/{p.repeats}")

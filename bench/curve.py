@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from bench.run import Params, latency, run_loop, start_stack
+from bench.measure import Params, latency, run_loop, start_stack
 
 DELAY_MS = 4.0
 POINTS = (5, 10, 20, 40, 80)  # streams: 1250 .. 20000 chunks/s offered

@@ -7,7 +7,7 @@
 Every floor answers the same ext_proc messages with no logic (bench/nullproc.py's pattern:
 the guard echoes every body message as FULL_DUPLEX_STREAMED, the gate answers its first body
 message and leaves), behind the identical rendered Envoy config; only the gRPC server under
-it differs (see FLOORS). Per repeat, each side in turn on fresh stacks, with bench/run.py's
+it differs (see FLOORS). Per repeat, each side in turn on fresh stacks, with bench/measure.py's
 own figure code (measure_figure: idle wait, crash and disturbance re-measurement, CPU
 accounting): delivered chunks/s at saturation (ratio to plain Envoy in the same repeat) and
 per-chunk delivery latency at 5,000 chunks/s offered (added p50 / p99 over plain). Then, per
@@ -40,7 +40,7 @@ if __package__ in (None, ""):
 
 import grpc
 
-from bench import run
+from bench import measure, report
 from bench.nullproc import NullStack
 from bench.nullproc_grpclib import GrpclibNullStack
 from bench.streams import MESSAGES, Held, rss_kib, warm_up
@@ -61,7 +61,7 @@ class Floor:
     def stack_class(self, kind: str) -> type[Stack]:
         attrs = {"processor_flags": self.flags}
         if kind == "ts":
-            return type(f"Ts{self.base.__name__}", (self.base, run.TsStack), attrs)
+            return type(f"Ts{self.base.__name__}", (self.base, measure.TsStack), attrs)
         return type(self.base.__name__, (self.base,), attrs)
 
 
@@ -90,17 +90,17 @@ DEFAULT_FLOORS = ("grpcaio", "grpcaio-tuned", "grpclib", "grpclib-coalesce")
 
 def _start_stack(kind: str, side: str, workdir: Path,
                  config: dict[str, Any] | None = None) -> Stack:
-    """bench.run.start_stack, knowing the floors too (installed in its place by `main`:
-    bench.run.measure_figure starts every stack through that module-level name)."""
+    """bench.measure.start_stack, knowing the floors too (installed in its place by `main`:
+    bench.measure.measure_figure starts every stack through that module-level name)."""
     f = FLOORS.get(side)
     if f is None:
-        return _RUN_START_STACK(kind, side, workdir, config)
+        return _MEASURE_START_STACK(kind, side, workdir, config)
     cls = f.stack_class(kind)
     return cls(workdir=workdir, config=config or {}, replicas=2,
                processor_env=dict(f.env) or None).start()
 
 
-_RUN_START_STACK = run.start_stack
+_MEASURE_START_STACK = measure.start_stack
 
 
 # --- memory per open stream -----------------------------------------------------------------
@@ -139,7 +139,7 @@ def memory(floor: Floor, n: int, work: Path, log: Any) -> dict[str, Any]:
     try:
         pid = stack.procs["processor"].pid
         assert pid is not None
-        out: dict[str, Any] = run.run_loop(_hold(stack.processor_addr, pid, n, log))
+        out: dict[str, Any] = measure.run_loop(_hold(stack.processor_addr, pid, n, log))
         out["processor_alive"] = stack.procs["processor"].alive()
     finally:
         stack.stop()
@@ -182,9 +182,9 @@ async def _pipelined(addr: str, pid: int, streams: int, k: int) -> dict[str, Any
             return answers
 
         await asyncio.gather(*(one(50) for _ in range(streams)))  # warm-up
-        t0, c0 = time.perf_counter(), run.proc_cpu_s(pid)
+        t0, c0 = time.perf_counter(), measure.proc_cpu_s(pid)
         answers = await asyncio.gather(*(one(k) for _ in range(streams)))
-        dt, dc = time.perf_counter() - t0, run.proc_cpu_s(pid) - c0
+        dt, dc = time.perf_counter() - t0, measure.proc_cpu_s(pid) - c0
     n = streams * (k + 3)
     return {"streams": streams, "body_msgs_each": k, "msgs": n, "wall_s": dt,
             "server_cpu_us_per_msg": dc / n * 1e6, "server_cores": dc / dt,
@@ -197,7 +197,7 @@ def micro(floor: Floor, work: Path, streams: int = 32, k: int = 2000) -> dict[st
     try:
         pid = stack.procs["processor"].pid
         assert pid is not None
-        out: dict[str, Any] = run.run_loop(_pipelined(stack.processor_addr, pid, streams, k))
+        out: dict[str, Any] = measure.run_loop(_pipelined(stack.processor_addr, pid, streams, k))
     finally:
         stack.stop()
     return out
@@ -221,13 +221,13 @@ def summarize(runs: list[dict[str, Any]], sides: list[str]) -> dict[str, dict[st
                  reps: list[int] = reps) -> list[float] | None:
             xs = []
             for rep in reps:
-                b = run._get(by[side][rep], fig, path)
-                a = run._get(by["plain"][rep], fig, path)
+                b = report._get(by[side][rep], fig, path)
+                a = report._get(by["plain"][rep], fig, path)
                 if b is not None and op == "abs":
                     xs.append(b)
                 elif b is not None and a:
                     xs.append(b / a if op == "ratio" else b - a)
-            return run.mmm(xs)
+            return report.mmm(xs)
 
         out[side] = {
             "chunks_per_s": vals("saturation", ("chunks_per_s",), "abs"),
@@ -239,10 +239,10 @@ def summarize(runs: list[dict[str, Any]], sides: list[str]) -> dict[str, dict[st
             "p99_ms": vals("latency@5000", ("p99_ms",), "abs"),
             "proc_cores_5000": vals("latency@5000", ("cpu_cores", "processor"), "abs"),
             # cores used by processes outside the benchmark, worst window of the side
-            "other_cores": max((run._get(by[side][rep], f, ("cpu_cores", "unaccounted")) or 0.0
+            "other_cores": max((report._get(by[side][rep], f, ("cpu_cores", "unaccounted")) or 0.0
                                 for rep in by[side] for f in FIGS), default=0.0),
             "errors": {k: sum(int(by[side][rep][f][k]) for rep in by[side] for f in FIGS)
-                       for k in (*run.ERROR_KEYS, "crashes")},
+                       for k in (*measure.ERROR_KEYS, "crashes")},
         }
     return out
 
@@ -255,7 +255,7 @@ def cell(v: list[float] | None, spec: str) -> str:
     return med if lo == hi else f"{med} [{lo}..{hi}]"
 
 
-def render(meta: dict[str, Any], p: run.Params, sides: list[str], summ: dict[str, Any],
+def render(meta: dict[str, Any], p: measure.Params, sides: list[str], summ: dict[str, Any],
            mem: dict[str, Any], mic: dict[str, list[dict[str, Any]]],
            runs: list[dict[str, Any]]) -> str:
     w = (20, 24, 25, 25, 15, 17, 18)
@@ -293,7 +293,7 @@ def render(meta: dict[str, Any], p: run.Params, sides: list[str], summ: dict[str
                     f"{m['kib_per_stream']:.2f}" if m else "n/a",
                     f"{m['kib_per_stream_marginal']:.2f}" if m else "n/a",
                     cell(s["proc_us_per_chunk"], ".1f"),
-                    f"{cell(run.mmm(us), '.1f'):<21} {s['other_cores']:.2f}"]
+                    f"{cell(report.mmm(us), '.1f'):<21} {s['other_cores']:.2f}"]
         lines.append(" ".join(f"{c:<{n}}" for c, n in zip(cols, (*w, 0), strict=True))
                      .rstrip())
     lines.append("")
@@ -343,13 +343,13 @@ def main(argv: list[str] | None = None) -> int:
                     "(no Envoy in the path; robust to other load), then exit")
     ap.add_argument("--no-micro", action="store_true",
                     help="skip the server-CPU-per-message figure in the full table")
-    ap.add_argument("--out", default=str(run.RESULTS / "floors.json"))
+    ap.add_argument("--out", default=str(measure.RESULTS / "floors.json"))
     a = ap.parse_args(argv)
     names = [n.strip() for n in a.floors.split(",") if n.strip()]
     bad = [n for n in names if n not in FLOORS]
     if bad:
         ap.error(f"--floors: unknown {', '.join(bad)} (known: {', '.join(FLOORS)})")
-    p = run.QUICK if a.quick else run.Params()
+    p = measure.QUICK if a.quick else measure.Params()
     p = dataclasses.replace(p, lat_delays_ms=(4.0,),
                             repeats=max(1, min(a.repeats or p.repeats, 10)))
     n_streams = max(10, min(a.streams or (1000 if a.quick else 5000), 10_000))
@@ -358,8 +358,8 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    meta = run.machine_info()
-    work = run.RESULTS / "work-floors"
+    meta = measure.machine_info()
+    work = measure.RESULTS / "work-floors"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     if a.micro:
@@ -372,10 +372,10 @@ def main(argv: list[str] | None = None) -> int:
                       f"{m['answers_per_body_msg']:.2f} answers per body message", flush=True)
         return 0
     started = time.monotonic()
-    run.DEADLINE[0] = started + p.budget_s * max(1, len(sides) // 3)
+    measure.DEADLINE[0] = started + p.budget_s * max(1, len(sides) // 3)
     for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, run._terminate)
-    run.start_stack = _start_stack
+        signal.signal(sig, measure._terminate)
+    measure.start_stack = _start_stack
     runs: list[dict[str, Any]] = []
     mem: dict[str, Any] = {}
     mic: dict[str, list[dict[str, Any]]] = {}
@@ -386,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
             for side in order:
                 r: dict[str, Any] = {"side": side, "repeat": rep + 1}
                 for fig in FIGS:
-                    r[fig] = run.measure_figure(fig, side, p, work / f"rep{rep + 1}", log)
+                    r[fig] = measure.measure_figure(fig, side, p, work / f"rep{rep + 1}", log)
                 runs.append(r)
         if not a.no_memory:
             for name in names:
@@ -398,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
                 mic.setdefault(name, []).append(
                     micro(FLOORS[name], work, k=500 if a.quick else 2000))
     finally:
-        run.start_stack = _RUN_START_STACK
+        measure.start_stack = _MEASURE_START_STACK
     meta["elapsed_s"] = round(time.monotonic() - started, 1)
     summ = summarize(runs, sides)
     table = render(meta, p, sides, summ, mem, mic, runs)

@@ -27,7 +27,7 @@ if __package__ in (None, ""):
 
 import grpc
 
-from bench.run import proc_cpu_s
+from bench.measure import proc_cpu_s
 from bench.streams import rss_kib
 from extproc.gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from extproc.gen.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc

@@ -23,7 +23,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.run import RESULTS, Params, latency, run_loop, saturation, start_stack, ttfd
+from bench.measure import RESULTS, Params, latency, run_loop, saturation, start_stack, ttfd
 
 BUCKETS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # Self time in these frames is grpc.aio's Cython (no Python frames below them).

@@ -33,7 +33,7 @@ if __package__ in (None, ""):
 
 import grpc
 
-from bench.run import RESULTS, run_loop
+from bench.measure import RESULTS, run_loop
 from extproc.devstack import Stack
 from extproc.gen.envoy.config.core.v3 import base_pb2 as core
 from extproc.gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep

@@ -4,8 +4,8 @@
     .venv/bin/python -m bench.transports --quick      # 1 repeat, short windows, ~2 min
 
 Per repeat, three sides in turn (the order reverses between repeats): plain Envoy, ours on
-grpc.aio, ours on grpclib; each side measures bench/run.py's saturation, per-chunk latency at
-5,000 chunks/s offered and time-to-first-delta figures, with run.py's own code (fresh stack
+grpc.aio, ours on grpclib; each side measures bench/measure.py's saturation, per-chunk latency at
+5,000 chunks/s offered and time-to-first-delta figures, with measure.py's own code (fresh stack
 per figure, idle wait, per-process CPU from /proc, crash re-measurement). The transport is
 chosen with the EXTPROC_SERVER__TRANSPORT override the processor inherits. Then, with
 `--streams N`, the processor's memory per open ext_proc stream on each stack
@@ -29,7 +29,9 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import run, streams
+from bench import streams
+from bench.measure import QUICK, RESULTS, Params, lat_rate, machine_info, measure_figure
+from bench.report import fmt3, mmm
 
 SIDES = ("plain", "grpcio", "grpclib")
 ENV = "EXTPROC_SERVER__TRANSPORT"
@@ -49,15 +51,15 @@ def transport(name: str) -> Iterator[None]:
             os.environ[ENV] = before
 
 
-def figures(p: run.Params) -> list[str]:
-    return ["saturation", f"latency@{run.lat_rate(p, min(p.lat_delays_ms))}", "ttfd"]
+def figures(p: Params) -> list[str]:
+    return ["saturation", f"latency@{lat_rate(p, min(p.lat_delays_ms))}", "ttfd"]
 
 
-def measure(side: str, p: run.Params, work: Path, log: Any) -> dict[str, Any]:
+def measure(side: str, p: Params, work: Path, log: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     with transport(side):
         for fig in figures(p):
-            out[fig] = run.measure_figure(fig, "plain" if side == "plain" else "ours", p,
+            out[fig] = measure_figure(fig, "plain" if side == "plain" else "ours", p,
                                           work / side, log)
     return out
 
@@ -67,7 +69,7 @@ def _get(r: dict[str, Any], fig: str, key: str) -> float | None:
     return float(v) if isinstance(v, int | float) else None
 
 
-def summarize(runs: list[dict[str, Any]], p: run.Params) -> dict[str, Any]:
+def summarize(runs: list[dict[str, Any]], p: Params) -> dict[str, Any]:
     lat = figures(p)[1]
     rows = [("chunks/s at saturation", "saturation", "chunks_per_s", "ratio"),
             (f"per-chunk p50 ms {lat}", lat, "p50_ms", "delta"),
@@ -79,19 +81,19 @@ def summarize(runs: list[dict[str, Any]], p: run.Params) -> dict[str, Any]:
         row: dict[str, Any] = {}
         for side in SIDES:
             xs = [v for r in runs if (v := _get(r[side], fig, key)) is not None]
-            row[side] = run.mmm(xs)
+            row[side] = mmm(xs)
             if side != "plain":
                 rel = []
                 for r in runs:
                     a, b = _get(r[side], fig, key), _get(r["plain"], fig, key)
                     if a is not None and b:
                         rel.append(a / b if how == "ratio" else a - b)
-                row[f"{side}_vs_plain"] = run.mmm(rel)
+                row[f"{side}_vs_plain"] = mmm(rel)
         out[label] = {"how": how, **row}
     cpu = {}
     for side in SIDES[1:]:
         xs = [r[side]["saturation"].get("cpu_us_per_chunk", {}).get("processor") for r in runs]
-        cpu[side] = run.mmm([float(x) for x in xs if x is not None])
+        cpu[side] = mmm([float(x) for x in xs if x is not None])
     out["processor CPU us/chunk (saturation)"] = {"how": "value", **cpu}
     return out
 
@@ -101,7 +103,7 @@ def render(s: dict[str, Any], mem: dict[str, Any]) -> str:
              "grpclib vs plain |", "|---|---|---|---|---|---|"]
     for label, row in s.items():
         def f(v: list[float] | None, spec: str = ".3f", signed: bool = False) -> str:
-            return run.fmt3(v, spec, signed)
+            return fmt3(v, spec, signed)
         spec = ".0f" if row["how"] == "ratio" else ".3f" if row["how"] == "delta" else ".1f"
         rel = ".3f"
         cells = [f(row.get(side), spec) if side in row else "-" for side in SIDES]
@@ -138,18 +140,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, help="default 3 (1 with --quick)")
     ap.add_argument("--streams", type=int, default=0,
                     help="also the memory per open stream with N streams (<= 10000)")
-    ap.add_argument("--out", default=str(run.RESULTS / "transports.json"))
+    ap.add_argument("--out", default=str(RESULTS / "transports.json"))
     a = ap.parse_args(argv)
-    p = run.QUICK if a.quick else run.Params()
+    p = QUICK if a.quick else Params()
     p = dataclasses.replace(p, repeats=max(1, min(a.repeats or p.repeats, 10)))
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    work = run.RESULTS / "work-transports"
+    work = RESULTS / "work-transports"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    meta = run.machine_info()
+    meta = machine_info()
     runs: list[dict[str, Any]] = []
     for rep in range(p.repeats):
         order = SIDES if rep % 2 == 0 else SIDES[::-1]
