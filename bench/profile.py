@@ -29,7 +29,8 @@ BUCKETS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # Self time in these frames is grpc.aio's Cython (no Python frames below them).
     ("grpc.aio write (awaited send)", ("Session.write",)),
     ("grpc.aio read", ("Session.run",)),
-    ("etcd (aetcd stubs, our store)", ("etcd_store.py", "aetcd")),
+    ("etcd (aetcd stubs, our store)", ("etcd_store.py", "journal_store.py", "kv_etcd.py",
+                                       "aetcd")),
     ("logging / telemetry", ("logging/", "logs.py", "telemetry.py", "opentelemetry")),
     ("SSE parsing", ("core/sse.py",)),
     ("state machine", ("core/machine.py", "core/gate.py", "core/guard.py")),

@@ -1,7 +1,7 @@
 """What the guard and gate sessions need from the world, declared by them (their consumer).
 
-The sessions depend on these small Protocols only: the etcd store and the in-memory store
-(tests) implement the journal and the tool ledger with the same compare semantics; the
+The sessions depend on these small Protocols only: journal_store.py implements the journal
+and the tool ledger once, over etcd or an in-memory fake of it (tests, decision 0031); the
 access-log registry implements the cause log; the clock and the ids are injected so a
 hermetic test can drive the sessions with no sockets but Envoy's messages.
 """
@@ -49,7 +49,7 @@ class RandomIds:
 
 
 class Journal(Protocol):
-    """The request journal and its fence (etcd_store.EtcdStore documents each call)."""
+    """The request journal and its fence (journal_store.JournalStore documents each call)."""
 
     async def open_request(self, rid: str, meta: Mapping[str, Any],
                            first_attempt: tuple[str, Mapping[str, Any]] | None = None,
@@ -90,7 +90,7 @@ class Journal(Protocol):
 
 
 class Ledger(Protocol):
-    """The tool-call ledger (etcd_store.ToolLedger documents each call)."""
+    """The tool-call ledger (journal_store.ToolLedger documents each call)."""
 
     async def credential(self, rid: str, attempt_id: str) -> tuple[str | None, int]: ...
     async def claim(self, key: str, rid: str, attempt_id: str,

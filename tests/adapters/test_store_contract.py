@@ -1,9 +1,12 @@
-"""One contract for the journal store and the tool ledger, run against both implementations.
+"""One contract for the journal and the tool ledger, run on both stores.
 
-Every test of the `env` fixture runs twice with identical assertions: on the in-memory store
-(time on a fake clock, advanced instead of slept) and on EtcdStore over a real etcd started
-for this module on a free loopback port (short TTLs, real time). A difference between the two
-is a failure here, so a hermetic session test on MemoryStore means what it would on etcd.
+Every transaction is written once (journal_store.py) over the KV port; every test of the
+`env` fixture runs it twice with identical assertions: on MemoryStore (the in-memory fake of
+etcd, time on a fake clock, advanced instead of slept) and on EtcdStore over a real etcd
+started for this module on a free loopback port (short TTLs, real time). A difference
+between the two is a failure here (the fake is not etcd where the journal relies on it, or
+the stores' own leases differ), so a hermetic session test on MemoryStore means what it
+would on etcd. test_kv_memory.py holds the fake to etcd below the journal.
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
-from aetcd import rpc
 
 from extproc.adapters.etcd_store import EtcdStore, ToolLedger
 from extproc.adapters.leases import AdmitResult, StoreUnavailable
@@ -124,7 +126,7 @@ class Env:
         if isinstance(self.raw, MemoryStore):
             self.raw.revoke_lease(lid)
         else:
-            await self.raw._call(self.raw._lease.LeaseRevoke, rpc.LeaseRevokeRequest(ID=lid))
+            await self.raw.kv.revoke(lid)
 
 
 @pytest.fixture(params=["memory", "etcd"])
