@@ -47,12 +47,15 @@ _TARGET = {Target.VALUE: rpc.Compare.VALUE, Target.VERSION: rpc.Compare.VERSION,
            Target.MOD: rpc.Compare.MOD}
 _RESULT = {Cmp.EQUAL: rpc.Compare.EQUAL, Cmp.LESS: rpc.Compare.LESS,
            Cmp.GREATER: rpc.Compare.GREATER}
-_FIELD = {Target.VALUE: "value", Target.VERSION: "version", Target.MOD: "mod_revision"}
 
 
 def _compare(c: Compare) -> Any:
-    return rpc.Compare(key=c.key, target=_TARGET[c.target], result=_RESULT[c.result],
-                       **{_FIELD[c.target]: c.value})
+    target, result = _TARGET[c.target], _RESULT[c.result]
+    if c.target is Target.VALUE:
+        return rpc.Compare(key=c.key, target=target, result=result, value=c.value)
+    if c.target is Target.VERSION:
+        return rpc.Compare(key=c.key, target=target, result=result, version=c.value)
+    return rpc.Compare(key=c.key, target=target, result=result, mod_revision=c.value)
 
 
 def _op(op: Op) -> Any:
