@@ -31,16 +31,23 @@ from ..core.errors import (
     tool_route_not_here,
 )
 from ..core.events import (
+    Accepted,
     Action,
+    AnswerBody,
     ArmWatchdog,
     AwaitCause,
+    AwaitIntake,
     CauseLearned,
     DisarmWatchdog,
     Event,
     Fenced,
     Finish,
+    IntakeFailed,
+    OpenIntake,
+    PassAside,
     PassHeaders,
     Refuse,
+    RegisterIntake,
     RequestBodySeen,
     RequestHeadersSeen,
     RequestOpened,
@@ -50,6 +57,7 @@ from ..core.events import (
     StallTimeout,
     State,
     StreamClosed,
+    TakeOver,
 )
 from ..core.failure import FailureClass
 from ..core.families import family_for_path
@@ -99,6 +107,7 @@ class GuardSession(Session):
         "finished",
         "first_delta_evented",
         "gen",
+        "intake",
         "lease",
         "m",
         "opening",
@@ -126,6 +135,9 @@ class GuardSession(Session):
         self.m: GuardMachine | None = None
         self.rid: str | None = None
         self.gen: Generation | None = None
+        # What the intake's steps need: the parsed body, the route, the record, attempt 1.
+        self.intake: tuple[RequestMeta, tuple[str, list[str]] | None, dict[str, Any],
+                           dict[str, Any]] | None = None
         self.watchdog: asyncio.TimerHandle | None = None
         self.finished = False
         self.closed = False
@@ -188,22 +200,14 @@ class GuardSession(Session):
             await self.on_request_body(msg.request_body.body)
         elif which == "response_headers":
             hd = codec.headers_dict(msg.response_headers.headers)
-            if self.m is None or not self.m.accepted:
-                await self.write(codec.continue_response_headers(remove=NEVER_TO_CLIENT))
-                return
-            status = int(hd.get(":status", "0") or 0)
-            if status == 200:
-                self.take_over(hd.get(H.HANDOFF))
-            await self.feed(ResponseHeaders(status=status,
+            await self.feed(ResponseHeaders(status=int(hd.get(":status", "0") or 0),
                                             content_type=hd.get("content-type", ""),
                                             end_of_stream=msg.response_headers.end_of_stream,
                                             envoy_reply=H.ENVOY_REPLY in hd,
-                                            ours=H.GATEWAY_ERROR in hd))
+                                            ours=H.GATEWAY_ERROR in hd,
+                                            handoff=hd.get(H.HANDOFF)))
         elif which == "response_body":
             body = msg.response_body
-            if self.m is None or not self.m.accepted:
-                await self.write(codec.streamed_response_body(body.body, body.end_of_stream))
-                return
             lease = self.lease
             if lease is not None and not lease.revoked and not lease.valid():
                 lease.revoked = True  # its lease ran out locally: said once, acted on once
@@ -328,7 +332,6 @@ class GuardSession(Session):
                 return
             # Hosts known to be down go last: attempt 1 should not be spent on them.
             route = (route[0], self.p.host_order(route[1]))
-        await self.feed(RequestBodySeen(None, meta.usage_mode))
         if meta.stream:
             m.count_text = self.p.tokenizers.get(meta.model or "")
         record = records.request_meta(
@@ -344,35 +347,11 @@ class GuardSession(Session):
         self.secret1 = self.p.ids.attempt_secret()
         self.cred1 = digest(self.secret1)
         first = records.first_attempt(aid1, self.cfg.server.gateway_id, self.p.clock.wall())
-        self.opening = opening = self.p.spawn(
-            self.open_record(rid, record, (aid1, first), meta.request_digest,
-                             gen.idempotency_key), f"guard-intake-{rid}")
-        if gen.idempotency_key is not None:
-            # A keyed request may be a repeat: its answer is ours to give, before routing.
-            err = await asyncio.shield(opening)
-            self.opening = None
-            if err is None:
-                self.start_span(meta, route)
-                await self.opened(meta, route)
-                await self.write(self.body_answer(meta, route, record, aid1))
-                return
-        else:
-            # A fresh id cannot be a repeat: the body goes on while the intake commits, and
-            # the gate waits for the commit before attempt 1 goes upstream (decision 0021).
-            self.p.intakes.put(rid, opening)
-            self.start_span(meta, route)
-            await self.write(self.body_answer(meta, route, record, aid1))
-            err = await asyncio.shield(opening)
-            self.opening = None
-            if err is None:
-                await self.opened(meta, route)
-                return
-            # The gate gives the client this error; nothing ran.
-            end_span(self.span, str(err.code))
-            self.span = INVALID
-        await self.feed(RequestOpened(False))
-        if gen.idempotency_key is not None:
-            await self.write(codec.immediate(err, {H.REQUEST_ID: rid}))
+        self.intake = (meta, route, record, first)
+        # The order of the intake, the body's answer and the wait is the machine's
+        # (decision 0021): OpenIntake, RegisterIntake, AnswerBody, AwaitIntake, Accepted.
+        await self.feed(RequestBodySeen(None, meta.usage_mode,
+                                        keyed=gen.idempotency_key is not None))
 
     async def open_record(self, rid: str, record: dict[str, Any],
                           first: tuple[str, dict[str, Any]], digest: str,
@@ -477,11 +456,10 @@ class GuardSession(Session):
             "llmgw.stream": meta.stream, "llmgw.fingerprint": route[0] if route else None,
             "llmgw.gateway_id": self.cfg.server.gateway_id})
 
-    async def opened(self, meta: RequestMeta, route: tuple[str, list[str]] | None) -> None:
+    def opened(self, meta: RequestMeta, route: tuple[str, list[str]] | None) -> None:
         """The intake committed: the request is ours."""
         # In flight for the retry budget until this stream ends (on_closed).
         self.p.budget.request_started(self.rid or "", self.p.clock.monotonic(), self.aid1 or "")
-        await self.feed(RequestOpened(True))
         rlog(log, logging.INFO, "request accepted", self.rid, None, stream=meta.stream,
              model=meta.model, fingerprint=route[0] if route else None)
         self.span.add_event("request.accepted")
@@ -514,6 +492,38 @@ class GuardSession(Session):
             # Envoy rejects a buffered body mutation whose content-length does not match.
             set_headers["content-length"] = str(len(meta.upstream_body))
         return codec.continue_request_body_with(set_headers, lb, meta.upstream_body)
+
+    async def intake_step(self, a: OpenIntake | RegisterIntake | AnswerBody | AwaitIntake
+                          | Accepted | IntakeFailed) -> None:
+        """One step of the intake, in the order the machine gave (decision 0021)."""
+        rid, gen, intake = self.rid or "", self.gen, self.intake
+        assert gen is not None and intake is not None
+        meta, route, record, first = intake
+        if isinstance(a, OpenIntake):
+            self.opening = self.p.spawn(
+                self.open_record(rid, record, (first["attempt_id"], first),
+                                 meta.request_digest, gen.idempotency_key),
+                f"guard-intake-{rid}")
+        elif isinstance(a, RegisterIntake):
+            assert self.opening is not None
+            self.p.intakes.put(rid, self.opening)
+        elif isinstance(a, AnswerBody):
+            if self.span is INVALID:
+                self.start_span(meta, route)
+            await self.write(self.body_answer(meta, route, record, first["attempt_id"]))
+        elif isinstance(a, AwaitIntake):
+            assert self.opening is not None
+            err = await asyncio.shield(self.opening)
+            self.opening = None
+            await self.feed(RequestOpened(err is None, err))
+        elif isinstance(a, Accepted):
+            if self.span is INVALID:
+                self.start_span(meta, route)
+            self.opened(meta, route)
+        else:
+            # The gate gives the client this error; nothing ran.
+            end_span(self.span, str(a.error.code))
+            self.span = INVALID
 
     def take_over(self, handoff: str | None) -> None:
         """The gate released its attempt to us: own its end, its record and its fence."""
@@ -567,7 +577,14 @@ class GuardSession(Session):
 
     async def act(self, a: Action) -> None:
         rid = self.rid or ""
-        if isinstance(a, PassHeaders):
+        if isinstance(a, (OpenIntake, RegisterIntake, AnswerBody, AwaitIntake, Accepted,
+                          IntakeFailed)):
+            await self.intake_step(a)
+        elif isinstance(a, TakeOver):
+            self.take_over(a.handoff)
+        elif isinstance(a, PassAside):
+            await self.write(codec.continue_response_headers(remove=NEVER_TO_CLIENT))
+        elif isinstance(a, PassHeaders):
             if self.m is not None and self.m.replaced_error is not None:
                 await self.write(codec.continue_response_headers(
                     {H.REQUEST_ID: rid, "content-type": "application/json"},

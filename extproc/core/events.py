@@ -51,14 +51,19 @@ class RequestBodySeen:
 
     error: GatewayError | None = None
     usage: UsageMode = UsageMode.OFF
+    # The request names an idempotency key, so it may be a repeat: its intake is answered
+    # before the body goes on (decision 0021).
+    keyed: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class RequestOpened:
     """Guard: the intake transaction's answer: a new request (accepted), or not (a repeat
-    answered from the journal, no compatible replica, or the journal unavailable)."""
+    answered from the journal, no compatible replica, or the journal unavailable), with
+    what to answer then."""
 
     accepted: bool
+    error: GatewayError | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +81,8 @@ class ResponseHeaders:
     envoy_reply: bool = False
     # The processor wrote this error itself (x-gateway-error): already in our shape.
     ours: bool = False
+    # Guard: the gate's hand-off of a released attempt (x-gateway-attempt-handoff).
+    handoff: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,9 +270,61 @@ class Finish:
     bound: str | None = None
 
 
+# --- guard: the intake order (decision 0021) and the take-over of a hand-off ------------
+
+
+@dataclass(frozen=True, slots=True)
+class OpenIntake:
+    """Guard: start the intake transaction (its own task: it outlives the stream)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RegisterIntake:
+    """Guard: let the request's gates wait for the intake before attempt 1 goes upstream."""
+
+
+@dataclass(frozen=True, slots=True)
+class AnswerBody:
+    """Guard: let the body go on, with attempt 1's headers and the route."""
+
+
+@dataclass(frozen=True, slots=True)
+class AwaitIntake:
+    """Guard: wait for the intake's answer, then feed RequestOpened."""
+
+
+@dataclass(frozen=True, slots=True)
+class Accepted:
+    """Guard: the request is ours: in flight for the retry budget until its stream ends."""
+
+
+@dataclass(frozen=True, slots=True)
+class IntakeFailed:
+    """Guard: a key-less intake failed after its body went on: its gate answers the client
+    with `error`; here only what was started for it ends."""
+
+    error: GatewayError
+
+
+@dataclass(frozen=True, slots=True)
+class TakeOver:
+    """Guard: own the released attempt the gate handed over (`handoff`, its header form):
+    its end, its record and its fence."""
+
+    handoff: str
+
+
+@dataclass(frozen=True, slots=True)
+class PassAside:
+    """Guard: let response headers that are not of a request of ours go on, unchanged but
+    for the headers that never reach a client."""
+
+
 Action: TypeAlias = (Admit | ContinueRequest | Refuse | PassHeaders | HoldChunk | PassChunk
                      | Fence | Release | FailAttempt | DropChunk | Send | ArmWatchdog
-                     | DisarmWatchdog | AwaitCause | EndAttempt | Finish)
+                     | DisarmWatchdog | AwaitCause | EndAttempt | Finish
+                     | OpenIntake | RegisterIntake | AnswerBody | AwaitIntake | Accepted
+                     | IntakeFailed | TakeOver | PassAside)
 
 
 class State(StrEnum):

@@ -15,15 +15,22 @@ from typing import Any
 
 from .errors import decode_interrupted, upstream_unavailable
 from .events import (
+    Accepted,
     Action,
+    AnswerBody,
     ArmWatchdog,
     AwaitCause,
+    AwaitIntake,
     CauseLearned,
     DisarmWatchdog,
     Fenced,
     Finish,
+    IntakeFailed,
+    OpenIntake,
+    PassAside,
     PassHeaders,
     Refuse,
+    RegisterIntake,
     RequestBodySeen,
     RequestHeadersSeen,
     RequestOpened,
@@ -33,6 +40,7 @@ from .events import (
     StallTimeout,
     State,
     StreamClosed,
+    TakeOver,
 )
 from .families import CHAT, Family, family_named
 from .journal import Outcome
@@ -70,6 +78,7 @@ class GuardMachine(Machine):
     max_buffer: int = 4 << 20
     finished: Finish | None = None
     done_seen: bool = False  # `[DONE]` forwarded: the client has a complete answer
+    keyed: bool = False  # its intake is answered before its body goes on (decision 0021)
     # Envoy's own plain-text 5xx (e.g. no healthy upstream, overflow): replaced by our JSON
     # error so every client sees the same contract.
     replaced_error: bytes | None = None
@@ -187,6 +196,9 @@ def _guard_headers(m: GuardMachine, ev: ResponseHeaders) -> list[Action]:
             m.request_id, f"{who} status {ev.status}", ev.status))
     if ev.end_of_stream:
         m.state = State.GUARD_COMPLETE
+    if ev.status == 200 and ev.handoff:
+        # The gate released its attempt to us: its end, record and fence are ours now.
+        return [TakeOver(ev.handoff), PassHeaders()]
     return [PassHeaders()]
 
 
@@ -371,6 +383,8 @@ REQUEST_PHASE = frozenset({State.GUARD_NEW, State.GUARD_AWAITING_BODY, State.GUA
 
 def _guard_request_headers(m: GuardMachine, ev: RequestHeadersSeen) -> list[Action]:
     m.state = State.GUARD_AWAITING_BODY if ev.kind == "generation" else State.GUARD_ASIDE
+    if m.state is State.GUARD_ASIDE:
+        m.trace_budget = 0  # not a request of ours: what passes by is not traced
     if ev.family != m.family.name:
         m.family = family_named(ev.family)
         m.decoder = m.family.decoder()
@@ -382,13 +396,36 @@ def _guard_request_body(m: GuardMachine, ev: RequestBodySeen) -> list[Action]:
         m.state = State.GUARD_ASIDE
         return [Refuse(ev.error)]
     m.usage_mode = ev.usage
+    m.keyed = ev.keyed
     m.state = State.GUARD_OPENING
-    return []
+    if ev.keyed:
+        # A keyed request may be a repeat: its answer is ours to give, before routing.
+        return [OpenIntake(), AwaitIntake()]
+    # A fresh id cannot be a repeat: the body goes on while the intake commits, and every
+    # gate of the request waits for the commit before its attempt goes upstream.
+    return [OpenIntake(), RegisterIntake(), AnswerBody(), AwaitIntake()]
 
 
 def _guard_opened(m: GuardMachine, ev: RequestOpened) -> list[Action]:
-    m.state = State.GUARD_WAITING if ev.accepted else State.GUARD_ASIDE
-    return []
+    if ev.accepted:
+        m.state = State.GUARD_WAITING
+        return [Accepted(), AnswerBody()] if m.keyed else [Accepted()]
+    m.state = State.GUARD_ASIDE
+    if ev.error is None:
+        return []
+    # Keyed: the repeat's answer (or the journal's trouble) is ours to give. Key-less: the
+    # body went on already; its gate gives the client this error, and nothing ran.
+    return [Refuse(ev.error)] if m.keyed else [IntakeFailed(ev.error)]
+
+
+def _guard_pass_aside(m: GuardMachine, ev: ResponseHeaders) -> list[Action]:
+    # Not a request of ours (or not yet: an answer Envoy made before the intake was):
+    # its response goes on as it came.
+    return [PassAside()]
+
+
+def _guard_send_aside(m: GuardMachine, ev: ResponseBody) -> list[Action]:
+    return [Send(ev.data, ev.end_of_stream)]
 
 
 def _guard_closed_early(m: GuardMachine, ev: StreamClosed) -> list[Action]:
@@ -415,12 +452,19 @@ def _guard_opened_after_close(m: GuardMachine, ev: RequestOpened) -> list[Action
     return [AwaitCause()]
 
 
+# States where a response is not (yet) of a request of ours.
+_ASIDE_STATES = (S.GUARD_NEW, S.GUARD_AWAITING_BODY, S.GUARD_OPENING, S.GUARD_ASIDE)
+
 GUARD_TABLE: Table = {
     (S.GUARD_NEW, RequestHeadersSeen): T(_guard_request_headers, S.GUARD_AWAITING_BODY,
                                               S.GUARD_ASIDE),
     (S.GUARD_AWAITING_BODY, RequestBodySeen): T(_guard_request_body, S.GUARD_OPENING,
                                                      S.GUARD_ASIDE),
     (S.GUARD_OPENING, RequestOpened): T(_guard_opened, S.GUARD_WAITING, S.GUARD_ASIDE),
+    **stay(_guard_pass_aside, _ASIDE_STATES, ResponseHeaders),
+    # Envoy's own answer that came before the intake committed, headers passed aside
+    # above: its body passes too (the stream's close then finishes the record).
+    **stay(_guard_send_aside, (*_ASIDE_STATES, S.GUARD_WAITING), ResponseBody),
     **{(st, StreamClosed): T(_guard_closed_early, S.GUARD_CLOSED) for st in (
         S.GUARD_NEW, S.GUARD_AWAITING_BODY, S.GUARD_ASIDE)},
     (S.GUARD_OPENING, StreamClosed): T(_guard_closed_opening, S.GUARD_LEFT_OPENING),

@@ -94,7 +94,10 @@ def _build_record(ev: Event) -> dict[str, Any]:
     elif isinstance(ev, RequestBodySeen):
         d = {"error": ev.error.body() if ev.error else None,
              "http_status": ev.error.http_status if ev.error else None,
-             "usage": str(ev.usage)}
+             "usage": str(ev.usage), "keyed": ev.keyed}
+    elif isinstance(ev, RequestOpened):
+        d = {"accepted": ev.accepted, "error": ev.error.body() if ev.error else None,
+             "http_status": ev.error.http_status if ev.error else None}
     else:
         d = asdict(ev)
     for k, v in list(d.items()):

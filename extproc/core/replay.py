@@ -56,7 +56,9 @@ def event_from_record(d: Mapping[str, Any]) -> Event:
         return AdmitDecided(bool(d["admitted"]), err)
     if t == "ResponseHeaders":
         return ResponseHeaders(int(d["status"]), str(d["content_type"]),
-                               bool(d.get("end_of_stream", False)))
+                               bool(d.get("end_of_stream", False)),
+                               bool(d.get("envoy_reply", False)), bool(d.get("ours", False)),
+                               d.get("handoff"))
     if t == "ResponseBody":
         return ResponseBody(str(d["data"]).encode("latin-1"), bool(d["end_of_stream"]))
     if t == "FenceDecided":
@@ -70,13 +72,21 @@ def event_from_record(d: Mapping[str, Any]) -> Event:
     if t == "RequestBodySeen":
         body = d.get("error")
         if not isinstance(body, Mapping):
-            return RequestBodySeen(None, UsageMode(str(d.get("usage", "off"))))
+            return RequestBodySeen(None, UsageMode(str(d.get("usage", "off"))),
+                                   bool(d.get("keyed", False)))
         e = body.get("error", {})
         return RequestBodySeen(GatewayError(
             ErrorCode(e.get("code", "invalid_request_body")), str(e.get("message", "")),
             int(d.get("http_status") or 400), request_id=e.get("request_id")))
     if t == "RequestOpened":
-        return RequestOpened(bool(d["accepted"]))
+        body = d.get("error")
+        err = None
+        if isinstance(body, Mapping):
+            e = body.get("error", {})
+            err = GatewayError(ErrorCode(e.get("code", "journal_unavailable")),
+                               str(e.get("message", "")), int(d.get("http_status") or 503),
+                               request_id=e.get("request_id"))
+        return RequestOpened(bool(d["accepted"]), err)
     if t == "StallTimeout":
         return StallTimeout()
     if t == "Fenced":

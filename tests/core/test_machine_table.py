@@ -11,8 +11,10 @@ from extproc.core.errors import ErrorCode, GatewayError, decode_interrupted
 from extproc.core.events import (
     Admit,
     AdmitDecided,
+    AnswerBody,
     ArmWatchdog,
     AwaitCause,
+    AwaitIntake,
     CauseLearned,
     ContinueRequest,
     DisarmWatchdog,
@@ -27,9 +29,11 @@ from extproc.core.events import (
     FirstDeltaTimeout,
     HoldChunk,
     LeaseLost,
+    OpenIntake,
     PassChunk,
     PassHeaders,
     Refuse,
+    RegisterIntake,
     Release,
     RequestBodySeen,
     RequestHeadersSeen,
@@ -626,7 +630,8 @@ def test_the_guard_request_phase_is_in_the_table() -> None:
         m.handle(RequestHeadersSeen(kind))
         if kind == "generation":
             acts = m.handle(RequestBodySeen(body))
-            assert acts == ([Refuse(err)] if body is not None else [])
+            assert acts == ([Refuse(err)] if body is not None else [
+                OpenIntake(), RegisterIntake(), AnswerBody(), AwaitIntake()])
             if opened is not None:
                 m.handle(RequestOpened(opened))
         assert m.state is end and m.accepted is (end is State.GUARD_WAITING)
