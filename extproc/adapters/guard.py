@@ -209,8 +209,8 @@ class GuardSession(Session):
         elif which == "response_body":
             body = msg.response_body
             lease = self.lease
-            if lease is not None and not lease.revoked and not lease.valid():
-                lease.revoked = True  # its lease ran out locally: said once, acted on once
+            if lease is not None and not lease.valid() and lease.lose("expired locally"):
+                # its lease ran out locally: said once, acted on once
                 self.fenced_log()
                 await self.feed(Fenced())
             tel = self.p.tel
@@ -548,8 +548,7 @@ class GuardSession(Session):
 
         def on_live(value: str | None) -> None:
             lease = self.lease
-            if lease is not None and value != aid and not lease.revoked:
-                lease.revoked = True
+            if lease is not None and value != aid and lease.lose("revoked or replaced"):
                 self.fenced_log()
                 self.p.spawn(self.on_fenced(), f"guard-fenced-{self.rid}")
         self._unwatch = self.p.journal.on_live_change(self.rid or "", on_live, aid)

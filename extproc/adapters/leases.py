@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 log = logging.getLogger("extproc.leases")
 
@@ -61,10 +61,39 @@ class ProcessLease:
 @dataclass(slots=True)
 class AttemptLease:
     """An attempt's permission to publish: its process lease is locally unexpired, and
-    nobody revoked, replaced or fenced its `live` key (the watch sets `revoked`)."""
+    nobody revoked, replaced or fenced its `live` key.
+
+    Its one owner of the loss: `lose(why)` is the only way it ends (the revocation watch,
+    the attempt's own end, its local expiry noticed), said once; whoever must hear of it
+    registers with `on_lost` (etcd's concurrency.Session.Done() is the model)."""
 
     process: ProcessLease
-    revoked: bool = False
+    lost_because: str | None = None
+    _listeners: list[Callable[[str], None]] = field(default_factory=list)
+
+    @property
+    def revoked(self) -> bool:
+        return self.lost_because is not None
+
+    def lose(self, why: str) -> bool:
+        """End the permission; True only for the call that ended it (its listeners run)."""
+        if self.lost_because is not None:
+            return False
+        self.lost_because = why
+        listeners, self._listeners = self._listeners, []
+        for cb in listeners:
+            try:
+                cb(why)
+            except Exception:
+                log.exception("lease loss listener failed")
+        return True
+
+    def on_lost(self, cb: Callable[[str], None]) -> None:
+        """Call `cb(why)` once, when the permission ends (at once if it has)."""
+        if self.lost_because is not None:
+            cb(self.lost_because)
+        else:
+            self._listeners.append(cb)
 
     @property
     def lease_id(self) -> int:

@@ -26,7 +26,7 @@ from opentelemetry.trace import INVALID_SPAN_CONTEXT, NonRecordingSpan, Span
 from ..core.budget import RetryBudget
 from ..core.config import Config
 from ..core.errors import GatewayError
-from ..core.gate import GateMachine
+from ..core.gate import GateMachine, GateParams
 from ..core.guard import GuardMachine
 from ..core.handoff import HandOff, TraceSnapshot
 from ..core.health import HealthPolicy, HostHealth
@@ -43,6 +43,7 @@ from .logs import rlog
 from .ports import Clock, Ids, Journal, Ledger, RandomIds, SystemClock
 from .prober import probe_forever
 from .telemetry import Telemetry, end_span
+from .timers import LoopTimers, Timers
 from .tokenizer import load_tokenizers
 
 log = logging.getLogger("extproc")
@@ -162,12 +163,15 @@ class Processor:
     """Shared services of one processor process, each behind the port the sessions use."""
 
     def __init__(self, cfg: Config, journal: Journal, ledger: Ledger,
-                 clock: Clock | None = None, ids: Ids | None = None) -> None:
+                 clock: Clock | None = None, ids: Ids | None = None,
+                 timers: Timers | None = None) -> None:
         self.cfg = cfg
+        self.gate_params = GateParams.from_config(cfg)
         self.journal = journal
         self.ledger = ledger
         self.clock: Clock = clock or SystemClock()
         self.ids: Ids = ids or RandomIds()
+        self.timers: Timers = timers or LoopTimers()
         self.pool = pool_from_config(cfg.pool.replicas)
         self.tokenizers = load_tokenizers(cfg.accounting)
         rb = cfg.policy.retry_budget

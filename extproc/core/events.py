@@ -8,12 +8,15 @@ and an event in.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Literal, TypeAlias
+from typing import Any, Literal, TypeAlias
 
+from .admission import Admitted, AttemptRequest
 from .errors import GatewayError
 from .journal import Outcome
+from .records import AttemptFacts
 from .usage import UsageMode
 
 # --- events ---------------------------------------------------------------------------
@@ -26,8 +29,70 @@ class RequestStarted:
     `family`: the API family of its path (core.families): how its response is read.
     """
 
-    attempt: int
+    attempt: int  # Envoy's count (x-envoy-attempt-count): the admission policy's
     family: str = "chat"
+    # What the attempt's request headers and the ids port say (times from the clock port):
+    attempt_id: str = ""  # attempt 1's from the guard (pre-admitted), a later one's minted
+    attempt_offset: int = 0  # a re-run's: the attempts of the runs before (decision 0027)
+    preadmitted: bool = False  # admitted by the guard with the request (attempt 1)
+    first_admitted: str | None = None  # attempt 1's id, as every attempt sees it
+    replica: str | None = None
+    want_fingerprint: str | None = None
+    prompt_tokens: int = 0
+    accepted_at: float | None = None  # wall clock, when the guard accepted the request
+    mono: float = 0.0
+    wall: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class IntakeCommitted:
+    """Gate: the request's intake answered (or none was in flight): `error` if it was never
+    recorded. With it, what the process knows that the admission weighs: how many of the
+    request's attempts reached a replica, this replica's fingerprint in the pool."""
+
+    error: GatewayError | None = None
+    reached_count: int = 0
+    replica_fingerprint: str | None = None
+    pool_enabled: bool = False
+    wall: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionDecided:
+    """Gate: core.admission's verdict (the retry budget is the process's: the adapter asks
+    it): `admitted`, or `error`."""
+
+    admitted: Admitted | None = None
+    error: GatewayError | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StoreDown:
+    """Gate: a journal write was not confirmed within its resend deadline (decision 0026)."""
+
+    what: str = ""
+    wall: float = 0.0
+
+
+class TimerKind(StrEnum):
+    SOFT_FIRST_DELTA = "soft_first_delta"  # slow is not dead: noted, nothing changes
+    FIRST_DELTA = "first_delta"  # the attempt's first-delta deadline
+
+
+@dataclass(frozen=True, slots=True)
+class TimerFired:
+    """A timer the machine started (StartTimer) ran out, on the injected clock."""
+
+    kind: TimerKind
+    mono: float = 0.0
+    wall: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Revoked:
+    """Gate: the early revoke of an ended attempt's `live` key was confirmed, or given up."""
+
+    confirmed: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,8 +133,14 @@ class RequestOpened:
 
 @dataclass(frozen=True, slots=True)
 class AdmitDecided:
+    """Gate: the journal's answer to the admission (or the lease of a pre-admitted attempt):
+    `reason` when refused; `waited_s` for the previous attempt's fence."""
+
     admitted: bool
-    error: GatewayError | None = None
+    reason: str = ""
+    waited_s: float = 0.0
+    mono: float = 0.0  # when it answered: the first-delta deadline runs from here
+    wall: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +154,9 @@ class ResponseHeaders:
     ours: bool = False
     # Guard: the gate's hand-off of a released attempt (x-gateway-attempt-handoff).
     handoff: str | None = None
+    # Gate: the replica's x-model-revision and Retry-After (429/503: overloaded, not dead).
+    model_revision: str | None = None
+    retry_after: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,25 +171,18 @@ class FenceDecided:
 
 
 @dataclass(frozen=True, slots=True)
-class FirstDeltaTimeout:
-    """Gate: the attempt's first-delta deadline passed (extproc.core.admission).
-
-    `final`: no attempt or no request budget is left, so the request ends with
-    `upstream_timeout` instead of a retry; `waited_s` is the request's wait so far.
-    """
-
-    final: bool = False
-    waited_s: float = 0.0
-
-
-@dataclass(frozen=True, slots=True)
 class StallTimeout:
     """Guard: no byte from upstream for the configured time after the first delta."""
 
 
 @dataclass(frozen=True, slots=True)
 class StreamClosed:
-    """Envoy closed our gRPC stream (the filter was destroyed): no more messages."""
+    """Envoy closed our gRPC stream (the filter was destroyed): no more messages.
+
+    The gate's carries the clock's times (its attempt's end is planned from them)."""
+
+    mono: float = 0.0
+    wall: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,10 +208,14 @@ class CauseLearned:
 
     cause: str  # "client" | "upstream" | "timeout" | "unknown"
     body_bytes: int | None = None
+    # Gate: whether an entry came at all (False: Envoy said nothing in time), and when.
+    heard: bool = True
+    wall: float = 0.0
 
 
-Event: TypeAlias = (RequestStarted | AdmitDecided | ResponseHeaders | ResponseBody | FenceDecided
-                    | FirstDeltaTimeout | StallTimeout | StreamClosed | CauseLearned | Fenced
+Event: TypeAlias = (RequestStarted | IntakeCommitted | AdmissionDecided | StoreDown | TimerFired
+                    | Revoked | AdmitDecided | ResponseHeaders | ResponseBody | FenceDecided
+                    | StallTimeout | StreamClosed | CauseLearned | Fenced
                     | LeaseLost | RequestHeadersSeen | RequestBodySeen | RequestOpened)
 
 # --- actions --------------------------------------------------------------------------
@@ -152,9 +223,104 @@ Event: TypeAlias = (RequestStarted | AdmitDecided | ResponseHeaders | ResponseBo
 
 @dataclass(frozen=True, slots=True)
 class Admit:
-    """Gate: run the admission transaction for this attempt, then feed AdmitDecided."""
+    """Gate: run the admission transaction (its record, and how long it may wait for the
+    previous attempt's fence), sent again until `deadline_s` from now at the latest; then
+    feed AdmitDecided, or StoreDown. The adapter mints the attempt's credential with it."""
+
+    attempt: int  # the journal's number
+    record: Mapping[str, Any] = field(default_factory=dict)
+    fence_wait_s: float = 0.0
+    first_attempt: int = 1
+    deadline_s: float = float("inf")
+
+
+@dataclass(frozen=True, slots=True)
+class AwaitIntakeCommit:
+    """Gate: wait for the request's intake (decision 0021), then feed IntakeCommitted."""
+
+
+@dataclass(frozen=True, slots=True)
+class Decide:
+    """Gate: ask core.admission.decide with the process's retry budget; feed
+    AdmissionDecided."""
+
+    request: AttemptRequest
+
+
+@dataclass(frozen=True, slots=True)
+class TakeLease:
+    """Gate: the pre-admitted attempt's lease (the process lease); feed AdmitDecided, or
+    StoreDown."""
+
+
+@dataclass(frozen=True, slots=True)
+class GiveBack:
+    """Gate: a pre-admitted attempt 1 its gate refused: give `live` back (`record`)."""
 
     attempt: int
+    record: Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class UndoAdmission:
+    """Gate: an admission never confirmed may still apply: take it back once etcd answers."""
+
+    attempt: int
+
+
+@dataclass(frozen=True, slots=True)
+class UndoFence:
+    """Gate: a fence never confirmed may still apply: take it back once etcd answers."""
+
+    facts: AttemptFacts
+
+
+@dataclass(frozen=True, slots=True)
+class Watch:
+    """Gate: subscribe to the attempt's `live` key: its lease is lost if it changes."""
+
+
+@dataclass(frozen=True, slots=True)
+class StartTimer:
+    """Feed TimerFired(kind) after `seconds` on the injected clock (replacing that kind's)."""
+
+    kind: TimerKind
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class StopTimers:
+    """Cancel every timer the machine started."""
+
+
+@dataclass(frozen=True, slots=True)
+class MarkSlow:
+    """Gate: the first delta is slower than the soft expectation (recorded, not failed)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RevokeEarly:
+    """Gate: a confirmed end before the first-delta limit: end `live` now with the pending
+    `record`; feed Revoked."""
+
+    attempt: int
+    record: Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class CloseAttempt:
+    """Gate: the attempt's end is settled: its lease ends, its record is written (ending
+    `live`, or, after an early revoke, updating the record), its trace kept."""
+
+    attempt: int
+    record: Mapping[str, Any]
+    expire: bool  # fenced until the lease expires (an uncertain end)
+    update_only: bool  # `live` already went with the early revoke
+    failure_class: str
+    fence: str
+    cause: str
+    timed_out: bool
+    end_trace: Mapping[str, Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,7 +337,10 @@ class Refuse:
 
 @dataclass(frozen=True, slots=True)
 class PassHeaders:
-    """Gate: answer the response headers unchanged (non-2xx: the router decides)."""
+    """Answer the response headers (the gate's: unchanged but for the retry mark, with which
+    Envoy retries a non-2xx; decision 0024)."""
+
+    retry: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,7 +355,11 @@ class PassChunk:
 
 @dataclass(frozen=True, slots=True)
 class Fence:
-    """Gate: run the first-delta fence transaction, then feed FenceDecided."""
+    """Gate: run the first-delta fence transaction (of `facts`, stamped when sent), sent
+    again until `until_mono` at the latest; then feed FenceDecided, or StoreDown."""
+
+    facts: AttemptFacts | None = None
+    until_mono: float = float("inf")
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,6 +373,20 @@ class Release:
 
     held_chunks: int
     hand_off: bool = False
+    facts: AttemptFacts | None = None  # the attempt's record so far: the hand-off's
+
+
+@dataclass(frozen=True, slots=True)
+class Overloaded:
+    """Gate: the replica said it is overloaded (429/503): tried after the others until
+    `seconds` from now."""
+
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class RetryEnded:
+    """Gate: over before release: a re-prefill stops counting in the retry budget."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,6 +400,7 @@ class FailAttempt:
     reason: str
     error: GatewayError
     held_chunks: int
+    retry: bool = False  # mark the 503 for Envoy's retry (not on the last attempt)
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,7 +428,10 @@ class DisarmWatchdog:
 
 @dataclass(frozen=True, slots=True)
 class AwaitCause:
-    """Guard: wait (bounded) for Envoy's access log to say why the stream ended."""
+    """Wait (bounded) for Envoy's access log to say why the stream ended: the guard's
+    request entry, or (`attempt_id`) the gate's per-attempt entry; feed CauseLearned."""
+
+    attempt_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -320,23 +511,30 @@ class PassAside:
     for the headers that never reach a client."""
 
 
-Action: TypeAlias = (Admit | ContinueRequest | Refuse | PassHeaders | HoldChunk | PassChunk
+Action: TypeAlias = (Admit | AwaitIntakeCommit | Decide | TakeLease | GiveBack | UndoAdmission
+                     | UndoFence | Watch | StartTimer | StopTimers | MarkSlow | RevokeEarly
+                     | CloseAttempt | Overloaded | RetryEnded | ContinueRequest | Refuse
+                     | PassHeaders | HoldChunk | PassChunk
                      | Fence | Release | FailAttempt | DropChunk | Send | ArmWatchdog
-                     | DisarmWatchdog | AwaitCause | EndAttempt | Finish
-                     | OpenIntake | RegisterIntake | AnswerBody | AwaitIntake | Accepted
-                     | IntakeFailed | TakeOver | PassAside)
+                     | DisarmWatchdog | AwaitCause | EndAttempt | Finish | OpenIntake
+                     | RegisterIntake | AnswerBody | AwaitIntake | Accepted | IntakeFailed
+                     | TakeOver | PassAside)
 
 
 class State(StrEnum):
     # gate (one upstream attempt)
     GATE_NEW = "gate_new"
-    GATE_ADMITTING = "gate_admitting"
+    GATE_AWAITING_INTAKE = "gate_awaiting_intake"  # the request's intake not yet committed
+    GATE_DECIDING = "gate_deciding"  # core.admission's verdict asked
+    GATE_ADMITTING = "gate_admitting"  # the admission transaction (or the lease) in flight
     GATE_FORWARDED = "gate_forwarded"
     GATE_HOLDING = "gate_holding"
     GATE_FENCING = "gate_fencing"
     GATE_RELEASED = "gate_released"
     GATE_PASSTHROUGH = "gate_passthrough"
     GATE_FAILED = "gate_failed"
+    GATE_REVOKING = "gate_revoking"  # over before release: the early revoke in flight
+    GATE_AWAITING_WORD = "gate_awaiting_word"  # over: waiting for Envoy's access-log word
     GATE_CLOSED = "gate_closed"
     # guard (the logical request, downstream)
     GUARD_NEW = "guard_new"  # nothing seen yet

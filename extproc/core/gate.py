@@ -1,7 +1,13 @@
-"""The gate: one upstream attempt, held until its first content delta is fenced in etcd.
+"""The gate: one upstream attempt, its whole life as rows (`GateMachine.TABLE`).
 
-Its data, its handlers and its rows (`GateMachine.TABLE`); read down the rows to draw an
-attempt's life.
+Read down the rows to draw an attempt's life: it waits for its request's intake (decision
+0021: every attempt, not only the first), asks core.admission, takes its lease (attempt 1,
+admitted with the request) or runs the admission transaction, starts its first-delta timers,
+holds the response until the first content delta is fenced in etcd, then releases it and
+hands the attempt to the guard; or fails it so Envoy retries. An attempt over before its
+release is ended here too: the end planned (core.records), revoked early when the end is
+confirmed, Envoy's access-log word awaited when it is not, the record settled and written.
+Every wait is an action out and an event in; times and ids come in on the events.
 """
 
 from __future__ import annotations
@@ -11,20 +17,37 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import GatewayError, upstream_timeout, upstream_unavailable
+from . import records
+from .admission import Admitted, AttemptRequest, envoy_retries, retry_after_s
+from .config import Config
+from .errors import (
+    GatewayError,
+    attempt_not_admitted,
+    journal_unavailable,
+    upstream_timeout,
+    upstream_unavailable,
+)
 from .events import (
     Action,
+    AdmissionDecided,
     Admit,
     AdmitDecided,
+    AwaitCause,
+    AwaitIntakeCommit,
+    CauseLearned,
+    CloseAttempt,
     ContinueRequest,
+    Decide,
     DropChunk,
-    EndAttempt,
     FailAttempt,
     Fence,
     FenceDecided,
-    FirstDeltaTimeout,
+    GiveBack,
     HoldChunk,
+    IntakeCommitted,
     LeaseLost,
+    MarkSlow,
+    Overloaded,
     PassChunk,
     PassHeaders,
     Refuse,
@@ -32,21 +55,70 @@ from .events import (
     RequestStarted,
     ResponseBody,
     ResponseHeaders,
+    RetryEnded,
+    Revoked,
+    RevokeEarly,
+    StartTimer,
     State,
+    StopTimers,
+    StoreDown,
     StreamClosed,
+    TakeLease,
+    TimerFired,
+    TimerKind,
+    UndoAdmission,
+    UndoFence,
+    Watch,
 )
+from .failure import FailureClass
+from .failure import Fence as FenceKind
 from .families import CHAT, Family, family_named
 from .machine import Machine, T, Table, counting_decoder, stay
 from .sse import EventKind, SseDecoder
 
 S = State
 
+# The admission and the fence are sent again only until this long before the attempt's
+# first-delta limit, so the attempt fails as "journal unavailable" (and Envoy may re-run
+# it) before Envoy's per-try timeout answers for it.
+FENCE_MARGIN_S = 0.25
+
+
+@dataclass(frozen=True, slots=True)
+class GateParams:
+    """The configuration an attempt's rows read (core.config), traced with it."""
+
+    max_buffer: int = 4 << 20
+    first_delta_s: float = 30.0
+    soft_first_delta_s: float = 0.0
+    max_attempts: int = 3
+    total_first_delta_s: float = 90.0
+    fence_wait_s: float = 5.0
+    max_prompt_tokens: int = 0
+    gateway_id: str = ""
+    lease_ttl_s: int = 10
+    cancel_ack: bool = True  # policy.uncertain_source_liveness.wait_for
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> GateParams:
+        t, pol = cfg.timeouts, cfg.policy
+        return cls(max_buffer=cfg.limits.max_buffered_response_bytes,
+                   first_delta_s=t.first_delta_s, soft_first_delta_s=t.soft_first_delta_s,
+                   max_attempts=pol.max_attempts,
+                   total_first_delta_s=t.total_first_delta_s(pol.max_attempts),
+                   fence_wait_s=t.fence_wait_s,
+                   max_prompt_tokens=pol.retry_cost.max_prompt_tokens,
+                   gateway_id=cfg.server.gateway_id, lease_ttl_s=cfg.etcd.attempt_lease_ttl_s,
+                   cancel_ack=(pol.uncertain_source_liveness.wait_for
+                               == "cancel_ack_or_lease_expiry"))
+
 
 @dataclass(slots=True)
 class GateMachine(Machine):
-    """One attempt: hold the response until the first content delta is fenced in etcd."""
+    """One attempt: its admission, its hold until the first delta is fenced, its end."""
 
-    attempt: int = 0
+    attempt: int = 0  # Envoy's count (the policy's)
+    params: GateParams = field(default_factory=GateParams)
     max_buffer: int = 4 << 20
     streaming: bool = False
     family: Family = CHAT
@@ -59,11 +131,54 @@ class GateMachine(Machine):
     ended: bool = False  # upstream sent end_of_stream
     timed_out: bool = False  # failed by the first-delta limit: liveness uncertain
     lease_lost: bool = False  # after release: publish nothing more
+    # The attempt, as its request headers, the intake and the admission said.
+    start: RequestStarted | None = None
+    admitted: Admitted | None = None
+    leased: bool = False  # `live` is this attempt's: its end must be written
+    intake_refused: bool = False  # the request was never recorded: nothing to give back
+    started_mono: float = 0.0
+    admitted_mono: float = 0.0
+    started_wall: float = 0.0
+    waited_for_previous_s: float = 0.0
+    replica_fingerprint: str | None = None
+    model_revision: str | None = None
+    http_status: int = 0
+    slow: bool = False
+    failed_on_purpose: bool = False
+    # The attempt's end, while it is being settled (not released).
+    end_facts: records.EndFacts | None = None
+    end_plan: records.EndPlan | None = None
+    ended_at: float = 0.0
+    stream_closed: bool = False
 
     @classmethod
-    def new(cls, request_id: str, max_buffer: int = 4 << 20) -> GateMachine:
+    def new(cls, request_id: str, max_buffer: int = 4 << 20,
+            params: GateParams | None = None) -> GateMachine:
+        p = params or GateParams(max_buffer=max_buffer)
         return cls(request_id=request_id, state=State.GATE_NEW, role="gate",
-                   max_buffer=max_buffer)
+                   max_buffer=p.max_buffer, params=p)
+
+    @property
+    def journal_attempt(self) -> int:
+        """The journal's number of this attempt: the re-run's offset plus Envoy's count."""
+        return (self.start.attempt_offset if self.start else 0) + self.attempt
+
+    @property
+    def attempt_id(self) -> str:
+        return self.start.attempt_id if self.start else ""
+
+    @property
+    def final(self) -> bool:
+        """No attempt that counts comes after this one (decision 0024)."""
+        return self.admitted is None or self.admitted.final
+
+    def facts(self) -> records.AttemptFacts:
+        s = self.start
+        return records.AttemptFacts(
+            attempt=self.journal_attempt, attempt_id=self.attempt_id,
+            replica=s.replica if s else None, gateway_id=self.params.gateway_id,
+            started_at=self.started_wall, waited_for_previous_s=self.waited_for_previous_s,
+            model_revision=self.replica_fingerprint or self.model_revision, slow=self.slow)
 
     def _unavailable(self, reason: str) -> GatewayError:
         return upstream_unavailable(self.request_id, reason)
@@ -72,37 +187,130 @@ class GateMachine(Machine):
         held = self.held
         self.held = 0
         self.state = State.GATE_FAILED
-        return [FailAttempt(reason=reason, error=self._unavailable(reason), held_chunks=held)]
+        self.failed_on_purpose = True
+        return [FailAttempt(reason=reason, error=self._unavailable(reason), held_chunks=held,
+                            retry=envoy_retries(503, self.final))]
 
+    def _fence(self) -> Fence:
+        # Never sent past the attempt's own first-delta limit (less the margin).
+        deadline = (self.admitted.deadline_s if self.admitted is not None
+                    else self.params.first_delta_s)
+        until = self.admitted_mono + max(0.0, deadline - self.waited_for_previous_s)
+        return Fence(self.facts(), until - FENCE_MARGIN_S)
 
 
 GateFn = Callable[[GateMachine, Any], list[Action]]
 
 
+# --- the admission: intake, verdict, lease or transaction ------------------------------
+
+
 def _gate_start(m: GateMachine, ev: RequestStarted) -> list[Action]:
     m.attempt = ev.attempt
+    m.start = ev
+    m.started_mono = ev.mono
     if ev.family != m.family.name:
         m.family = family_named(ev.family)
         m.decoder = m.family.decoder()
-    m.state = State.GATE_ADMITTING
-    return [Admit(ev.attempt)]
+    # Nothing goes upstream before the request and attempt 1 are recorded (decision 0021).
+    # Every attempt waits, not only the first: when attempt 1 never reached a gate
+    # (connection refused), Envoy's attempt 2 can come before the commit.
+    m.state = State.GATE_AWAITING_INTAKE
+    return [AwaitIntakeCommit()]
 
 
-def _gate_admit(m: GateMachine, ev: AdmitDecided) -> list[Action]:
-    if ev.admitted:
-        m.state = State.GATE_FORWARDED
-        return [ContinueRequest()]
+def _refuse(m: GateMachine, err: GatewayError, wall: float) -> list[Action]:
     m.state = State.GATE_CLOSED
-    assert ev.error is not None
-    return [Refuse(ev.error)]
+    acts: list[Action] = []
+    if m.start is not None and m.start.preadmitted and not m.intake_refused:
+        # The guard admitted it with the request: give `live` back.
+        n = m.journal_attempt  # 1, or a re-run's first (decision 0027)
+        acts.append(GiveBack(n, records.refused_first_attempt(
+            m.attempt_id, m.start.replica, wall, str(err.code), n)))
+    acts.append(Refuse(err))
+    return acts
+
+
+def _gate_intake(m: GateMachine, ev: IntakeCommitted) -> list[Action]:
+    if ev.error is not None:
+        m.intake_refused = True
+        return _refuse(m, ev.error, ev.wall)
+    s = m.start
+    assert s is not None
+    p = m.params
+    m.replica_fingerprint = ev.replica_fingerprint
+    m.started_wall = ev.wall  # the admission's start, after the intake
+    elapsed = max(0.0, ev.wall - s.accepted_at) if s.accepted_at is not None else 0.0
+    m.state = State.GATE_DECIDING
+    return [Decide(AttemptRequest(
+        request_id=m.request_id, attempt=m.attempt, max_attempts=p.max_attempts,
+        reached_before=ev.reached_count > 0, reached_count=ev.reached_count,
+        elapsed_s=elapsed, total_first_delta_s=p.total_first_delta_s,
+        first_delta_s=p.first_delta_s, fence_wait_s=p.fence_wait_s,
+        want_fingerprint=s.want_fingerprint if ev.pool_enabled else None,
+        replica_fingerprint=ev.replica_fingerprint, replica=s.replica,
+        prompt_tokens=s.prompt_tokens, max_prompt_tokens=p.max_prompt_tokens,
+        attempt_id=m.attempt_id))]
+
+
+def _gate_decided(m: GateMachine, ev: AdmissionDecided) -> list[Action]:
+    if ev.admitted is None:
+        assert ev.error is not None
+        return _refuse(m, ev.error, m.started_wall)
+    m.admitted = ev.admitted
+    m.state = State.GATE_ADMITTING
+    if m.start is not None and m.start.preadmitted:
+        # Admitted in the guard's intake transaction; the live key hangs on the process
+        # lease (granted already, or granted now if another process admitted it).
+        return [TakeLease()]
+    return [Admit(m.journal_attempt, m.facts().admission(), ev.admitted.fence_wait_s,
+                  (m.start.attempt_offset if m.start else 0) + 1,
+                  ev.admitted.deadline_s - FENCE_MARGIN_S)]
+
+
+def _gate_admitted(m: GateMachine, ev: AdmitDecided) -> list[Action]:
+    if not ev.admitted:
+        return _refuse(m, attempt_not_admitted(m.request_id, ev.reason), ev.wall)
+    m.leased = True
+    m.waited_for_previous_s = ev.waited_s
+    m.admitted_mono = ev.mono
+    m.state = State.GATE_FORWARDED
+    p = m.params
+    deadline = m.admitted.deadline_s if m.admitted is not None else p.first_delta_s
+    acts: list[Action] = [Watch()]
+    if p.soft_first_delta_s > 0:
+        acts.append(StartTimer(TimerKind.SOFT_FIRST_DELTA, p.soft_first_delta_s))
+    acts += [StartTimer(TimerKind.FIRST_DELTA, max(0.0, deadline - ev.waited_s)),
+             ContinueRequest()]
+    return acts
+
+
+def _gate_admission_down(m: GateMachine, ev: StoreDown) -> list[Action]:
+    err = journal_unavailable(m.request_id, "the attempt could not be fenced, so nothing "
+                                            "was run")
+    if m.start is not None and m.start.preadmitted:
+        return _refuse(m, err, ev.wall)  # the lease could not be had: give attempt 1 back
+    # The admission may still apply when etcd wakes: take it back once it can.
+    return [UndoAdmission(m.journal_attempt), *_refuse(m, err, ev.wall)]
+
+
+# --- the response: hold, fence, release --------------------------------------------------
 
 
 def _gate_headers(m: GateMachine, ev: ResponseHeaders) -> list[Action]:
+    m.http_status = ev.status
+    m.model_revision = ev.model_revision
+    acts: list[Action] = []
+    if ev.status in (429, 503) and m.start is not None and m.start.replica:
+        # Overloaded, not dead: tried after the others until its Retry-After.
+        wait = retry_after_s(ev.retry_after, m.params.first_delta_s)
+        if wait:
+            acts.append(Overloaded(wait))
     if ev.status != 200:
         # The provider's own answer (a 400 with its reason, a 429, a 5xx): pass it through
-        # untouched; Envoy's retry_on decides, and the client gets the provider's body.
+        # untouched; the gate's retry mark decides, and the client gets the provider's body.
         m.state = State.GATE_PASSTHROUGH
-        return [PassHeaders()]
+        return [*acts, PassHeaders(envoy_retries(ev.status, m.final))]
     m.streaming = ev.content_type.split(";", 1)[0].strip().lower() == "text/event-stream"
     m.state = State.GATE_HOLDING
     if ev.end_of_stream:
@@ -135,7 +343,7 @@ def _gate_body_holding(m: GateMachine, ev: ResponseBody) -> list[Action]:
         if m.saw_content or (ev.end_of_stream and m.saw_done):
             # An answer with no content that ended with [DONE] is a complete empty answer.
             m.state = State.GATE_FENCING
-            return [HoldChunk(), Fence()]
+            return [HoldChunk(), m._fence()]
         if ev.end_of_stream:
             return m.fail("stream ended without content or [DONE]")
         return [HoldChunk()]
@@ -150,7 +358,7 @@ def _gate_body_holding(m: GateMachine, ev: ResponseBody) -> list[Action]:
     if not m.family.body_ok(obj):
         return m.fail("error body with status 200")
     m.state = State.GATE_FENCING
-    return [HoldChunk(), Fence()]
+    return [HoldChunk(), m._fence()]
 
 
 def _gate_body_fencing(m: GateMachine, ev: ResponseBody) -> list[Action]:
@@ -167,33 +375,69 @@ def _gate_fence(m: GateMachine, ev: FenceDecided) -> list[Action]:
     m.held = 0
     m.state = State.GATE_RELEASED
     m.decoder = SseDecoder()  # the guard parses from here on; the gate only passes bytes
-    return [Release(held_chunks=held, hand_off=not m.ended)]
+    # From here the guard owns the attempt: its timers end, its record goes with the hand-off.
+    return [StopTimers(), Release(held_chunks=held, hand_off=not m.ended, facts=m.facts())]
 
 
-def _gate_first_delta_timeout(m: GateMachine, ev: FirstDeltaTimeout) -> list[Action]:
+def _gate_fence_down(m: GateMachine, ev: StoreDown) -> list[Action]:
+    # Not confirmed: never release. The transaction may still apply when etcd wakes: take
+    # it back once it can.
+    return [UndoFence(m.facts()), *m.fail("fence lost: this attempt is no longer the live one")]
+
+
+
+
+# --- the first-delta timers ------------------------------------------------------------
+
+
+def _waited(m: GateMachine, ev: TimerFired) -> float:
+    s = m.start
+    w = (ev.wall - s.accepted_at if s is not None and s.accepted_at is not None
+         else ev.mono - m.started_mono)
+    return round(w, 3)
+
+
+def _gate_first_delta_timeout(m: GateMachine, ev: TimerFired) -> list[Action]:
     # Headers (maybe a role event) came, no content within the limit: fail the attempt so
     # the router retries, or, with nothing left to retry with, end the request cleanly.
     # The replica may be partitioned or stuck: liveness uncertain (docs/fencing.md).
     m.timed_out = True
-    if ev.final:
+    if m.final:
         return _gate_timed_out_final(m, ev)
     return m.fail("no first delta within the first-delta limit")
 
 
-def _gate_timed_out_final(m: GateMachine, ev: FirstDeltaTimeout) -> list[Action]:
+def _gate_timed_out_final(m: GateMachine, ev: TimerFired) -> list[Action]:
     # An ImmediateResponse from the upstream filter is never retried by the router: the
     # client gets our error at once, whether or not the replica ever sent headers.
     m.timed_out = True
     m.held = 0
     m.state = State.GATE_FAILED
-    return [Refuse(upstream_timeout(m.request_id, ev.waited_s, m.attempt))]
+    return [Refuse(upstream_timeout(m.request_id, _waited(m, ev), m.attempt))]
 
 
-def _gate_forwarded_timeout(m: GateMachine, ev: FirstDeltaTimeout) -> list[Action]:
+def _gate_forwarded_timeout(m: GateMachine, ev: TimerFired) -> list[Action]:
     # No response headers: nothing to answer with a 503. Envoy's per-try timeout (the
     # same limit, a moment later) resets the attempt and retries; the last attempt ends here.
-    if ev.final:
+    if m.final:
         return _gate_timed_out_final(m, ev)
+    return []
+
+
+def _gate_timer(m: GateMachine, ev: TimerFired) -> list[Action]:
+    """A timer in a state where only the hard limit matters."""
+    if ev.kind is TimerKind.SOFT_FIRST_DELTA:
+        return _gate_soft(m, ev)
+    if m.state is State.GATE_HOLDING:
+        return _gate_first_delta_timeout(m, ev)
+    return _gate_forwarded_timeout(m, ev)
+
+
+def _gate_soft(m: GateMachine, ev: TimerFired) -> list[Action]:
+    # Slow is not dead: record it, change nothing (only first_delta_s fails over).
+    if m.state in (State.GATE_FORWARDED, State.GATE_HOLDING, State.GATE_FENCING):
+        m.slow = True
+        return [MarkSlow()]
     return []
 
 
@@ -222,44 +466,135 @@ def _gate_drop(m: GateMachine, ev: ResponseBody) -> list[Action]:
     return [DropChunk()]
 
 
+
+
+# --- the attempt's end -------------------------------------------------------------------
+
+
 def _gate_closed(m: GateMachine, ev: StreamClosed) -> list[Action]:
     prev = m.state
+    m.stream_closed = True
+    acts: list[Action] = [StopTimers()]
+    if m.start is not None and prev is not State.GATE_RELEASED:
+        acts.append(RetryEnded())
+    if prev is State.GATE_RELEASED or not m.leased:
+        # Released: the guard ends it with the request. Never leased: nothing to end.
+        m.state = State.GATE_CLOSED
+        return acts
+    f = records.EndFacts(
+        released=False, upstream_finished=m.ended, timed_out=m.timed_out,
+        failed_on_purpose=m.failed_on_purpose, http_status=m.http_status,
+        elapsed_s=ev.mono - m.started_mono, first_delta_s=m.params.first_delta_s)
+    plan = records.plan_end(f)
+    m.end_facts, m.end_plan, m.ended_at = f, plan, ev.wall
+    if plan.revoke_now:
+        # `ended_at` is when `live` went: what any overlap check needs.
+        m.state = State.GATE_REVOKING
+        return [*acts, RevokeEarly(m.journal_attempt,
+                                   records.pending_revoke(m.facts().base(), ev.wall))]
+    return acts + _await_word_or_settle(m, ev.wall)
+
+
+def _await_word_or_settle(m: GateMachine, wall: float) -> list[Action]:
+    assert m.end_plan is not None
+    if m.end_plan.needs_cause:
+        # Envoy's per-attempt access-log entry says reset (dead) vs timeout (uncertain),
+        # and that Envoy has closed the attempt at all.
+        m.state = State.GATE_AWAITING_WORD
+        return [AwaitCause(m.attempt_id)]
+    return _settle(m, None, wall)
+
+
+def _gate_revoked(m: GateMachine, ev: Revoked) -> list[Action]:
+    assert m.end_plan is not None
+    if not ev.confirmed:  # never confirmed: the lease will lapse by itself
+        m.end_plan = records.EndPlan(False, False, m.end_plan.needs_cause)
+    return _await_word_or_settle(m, m.ended_at)
+
+
+def _gate_word(m: GateMachine, ev: CauseLearned) -> list[Action]:
+    return _settle(m, ev.cause if ev.heard else None, ev.wall)
+
+
+def _settle(m: GateMachine, entry: str | None, wall: float) -> list[Action]:
+    f, plan = m.end_facts, m.end_plan
+    assert f is not None and plan is not None
+    p = m.params
+    done = records.settle_end(f, plan, entry, p.cancel_ack)
+    ended_at = m.ended_at if plan.revoke_now else wall
+    record = records.attempt_end(m.facts().base(), f, done, ended_at, p.lease_ttl_s)
     m.state = State.GATE_CLOSED
-    return [EndAttempt(released=prev is State.GATE_RELEASED, upstream_finished=m.ended,
-                       last_state=str(prev), timed_out=m.timed_out)]
+    # Confirmed end (the replica closed, answered, the client left, or Envoy closed an
+    # uncertain one): `live` is deleted, so a retry may start now. Unknown
+    # (policy.uncertain_source_liveness): the replica may still be decoding and may still
+    # publish; fenced now, a retry is admitted only once the fence's lease expires.
+    return [CloseAttempt(
+        m.journal_attempt, record, expire=done.fence is FenceKind.EXPIRE,
+        update_only=plan.revoke_now, failure_class=str(done.failure_class),
+        fence=str(done.fence), cause=done.cause, timed_out=m.timed_out,
+        end_trace=records.end_trace(f, entry, p.cancel_ack, done))]
 
 
 def _gate_closed_again(m: GateMachine, ev: StreamClosed) -> list[Action]:
-    return []
+    if m.stream_closed or m.start is None:
+        return []
+    # Refused (never leased): its stream's end ends nothing but its count in the budget.
+    m.stream_closed = True
+    return [StopTimers(), RetryEnded()]
 
+
+def clean(a: CloseAttempt) -> bool:
+    """The attempt completed (its trace is kept only if every trace is)."""
+    return a.failure_class == str(FailureClass.COMPLETED)
+
+
+_OPEN = (S.GATE_NEW, S.GATE_AWAITING_INTAKE, S.GATE_DECIDING, S.GATE_ADMITTING,
+         S.GATE_FORWARDED, S.GATE_HOLDING, S.GATE_FENCING, S.GATE_RELEASED,
+         S.GATE_PASSTHROUGH, S.GATE_FAILED)
+_ENDING = (S.GATE_REVOKING, S.GATE_AWAITING_WORD)
+_UNLEASED = (S.GATE_NEW, S.GATE_AWAITING_INTAKE, S.GATE_DECIDING, S.GATE_ADMITTING,
+             S.GATE_RELEASED)
+_LEASED = (S.GATE_FORWARDED, S.GATE_HOLDING, S.GATE_FENCING, S.GATE_PASSTHROUGH,
+           S.GATE_FAILED)
 
 GATE_TABLE: Table = {
-    (S.GATE_NEW, RequestStarted): T(_gate_start, S.GATE_ADMITTING),
-    (S.GATE_ADMITTING, AdmitDecided): T(_gate_admit, S.GATE_FORWARDED, S.GATE_CLOSED),
+    # --- the admission
+    (S.GATE_NEW, RequestStarted): T(_gate_start, S.GATE_AWAITING_INTAKE),
+    (S.GATE_AWAITING_INTAKE, IntakeCommitted): T(_gate_intake, S.GATE_DECIDING, S.GATE_CLOSED),
+    (S.GATE_DECIDING, AdmissionDecided): T(_gate_decided, S.GATE_ADMITTING, S.GATE_CLOSED),
+    (S.GATE_ADMITTING, AdmitDecided): T(_gate_admitted, S.GATE_FORWARDED, S.GATE_CLOSED),
+    (S.GATE_ADMITTING, StoreDown): T(_gate_admission_down, S.GATE_CLOSED),
+    # --- the response
     (S.GATE_FORWARDED, ResponseHeaders): T(_gate_headers, S.GATE_PASSTHROUGH,
-                                               S.GATE_HOLDING, S.GATE_FAILED),
+                                           S.GATE_HOLDING, S.GATE_FAILED),
     (S.GATE_HOLDING, ResponseBody): T(_gate_body_holding, S.GATE_HOLDING, S.GATE_FENCING,
-                                          S.GATE_FAILED),
+                                      S.GATE_FAILED),
     (S.GATE_FENCING, ResponseBody): T(_gate_body_fencing, S.GATE_FENCING),
     (S.GATE_FENCING, FenceDecided): T(_gate_fence, S.GATE_RELEASED, S.GATE_FAILED),
+    (S.GATE_FENCING, StoreDown): T(_gate_fence_down, S.GATE_FAILED),
     (S.GATE_RELEASED, ResponseBody): T(_gate_pass, S.GATE_RELEASED),
     (S.GATE_PASSTHROUGH, ResponseBody): T(_gate_pass, S.GATE_PASSTHROUGH),
     (S.GATE_FAILED, ResponseBody): T(_gate_drop, S.GATE_FAILED),
     (S.GATE_RELEASED, LeaseLost): T(_gate_lease_lost, S.GATE_RELEASED),
     # Before release the fence transaction itself checks the lease; after the end, moot.
-    **stay(_gate_ignore, (S.GATE_NEW, S.GATE_ADMITTING, S.GATE_FORWARDED, S.GATE_HOLDING,
-                           S.GATE_FENCING, S.GATE_PASSTHROUGH, S.GATE_FAILED, S.GATE_CLOSED),
-            LeaseLost),
-    (S.GATE_HOLDING, FirstDeltaTimeout): T(_gate_first_delta_timeout, S.GATE_FAILED),
-    (S.GATE_FORWARDED, FirstDeltaTimeout): T(_gate_forwarded_timeout, S.GATE_FORWARDED,
-                                                 S.GATE_FAILED),
-    # Fencing (etcd txn in flight), released or over: too late to matter.
-    **stay(_gate_ignore, (S.GATE_NEW, S.GATE_ADMITTING, S.GATE_FENCING, S.GATE_RELEASED,
-                           S.GATE_PASSTHROUGH, S.GATE_FAILED, S.GATE_CLOSED),
-            FirstDeltaTimeout),
-    **{(st, StreamClosed): T(_gate_closed, S.GATE_CLOSED) for st in (
-        S.GATE_NEW, S.GATE_ADMITTING, S.GATE_FORWARDED, S.GATE_HOLDING, S.GATE_FENCING,
-        S.GATE_RELEASED, S.GATE_PASSTHROUGH, S.GATE_FAILED)},
-    (S.GATE_CLOSED, StreamClosed): T(_gate_closed_again, S.GATE_CLOSED),
+    **stay(_gate_ignore, tuple(s for s in _OPEN + _ENDING + (S.GATE_CLOSED,)
+                               if s is not S.GATE_RELEASED), LeaseLost),
+    # --- the first-delta timers (started at admission, stopped at release or close)
+    (S.GATE_HOLDING, TimerFired): T(_gate_timer, S.GATE_HOLDING, S.GATE_FAILED),
+    (S.GATE_FORWARDED, TimerFired): T(_gate_timer, S.GATE_FORWARDED, S.GATE_FAILED),
+    # Fencing (etcd txn in flight), released or over: too late to matter (the soft one
+    # still notes a slow attempt while fencing).
+    (S.GATE_FENCING, TimerFired): T(_gate_soft, S.GATE_FENCING),
+    **stay(_gate_ignore, (S.GATE_RELEASED, S.GATE_PASSTHROUGH, S.GATE_FAILED, S.GATE_CLOSED,
+                          *_ENDING), TimerFired),
+    # --- the end
+    # Never leased, or released (the guard ends it): nothing more here.
+    **{(st, StreamClosed): T(_gate_closed, S.GATE_CLOSED) for st in _UNLEASED},
+    # Over before release: revoked at once if the end is confirmed, else Envoy's word.
+    **{(st, StreamClosed): T(_gate_closed, S.GATE_CLOSED, S.GATE_REVOKING,
+                             S.GATE_AWAITING_WORD) for st in _LEASED},
+    (S.GATE_REVOKING, Revoked): T(_gate_revoked, S.GATE_AWAITING_WORD, S.GATE_CLOSED),
+    (S.GATE_AWAITING_WORD, CauseLearned): T(_gate_word, S.GATE_CLOSED),
+    **stay(_gate_closed_again, (S.GATE_CLOSED, *_ENDING), StreamClosed),
 }
 GateMachine.TABLE = GATE_TABLE

@@ -17,22 +17,20 @@ from typing import Any, ClassVar, NamedTuple, TypeAlias
 
 from .events import (
     Action,
-    AdmitDecided,
+    AdmissionDecided,
     Event,
     Fenced,
     FenceDecided,
-    FirstDeltaTimeout,
+    IntakeCommitted,
     LeaseLost,
     RequestBodySeen,
     RequestHeadersSeen,
     RequestOpened,
-    RequestStarted,
     ResponseBody,
     ResponseHeaders,
     Role,
     StallTimeout,
     State,
-    StreamClosed,
 )
 from .sse import SseDecoder
 
@@ -67,8 +65,7 @@ TRACE_RECORD_COST = 320
 
 # Records of events that repeat across requests (no request-specific data in them) are one
 # shared, never mutated dict each: an open stream holds references, not copies.
-_SHARED_RECORD_TYPES = (RequestStarted, ResponseHeaders, FenceDecided, FirstDeltaTimeout,
-                        StallTimeout, StreamClosed, Fenced, LeaseLost,
+_SHARED_RECORD_TYPES = (ResponseHeaders, FenceDecided, StallTimeout, Fenced, LeaseLost,
                         RequestHeadersSeen, RequestOpened)
 _SHARED_RECORDS: dict[Event, dict[str, Any]] = {}
 
@@ -89,8 +86,11 @@ def _event_record(ev: Event) -> dict[str, Any]:
 
 def _build_record(ev: Event) -> dict[str, Any]:
     d: dict[str, Any]
-    if isinstance(ev, AdmitDecided):
-        d = {"admitted": ev.admitted, "error": ev.error.body() if ev.error else None}
+    if isinstance(ev, IntakeCommitted | AdmissionDecided):
+        # An error is kept as the body the client got, and its status.
+        d = asdict(ev)
+        d["error"] = ev.error.body() if ev.error else None
+        d["http_status"] = ev.error.http_status if ev.error else None
     elif isinstance(ev, RequestBodySeen):
         d = {"error": ev.error.body() if ev.error else None,
              "http_status": ev.error.http_status if ev.error else None,

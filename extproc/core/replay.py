@@ -10,17 +10,19 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
+from .admission import Admitted
 from .errors import ErrorCode, GatewayError
 from .events import (
+    AdmissionDecided,
     AdmitDecided,
     CauseLearned,
     Event,
     Fenced,
     FenceDecided,
-    FirstDeltaTimeout,
+    IntakeCommitted,
     LeaseLost,
     RequestBodySeen,
     RequestHeadersSeen,
@@ -28,43 +30,68 @@ from .events import (
     RequestStarted,
     ResponseBody,
     ResponseHeaders,
+    Revoked,
     StallTimeout,
     State,
+    StoreDown,
     StreamClosed,
+    TimerFired,
+    TimerKind,
 )
-from .gate import GateMachine
+from .gate import GateMachine, GateParams
 from .guard import GuardMachine
 from .handoff import TraceSnapshot
 from .machine import ProtocolViolation
 from .records import replay_end
 from .usage import UsageMode
 
-FORMAT = 1
+# 2: the gate's trace holds its whole life, waits included (its admission, timers, end);
+# a format-1 gate trace was recorded by a core that decided those outside the machine.
+FORMAT = 2
 
 
 def event_from_record(d: Mapping[str, Any]) -> Event:
     t = d.get("type")
     if t == "RequestStarted":
-        return RequestStarted(int(d["attempt"]), str(d.get("family", "chat")))
+        acc = d.get("accepted_at")
+        return RequestStarted(
+            int(d["attempt"]), str(d.get("family", "chat")), str(d.get("attempt_id", "")),
+            int(d.get("attempt_offset", 0)), bool(d.get("preadmitted", False)),
+            _opt(d.get("first_admitted")), _opt(d.get("replica")),
+            _opt(d.get("want_fingerprint")), int(d.get("prompt_tokens", 0)),
+            None if acc is None else float(acc), float(d.get("mono", 0.0)),
+            float(d.get("wall", 0.0)))
+    if t == "IntakeCommitted":
+        return IntakeCommitted(_error(d, "journal_unavailable"), int(d.get("reached_count", 0)),
+                               _opt(d.get("replica_fingerprint")),
+                               bool(d.get("pool_enabled", False)), float(d.get("wall", 0.0)))
+    if t == "AdmissionDecided":
+        adm = d.get("admitted")
+        return AdmissionDecided(
+            Admitted(bool(adm["counts_as_retry"]), float(adm["fence_wait_s"]),
+                     float(adm["deadline_s"]), bool(adm["final"]))
+            if isinstance(adm, Mapping) else None, _error(d, "attempt_not_admitted"))
     if t == "AdmitDecided":
-        err = None
-        body = d.get("error")
-        if isinstance(body, Mapping):
-            e = body.get("error", {})
-            err = GatewayError(ErrorCode(e.get("code", "attempt_not_admitted")),
-                               str(e.get("message", "")), 503, request_id=e.get("request_id"))
-        return AdmitDecided(bool(d["admitted"]), err)
+        return AdmitDecided(bool(d["admitted"]), str(d.get("reason", "")),
+                            float(d.get("waited_s", 0.0)), float(d.get("mono", 0.0)),
+                            float(d.get("wall", 0.0)))
+    if t == "StoreDown":
+        return StoreDown(str(d.get("what", "")), float(d.get("wall", 0.0)))
+    if t == "TimerFired":
+        return TimerFired(TimerKind(str(d["kind"])), float(d.get("mono", 0.0)),
+                          float(d.get("wall", 0.0)))
+    if t == "Revoked":
+        return Revoked(bool(d["confirmed"]))
     if t == "ResponseHeaders":
         return ResponseHeaders(int(d["status"]), str(d["content_type"]),
                                bool(d.get("end_of_stream", False)),
                                bool(d.get("envoy_reply", False)), bool(d.get("ours", False)),
-                               d.get("handoff"))
+                               d.get("handoff"), _opt(d.get("model_revision")),
+                               _opt(d.get("retry_after")))
     if t == "ResponseBody":
         return ResponseBody(str(d["data"]).encode("latin-1"), bool(d["end_of_stream"]))
     if t == "FenceDecided":
         return FenceDecided(bool(d["committed"]))
-    if t == "FirstDeltaTimeout":
-        return FirstDeltaTimeout(bool(d.get("final", False)), float(d.get("waited_s", 0.0)))
     if t == "LeaseLost":
         return LeaseLost()
     if t == "RequestHeadersSeen":
@@ -92,11 +119,25 @@ def event_from_record(d: Mapping[str, Any]) -> Event:
     if t == "Fenced":
         return Fenced()
     if t == "StreamClosed":
-        return StreamClosed()
+        return StreamClosed(float(d.get("mono", 0.0)), float(d.get("wall", 0.0)))
     if t == "CauseLearned":
         sent = d.get("body_bytes")  # absent in traces kept before decision 0025
-        return CauseLearned(str(d["cause"]), None if sent is None else int(sent))
+        return CauseLearned(str(d["cause"]), None if sent is None else int(sent),
+                            bool(d.get("heard", True)), float(d.get("wall", 0.0)))
     raise ValueError(f"unknown event type in trace: {t!r}")
+
+
+def _opt(v: Any) -> str | None:
+    return None if v is None else str(v)
+
+
+def _error(d: Mapping[str, Any], default: str) -> GatewayError | None:
+    body = d.get("error")
+    if not isinstance(body, Mapping):
+        return None
+    e = body.get("error", {})
+    return GatewayError(ErrorCode(e.get("code", default)), str(e.get("message", "")),
+                        int(d.get("http_status") or 503), request_id=e.get("request_id"))
 
 
 def summary(m: GateMachine | GuardMachine) -> dict[str, Any]:
@@ -115,6 +156,8 @@ def summary(m: GateMachine | GuardMachine) -> dict[str, Any]:
 def snapshot(m: GateMachine | GuardMachine) -> TraceSnapshot:
     """The machine's trace as it stands now, frozen (the hand-off carries the gate's)."""
     params: dict[str, Any] = {"max_buffer": m.max_buffer}
+    if isinstance(m, GateMachine):
+        params["gate"] = asdict(m.params)
     if m.initial_state is not None:
         params["initial_state"] = str(m.initial_state)
     if isinstance(m, GuardMachine):
@@ -155,7 +198,12 @@ def replay(trace: Mapping[str, Any]) -> ReplayResult:
     params = trace.get("params") or {}
     m: GateMachine | GuardMachine
     if trace["role"] == "gate":
-        m = GateMachine.new(rid, int(params.get("max_buffer", 4 << 20)))
+        if int(trace.get("format", 1)) < 2:
+            return ReplayResult(False, 0, "a format-1 gate trace: recorded by an older core, "
+                                "which decided the attempt's waits outside the machine")
+        gp = params.get("gate")
+        m = GateMachine.new(rid, int(params.get("max_buffer", 4 << 20)),
+                            GateParams(**gp) if isinstance(gp, Mapping) else None)
     elif trace["role"] == "guard":
         m = GuardMachine.new(rid, float(params.get("stall_after_first_delta_s", 15.0)),
                              int(params.get("max_buffer", 4 << 20)),

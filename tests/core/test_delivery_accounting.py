@@ -190,7 +190,8 @@ def test_a_trace_with_envoys_count_replays() -> None:
     sent(m, content("b"))
     ended(m, "upstream", upto)
     tr = json.loads(json.dumps(record(m, {}, 1 << 20)))
-    assert tr["events"][-1] == {"type": "CauseLearned", "cause": "upstream", "body_bytes": upto}
+    assert tr["events"][-1] == {"type": "CauseLearned", "cause": "upstream", "body_bytes": upto,
+                                "heard": True, "wall": 0.0}
     assert replay(tr).ok
     # A trace kept before the count existed replays as "Envoy did not say".
     del tr["events"][-1]["body_bytes"]

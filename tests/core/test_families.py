@@ -17,7 +17,6 @@ from hypothesis import strategies as st
 
 from extproc.core.errors import decode_interrupted, upstream_unavailable
 from extproc.core.events import (
-    AdmitDecided,
     ArmWatchdog,
     DisarmWatchdog,
     FailAttempt,
@@ -30,7 +29,6 @@ from extproc.core.events import (
     RequestBodySeen,
     RequestHeadersSeen,
     RequestOpened,
-    RequestStarted,
     ResponseBody,
     ResponseHeaders,
     Send,
@@ -56,6 +54,8 @@ from extproc.core.guard import GuardMachine
 from extproc.core.journal import Outcome
 from extproc.core.replay import record, replay
 from extproc.core.sse import EventKind, SseDecoder, parse_event_json
+
+from .gate_drive import admit
 
 RID = "req_0123456789abcdefghjkmnpqrs"
 SSE = "text/event-stream"
@@ -338,8 +338,7 @@ def guard(fam: Family) -> GuardMachine:
 
 def gate(fam: Family) -> GateMachine:
     m = GateMachine.new(RID)
-    m.handle(RequestStarted(1, fam.name))
-    m.handle(AdmitDecided(True))
+    admit(m, 1, family=fam.name)
     m.handle(ResponseHeaders(200, SSE))
     return m
 
@@ -357,9 +356,11 @@ def test_gate_holds_the_head_and_fences_at_the_first_delta(name: str) -> None:
     m = gate(fam)
     for ev in head():
         assert m.handle(ResponseBody(ev, False)) == [HoldChunk()]
-    assert m.handle(ResponseBody(delta(0, "a"), False)) == [HoldChunk(), Fence()]
-    assert m.handle(FenceDecided(True)) == [Release(held_chunks=len(head()) + 1,
-                                                    hand_off=True)]
+    hold, fence = m.handle(ResponseBody(delta(0, "a"), False))
+    assert hold == HoldChunk() and isinstance(fence, Fence)
+    _, rel = m.handle(FenceDecided(True))
+    assert isinstance(rel, Release) and (rel.held_chunks, rel.hand_off) == (len(head()) + 1,
+                                                                            True)
 
 
 @pytest.mark.parametrize("name", ["responses", "messages"])
@@ -454,8 +455,7 @@ def test_non_streaming_bodies(fam: Family, good: dict[str, Any], bad: dict[str, 
     assert fam.body_ok(good) and not fam.body_ok(bad)
     assert fam.output_tokens(good) == 5 and fam.output_tokens(bad) is None
     g = GateMachine.new(RID)
-    g.handle(RequestStarted(1, fam.name))
-    g.handle(AdmitDecided(True))
+    admit(g, 1, family=fam.name)
     g.handle(ResponseHeaders(200, "application/json"))
     acts = g.handle(ResponseBody(json.dumps(bad).encode(), True))
     assert isinstance(acts[0], FailAttempt) and acts[0].reason == "error body with status 200"

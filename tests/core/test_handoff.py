@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from extproc.core.events import AdmitDecided, RequestStarted
+from extproc.core.events import IntakeCommitted, RequestStarted
 from extproc.core.gate import GateMachine
 from extproc.core.handoff import HandOff
 from extproc.core.records import AttemptFacts
@@ -35,14 +35,14 @@ def test_the_header_is_the_records_handoff_json() -> None:
 
 def test_the_record_is_frozen_and_the_trace_stays_in_process() -> None:
     m = GateMachine.new(RID)
-    m.handle(RequestStarted(1))
+    m.handle(RequestStarted(1, attempt_id="att_1"))
     ho = HandOff.from_record(_facts().base(), 7, snapshot(m))
     with pytest.raises(dataclasses.FrozenInstanceError):
         ho.lease_id = 8  # type: ignore[misc]
     assert "trace" not in json.loads(ho.header())
     assert HandOff.from_header(ho.header()) == dataclasses.replace(ho, trace=None)
     # The snapshot does not move with the machine that made it.
-    m.handle(AdmitDecided(True))
+    m.handle(IntakeCommitted())
     assert ho.trace is not None and len(ho.trace.events) == 1
     assert record(ho.trace, {}, 1 << 20)["events"] == m.trace[:1]
 

@@ -13,18 +13,20 @@ from extproc.core.budget import RetryBudget
 from extproc.core.config import ConfigError, load_config
 from extproc.core.errors import ErrorCode, GatewayError
 from extproc.core.events import (
-    AdmitDecided,
-    EndAttempt,
+    AwaitCause,
     FailAttempt,
-    FirstDeltaTimeout,
     Refuse,
-    RequestStarted,
     ResponseHeaders,
+    RevokeEarly,
     State,
     StreamClosed,
+    TimerFired,
+    TimerKind,
 )
 from extproc.core.gate import GateMachine
 from extproc.core.health import HealthPolicy, HostHealth
+
+from .gate_drive import ADMITTED, FINAL, admit
 
 HOSTS = ["a:1", "b:1", "c:1"]
 
@@ -197,10 +199,9 @@ def test_admission_invariants(attempt: int, max_attempts: int, reached: bool, el
 # --- the gate machine at its deadline ---------------------------------------------------
 
 
-def gate_in(state: str) -> GateMachine:
+def gate_in(state: str, final: bool) -> GateMachine:
     m = GateMachine.new("req_1", 1 << 20)
-    m.handle(RequestStarted(2))
-    m.handle(AdmitDecided(True))
+    admit(m, attempt=2, verdict=FINAL if final else ADMITTED, accepted_at=1000.0)
     if state == "holding":
         m.handle(ResponseHeaders(200, "text/event-stream"))
     return m
@@ -209,8 +210,8 @@ def gate_in(state: str) -> GateMachine:
 @pytest.mark.parametrize(("state", "final"), list(itertools.product(["forwarded", "holding"],
                                                                      [False, True])))
 def test_first_delta_deadline(state: str, final: bool) -> None:
-    m = gate_in(state)
-    acts = m.handle(FirstDeltaTimeout(final=final, waited_s=12.5))
+    m = gate_in(state, final)
+    acts = m.handle(TimerFired(TimerKind.FIRST_DELTA, 12.5, 1012.5))
     if final:
         # Nothing left to retry with: our error goes to the client (never retried).
         (a,) = acts
@@ -223,9 +224,12 @@ def test_first_delta_deadline(state: str, final: bool) -> None:
     else:
         assert acts == []  # no headers to answer: Envoy's per-try timeout ends it
         assert m.state is State.GATE_FORWARDED
-    end = m.handle(StreamClosed())
-    assert len(end) == 1 and isinstance(end[0], EndAttempt)
-    assert end[0].timed_out is (final or state == "holding")
+    *_, end = m.handle(StreamClosed(13.0, 1013.0))
+    timed_out = final or state == "holding"
+    # A timed-out end is uncertain: Envoy's word is awaited before it is settled.
+    # Not timed out, ended before the limit: confirmed, revoked at once.
+    assert isinstance(end, AwaitCause if timed_out else RevokeEarly)
+    assert m.timed_out is timed_out
 
 
 def test_config_first_delta_total_and_pool_health() -> None:

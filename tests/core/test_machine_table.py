@@ -7,44 +7,41 @@ from typing import Any, get_args
 
 import pytest
 
+from extproc.core import records
 from extproc.core.errors import ErrorCode, GatewayError, decode_interrupted
 from extproc.core.events import (
-    Admit,
+    AdmissionDecided,
     AdmitDecided,
     AnswerBody,
     ArmWatchdog,
     AwaitCause,
     AwaitIntake,
     CauseLearned,
-    ContinueRequest,
     DisarmWatchdog,
-    DropChunk,
-    EndAttempt,
     Event,
-    FailAttempt,
-    Fence,
     Fenced,
     FenceDecided,
     Finish,
-    FirstDeltaTimeout,
-    HoldChunk,
+    IntakeCommitted,
     LeaseLost,
     OpenIntake,
-    PassChunk,
     PassHeaders,
     Refuse,
     RegisterIntake,
-    Release,
     RequestBodySeen,
     RequestHeadersSeen,
     RequestOpened,
     RequestStarted,
     ResponseBody,
     ResponseHeaders,
+    Revoked,
     Send,
     StallTimeout,
     State,
+    StoreDown,
     StreamClosed,
+    TimerFired,
+    TimerKind,
 )
 from extproc.core.gate import (
     GATE_TABLE,
@@ -57,6 +54,8 @@ from extproc.core.guard import (
 from extproc.core.journal import Outcome
 from extproc.core.machine import ProtocolViolation
 from extproc.core.sse import DONE_EVENT, EventKind, SseDecoder, encode_event
+
+from .gate_drive import ADMITTED
 
 RID = "req_0123456789abcdefghjkmnpqrs"
 # Both roles' rows, keyed as (role, state, event type).
@@ -93,12 +92,16 @@ GUARD_STATES = [s for s in State if s.value.startswith("guard_")]
 
 CANONICAL: dict[type, Any] = {
     RequestStarted: RequestStarted(1),
+    IntakeCommitted: IntakeCommitted(),
+    AdmissionDecided: AdmissionDecided(ADMITTED),
+    StoreDown: StoreDown("etcd away"),
+    TimerFired: TimerFired(TimerKind.FIRST_DELTA),
+    Revoked: Revoked(True),
     AdmitDecided: AdmitDecided(True),
     ResponseHeaders: ResponseHeaders(200, SSE),
     ResponseBody: ResponseBody(b"", False),
     FenceDecided: FenceDecided(True),
     StallTimeout: StallTimeout(),
-    FirstDeltaTimeout: FirstDeltaTimeout(),
     StreamClosed: StreamClosed(),
     CauseLearned: CauseLearned("client"),
     Fenced: Fenced(),
@@ -112,6 +115,11 @@ CANONICAL: dict[type, Any] = {
 def _machine(role: str, state: State) -> GateMachine | GuardMachine:
     m: GateMachine | GuardMachine
     m = GateMachine.new(RID) if role == "gate" else GuardMachine.new(RID, STALL)
+    if isinstance(m, GateMachine):
+        # What every gate state past the first has: its start, and once ending its plan.
+        m.start = RequestStarted(1, attempt_id="att_1")
+        m.end_facts = records.EndFacts(False, False, False, False, 0, 0.0, 30.0)
+        m.end_plan = records.plan_end(m.end_facts)
     m.state = state
     return m
 
@@ -169,232 +177,9 @@ def test_a_machine_in_the_other_roles_state_always_raises(
 def test_forwarded_and_request_events_are_never_guard_transitions() -> None:
     # The guard is driven by response events only.
     for state in GUARD_STATES:
-        for ev_type in (RequestStarted, AdmitDecided, FenceDecided):
+        for ev_type in (RequestStarted, AdmitDecided, FenceDecided, IntakeCommitted,
+                        AdmissionDecided, StoreDown, TimerFired, Revoked):
             assert ("guard", state, ev_type) not in TABLE
-
-
-# --- gate scenarios -----------------------------------------------------------------------
-
-
-def admitted_gate(max_buffer: int = 4 << 20) -> GateMachine:
-    g = GateMachine.new(RID, max_buffer=max_buffer)
-    assert g.handle(RequestStarted(2)) == [Admit(2)]
-    assert g.state is State.GATE_ADMITTING and g.attempt == 2
-    assert g.handle(AdmitDecided(True)) == [ContinueRequest()]
-    assert g.state is State.GATE_FORWARDED
-    return g
-
-
-def _assert_unavailable(a: Any, held: int) -> None:
-    assert isinstance(a, FailAttempt)
-    assert a.held_chunks == held
-    assert a.error.code is ErrorCode.UPSTREAM_UNAVAILABLE
-    assert a.error.http_status == 503
-    assert a.error.retryable is True
-    assert a.error.partial_output is False
-    assert a.error.request_id == RID
-    body = json.loads(a.error.json_bytes())
-    assert body["error"]["code"] == "upstream_unavailable"
-
-
-def test_gate_happy_path_holds_until_fenced_then_releases_in_order() -> None:
-    g = admitted_gate()
-    assert g.handle(ResponseHeaders(200, "text/event-stream; charset=utf-8")) == []
-    assert g.state is State.GATE_HOLDING and g.streaming
-    assert g.handle(ResponseBody(ROLE, False)) == [HoldChunk()]
-    assert g.handle(ResponseBody(EMPTY + USAGE, False)) == [HoldChunk()]
-    assert g.handle(ResponseBody(content("Hel"), False)) == [HoldChunk(), Fence()]
-    assert g.state is State.GATE_FENCING
-    # A body message that arrives while the fence transaction runs is held as well.
-    assert g.handle(ResponseBody(content("lo"), False)) == [HoldChunk()]
-    # Not ended yet: the gate hands the attempt to the guard and leaves the stream.
-    assert g.handle(FenceDecided(True)) == [Release(held_chunks=4, hand_off=True)]
-    assert g.state is State.GATE_RELEASED
-    assert g.handle(ResponseBody(content("!"), False)) == [PassChunk()]
-    assert g.handle(ResponseBody(ERROR, False)) == [PassChunk()]  # the guard handles it
-    assert g.handle(ResponseBody(FINISH + DONE_EVENT, True)) == [PassChunk()]
-    assert g.handle(StreamClosed()) == [
-        EndAttempt(released=True, upstream_finished=True, last_state="gate_released")]
-    assert g.state is State.GATE_CLOSED
-    assert g.handle(StreamClosed()) == []
-
-
-def test_gate_content_split_across_chunks_fences_only_when_complete() -> None:
-    g = admitted_gate()
-    g.handle(ResponseHeaders(200, SSE))
-    ev = content("Hello")
-    assert g.handle(ResponseBody(ev[:9], False)) == [HoldChunk()]
-    assert g.handle(ResponseBody(ev[9:-1], False)) == [HoldChunk()]
-    assert g.handle(ResponseBody(ev[-1:], False)) == [HoldChunk(), Fence()]
-    assert g.handle(FenceDecided(True)) == [Release(held_chunks=3, hand_off=True)]
-
-
-def test_gate_fence_lost_fails_the_attempt_and_drops_the_rest() -> None:
-    g = admitted_gate()
-    g.handle(ResponseHeaders(200, SSE))
-    assert g.handle(ResponseBody(ROLE, False)) == [HoldChunk()]
-    assert g.handle(ResponseBody(content("x"), False)) == [HoldChunk(), Fence()]
-    acts = g.handle(FenceDecided(False))
-    assert len(acts) == 1
-    _assert_unavailable(acts[0], held=2)
-    assert "fence" in acts[0].reason
-    assert g.state is State.GATE_FAILED
-    assert g.handle(ResponseBody(content("y"), False)) == [DropChunk()]
-    assert g.handle(ResponseBody(DONE_EVENT, True)) == [DropChunk()]
-    [end] = g.handle(StreamClosed())
-    assert end == EndAttempt(released=False, upstream_finished=True, last_state="gate_failed")
-
-
-@pytest.mark.parametrize("bad", [ERROR, MALFORMED, b"data: [1, 2]\n\n", b"data: \n\n"],
-                         ids=["error", "malformed", "non-object", "empty-data"])
-def test_gate_error_or_malformed_before_content_fails(bad: bytes) -> None:
-    g = admitted_gate()
-    g.handle(ResponseHeaders(200, SSE))
-    assert g.handle(ResponseBody(ROLE, False)) == [HoldChunk()]
-    # Even with content after it in the same message: the bad event came first.
-    acts = g.handle(ResponseBody(bad + content("late"), False))
-    assert len(acts) == 1
-    _assert_unavailable(acts[0], held=2)
-    assert g.state is State.GATE_FAILED
-    assert g.handle(ResponseBody(content("x"), True)) == [DropChunk()]
-
-
-def test_gate_content_before_error_in_one_message_is_fenced() -> None:
-    g = admitted_gate()
-    g.handle(ResponseHeaders(200, SSE))
-    assert g.handle(ResponseBody(content("a") + ERROR, False)) == [HoldChunk(), Fence()]
-
-
-def test_gate_done_without_content_is_an_empty_complete_answer() -> None:
-    g = admitted_gate()
-    g.handle(ResponseHeaders(200, SSE))
-    assert g.handle(ResponseBody(ROLE + FINISH, False)) == [HoldChunk()]
-    assert g.handle(ResponseBody(DONE_EVENT, False)) == [HoldChunk()]
-    assert g.handle(ResponseBody(b"", True)) == [HoldChunk(), Fence()]
-    # The whole response is held already: nothing left to hand off.
-    assert g.handle(FenceDecided(True)) == [Release(held_chunks=3, hand_off=False)]
-    [end] = g.handle(StreamClosed())
-    assert end.released and end.upstream_finished
-
-
-def test_gate_done_and_end_of_stream_in_one_message() -> None:
-    g = admitted_gate()
-    g.handle(ResponseHeaders(200, SSE))
-    assert g.handle(ResponseBody(ROLE + DONE_EVENT, True)) == [HoldChunk(), Fence()]
-
-
-def test_gate_end_of_stream_without_content_or_done_fails() -> None:
-    g = admitted_gate()
-    g.handle(ResponseHeaders(200, SSE))
-    assert g.handle(ResponseBody(ROLE, False)) == [HoldChunk()]
-    acts = g.handle(ResponseBody(FINISH, True))
-    assert len(acts) == 1
-    _assert_unavailable(acts[0], held=2)
-
-
-def test_gate_empty_200_headers_only_fails() -> None:
-    g = admitted_gate()
-    acts = g.handle(ResponseHeaders(200, SSE, end_of_stream=True))
-    assert len(acts) == 1
-    _assert_unavailable(acts[0], held=0)
-
-
-@pytest.mark.parametrize("status", [400, 429, 500, 503, 201])
-def test_gate_non_200_passes_through(status: int) -> None:
-    g = admitted_gate()
-    assert g.handle(ResponseHeaders(status, "application/json")) == [PassHeaders()]
-    assert g.state is State.GATE_PASSTHROUGH
-    assert g.handle(ResponseBody(b'{"error":', False)) == [PassChunk()]
-    assert g.handle(ResponseBody(b'{"message":"busy"}}', True)) == [PassChunk()]
-    assert g.handle(StreamClosed()) == [
-        EndAttempt(released=False, upstream_finished=True, last_state="gate_passthrough")]
-
-
-def test_gate_non_streaming_fences_only_at_end_of_stream() -> None:
-    body = json.dumps({"id": "x", "object": "chat.completion", "choices": [
-        {"index": 0, "message": {"role": "assistant", "content": "hi"}}],
-        "usage": {"completion_tokens": 1}}).encode()
-    g = admitted_gate()
-    assert g.handle(ResponseHeaders(200, "application/json")) == []
-    assert not g.streaming
-    # Each part alone would be an SSE-looking or JSON-looking fragment: nothing decides early.
-    assert g.handle(ResponseBody(body[:10], False)) == [HoldChunk()]
-    assert g.handle(ResponseBody(body[10:30], False)) == [HoldChunk()]
-    assert g.handle(ResponseBody(body[30:], True)) == [HoldChunk(), Fence()]
-    assert g.handle(FenceDecided(True)) == [Release(held_chunks=3, hand_off=False)]
-
-
-@pytest.mark.parametrize("body", [
-    b'{"choices": [', b"not json", b'["a list"]', b'{"error": {"message": "oom"}}', b"",
-], ids=["truncated", "garbage", "list", "error-object", "empty"])
-def test_gate_non_streaming_bad_body_fails(body: bytes) -> None:
-    g = admitted_gate()
-    g.handle(ResponseHeaders(200, "application/json"))
-    assert g.handle(ResponseBody(body[:3], False)) == [HoldChunk()]
-    acts = g.handle(ResponseBody(body[3:], True))
-    assert len(acts) == 1
-    _assert_unavailable(acts[0], held=2)
-
-
-def test_gate_non_streaming_deeply_nested_body_fails_cleanly() -> None:
-    g = admitted_gate()
-    g.handle(ResponseHeaders(200, "application/json"))
-    acts = g.handle(ResponseBody(b"[" * 100_000 + b"]" * 100_000, True))
-    assert len(acts) == 1 and isinstance(acts[0], FailAttempt)
-
-
-def test_gate_body_bigger_than_buffer_before_first_delta_fails() -> None:
-    g = admitted_gate(max_buffer=200)
-    g.handle(ResponseHeaders(200, SSE))
-    assert len(ROLE) < 200
-    assert g.handle(ResponseBody(ROLE, False)) == [HoldChunk()]
-    # This message carries content, but the buffer limit is checked first.
-    acts = g.handle(ResponseBody(USAGE + content("x" * 150), False))
-    assert len(acts) == 1
-    _assert_unavailable(acts[0], held=2)
-    assert "buffer" in acts[0].reason
-    assert g.handle(ResponseBody(content("y"), False)) == [DropChunk()]
-
-
-def test_gate_buffer_limit_counts_bytes_exactly() -> None:
-    data = content("abc")
-    g = admitted_gate(max_buffer=len(data))
-    g.handle(ResponseHeaders(200, SSE))
-    assert g.handle(ResponseBody(data, False)) == [HoldChunk(), Fence()]
-
-
-def test_gate_admission_refused() -> None:
-    err = GatewayError(code=ErrorCode.RETRY_BUDGET_EXHAUSTED, message="no budget",
-                       http_status=503, request_id=RID)
-    g = GateMachine.new(RID)
-    g.handle(RequestStarted(3))
-    assert g.handle(AdmitDecided(False, err)) == [Refuse(err)]
-    assert g.state is State.GATE_CLOSED
-    assert g.handle(StreamClosed()) == []
-    with pytest.raises(ProtocolViolation):
-        g.handle(ResponseHeaders(200, SSE))
-
-
-@pytest.mark.parametrize("state", [s for s in GATE_STATES if s is not State.GATE_CLOSED])
-def test_gate_stream_closed_in_each_state(state: State) -> None:
-    g = GateMachine.new(RID)
-    g.state = state
-    assert g.handle(StreamClosed()) == [EndAttempt(
-        released=state is State.GATE_RELEASED, upstream_finished=False, last_state=state.value)]
-    assert g.state is State.GATE_CLOSED
-
-
-def test_gate_stream_closed_mid_hold_and_mid_fence_is_not_released() -> None:
-    g = admitted_gate()
-    g.handle(ResponseHeaders(200, SSE))
-    g.handle(ResponseBody(ROLE, False))
-    assert g.handle(StreamClosed()) == [
-        EndAttempt(released=False, upstream_finished=False, last_state="gate_holding")]
-    g = admitted_gate()
-    g.handle(ResponseHeaders(200, SSE))
-    g.handle(ResponseBody(content("a"), True))
-    assert g.handle(StreamClosed()) == [
-        EndAttempt(released=False, upstream_finished=True, last_state="gate_fencing")]
 
 
 # --- guard scenarios ----------------------------------------------------------------------
@@ -590,31 +375,6 @@ def test_guard_non_streaming_counts_completion_tokens() -> None:
     assert m.handle(ResponseBody(body[5:], True)) == [Send(body[5:], True)]
     assert m.handle(StreamClosed()) == [DisarmWatchdog(), Finish(
         Outcome.COMPLETED, 7, None, exact=True, source="engine")]
-
-
-def test_gate_drop_records_the_upstream_end() -> None:
-    g = admitted_gate()
-    g.handle(ResponseHeaders(200, SSE))
-    g.handle(ResponseBody(ERROR, False))
-    assert g.handle(ResponseBody(b"", True)) == [DropChunk()]
-    [end] = g.handle(StreamClosed())
-    assert end == EndAttempt(released=False, upstream_finished=True, last_state="gate_failed")
-
-
-def test_a_lost_lease_after_release_drops_the_rest() -> None:
-    m = GateMachine.new(RID)
-    m.handle(RequestStarted(1))
-    m.handle(AdmitDecided(True))
-    m.handle(ResponseHeaders(200, SSE))
-    m.handle(ResponseBody(b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n', False))
-    m.handle(FenceDecided(True))
-    assert m.state is State.GATE_RELEASED
-    assert m.handle(ResponseBody(b"x", False)) == [PassChunk()]
-    assert m.handle(LeaseLost()) == []
-    assert m.handle(ResponseBody(b"y", False)) == [DropChunk()]
-    assert m.handle(ResponseBody(b"", True)) == [DropChunk()]
-    # Replayable: the loss is an event in the trace, the drops are its decisions.
-    assert [e["type"] for e in m.trace][-3:] == ["LeaseLost", "ResponseBody", "ResponseBody"]
 
 
 def test_the_guard_request_phase_is_in_the_table() -> None:

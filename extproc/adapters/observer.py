@@ -1,0 +1,148 @@
+"""Logs, spans and metrics, derived from what the machines do: (role, transition, actions).
+
+The sessions carry out actions and say nothing; after each event the machine consumed they
+hand this module the state it left, the event, and the actions it answered with, and every
+log line, span event and metric of the role is written here, once. The end of an attempt
+(its log line, span events, fence metric and span end) is one function, `attempt_ended`,
+whichever role ends it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from opentelemetry.trace import Span, SpanKind
+
+from ..core.errors import ErrorCode
+from ..core.events import (
+    Action,
+    AdmissionDecided,
+    AdmitDecided,
+    CloseAttempt,
+    Event,
+    FailAttempt,
+    LeaseLost,
+    MarkSlow,
+    Refuse,
+    Release,
+    RequestStarted,
+    State,
+    StoreDown,
+)
+from ..core.failure import FailureClass
+from ..core.failure import Fence as FenceKind
+from .logs import rlog
+from .telemetry import Telemetry, end_span
+
+if TYPE_CHECKING:
+    from .gate import GateSession
+
+log = logging.getLogger("extproc")
+
+# --- every role --------------------------------------------------------------------------
+
+
+def attempt_ended(tel: Telemetry, span: Span | None, rid: str | None, aid: str, *,
+                  attempt: int, released: bool, failure_class: str, fence: str,
+                  cause: str | None, envoy_cause: str, model_revision: Any,
+                  http_status: int | None) -> None:
+    """An attempt's end: its log line, its span's last event and end, the fence metric."""
+    rlog(log, logging.INFO, "attempt ended", rid, aid, attempt=attempt, released=released,
+         failure_class=failure_class, fence=fence, cause=cause)
+    if span is None:
+        return
+    span.add_event("lease.fenced_until_expiry" if fence == str(FenceKind.EXPIRE)
+                   else "lease.revoked")
+    tel.fences.add(1, {"kind": fence, "class": failure_class})
+    end_span(span, None if failure_class == str(FailureClass.COMPLETED) else failure_class,
+             **{"llmgw.failure_class": failure_class, "llmgw.released": released,
+                "llmgw.fence": fence, "llmgw.envoy_cause": envoy_cause,
+                "llmgw.model_revision": model_revision,
+                "http.response.status_code": http_status or None})
+
+
+# --- the gate ----------------------------------------------------------------------------
+
+_ADMISSION = (State.GATE_AWAITING_INTAKE, State.GATE_DECIDING, State.GATE_ADMITTING)
+
+
+def gate(s: GateSession, before: State, ev: Event, actions: list[Action]) -> None:
+    """What the gate's transition from `before` on `ev` says to the operator."""
+    m = s.m
+    if m is None:
+        return
+    rid, aid, tel = s.rid, m.attempt_id or None, s.p.tel
+    if isinstance(ev, RequestStarted):
+        _start_span(s, ev)
+    elif isinstance(ev, AdmissionDecided):
+        last = s.p.budget.last
+        if last is not None and (
+                (ev.admitted is not None and ev.admitted.counts_as_retry)
+                or (ev.error is not None
+                    and ev.error.code is ErrorCode.RETRY_BUDGET_EXHAUSTED)):
+            tel.budget_used.record(last.retries / max(1, last.limit))
+    elif isinstance(ev, AdmitDecided) and ev.admitted:
+        s.span.add_event("attempt.admitted", {"llmgw.waited_for_previous_ms":
+                                              round(ev.waited_s * 1000, 2)})
+        s.span.add_event("lease.granted")
+        if m.attempt > 1:
+            tel.retries.add(1, {"decision": "admitted"})
+        rlog(log, logging.INFO, "attempt admitted", rid, aid, attempt=m.journal_attempt,
+             replica=s.replica, waited_ms=round(ev.waited_s * 1000, 2),
+             with_request=bool(m.start and m.start.preadmitted))
+    elif isinstance(ev, StoreDown):
+        where = "admission" if before is State.GATE_ADMITTING else "the fence"
+        if before is State.GATE_FENCING or not (m.start and m.start.preadmitted):
+            rlog(log, logging.WARNING, f"journal unavailable at {where}"
+                 + (": not releasing" if before is State.GATE_FENCING else ""),
+                 rid, aid, error=ev.what)
+    elif isinstance(ev, LeaseLost) and before is State.GATE_RELEASED:
+        rlog(log, logging.WARNING, "lease lost after release: dropping the rest", rid, aid)
+    for a in actions:
+        if isinstance(a, Refuse) and before in _ADMISSION:
+            code = str(a.error.code)
+            if not isinstance(ev, StoreDown):
+                rlog(log, logging.WARNING, "attempt refused", rid, aid,
+                     attempt=m.journal_attempt, code=code, reason=a.error.message,
+                     replica=s.replica)
+            s.span.add_event("attempt.refused", {"llmgw.reason": code})
+            if m.attempt > 1:
+                tel.retries.add(1, {"decision": "refused", "reason": code})
+            end_span(s.span, code)
+        elif isinstance(a, MarkSlow):
+            rlog(log, logging.INFO,
+                 "first delta slower than the soft expectation (not a failure)", rid, aid,
+                 soft_first_delta_s=m.params.soft_first_delta_s, replica=s.replica)
+        elif isinstance(a, Release):
+            s.span.add_event("first_delta.fenced", {"llmgw.held_chunks": a.held_chunks})
+            rlog(log, logging.INFO, "first delta fenced: released", rid, aid,
+                 attempt=m.journal_attempt, replica=s.replica, held_chunks=a.held_chunks,
+                 ttfd_ms=round((s.p.clock.monotonic() - m.started_mono) * 1000, 2))
+            s.span.add_event("attempt.handed_off")
+        elif isinstance(a, FailAttempt):
+            s.span.add_event("attempt.failed", {"llmgw.reason": a.reason})
+            rlog(log, logging.WARNING, "attempt failed before first delta", rid, aid,
+                 attempt=m.journal_attempt, replica=s.replica, reason=a.reason)
+        elif isinstance(a, CloseAttempt):
+            attempt_ended(tel, s.span, rid, m.attempt_id, attempt=a.attempt, released=False,
+                          failure_class=a.failure_class, fence=a.fence, cause=a.cause,
+                          envoy_cause=a.cause, model_revision=a.record.get("model_revision"),
+                          http_status=m.http_status)
+
+
+def gate_fenced(s: GateSession, live: str | None) -> None:
+    """The revocation watch: someone fenced the attempt (revoked, expired, replaced)."""
+    rlog(log, logging.WARNING, "attempt fenced: its lease was revoked or replaced", s.rid,
+         s.m.attempt_id if s.m else None, live=live)
+
+
+def _start_span(s: GateSession, ev: RequestStarted) -> None:
+    tel = s.p.tel
+    parent = tel.parent_from({"traceparent": s.parent_tp} if s.parent_tp else s.md)
+    host, _, port = (ev.replica or "").rpartition(":")
+    s.span = tel.start("llm.attempt", parent, SpanKind.CLIENT, {
+        "llmgw.request_id": s.rid, "llmgw.attempt_id": ev.attempt_id,
+        "llmgw.attempt": ev.attempt_offset + ev.attempt, "llmgw.envoy_attempt": ev.attempt,
+        "server.address": host or None, "server.port": int(port) if port.isdigit() else None,
+        "llmgw.fingerprint": s.p.pool.fingerprint_of(ev.replica or "")})

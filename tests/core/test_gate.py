@@ -1,0 +1,558 @@
+"""The gate's rows: an attempt's whole life, its waits included, with exact actions."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from extproc.core.admission import Admitted, AttemptRequest
+from extproc.core.errors import ErrorCode, GatewayError, journal_unavailable
+from extproc.core.events import (
+    AdmissionDecided,
+    Admit,
+    AdmitDecided,
+    AwaitCause,
+    AwaitIntakeCommit,
+    CauseLearned,
+    CloseAttempt,
+    ContinueRequest,
+    Decide,
+    DropChunk,
+    FailAttempt,
+    Fence,
+    FenceDecided,
+    GiveBack,
+    HoldChunk,
+    IntakeCommitted,
+    LeaseLost,
+    MarkSlow,
+    Overloaded,
+    PassChunk,
+    PassHeaders,
+    Refuse,
+    Release,
+    RequestStarted,
+    ResponseBody,
+    ResponseHeaders,
+    RetryEnded,
+    Revoked,
+    RevokeEarly,
+    StartTimer,
+    State,
+    StopTimers,
+    StoreDown,
+    StreamClosed,
+    TakeLease,
+    TimerFired,
+    TimerKind,
+    UndoFence,
+    Watch,
+)
+from extproc.core.gate import FENCE_MARGIN_S, GateMachine, GateParams
+from extproc.core.machine import ProtocolViolation
+from extproc.core.sse import DONE_EVENT, encode_event
+
+from .gate_drive import ADMITTED, FINAL, admit
+
+RID = "req_0123456789abcdefghjkmnpqrs"
+SSE = "text/event-stream"
+WALL0 = 1_700_000_000.0
+
+
+def _delta(delta: dict[str, Any], **extra: Any) -> bytes:
+    return encode_event({"id": "c1", "object": "chat.completion.chunk",
+                         "choices": [{"index": 0, "delta": delta, **extra}]})
+
+
+ROLE = _delta({"role": "assistant", "content": ""})
+EMPTY = _delta({})
+FINISH = _delta({}, finish_reason="stop")
+USAGE = encode_event({"id": "c1", "choices": [],
+                      "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}})
+ERROR = encode_event({"error": {"message": "CUDA error: device lost", "type": "server_error",
+                                "code": "engine_dead"}})
+MALFORMED = b'data: {"choices": [\n\n'
+
+
+def content(text: str) -> bytes:
+    return _delta({"content": text})
+
+
+# --- the response: hold, fence, release (moved from test_machine_table) -----------------
+
+
+def admitted_gate(max_buffer: int = 4 << 20) -> GateMachine:
+    g = GateMachine.new(RID, max_buffer=max_buffer)
+    acts = admit(g, attempt=2)
+    assert g.state is State.GATE_FORWARDED and g.attempt == 2
+    assert names(acts) == ["Watch", "StartTimer", "ContinueRequest"]
+    return g
+
+
+def names(acts: list[Any]) -> list[str]:
+    return [type(a).__name__ for a in acts]
+
+
+def released(acts: list[Any], held: int, hand_off: bool) -> bool:
+    """The fence's yes: the timers stop, the held messages go, the hand-off's record."""
+    stop, rel = acts
+    return (stop == StopTimers() and isinstance(rel, Release) and rel.held_chunks == held
+            and rel.hand_off is hand_off and rel.facts is not None)
+
+
+HOLD_FENCE = ["HoldChunk", "Fence"]
+
+
+def _assert_unavailable(a: Any, held: int) -> None:
+    assert isinstance(a, FailAttempt)
+    assert a.held_chunks == held
+    assert a.error.code is ErrorCode.UPSTREAM_UNAVAILABLE
+    assert a.error.http_status == 503
+    assert a.error.retryable is True
+    assert a.error.partial_output is False
+    assert a.error.request_id == RID
+    body = json.loads(a.error.json_bytes())
+    assert body["error"]["code"] == "upstream_unavailable"
+
+
+def test_gate_happy_path_holds_until_fenced_then_releases_in_order() -> None:
+    g = admitted_gate()
+    assert g.handle(ResponseHeaders(200, "text/event-stream; charset=utf-8")) == []
+    assert g.state is State.GATE_HOLDING and g.streaming
+    assert g.handle(ResponseBody(ROLE, False)) == [HoldChunk()]
+    assert g.handle(ResponseBody(EMPTY + USAGE, False)) == [HoldChunk()]
+    assert names(g.handle(ResponseBody(content("Hel"), False))) == HOLD_FENCE
+    assert g.state is State.GATE_FENCING
+    # A body message that arrives while the fence transaction runs is held as well.
+    assert g.handle(ResponseBody(content("lo"), False)) == [HoldChunk()]
+    # Not ended yet: the gate hands the attempt to the guard and leaves the stream.
+    assert released(g.handle(FenceDecided(True)), 4, True)
+    assert g.state is State.GATE_RELEASED
+    assert g.handle(ResponseBody(content("!"), False)) == [PassChunk()]
+    assert g.handle(ResponseBody(ERROR, False)) == [PassChunk()]  # the guard handles it
+    assert g.handle(ResponseBody(FINISH + DONE_EVENT, True)) == [PassChunk()]
+    # Released: the guard ends it; the gate only stops its timers.
+    assert g.handle(StreamClosed()) == [StopTimers()]
+    assert g.state is State.GATE_CLOSED
+    assert g.handle(StreamClosed()) == []
+
+
+def test_gate_content_split_across_chunks_fences_only_when_complete() -> None:
+    g = admitted_gate()
+    g.handle(ResponseHeaders(200, SSE))
+    ev = content("Hello")
+    assert g.handle(ResponseBody(ev[:9], False)) == [HoldChunk()]
+    assert g.handle(ResponseBody(ev[9:-1], False)) == [HoldChunk()]
+    assert names(g.handle(ResponseBody(ev[-1:], False))) == HOLD_FENCE
+    assert released(g.handle(FenceDecided(True)), 3, True)
+
+
+def test_gate_fence_lost_fails_the_attempt_and_drops_the_rest() -> None:
+    g = admitted_gate()
+    g.handle(ResponseHeaders(200, SSE))
+    assert g.handle(ResponseBody(ROLE, False)) == [HoldChunk()]
+    assert names(g.handle(ResponseBody(content("x"), False))) == HOLD_FENCE
+    acts = g.handle(FenceDecided(False))
+    assert len(acts) == 1
+    _assert_unavailable(acts[0], held=2)
+    assert "fence" in acts[0].reason
+    assert g.state is State.GATE_FAILED
+    assert g.handle(ResponseBody(content("y"), False)) == [DropChunk()]
+    assert g.handle(ResponseBody(DONE_EVENT, True)) == [DropChunk()]
+    # Failed on purpose with a 503 (the fence said no): confirmed, no word needed.
+    stop, ended, close = g.handle(StreamClosed())
+    assert (stop, ended) == (StopTimers(), RetryEnded())
+    assert isinstance(close, CloseAttempt) and close.record["upstream_finished"] is True
+
+
+@pytest.mark.parametrize("bad", [ERROR, MALFORMED, b"data: [1, 2]\n\n", b"data: \n\n"],
+                         ids=["error", "malformed", "non-object", "empty-data"])
+def test_gate_error_or_malformed_before_content_fails(bad: bytes) -> None:
+    g = admitted_gate()
+    g.handle(ResponseHeaders(200, SSE))
+    assert g.handle(ResponseBody(ROLE, False)) == [HoldChunk()]
+    # Even with content after it in the same message: the bad event came first.
+    acts = g.handle(ResponseBody(bad + content("late"), False))
+    assert len(acts) == 1
+    _assert_unavailable(acts[0], held=2)
+    assert g.state is State.GATE_FAILED
+    assert g.handle(ResponseBody(content("x"), True)) == [DropChunk()]
+
+
+def test_gate_content_before_error_in_one_message_is_fenced() -> None:
+    g = admitted_gate()
+    g.handle(ResponseHeaders(200, SSE))
+    assert names(g.handle(ResponseBody(content("a") + ERROR, False))) == HOLD_FENCE
+
+
+def test_gate_done_without_content_is_an_empty_complete_answer() -> None:
+    g = admitted_gate()
+    g.handle(ResponseHeaders(200, SSE))
+    assert g.handle(ResponseBody(ROLE + FINISH, False)) == [HoldChunk()]
+    assert g.handle(ResponseBody(DONE_EVENT, False)) == [HoldChunk()]
+    assert names(g.handle(ResponseBody(b"", True))) == HOLD_FENCE
+    # The whole response is held already: nothing left to hand off.
+    assert released(g.handle(FenceDecided(True)), 3, False)
+    assert g.handle(StreamClosed()) == [StopTimers()]
+
+
+def test_gate_done_and_end_of_stream_in_one_message() -> None:
+    g = admitted_gate()
+    g.handle(ResponseHeaders(200, SSE))
+    assert names(g.handle(ResponseBody(ROLE + DONE_EVENT, True))) == HOLD_FENCE
+
+
+def test_gate_end_of_stream_without_content_or_done_fails() -> None:
+    g = admitted_gate()
+    g.handle(ResponseHeaders(200, SSE))
+    assert g.handle(ResponseBody(ROLE, False)) == [HoldChunk()]
+    acts = g.handle(ResponseBody(FINISH, True))
+    assert len(acts) == 1
+    _assert_unavailable(acts[0], held=2)
+
+
+def test_gate_empty_200_headers_only_fails() -> None:
+    g = admitted_gate()
+    acts = g.handle(ResponseHeaders(200, SSE, end_of_stream=True))
+    assert len(acts) == 1
+    _assert_unavailable(acts[0], held=0)
+
+
+@pytest.mark.parametrize("status", [400, 429, 500, 503, 201])
+def test_gate_non_200_passes_through(status: int) -> None:
+    g = admitted_gate()
+    # Envoy retries a 5xx or 429 only when the gate marks it, never on the last attempt.
+    assert g.handle(ResponseHeaders(status, "application/json")) == [
+        PassHeaders(retry=status >= 500 or status == 429)]
+    assert g.state is State.GATE_PASSTHROUGH
+    assert g.handle(ResponseBody(b'{"error":', False)) == [PassChunk()]
+    assert g.handle(ResponseBody(b'{"message":"busy"}}', True)) == [PassChunk()]
+    *_, close = g.handle(StreamClosed())
+    # The replica answered: its end is confirmed, no word from Envoy needed.
+    assert isinstance(close, CloseAttempt) and close.record["http_status"] == status
+    assert close.fence == "revoked" and close.cause == "n/a"
+
+
+def test_gate_non_streaming_fences_only_at_end_of_stream() -> None:
+    body = json.dumps({"id": "x", "object": "chat.completion", "choices": [
+        {"index": 0, "message": {"role": "assistant", "content": "hi"}}],
+        "usage": {"completion_tokens": 1}}).encode()
+    g = admitted_gate()
+    assert g.handle(ResponseHeaders(200, "application/json")) == []
+    assert not g.streaming
+    # Each part alone would be an SSE-looking or JSON-looking fragment: nothing decides early.
+    assert g.handle(ResponseBody(body[:10], False)) == [HoldChunk()]
+    assert g.handle(ResponseBody(body[10:30], False)) == [HoldChunk()]
+    assert names(g.handle(ResponseBody(body[30:], True))) == HOLD_FENCE
+    assert released(g.handle(FenceDecided(True)), 3, False)
+
+
+@pytest.mark.parametrize("body", [
+    b'{"choices": [', b"not json", b'["a list"]', b'{"error": {"message": "oom"}}', b"",
+], ids=["truncated", "garbage", "list", "error-object", "empty"])
+def test_gate_non_streaming_bad_body_fails(body: bytes) -> None:
+    g = admitted_gate()
+    g.handle(ResponseHeaders(200, "application/json"))
+    assert g.handle(ResponseBody(body[:3], False)) == [HoldChunk()]
+    acts = g.handle(ResponseBody(body[3:], True))
+    assert len(acts) == 1
+    _assert_unavailable(acts[0], held=2)
+
+
+def test_gate_non_streaming_deeply_nested_body_fails_cleanly() -> None:
+    g = admitted_gate()
+    g.handle(ResponseHeaders(200, "application/json"))
+    acts = g.handle(ResponseBody(b"[" * 100_000 + b"]" * 100_000, True))
+    assert len(acts) == 1 and isinstance(acts[0], FailAttempt)
+
+
+def test_gate_body_bigger_than_buffer_before_first_delta_fails() -> None:
+    g = admitted_gate(max_buffer=200)
+    g.handle(ResponseHeaders(200, SSE))
+    assert len(ROLE) < 200
+    assert g.handle(ResponseBody(ROLE, False)) == [HoldChunk()]
+    # This message carries content, but the buffer limit is checked first.
+    acts = g.handle(ResponseBody(USAGE + content("x" * 150), False))
+    assert len(acts) == 1
+    _assert_unavailable(acts[0], held=2)
+    assert "buffer" in acts[0].reason
+    assert g.handle(ResponseBody(content("y"), False)) == [DropChunk()]
+
+
+def test_gate_buffer_limit_counts_bytes_exactly() -> None:
+    data = content("abc")
+    g = admitted_gate(max_buffer=len(data))
+    g.handle(ResponseHeaders(200, SSE))
+    assert names(g.handle(ResponseBody(data, False))) == HOLD_FENCE
+
+
+def test_gate_admission_refused() -> None:
+    err = GatewayError(code=ErrorCode.RETRY_BUDGET_EXHAUSTED, message="no budget",
+                       http_status=503, request_id=RID)
+    g = GateMachine.new(RID)
+    g.handle(RequestStarted(3, attempt_id="att_3"))
+    g.handle(IntakeCommitted())
+    assert g.handle(AdmissionDecided(error=err)) == [Refuse(err)]
+    assert g.state is State.GATE_CLOSED
+    # Never leased: nothing to end but the budget's count.
+    assert g.handle(StreamClosed()) == [StopTimers(), RetryEnded()]
+    assert g.handle(StreamClosed()) == []
+    with pytest.raises(ProtocolViolation):
+        g.handle(ResponseHeaders(200, SSE))
+
+
+def test_gate_stream_closed_mid_hold_and_mid_fence_is_not_released() -> None:
+    for body, eos, state in ((ROLE, False, "gate_holding"), (content("a"), True,
+                                                             "gate_fencing")):
+        g = admitted_gate()
+        g.handle(ResponseHeaders(200, SSE))
+        g.handle(ResponseBody(body, eos))
+        assert g.state == state
+        # Before the limit, not failed by us: a confirmed end, revoked at once.
+        stop, ended, revoke = g.handle(StreamClosed(mono=1.0, wall=WALL0 + 1.0))
+        assert (stop, ended) == (StopTimers(), RetryEnded())
+        assert isinstance(revoke, RevokeEarly) and revoke.record["failure_class"] == "pending"
+        assert g.state is State.GATE_REVOKING
+
+
+def test_gate_drop_records_the_upstream_end() -> None:
+    g = admitted_gate()
+    g.handle(ResponseHeaders(200, SSE))
+    g.handle(ResponseBody(ERROR, False))
+    assert g.handle(ResponseBody(b"", True)) == [DropChunk()]
+    # An in-band error, failed on purpose: no word needed, its end is written at once.
+    *_, close = g.handle(StreamClosed())
+    assert isinstance(close, CloseAttempt) and close.record["upstream_finished"] is True
+
+
+def test_a_lost_lease_after_release_drops_the_rest() -> None:
+    m = GateMachine.new(RID)
+    admit(m)
+    m.handle(ResponseHeaders(200, SSE))
+    m.handle(ResponseBody(b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n', False))
+    m.handle(FenceDecided(True))
+    assert m.state is State.GATE_RELEASED
+    assert m.handle(ResponseBody(b"x", False)) == [PassChunk()]
+    assert m.handle(LeaseLost()) == []
+    assert m.handle(ResponseBody(b"y", False)) == [DropChunk()]
+    assert m.handle(ResponseBody(b"", True)) == [DropChunk()]
+    # Replayable: the loss is an event in the trace, the drops are its decisions.
+    assert [e["type"] for e in m.trace][-3:] == ["LeaseLost", "ResponseBody", "ResponseBody"]
+
+
+
+
+# --- the admission: every wait a row -----------------------------------------------------
+
+
+def started(attempt: int = 1, preadmitted: bool = False, offset: int = 0,
+            accepted_at: float | None = WALL0, params: GateParams | None = None
+            ) -> GateMachine:
+    g = GateMachine.new(RID, params=params)
+    acts = g.handle(RequestStarted(attempt, attempt_id=f"att_{attempt}", attempt_offset=offset,
+                                   preadmitted=preadmitted, replica="127.0.0.1:9001",
+                                   want_fingerprint="fp-a", prompt_tokens=12,
+                                   accepted_at=accepted_at, mono=5.0, wall=WALL0 + 0.5))
+    # Every attempt waits for its request's intake, not only the first (decision 0021).
+    assert acts == [AwaitIntakeCommit()] and g.state is State.GATE_AWAITING_INTAKE
+    return g
+
+
+@pytest.mark.parametrize("preadmitted", [True, False])
+def test_an_intake_that_failed_refuses_the_attempt_and_gives_nothing_back(
+        preadmitted: bool) -> None:
+    g = started(preadmitted=preadmitted)
+    err = journal_unavailable(RID)
+    # The request was never recorded: there is no `live` to give back.
+    assert g.handle(IntakeCommitted(err, wall=WALL0 + 1)) == [Refuse(err)]
+    assert g.state is State.GATE_CLOSED
+
+
+@pytest.mark.parametrize("pool", [True, False])
+def test_the_committed_intake_asks_the_admission_with_what_the_process_knows(
+        pool: bool) -> None:
+    g = started(attempt=2, offset=3)
+    [d] = g.handle(IntakeCommitted(None, reached_count=1, replica_fingerprint="fp-b",
+                                   pool_enabled=pool, wall=WALL0 + 2.25))
+    p = GateParams()
+    assert d == Decide(AttemptRequest(
+        request_id=RID, attempt=2, max_attempts=p.max_attempts, reached_before=True,
+        reached_count=1, elapsed_s=2.25, total_first_delta_s=p.total_first_delta_s,
+        first_delta_s=p.first_delta_s, fence_wait_s=p.fence_wait_s,
+        want_fingerprint="fp-a" if pool else None, replica_fingerprint="fp-b",
+        replica="127.0.0.1:9001", prompt_tokens=12, max_prompt_tokens=0, attempt_id="att_2"))
+    assert g.state is State.GATE_DECIDING
+
+
+def test_a_refused_verdict_gives_a_preadmitted_attempt_1_back() -> None:
+    g = started(preadmitted=True)
+    g.handle(IntakeCommitted(wall=WALL0 + 1))
+    err = GatewayError(ErrorCode.NO_COMPATIBLE_REPLICA, "no", 503, request_id=RID)
+    give, refuse = g.handle(AdmissionDecided(error=err))
+    assert isinstance(give, GiveBack) and give.attempt == 1
+    assert give.record["refused"] == "no_compatible_replica" and give.record["ended_at"] == (
+        WALL0 + 1)
+    assert refuse == Refuse(err) and g.state is State.GATE_CLOSED
+
+
+def test_a_preadmitted_attempt_takes_its_lease_then_goes_upstream_with_its_timers() -> None:
+    g = started(preadmitted=True, params=GateParams(soft_first_delta_s=2.0))
+    g.handle(IntakeCommitted(wall=WALL0 + 1))
+    assert g.handle(AdmissionDecided(ADMITTED)) == [TakeLease()]
+    assert g.handle(AdmitDecided(True, mono=6.0, wall=WALL0 + 1.5)) == [
+        Watch(), StartTimer(TimerKind.SOFT_FIRST_DELTA, 2.0),
+        StartTimer(TimerKind.FIRST_DELTA, ADMITTED.deadline_s), ContinueRequest()]
+    assert g.state is State.GATE_FORWARDED and g.leased
+
+
+def test_a_later_attempt_runs_the_admission_transaction_within_its_deadline() -> None:
+    g = started(attempt=2, offset=1)
+    g.handle(IntakeCommitted(wall=WALL0 + 1))
+    verdict = Admitted(counts_as_retry=True, fence_wait_s=3.0, deadline_s=20.0, final=False)
+    [a] = g.handle(AdmissionDecided(verdict))
+    assert isinstance(a, Admit)
+    assert (a.attempt, a.fence_wait_s, a.first_attempt) == (3, 3.0, 2)
+    assert a.deadline_s == 20.0 - FENCE_MARGIN_S
+    assert a.record["attempt_id"] == "att_2" and a.record["started_at"] == WALL0 + 1
+    # It waited 4 s for the previous attempt's fence: its own limit is what is left.
+    acts = g.handle(AdmitDecided(True, "admitted", waited_s=4.0, mono=10.0))
+    assert acts[1] == StartTimer(TimerKind.FIRST_DELTA, 16.0)
+    # The fence is never sent past the limit.
+    g.handle(ResponseHeaders(200, SSE))
+    _, fence = g.handle(ResponseBody(content("a"), False))
+    assert isinstance(fence, Fence) and fence.until_mono == 10.0 + 16.0 - FENCE_MARGIN_S
+
+
+def test_the_journal_refusing_gives_the_reason() -> None:
+    g = started(attempt=2)
+    g.handle(IntakeCommitted(wall=WALL0 + 1))
+    g.handle(AdmissionDecided(ADMITTED))
+    [r] = g.handle(AdmitDecided(False, "first delta already sent: no second attempt"))
+    assert isinstance(r, Refuse) and r.error.code is ErrorCode.ATTEMPT_NOT_ADMITTED
+    assert "first delta already sent" in r.error.message
+
+
+@pytest.mark.parametrize("preadmitted", [True, False])
+def test_etcd_away_at_admission_fails_closed_and_takes_back_what_may_apply(
+        preadmitted: bool) -> None:
+    g = started(preadmitted=preadmitted)
+    g.handle(IntakeCommitted(wall=WALL0 + 1))
+    g.handle(AdmissionDecided(ADMITTED))
+    acts = g.handle(StoreDown("no leader", wall=WALL0 + 3))
+    # A transaction never confirmed may apply late: taken back. A pre-admitted attempt's
+    # `live` (from the intake) is given back instead.
+    assert names(acts) == (["GiveBack", "Refuse"] if preadmitted
+                           else ["UndoAdmission", "Refuse"])
+    assert acts[-1].error.code is ErrorCode.JOURNAL_UNAVAILABLE
+    assert g.state is State.GATE_CLOSED
+
+
+def test_etcd_away_at_the_fence_fails_the_attempt_and_takes_the_fence_back() -> None:
+    g = admitted_gate()
+    g.handle(ResponseHeaders(200, SSE))
+    g.handle(ResponseBody(content("a"), False))
+    undo, fail = g.handle(StoreDown("frozen"))
+    assert isinstance(undo, UndoFence) and undo.facts.attempt_id == "att_2"
+    assert isinstance(fail, FailAttempt) and fail.held_chunks == 1 and fail.retry
+
+
+# --- the first-delta timers --------------------------------------------------------------
+
+
+def test_the_soft_limit_marks_the_attempt_slow_and_changes_nothing() -> None:
+    g = admitted_gate()
+    assert g.handle(TimerFired(TimerKind.SOFT_FIRST_DELTA)) == [MarkSlow()]
+    assert g.state is State.GATE_FORWARDED and g.facts().slow
+
+
+def test_the_hard_limit_fails_a_holding_attempt_so_envoy_retries() -> None:
+    g = admitted_gate()
+    g.handle(ResponseHeaders(200, SSE))
+    g.handle(ResponseBody(ROLE, False))
+    [fail] = g.handle(TimerFired(TimerKind.FIRST_DELTA, 35.0, WALL0 + 35))
+    assert isinstance(fail, FailAttempt) and fail.retry and fail.held_chunks == 1
+    assert g.timed_out and g.state is State.GATE_FAILED
+    # A timer after release (or a late one) changes nothing.
+    g2 = admitted_gate()
+    g2.handle(ResponseHeaders(200, SSE))
+    g2.handle(ResponseBody(content("a"), False))
+    g2.handle(FenceDecided(True))
+    assert g2.handle(TimerFired(TimerKind.FIRST_DELTA)) == []
+
+
+def test_the_hard_limit_of_the_last_attempt_ends_the_request_with_upstream_timeout() -> None:
+    g = GateMachine.new(RID)
+    admit(g, attempt=3, verdict=FINAL, accepted_at=WALL0)
+    # No headers yet: nothing to answer with a 503; the last attempt ends here.
+    [r] = g.handle(TimerFired(TimerKind.FIRST_DELTA, 40.0, WALL0 + 41.5))
+    assert isinstance(r, Refuse) and r.error.code is ErrorCode.UPSTREAM_TIMEOUT
+    assert "41.5" in r.error.message
+    # Not the last: Envoy's per-try timeout answers for it.
+    g = admitted_gate()
+    assert g.handle(TimerFired(TimerKind.FIRST_DELTA)) == []
+
+
+def test_an_overloaded_replica_is_said_so_with_its_retry_after() -> None:
+    g = GateMachine.new(RID)
+    g.handle(RequestStarted(1, attempt_id="att_1", replica="127.0.0.1:9001"))
+    g.handle(IntakeCommitted())
+    g.handle(AdmissionDecided(ADMITTED))
+    g.handle(AdmitDecided(True))
+    assert g.handle(ResponseHeaders(429, "application/json", retry_after="7")) == [
+        Overloaded(7.0), PassHeaders(retry=True)]
+
+
+# --- the attempt's end -------------------------------------------------------------------
+
+
+def holding(**kw: Any) -> GateMachine:
+    g = started(**kw)
+    g.handle(IntakeCommitted(wall=WALL0 + 1))
+    g.handle(AdmissionDecided(ADMITTED))
+    g.handle(AdmitDecided(True, mono=5.0))
+    g.handle(ResponseHeaders(200, SSE))
+    g.handle(ResponseBody(ROLE, False))
+    return g
+
+
+def test_a_confirmed_early_end_is_revoked_then_settled_from_envoys_word() -> None:
+    g = holding()
+    *_, revoke = g.handle(StreamClosed(mono=7.0, wall=WALL0 + 7))
+    assert isinstance(revoke, RevokeEarly) and revoke.record["ended_at"] == WALL0 + 7
+    assert g.handle(Revoked(True)) == [AwaitCause("att_1")]
+    assert g.state is State.GATE_AWAITING_WORD
+    [close] = g.handle(CauseLearned("upstream", None, True, WALL0 + 7.01))
+    assert isinstance(close, CloseAttempt) and close.update_only and not close.expire
+    assert close.record["ended_at"] == WALL0 + 7 and close.fence == "revoked"
+    assert close.cause == "upstream" and g.state is State.GATE_CLOSED
+
+
+def test_an_unconfirmed_revoke_leaves_the_end_to_the_record_write() -> None:
+    g = holding()
+    g.handle(StreamClosed(mono=7.0, wall=WALL0 + 7))
+    g.handle(Revoked(False))
+    [close] = g.handle(CauseLearned("upstream", None, True, WALL0 + 8))
+    assert isinstance(close, CloseAttempt) and not close.update_only
+    assert close.record["ended_at"] == WALL0 + 8
+
+
+def test_a_timed_out_attempt_without_envoys_word_is_fenced_until_its_lease_expires() -> None:
+    g = holding()
+    g.handle(TimerFired(TimerKind.FIRST_DELTA, 40.0, WALL0 + 40))
+    *_, wait = g.handle(StreamClosed(mono=40.1, wall=WALL0 + 40.1))
+    assert wait == AwaitCause("att_1")
+    [close] = g.handle(CauseLearned("unknown", None, False, WALL0 + 41))
+    assert isinstance(close, CloseAttempt) and close.expire and close.timed_out
+    assert close.fence == "expiry" and close.cause == "unknown"
+    assert close.record["lease_expires_by"] == round(WALL0 + 41 + GateParams().lease_ttl_s, 3)
+
+
+def test_every_end_is_a_row_of_the_trace() -> None:
+    g = holding()
+    g.handle(StreamClosed(mono=7.0, wall=WALL0 + 7))
+    g.handle(Revoked(True))
+    g.handle(CauseLearned("client", None, True, WALL0 + 7))
+    assert [e["type"] for e in g.trace][-3:] == ["StreamClosed", "Revoked", "CauseLearned"]
+    assert g.decisions[-1] == "gate_closed:CloseAttempt"
