@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+
+from extproc.adapters.timers import FakeClock, FakeTimers
+
+__all__ = ["RID", "SSE_CONTENT", "SSE_DONE", "SSE_ROLE", "FakeClock", "FakeTimers",
+           "FixedIds", "idle"]
+
 RID = "req_0123456789abcdefghjkmnpqrs"
 SSE_ROLE = (b'data: {"id":"x","object":"chat.completion.chunk","choices":[{"index":0,'
             b'"delta":{"role":"assistant","content":""},"finish_reason":null}]}\n\n')
@@ -29,3 +36,11 @@ class FixedIds:
         """Shaped as the gateway mints them (43 url-safe characters): secret_test_1_xxx..."""
         self.secrets += 1
         return f"secret_test_{self.secrets}_".ljust(43, "x")
+
+
+
+async def idle(turns: int = 50) -> None:
+    """Let every task that can run, run (no time passes): what a test checks after this did
+    not happen for want of a turn of the loop."""
+    for _ in range(turns):
+        await asyncio.sleep(0)

@@ -29,7 +29,16 @@ from extproc.gen.envoy.config.core.v3 import base_pb2 as core
 from extproc.gen.envoy.data.accesslog.v3 import accesslog_pb2 as al
 from extproc.gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
-from .support import RID, SSE_CONTENT, SSE_DONE, SSE_ROLE, FixedIds
+from .support import (
+    RID,
+    SSE_CONTENT,
+    SSE_DONE,
+    SSE_ROLE,
+    FakeClock,
+    FakeTimers,
+    FixedIds,
+    idle,
+)
 
 REPLICA = "127.0.0.1:8001"
 
@@ -116,11 +125,14 @@ def immediate(r: ep.ProcessingResponse) -> tuple[int, dict[str, Any]]:
     return r.immediate_response.status.code, json.loads(r.immediate_response.body)
 
 
-def proc(raw: dict[str, Any] | None = None) -> tuple[Processor, MemoryStore]:
+def proc(raw: dict[str, Any] | None = None, timers: FakeTimers | None = None
+         ) -> tuple[Processor, MemoryStore]:
+    """A processor on the in-memory store; with `timers`, its clock and timers are fake."""
     cfg: Config = load_config({"timeouts": {"access_log_wait_s": 0.05}, **(raw or {})})
     store = MemoryStore(cfg.etcd, owner="gw-1/test")
     return Processor(cfg, store, MemoryLedger(store, cfg.tools.ledger_ttl_s),
-                     ids=FixedIds()), store
+                     ids=FixedIds(), clock=timers.clock if timers else None,
+                     timers=timers), store
 
 
 def start(session_cls: Callable[[Processor, Any], Any], p: Processor
@@ -231,7 +243,7 @@ async def test_a_fresh_request_goes_on_while_its_intake_commits_and_its_gate_wai
     # The body went on at once, with attempt 1's id, before anything was recorded.
     assert sent[H.PREADMITTED] == "att_test_1"
     assert await store.get(rid) is None
-    await asyncio.sleep(0.05)
+    await idle()
     assert gate.out == [] and rid not in p.reached  # attempt 1 waits for the record
     release.set()
     (r,) = await gate.wait_for(1)
@@ -362,7 +374,7 @@ async def test_a_later_attempt_waits_for_the_intake_too() -> None:
                            H.ACCEPTED_AT: sent[H.ACCEPTED_AT],
                            H.PREADMITTED: sent[H.PREADMITTED]},
                           attrs={"upstream.address": "127.0.0.1:8002"}))
-    await asyncio.sleep(0.05)
+    await idle()
     assert gate.out == [] and await store.get(rid) is None
     release.set()
     (r,) = await gate.wait_for(1)
@@ -451,7 +463,7 @@ async def test_gate_holds_until_the_first_delta_is_fenced_then_hands_off() -> No
     assert list(r.request_headers.response.header_mutation.remove_headers) == [H.PREADMITTED]
     ctx.send(resp_headers({":status": "200", "content-type": "text/event-stream"}))
     ctx.send(resp_body(SSE_ROLE))  # not content: still held, nothing answered
-    await asyncio.sleep(0.05)
+    await idle()
     assert len(ctx.out) == 1
     ctx.send(resp_body(SSE_CONTENT))
     out = await ctx.wait_for(4)
@@ -497,23 +509,35 @@ async def test_gate_refuses_a_re_prefill_past_the_budget_but_not_a_first_run() -
 
 
 async def test_gate_ends_a_silent_last_attempt_with_upstream_timeout() -> None:
-    p, store = proc({"timeouts": {"first_delta_s": 0.5, "soft_first_delta_s": 0.1,
+    # On a fake clock: the first-delta timers are the machine's, run on the Timers port.
+    timers = FakeTimers(FakeClock())
+    p, store = proc({"timeouts": {"first_delta_s": 30, "soft_first_delta_s": 5,
                                   "access_log_wait_s": 0.05},
                      "policy": {"on_upstream_failure": {"before_first_delta": {
-                         "max_attempts": 1}}}})
+                         "max_attempts": 1}}}}, timers)
     await open_request(store, p)
-    ctx, _, task = start(GateSession, p)
+    ctx, s, task = start(GateSession, p)
     ctx.send(gate_headers(1, p.clock.wall()))
     await ctx.wait_for(1)  # forwarded; the replica never sends headers
-    status, body = immediate((await ctx.wait_for(2, timeout_s=3))[1])
+    assert timers.pending() == 2
+    assert timers.advance(5.0) == 1  # the soft limit: slow, not failed
+    await idle()
+    assert len(ctx.out) == 1 and s.m.slow
+    assert timers.advance(24.9) == 0  # just before the limit: nothing
+    await idle()
+    assert len(ctx.out) == 1
+    assert timers.advance(0.1) == 1
+    status, body = immediate((await ctx.wait_for(2))[1])
     assert status == 504 and body["error"]["code"] == "upstream_timeout"
     assert body["error"]["request_id"] == RID
+    assert "30.0 s" in body["error"]["message"]  # the wait as the fake clock measured it
     ctx.close()
     await asyncio.wait_for(task, 3)
     await p.drain()
     view = await store.get(RID)
     assert view is not None and not view.first_delta_sent
     (att,) = view.attempts
+    assert att["slow"] is True
     # No word from Envoy in this test (no access log): liveness unknown, lease must expire.
     assert att["failure_class"] == "network_uncertain" and att["fence"] == "expiry"
     assert att["envoy_closed"] is False
