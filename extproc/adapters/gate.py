@@ -11,13 +11,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Protocol, TypeVar
 
 from opentelemetry.trace import Span
 
 from ..core import headers as H
 from ..core.admission import RETRY_HEADER, decide
+from ..core.budget import RetryBudget
+from ..core.config import Config
 from ..core.credentials import digest
 from ..core.errors import GatewayError
 from ..core.events import (
@@ -64,8 +66,10 @@ from ..core.events import (
     Watch,
 )
 from ..core.families import family_for_path
-from ..core.gate import GateMachine, clean
+from ..core.gate import GateMachine, GateParams, clean
 from ..core.handoff import HandOff
+from ..core.health import HostHealth
+from ..core.pool import Pool
 from ..core.replay import snapshot
 from ..gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from . import envoy_codec as codec
@@ -73,9 +77,10 @@ from . import observer
 from .causes import NO_GATE
 from .leases import UNDO_SETTLE_S, AttemptLease, StoreUnavailable
 from .logs import rlog
-from .session import INVALID, HandedOff, Messages, Processor, Session, log, retrying
-from .telemetry import TRACEPARENT_HEADER
-from .timers import TimerHandle
+from .ports import Clock, EntryLog, GateJournal, Ids
+from .session import INVALID, HandedOff, Messages, Pending, Session, log, retrying
+from .telemetry import TRACEPARENT_HEADER, Telemetry
+from .timers import TimerHandle, Timers
 
 T = TypeVar("T")
 
@@ -90,12 +95,54 @@ def _int(v: str | None, default: int) -> int:
         return default
 
 
+class GatePorts(Protocol):
+    """What one attempt's gate needs from its process, declared here by its consumer: the
+    configuration, the clock, ids and timers, the journal calls of an attempt, Envoy's
+    entries, the request's intake in flight, the pool's view, the budget, the health, the
+    hand-off, background work and traces. `session.Processor` provides it."""
+
+    @property
+    def cfg(self) -> Config: ...
+    @property
+    def gate_params(self) -> GateParams: ...
+    @property
+    def clock(self) -> Clock: ...
+    @property
+    def ids(self) -> Ids: ...
+    @property
+    def timers(self) -> Timers: ...
+    @property
+    def journal(self) -> GateJournal: ...
+    @property
+    def causes(self) -> EntryLog: ...
+    @property
+    def pool(self) -> Pool: ...
+    @property
+    def budget(self) -> RetryBudget: ...
+    @property
+    def health(self) -> HostHealth: ...
+    @property
+    def reached(self) -> Mapping[str, int]: ...
+    @property
+    def intakes(self) -> Pending[asyncio.Future[GatewayError | None]]: ...
+    @property
+    def handoffs(self) -> Pending[HandedOff]: ...
+    @property
+    def tel(self) -> Telemetry: ...
+
+    def mark_reached(self, rid: str) -> None: ...
+    def spawn(self, coro: Awaitable[Any], name: str) -> asyncio.Task[Any]: ...
+    def keep_trace(self, clean: bool) -> bool: ...
+    async def save_trace(self, rid: str, name: str, m: GateMachine,
+                         meta: dict[str, Any]) -> None: ...
+
+
 class GateSession(Session):
     __slots__ = ("_timers", "_unwatch", "lease", "m", "parent_tp", "replica", "secret")
 
-    def __init__(self, proc: Processor, ctx: Messages) -> None:
+    def __init__(self, proc: GatePorts, ctx: Messages) -> None:
         self.detach = False
-        self.p = proc
+        self.p: GatePorts = proc
         self.cfg = proc.cfg
         self.ctx = ctx
         self.m: GateMachine | None = None
