@@ -13,7 +13,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from opentelemetry.trace import Span, SpanKind
@@ -26,7 +26,6 @@ from ..core.errors import (
     body_required,
     journal_unavailable,
     no_compatible_replica,
-    request_in_progress,
     request_not_found,
     tool_route_not_here,
 )
@@ -61,7 +60,25 @@ from ..core.events import (
 )
 from ..core.failure import FailureClass
 from ..core.families import family_for_path
-from ..core.guard import GuardMachine
+from ..core.guard import (
+    GuardMachine,
+    IntakeAction,
+    IntakeAnswer,
+    IntakeDown,
+    IntakeEvent,
+    IntakeFlow,
+    IntakePauseOver,
+    IntakeStart,
+    IntakeWritten,
+    PauseIntake,
+    Reopen,
+    ReopenAnswered,
+    SettleView,
+    TakeBackIntake,
+    UndoReopenLater,
+    ViewSettled,
+    WriteIntake,
+)
 from ..core.handoff import TraceSnapshot
 from ..core.intake import (
     Generation,
@@ -70,14 +87,11 @@ from ..core.intake import (
     RequestMeta,
     StatusLookup,
     classify_request,
-    own_intake,
     parse_body,
 )
 from ..core.journal import (
-    JournalView,
     Outcome,
     Rerun,
-    answer_repeat,
     tenant_digest,
 )
 from ..gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
@@ -356,81 +370,48 @@ class GuardSession(Session):
     async def open_record(self, rid: str, record: dict[str, Any],
                           first: tuple[str, dict[str, Any]], digest: str,
                           key: str | None) -> GatewayError | None:
-        """The intake transaction: None when the request is new, else what to answer.
+        """The intake transaction (core.guard.IntakeFlow decides; here each step is carried
+        out and its answer fed back): None when the request is new, else what to answer."""
+        flow = IntakeFlow(rid, first[0], digest, key, self.cfg.etcd.resend_deadline_s,
+                          self.cfg.server.gateway_id, self.envoy_request_id)
+        journal, clock = self.p.journal, self.p.clock
+        pending: list[IntakeEvent] = [IntakeStart(clock.monotonic())]
+        while pending:
+            ev = pending.pop()
+            acts = flow.handle(ev)
+            observe_intake(flow, ev, acts)
+            for a in acts:
+                try:
+                    if isinstance(a, WriteIntake):
+                        pending.append(IntakeWritten(await journal.open_request(
+                            rid, record, first, credential=self.cred1)))
+                    elif isinstance(a, SettleView):
+                        pending.append(ViewSettled(await self.p.settled(a.view), clock.wall()))
+                    elif isinstance(a, Reopen):
+                        pending.append(ReopenAnswered(await journal.reopen_request(
+                            rid, a.outcome, a.history, a.first, credential=self.cred1)))
+                except StoreUnavailable as e:
+                    pending.append(IntakeDown(str(e), clock.monotonic()))
+                if isinstance(a, PauseIntake):
+                    await asyncio.sleep(a.seconds)
+                    pending.append(IntakePauseOver())
+                elif isinstance(a, TakeBackIntake):
+                    self._take_back_intake(rid, a.attempt_id)
+                elif isinstance(a, UndoReopenLater):
+                    self.undo_reopen_later(rid, a.history, *a.first)
+                elif isinstance(a, IntakeAnswer):
+                    if a.error is None:
+                        # Recorded: a gate that comes from now on need not wait.
+                        self.p.intakes.take(rid)
+                    if a.rerun is not None:
+                        self.rerun = a.rerun
+                        # Envoy counts this request's attempts from 1 again, and so does the
+                        # count of attempts that reached a replica (max_attempts is per run).
+                        self.p.reached.pop(rid, None)
+                    return a.error
+        raise AssertionError("the intake ended without an answer")
 
-        Sent again (each try goes to the member in use, which moves on when one fails) until
-        `etcd.resend_deadline_s`: a record already there with our own attempt 1 is our
-        earlier try, applied though its answer was lost. An intake that gives up is taken
-        back when etcd answers again, so a late apply leaves no record stuck in progress.
-        """
-        loop = asyncio.get_running_loop()
-        give_up = loop.time() + self.cfg.etcd.resend_deadline_s
-        pause, tries = 0.05, 0
-        existing: JournalView | None = None
-        while True:
-            tries += 1
-            try:
-                existing = await self.p.journal.open_request(rid, record, first,
-                                                             credential=self.cred1)
-                break
-            except StoreUnavailable as e:
-                if loop.time() + pause < give_up:
-                    rlog(log, logging.INFO, "intake not confirmed; sending it again", rid,
-                         first[0], error=str(e), tries=tries)
-                    await asyncio.sleep(pause)
-                    pause = min(pause * 2, 0.4)
-                    continue
-                self._take_back_intake(rid, first[0])
-                return self._journal_down(rid, e)
-        if existing is not None and own_intake(existing.attempts, existing.live_attempt_id,
-                                               first[0]):
-            rlog(log, logging.INFO, "intake confirmed by its own record", rid, first[0],
-                 tries=tries)
-            existing = None
-        existing = await self.p.settled(existing)
-        if existing is None:
-            # Recorded: a gate that comes from now on need not wait (nor find it here).
-            self.p.intakes.take(rid)
-            return None
-        return await self.repeat(rid, existing, first[0], digest, key)
-
-    async def repeat(self, rid: str, view: JournalView, aid: str, digest: str,
-                     key: str | None) -> GatewayError | None:
-        """A repeat of a known key: what to answer from the journal, or None when it runs
-        again as the same logical request (decision 0027), re-opened in one transaction with
-        `aid` as its first attempt, numbered after the last one recorded."""
-        for _ in range(2):  # once more if another repeat changed the record in between
-            verdict = answer_repeat(view, digest, key)
-            if isinstance(verdict, GatewayError):
-                rlog(log, logging.INFO, "repeat of a known request", rid, None,
-                     code=str(verdict.code), outcome=view.outcome_value, runs=view.runs)
-                return verdict
-            now, gw = self.p.clock.wall(), self.cfg.server.gateway_id
-            n = verdict.first_attempt
-            history = (verdict.run - 1, verdict.history(now, gw, self.envoy_request_id))
-            first = (n, aid, records.first_attempt(aid, gw, now, n))
-            try:
-                again = await self.p.journal.reopen_request(rid, verdict.outcome, history, first,
-                                                            credential=self.cred1)
-                if again is None:
-                    self.rerun = verdict
-                    # Envoy counts this request's attempts from 1 again, and so does the
-                    # count of attempts that reached a replica (max_attempts is per run).
-                    self.p.reached.pop(rid, None)
-                    rlog(log, logging.INFO, "repeat runs the request again", rid, aid,
-                         run=verdict.run, attempt=n, ended=verdict.outcome.get("outcome"),
-                         ended_cause=verdict.outcome.get("cause"))
-                    return None
-                settled = await self.p.settled(again)
-            except StoreUnavailable as e:
-                self.undo_reopen_later(rid, history, n, aid)
-                return self._journal_down(rid, e)
-            if settled is None:  # the record is gone (its retention ran out)
-                return request_in_progress(rid, "prefill")
-            view = settled
-        return request_in_progress(rid, str(view.phase))
-
-    def undo_reopen_later(self, rid: str, history: tuple[int, dict[str, Any]], n: int,
+    def undo_reopen_later(self, rid: str, history: tuple[int, Mapping[str, Any]], n: int,
                           aid: str) -> None:
         """A re-open whose answer never came may still apply: take it back once etcd
         answers (nothing ran for it: the client is told journal_unavailable)."""
@@ -755,3 +736,27 @@ class GuardSession(Session):
                 "attempt_id": info["attempt_id"], "replica": info.get("replica"),
                 "failure_class": str(cls)}), f"trace-{info['attempt_id']}")
         return int(info["attempt"]), record
+
+
+def observe_intake(flow: IntakeFlow, ev: IntakeEvent, acts: list[IntakeAction]) -> None:
+    """The intake's log lines, derived from what its flow decided."""
+    rid, aid = flow.request_id, flow.attempt_id
+    for a in acts:
+        if isinstance(a, PauseIntake) and isinstance(ev, IntakeDown):
+            rlog(log, logging.INFO, "intake not confirmed; sending it again", rid, aid,
+                 error=ev.error, tries=flow.tries)
+        elif isinstance(a, IntakeAnswer):
+            if a.error is None and flow.confirmed_own:
+                rlog(log, logging.INFO, "intake confirmed by its own record", rid, aid,
+                     tries=flow.tries)
+            if isinstance(ev, IntakeDown):
+                rlog(log, logging.WARNING, "journal unavailable", rid, None, error=ev.error)
+            elif a.error is not None and flow.view is not None:
+                view = flow.view
+                rlog(log, logging.INFO, "repeat of a known request", rid, None,
+                     code=str(a.error.code), outcome=view.outcome_value, runs=view.runs)
+            if a.rerun is not None:
+                r = a.rerun
+                rlog(log, logging.INFO, "repeat runs the request again", rid, aid,
+                     run=r.run, attempt=r.first_attempt, ended=r.outcome.get("outcome"),
+                     ended_cause=r.outcome.get("cause"))

@@ -9,11 +9,19 @@ from __future__ import annotations
 import json
 from array import array
 from bisect import bisect_right
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from enum import StrEnum
+from typing import Any, TypeAlias
 
-from .errors import decode_interrupted, upstream_unavailable
+from . import records
+from .errors import (
+    GatewayError,
+    decode_interrupted,
+    journal_unavailable,
+    request_in_progress,
+    upstream_unavailable,
+)
 from .events import (
     Accepted,
     Action,
@@ -43,8 +51,9 @@ from .events import (
     TakeOver,
 )
 from .families import CHAT, Family, family_named
-from .journal import Outcome
-from .machine import Machine, T, Table, counting_decoder, stay
+from .intake import own_intake
+from .journal import JournalView, Outcome, Rerun, answer_repeat
+from .machine import Machine, ProtocolViolation, T, Table, counting_decoder, stay
 from .sse import EventKind, SseDecoder, SseEvent
 from .usage import UsageMode, take_usage
 
@@ -497,3 +506,243 @@ GUARD_TABLE: Table = {
                   S.GUARD_TERMINATED)},
 }
 GuardMachine.TABLE = GUARD_TABLE
+
+
+# --- guard: the intake transaction itself ------------------------------------------------
+#
+# What OpenIntake starts, as a small machine of its own (it runs in its own task and
+# outlives the stream; its answer is the RequestOpened the guard's rows wait for): the
+# intake sent again while its answer is lost, a record that is our own earlier try, a
+# repeat's answer from the journal, or its re-run re-opened in one transaction (decision
+# 0027); every wait an action out and an event in, times on the events.
+
+INTAKE_FIRST_PAUSE_S = 0.05
+INTAKE_MAX_PAUSE_S = 0.4
+# A repeat re-reads and re-decides once if another repeat changed the record in between.
+REPEAT_ROUNDS = 2
+
+
+class IntakeState(StrEnum):
+    WRITING = "intake_writing"  # the intake transaction is in flight
+    PAUSED = "intake_paused"  # unconfirmed: sent again after a pause
+    SETTLING = "intake_settling"  # a record was there: settled if its processor died
+    REOPENING = "intake_reopening"  # a repeat that runs again: the re-open is in flight
+    RESETTLING = "intake_resettling"  # the re-open found the record changed: read again
+    DONE = "intake_done"
+
+
+@dataclass(frozen=True, slots=True)
+class IntakeStart:
+    mono: float
+
+
+@dataclass(frozen=True, slots=True)
+class IntakeWritten:
+    """The intake transaction's answer: None when it created the record, else the record
+    that was there."""
+
+    existing: JournalView | None
+
+
+@dataclass(frozen=True, slots=True)
+class IntakeDown:
+    """The write or read in flight got no answer from etcd."""
+
+    error: str
+    mono: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class IntakePauseOver:
+    """The pause before sending the intake again is over."""
+
+
+@dataclass(frozen=True, slots=True)
+class ViewSettled:
+    """The record as read (a dead processor's record settled first); None: gone."""
+
+    view: JournalView | None
+    wall: float
+
+
+@dataclass(frozen=True, slots=True)
+class ReopenAnswered:
+    """The re-open's answer: None when it re-opened the record, else the record as it is."""
+
+    view: JournalView | None
+
+
+IntakeEvent: TypeAlias = (IntakeStart | IntakeWritten | IntakeDown | IntakePauseOver
+                          | ViewSettled | ReopenAnswered)
+
+
+@dataclass(frozen=True, slots=True)
+class WriteIntake:
+    """Run the intake transaction (the record and attempt 1); feed IntakeWritten."""
+
+
+@dataclass(frozen=True, slots=True)
+class PauseIntake:
+    """Feed IntakePauseOver after `seconds`."""
+
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class TakeBackIntake:
+    """An intake that gave up may still apply: take it back once etcd answers."""
+
+    attempt_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class SettleView:
+    """Settle the record if its processor died, read it; feed ViewSettled."""
+
+    view: JournalView
+
+
+@dataclass(frozen=True, slots=True)
+class Reopen:
+    """Re-open the ended record for its re-run (decision 0027); feed ReopenAnswered."""
+
+    outcome: Mapping[str, Any]
+    history: tuple[int, Mapping[str, Any]]
+    first: tuple[int, str, Mapping[str, Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class UndoReopenLater:
+    """A re-open whose answer never came may still apply: take it back once etcd answers
+    (nothing ran for it)."""
+
+    history: tuple[int, Mapping[str, Any]]
+    first: tuple[int, str]
+
+
+@dataclass(frozen=True, slots=True)
+class IntakeAnswer:
+    """The intake's end: None, the request is new (or runs again: `rerun`); else what to
+    answer."""
+
+    error: GatewayError | None
+    rerun: Rerun | None = None
+
+
+IntakeAction: TypeAlias = (WriteIntake | PauseIntake | TakeBackIntake | SettleView | Reopen
+                           | UndoReopenLater | IntakeAnswer)
+
+
+@dataclass(slots=True)
+class IntakeFlow:
+    request_id: str
+    attempt_id: str  # attempt 1's, minted for this intake
+    request_digest: str
+    key: str | None
+    resend_deadline_s: float
+    gateway_id: str
+    envoy_request_id: str | None = None
+    state: IntakeState = IntakeState.WRITING
+    give_up: float = 0.0
+    pause: float = INTAKE_FIRST_PAUSE_S
+    tries: int = 0
+    confirmed_own: bool = False  # a lost answer's record, found to be our own try
+    rounds: int = 0
+    view: JournalView | None = None  # the record a repeat is answered from
+    verdict: Rerun | None = None
+    history: tuple[int, Mapping[str, Any]] | None = None
+
+    def handle(self, ev: IntakeEvent) -> list[IntakeAction]:
+        row = INTAKE_ROWS.get((self.state, type(ev)))
+        if row is None:
+            raise ProtocolViolation(f"intake: no row from {self.state} on "
+                                    f"{type(ev).__name__}")
+        return row(self, ev)
+
+    def _start(self, ev: IntakeStart) -> list[IntakeAction]:
+        self.give_up = ev.mono + self.resend_deadline_s
+        self.tries = 1
+        return [WriteIntake()]
+
+    def _written(self, ev: IntakeWritten) -> list[IntakeAction]:
+        existing = ev.existing
+        if existing is not None and own_intake(existing.attempts, existing.live_attempt_id,
+                                               self.attempt_id):
+            self.confirmed_own = True
+            existing = None
+        if existing is None:
+            return self._answer(None)
+        self.state = IntakeState.SETTLING
+        return [SettleView(existing)]
+
+    def _write_down(self, ev: IntakeDown) -> list[IntakeAction]:
+        # Sent again (each try goes to the member in use, which moves on when one fails)
+        # until the resend deadline; one that gives up is taken back when etcd answers, so a
+        # late apply leaves no record stuck in progress.
+        if ev.mono + self.pause < self.give_up:
+            self.state = IntakeState.PAUSED
+            pause, self.pause = self.pause, min(self.pause * 2, INTAKE_MAX_PAUSE_S)
+            return [PauseIntake(pause)]
+        return [TakeBackIntake(self.attempt_id), *self._answer(journal_unavailable(
+            self.request_id))]
+
+    def _again(self, ev: IntakePauseOver) -> list[IntakeAction]:
+        self.tries += 1
+        self.state = IntakeState.WRITING
+        return [WriteIntake()]
+
+    def _settled(self, ev: ViewSettled) -> list[IntakeAction]:
+        if ev.view is None:
+            if self.state is IntakeState.SETTLING:
+                return self._answer(None)
+            return self._answer(request_in_progress(self.request_id, "prefill"))
+        return self._repeat(ev.view, ev.wall)
+
+    def _repeat(self, view: JournalView, wall: float) -> list[IntakeAction]:
+        self.view = view
+        self.rounds += 1
+        if self.rounds > REPEAT_ROUNDS:
+            return self._answer(request_in_progress(self.request_id, str(view.phase)))
+        verdict = answer_repeat(view, self.request_digest, self.key)
+        if isinstance(verdict, GatewayError):
+            return self._answer(verdict)
+        n, aid, gw = verdict.first_attempt, self.attempt_id, self.gateway_id
+        self.verdict = verdict
+        self.history = (verdict.run - 1, verdict.history(wall, gw, self.envoy_request_id))
+        self.state = IntakeState.REOPENING
+        return [Reopen(verdict.outcome, self.history,
+                       (n, aid, records.first_attempt(aid, gw, wall, n)))]
+
+    def _reopened(self, ev: ReopenAnswered) -> list[IntakeAction]:
+        if ev.view is None:
+            return self._answer(None, self.verdict)
+        self.state = IntakeState.RESETTLING
+        return [SettleView(ev.view)]
+
+    def _settle_down(self, ev: IntakeDown) -> list[IntakeAction]:
+        return self._answer(journal_unavailable(self.request_id))
+
+    def _reopen_down(self, ev: IntakeDown) -> list[IntakeAction]:
+        assert self.verdict is not None and self.history is not None
+        return [UndoReopenLater(self.history, (self.verdict.first_attempt, self.attempt_id)),
+                *self._answer(journal_unavailable(self.request_id))]
+
+    def _answer(self, error: GatewayError | None,
+                rerun: Rerun | None = None) -> list[IntakeAction]:
+        self.state = IntakeState.DONE
+        return [IntakeAnswer(error, rerun)]
+
+
+_IS = IntakeState
+INTAKE_ROWS: dict[tuple[IntakeState, type], Callable[[IntakeFlow, Any], list[IntakeAction]]] = {
+    (_IS.WRITING, IntakeStart): IntakeFlow._start,
+    (_IS.WRITING, IntakeWritten): IntakeFlow._written,
+    (_IS.WRITING, IntakeDown): IntakeFlow._write_down,
+    (_IS.PAUSED, IntakePauseOver): IntakeFlow._again,
+    (_IS.SETTLING, ViewSettled): IntakeFlow._settled,
+    (_IS.SETTLING, IntakeDown): IntakeFlow._settle_down,
+    (_IS.REOPENING, ReopenAnswered): IntakeFlow._reopened,
+    (_IS.REOPENING, IntakeDown): IntakeFlow._reopen_down,
+    (_IS.RESETTLING, ViewSettled): IntakeFlow._settled,
+    (_IS.RESETTLING, IntakeDown): IntakeFlow._reopen_down,
+}

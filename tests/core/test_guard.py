@@ -37,8 +37,28 @@ from extproc.core.events import (
     StreamClosed,
     TakeOver,
 )
-from extproc.core.guard import GuardMachine
-from extproc.core.journal import Outcome
+from extproc.core.guard import (
+    INTAKE_MAX_PAUSE_S,
+    GuardMachine,
+    IntakeAction,
+    IntakeAnswer,
+    IntakeDown,
+    IntakeFlow,
+    IntakePauseOver,
+    IntakeStart,
+    IntakeState,
+    IntakeWritten,
+    PauseIntake,
+    Reopen,
+    ReopenAnswered,
+    SettleView,
+    TakeBackIntake,
+    UndoReopenLater,
+    ViewSettled,
+    WriteIntake,
+)
+from extproc.core.journal import JournalView, Outcome
+from extproc.core.machine import ProtocolViolation
 from extproc.core.replay import event_from_record
 
 RID = "req_0123456789abcdefghjkmnpqrs"
@@ -283,3 +303,217 @@ def test_a_trace_re_decides_the_same_way() -> None:
         m = GuardMachine.new(RID, 15.0, at_request=True)
         m.handle(RequestHeadersSeen("generation"))
         assert [m.handle(ev) for ev, _ in r.log] == [acts for _, acts in r.log], r.choices
+
+
+# --- the intake transaction itself (IntakeFlow) -----------------------------------------
+
+AID1 = "att_" + "1" * 26
+DIGEST = "sha256:" + "a" * 64
+META = {"model": "m", "stream": True, "max_attempts": 2, "request_digest": DIGEST}
+RESEND_S = 1.0
+
+
+def flow(key: str | None = "k-1") -> IntakeFlow:
+    return IntakeFlow(RID, AID1, DIGEST, key, RESEND_S, "gw-1", "envoy-1")
+
+
+def ended_view(outcome: str, delivered: bool = False) -> JournalView:
+    return JournalView(request_id=RID, meta=META,
+                       attempts=({"attempt": 1, "attempt_id": "att_old"},),
+                       delivery={"at": 1.0} if delivered else None,
+                       outcome={"outcome": outcome, "delivered_output_tokens": 0,
+                                "cause": "http 503", "finished_at": 5.0})
+
+
+OWN = JournalView(request_id=RID, meta=META, attempts=({"attempt": 1, "attempt_id": AID1},),
+                  live_attempt_id=AID1)
+DONE = ended_view("completed", delivered=True)  # answered from the journal
+RERUNNABLE = ended_view("upstream_failed")  # ended with nothing delivered: runs again
+
+
+def test_a_new_request_is_recorded_in_one_transaction() -> None:
+    f = flow()
+    assert f.handle(IntakeStart(0.0)) == [WriteIntake()]
+    assert f.handle(IntakeWritten(None)) == [IntakeAnswer(None)]
+    assert f.state is IntakeState.DONE
+
+
+def test_a_lost_answer_is_sent_again_and_our_own_record_confirms_it() -> None:
+    f = flow()
+    f.handle(IntakeStart(0.0))
+    assert f.handle(IntakeDown("no leader", 0.1)) == [PauseIntake(0.05)]
+    assert f.handle(IntakePauseOver()) == [WriteIntake()]
+    assert f.handle(IntakeWritten(OWN)) == [IntakeAnswer(None)]
+    assert f.confirmed_own and f.tries == 2
+
+
+def test_an_intake_unconfirmed_past_the_resend_deadline_is_taken_back() -> None:
+    f = flow()
+    f.handle(IntakeStart(0.0))
+    pauses, now = [], 0.0
+    acts = f.handle(IntakeDown("away", now))
+    while isinstance(acts[0], PauseIntake):
+        pauses.append(acts[0].seconds)
+        now += acts[0].seconds + 0.01
+        assert f.handle(IntakePauseOver()) == [WriteIntake()]
+        acts = f.handle(IntakeDown("away", now))
+    assert pauses[:4] == [0.05, 0.1, 0.2, 0.4] and max(pauses) == INTAKE_MAX_PAUSE_S
+    assert acts == [TakeBackIntake(AID1), IntakeAnswer(journal_unavailable(RID))]
+    assert sum(pauses) < RESEND_S
+
+
+def test_a_repeat_is_answered_from_the_settled_record() -> None:
+    f = flow()
+    f.handle(IntakeStart(0.0))
+    assert f.handle(IntakeWritten(DONE)) == [SettleView(DONE)]
+    (a,) = f.handle(ViewSettled(DONE, 9.0))
+    assert isinstance(a, IntakeAnswer) and a.error is not None
+    assert str(a.error.code) == "request_already_completed"
+
+
+def test_a_record_gone_when_settled_is_ours_to_create_no_more_but_new() -> None:
+    f = flow()
+    f.handle(IntakeStart(0.0))
+    f.handle(IntakeWritten(DONE))
+    assert f.handle(ViewSettled(None, 9.0)) == [IntakeAnswer(None)]
+
+
+def test_a_repeat_that_runs_again_is_re_opened_with_its_next_attempt() -> None:
+    f = flow()
+    f.handle(IntakeStart(0.0))
+    f.handle(IntakeWritten(RERUNNABLE))
+    (reopen,) = f.handle(ViewSettled(RERUNNABLE, 9.0))
+    assert isinstance(reopen, Reopen)
+    n, aid, rec = reopen.first
+    assert (n, aid, rec["attempt"], rec["admitted_at"]) == (2, AID1, 2, 9.0)
+    assert reopen.history[0] == 1 and reopen.history[1]["reopened_at"] == 9.0
+    assert reopen.history[1]["next_envoy_request_id"] == "envoy-1"
+    (a,) = f.handle(ReopenAnswered(None))
+    assert isinstance(a, IntakeAnswer) and a.error is None
+    assert a.rerun is not None and (a.rerun.run, a.rerun.first_attempt) == (2, 2)
+
+
+def test_a_re_open_that_keeps_losing_the_race_is_in_progress() -> None:
+    f = flow()
+    f.handle(IntakeStart(0.0))
+    f.handle(IntakeWritten(RERUNNABLE))
+    f.handle(ViewSettled(RERUNNABLE, 9.0))
+    assert f.handle(ReopenAnswered(RERUNNABLE)) == [SettleView(RERUNNABLE)]
+    assert isinstance(f.handle(ViewSettled(RERUNNABLE, 9.1))[0], Reopen)
+    f.handle(ReopenAnswered(RERUNNABLE))
+    (a,) = f.handle(ViewSettled(RERUNNABLE, 9.2))
+    assert a == IntakeAnswer(request_in_progress(RID, "done"))
+
+
+def test_a_re_open_without_an_answer_is_taken_back_later() -> None:
+    f = flow()
+    f.handle(IntakeStart(0.0))
+    f.handle(IntakeWritten(RERUNNABLE))
+    (reopen,) = f.handle(ViewSettled(RERUNNABLE, 9.0))
+    assert isinstance(reopen, Reopen)
+    assert f.handle(IntakeDown("away", 1.0)) == [
+        UndoReopenLater(reopen.history, (2, AID1)), IntakeAnswer(journal_unavailable(RID))]
+
+
+def test_an_intake_flow_pair_with_no_row_is_a_protocol_violation() -> None:
+    f = flow()
+    with pytest.raises(ProtocolViolation):
+        f.handle(IntakePauseOver())
+
+
+@dataclass
+class IntakeRun:
+    choices: list[int]
+    at: int = 0
+    mono: float = 0.0
+    log: list[tuple[object, list[IntakeAction]]] = field(default_factory=list)
+
+    def choose(self, n: int) -> int:
+        if self.at == len(self.choices):
+            raise NeedChoice(n)
+        c = self.choices[self.at]
+        self.at += 1
+        return c
+
+
+def play_intake(r: IntakeRun) -> IntakeFlow:
+    """etcd answers every step any way it can; timers fire after their pause."""
+    f = flow()
+    pending: list[object] = [IntakeStart(0.0)]
+    while pending:
+        ev = pending.pop()
+        acts = f.handle(ev)  # type: ignore[arg-type]
+        r.log.append((ev, acts))
+        for a in acts:
+            if isinstance(a, WriteIntake):
+                r.mono += 0.1
+                opts: list[object] = [IntakeWritten(None), IntakeWritten(OWN),
+                                      IntakeWritten(DONE), IntakeWritten(RERUNNABLE),
+                                      IntakeDown("away", r.mono)]
+            elif isinstance(a, SettleView):
+                opts = [ViewSettled(a.view, 9.0), ViewSettled(None, 9.0),
+                        IntakeDown("away", r.mono)]
+            elif isinstance(a, Reopen):
+                opts = [ReopenAnswered(None), ReopenAnswered(RERUNNABLE),
+                        IntakeDown("away", r.mono)]
+            elif isinstance(a, PauseIntake):
+                r.mono += a.seconds
+                pending.append(IntakePauseOver())
+                continue
+            else:
+                continue
+            pending.append(opts[r.choose(len(opts))])
+    return f
+
+
+def every_intake_run() -> list[IntakeRun]:
+    runs, stack = [], [[]]
+    while stack:
+        prefix = stack.pop()
+        r = IntakeRun(list(prefix))
+        try:
+            play_intake(r)
+        except NeedChoice as need:
+            stack += [[*prefix, i] for i in range(need.n)]
+            continue
+        runs.append(r)
+    return runs
+
+
+INTAKE_RUNS = every_intake_run()
+
+
+def test_every_intake_ends_with_one_answer_and_takes_back_what_may_apply() -> None:
+    assert len(INTAKE_RUNS) > 50
+    for r in INTAKE_RUNS:
+        acts = [a for _, aa in r.log for a in aa]
+        answers = [a for a in acts if isinstance(a, IntakeAnswer)]
+        assert len(answers) == 1 and acts[-1] is answers[0], r.choices
+        (ans,) = answers
+        evs = [ev for ev, _ in r.log]
+        last_ev = r.log[-1][0]
+        down_writing = isinstance(last_ev, IntakeDown) and not any(
+            isinstance(a, (SettleView, Reopen)) for a in acts)
+        # Taken back exactly when the intake itself gave up unconfirmed.
+        assert (TakeBackIntake(AID1) in acts) == down_writing, r.choices
+        if TakeBackIntake(AID1) in acts:
+            assert ans.error == journal_unavailable(RID), r.choices
+        # A re-run only when a re-open answered that it applied; its take-back only when
+        # one got no answer.
+        assert (ans.rerun is not None) == (ReopenAnswered(None) in evs), r.choices
+        undo = [a for a in acts if isinstance(a, UndoReopenLater)]
+        assert len(undo) <= 1 and (not undo or ans.error == journal_unavailable(RID))
+        if undo:
+            assert any(isinstance(a, Reopen) for a in acts), r.choices
+        # A new request is never answered with a repeat's error, nor a repeat let in.
+        if not any(isinstance(ev, IntakeWritten) and ev.existing in (DONE, RERUNNABLE)
+                   for ev in evs):
+            assert ans.rerun is None, r.choices
+        if ans.error is None and ans.rerun is None:
+            assert not any(isinstance(ev, ViewSettled) and ev.view is DONE for ev in evs)
+
+
+def test_the_intakes_resends_stay_within_their_deadline() -> None:
+    for r in INTAKE_RUNS:
+        paused = sum(a.seconds for _, aa in r.log for a in aa if isinstance(a, PauseIntake))
+        assert paused < RESEND_S, r.choices
