@@ -46,17 +46,17 @@ install: $(VENV)/.installed
 
 ## Bring up etcd + processor + Envoy (:10000) + two demo replicas on loopback; Ctrl-C stops all.
 run: install
-	$(PY) -m extproc run --config config/processor.yaml --workdir run
+	$(PY) -m devkit run --config config/processor.yaml --workdir run
 
 ## Lint, type-check (mypy --strict on the package) and run every test (unit + real Envoy/etcd e2e).
 test: install lint typecheck image-if-possible
 	$(BIN)/pytest -q
 
 lint: install
-	$(BIN)/ruff check extproc tests bench chaos
+	$(BIN)/ruff check extproc devkit tests bench chaos
 
 typecheck: install
-	$(BIN)/mypy extproc
+	$(BIN)/mypy extproc devkit
 
 unit: install
 	$(BIN)/pytest -q tests/core tests/adapters tests/chaos tests/demo tests/unit

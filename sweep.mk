@@ -5,12 +5,12 @@
 
 ## Full sweep: every kind at every index 0..N, streaming and non-streaming (~25-30 min).
 sweep: install
-	$(PY) -m tests.sweep --full $(SWEEP_ARGS)
+	$(PY) -m devkit.sweep --full $(SWEEP_ARGS)
 
 ## The fast subset `make test` also runs (indices {0,1,2,N}), with the summary table.
 sweep-quick: install
-	$(PY) -m tests.sweep --quick $(SWEEP_ARGS)
+	$(PY) -m devkit.sweep --quick $(SWEEP_ARGS)
 
 ## Self-check: the sweep must catch a processor that releases without the fence.
 sweep-selfcheck: install
-	$(PY) -m tests.sweep --unsafe $(SWEEP_ARGS)
+	$(PY) -m devkit.sweep --unsafe $(SWEEP_ARGS)

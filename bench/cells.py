@@ -30,7 +30,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.measure import QUICK, RESULTS, Params, machine_info, run_loop, saturation, wait_idle
-from extproc.devstack import Stack
+from devkit.devstack import Stack
 
 CONFIGS = (("plain", 1), ("plain", 2), ("ours", 1), ("ours", 2))
 

@@ -44,8 +44,8 @@ from bench import measure, report
 from bench.nullproc import NullStack
 from bench.nullproc_grpclib import GrpclibNullStack
 from bench.streams import MESSAGES, Held, rss_kib, warm_up
+from devkit.devstack import Stack
 from extproc.core.headers import ROLE_METADATA
-from extproc.devstack import Stack
 from extproc.gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from extproc.gen.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 

@@ -31,7 +31,7 @@ from typing import Any
 
 from bench.client import Conn, Outcome, Tally, build_request
 from bench.nullproc import NullStack
-from extproc.devstack import Proc, Stack, _bin
+from devkit.devstack import Proc, Stack, _bin
 
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results"

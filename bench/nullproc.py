@@ -29,9 +29,9 @@ if __package__ in (None, ""):
 
 import grpc
 
+from devkit.devstack import Stack
 from extproc.adapters import envoy_codec as codec
 from extproc.core.headers import ROLE_METADATA
-from extproc.devstack import Stack
 from extproc.gen.envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from extproc.gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from extproc.gen.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc

@@ -58,7 +58,7 @@ import httpx
 if __package__ in (None, ""):  # `python bench/pool.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from extproc.devstack import Stack
+from devkit.devstack import Stack
 
 FIRST = 3.0
 MAX_TOKENS = 16

@@ -34,7 +34,7 @@ if __package__ in (None, ""):
 import grpc
 
 from bench.measure import RESULTS, run_loop
-from extproc.devstack import Stack
+from devkit.devstack import Stack
 from extproc.gen.envoy.config.core.v3 import base_pb2 as core
 from extproc.gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from extproc.gen.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.client import Conn, build_request
-from extproc.devstack import Stack
+from devkit.devstack import Stack
 
 HOST = "127.0.0.1"
 G, T = "GuardSession", "GateSession"

@@ -23,7 +23,7 @@ import time
 
 from aiohttp import web
 
-from extproc.demo.serving import until_signalled
+from devkit.demo.serving import until_signalled
 
 DELAY_HEADER = "x-replica-token-delay-ms"
 MAX_TOKENS_CAP = 4096

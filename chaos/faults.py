@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from extproc.devstack import Stack
+from devkit.devstack import Stack
 
 FAULT_KINDS: tuple[str, ...] = (
     "replica_kill", "replica_freeze", "processor_kill", "etcd_leader_kill",

@@ -22,9 +22,9 @@ from typing import Any
 
 import httpx
 
+from devkit.devstack import Stack, wait_until
 from extproc.core.intake import DEFAULT_TENANT
 from extproc.core.journal import request_id_for_key
-from extproc.devstack import Stack, wait_until
 
 from .checks import Break, Transcript, check, client_outcome, view
 from .faults import FAULT_KINDS, ChaosLoop, Fault

@@ -7,11 +7,11 @@ import time
 
 import httpx
 
-from extproc.demo.tokens import chat_prompt, generate_tokens
+from devkit.demo.tokens import chat_prompt, generate_tokens
 
 from .checks import FAMILIES, Seen, Spec
 
-# Per-request replica faults (README, extproc/demo/replica.py). `freeze-after-deltas` is left
+# Per-request replica faults (README, devkit/demo/replica.py). `freeze-after-deltas` is left
 # out: it stops the replica until someone continues it; the chaos loop freezes replicas.
 # {n} is a token index drawn per request.
 REQUEST_FAULTS: tuple[str, ...] = (
@@ -25,7 +25,7 @@ PROMPTS: tuple[str, ...] = ("hello", "tell me a story", "what is a lease",
 
 
 def reference(spec: Spec) -> list[str]:
-    """The demo replica's deterministic answer for this request (extproc/demo/tokens.py):
+    """The demo replica's deterministic answer for this request (devkit/demo/tokens.py):
     computed, not asked, so no replica's state can change it."""
     if spec.family == "completions":
         prompt = spec.prompt

@@ -27,8 +27,8 @@ from typing import Any
 
 import yaml
 
-from .core.config import Config, load_config
-from .envoy_config import Topology, render
+from extproc.core.config import Config, load_config
+from extproc.envoy_config import Topology, render
 
 
 def free_port() -> int:
@@ -90,6 +90,19 @@ def _tcp_open(host: str, port: int) -> bool:
         return False
 
 
+# The checkout's root: devkit/ is not installed with the package, so the subprocesses that
+# run `-m devkit.demo...` find it through PYTHONPATH, wherever they are started from.
+CHECKOUT = Path(__file__).resolve().parents[1]
+
+
+def with_checkout_on_path(env: dict[str, str] | None) -> dict[str, str]:
+    out = dict(os.environ if env is None else env)
+    paths = [p for p in out.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if str(CHECKOUT) not in paths:
+        out["PYTHONPATH"] = os.pathsep.join([str(CHECKOUT), *paths])
+    return out
+
+
 @dataclass
 class Proc:
     name: str
@@ -103,7 +116,7 @@ class Proc:
         with open(self.log_path, "ab") as logf:
             self.popen = subprocess.Popen(
                 self.argv, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True, env=self.env)
+                start_new_session=True, env=with_checkout_on_path(self.env))
 
     @property
     def pid(self) -> int | None:
@@ -146,7 +159,7 @@ class Stack:
     envoy_port: int = 0
     # Share another stack's etcd (several gateways, one truth) instead of starting one.
     etcd_endpoint: str = ""
-    # Put a partition proxy (extproc.demo.partition_proxy) between Envoy and each replica.
+    # Put a partition proxy (devkit.demo.partition_proxy) between Envoy and each replica.
     partition_proxies: bool = False
     proxy_ports: list[int] = field(default_factory=list)
     # Another model server instead of the demo replica (e.g. vLLM): called with
@@ -172,7 +185,7 @@ class Stack:
     # Start a span-printing OTLP receiver and send both Envoy's and our traces to it.
     span_printer: bool = False
     quiet_envoy: bool = True
-    # etcd with TLS, client certificates and password auth (extproc.etcd_tls_dev); the
+    # etcd with TLS, client certificates and password auth (devkit.etcd_tls); the
     # processor gets the matching etcd.tls / etcd.auth sections (decision 0013).
     etcd_tls_auth: bool = False
     etcd_metrics: str = ""  # etcd's plain-HTTP metrics and health (set when we start it)
@@ -216,7 +229,7 @@ class Stack:
     def _start(self) -> None:
         if self.span_printer and not self.plain:
             port = free_port()
-            p = Proc("otlp", [sys.executable, "-m", "extproc.demo.otlp_printer", "--port",
+            p = Proc("otlp", [sys.executable, "-m", "devkit.demo.otlp_printer", "--port",
                               str(port), "--out", str(self.workdir / "spans.jsonl")],
                      self.workdir / "otlp.log")
             p.start()
@@ -272,7 +285,7 @@ class Stack:
         self.etcd_metrics = f"127.0.0.1:{mport}"
         scheme, extra = "http", []
         if self.etcd_tls_auth:
-            from .etcd_tls_dev import Pki, tls_flags
+            from devkit.etcd_tls import Pki, tls_flags
             pki = Pki(sec)
             cert, key = pki.issue("server", "127.0.0.1", "localhost")
             scheme, extra = "https", tls_flags(pki, cert, key)
@@ -298,7 +311,7 @@ class Stack:
                     return False
             raise RuntimeError(f"etcd exited: see {p.log_path}")
         if self.etcd_tls_auth:
-            from .etcd_tls_dev import enable_auth, write_secret
+            from devkit.etcd_tls import enable_auth, write_secret
             prefix = str((self.config.get("etcd") or {}).get("prefix", "/llmgw/v1"))
             enable_auth(_bin("etcdctl"), self.etcd_endpoint, pki, "extproc", "extproc-pw",
                         prefix, "root-pw")
@@ -524,7 +537,7 @@ class Stack:
         self.tool_port = free_port()
         # The replicas must know the gateway's tool listener before Envoy starts.
         self.tool_listen_port = self.tool_listen_port or free_port()
-        p = Proc("tools", [sys.executable, "-m", "extproc.demo.tool_server", "--port",
+        p = Proc("tools", [sys.executable, "-m", "devkit.demo.tool_server", "--port",
                            str(self.tool_port), "--log-file", str(self.workdir / "tools.jsonl")],
                  self.workdir / "tools.log")
         p.start()
@@ -542,7 +555,7 @@ class Stack:
         if self.replica_factory is not None:
             return self.replica_factory(i, port, self.workdir)
         name = f"r{i + 1}"
-        argv = [sys.executable, "-m", "extproc.demo.replica", "--host", "127.0.0.1",
+        argv = [sys.executable, "-m", "devkit.demo.replica", "--host", "127.0.0.1",
                 "--port", str(port), "--name", name,
                 "--log-file", str(self.workdir / f"replica-{name}.jsonl")]
         if self.token_delay_ms:
@@ -609,7 +622,7 @@ class Stack:
             port = free_port()
             self.proxy_ports.append(port)
             name = f"proxy-r{i + 1}"
-            p = Proc(name, [sys.executable, "-m", "extproc.demo.partition_proxy",
+            p = Proc(name, [sys.executable, "-m", "devkit.demo.partition_proxy",
                             "--listen", f"127.0.0.1:{port}", "--upstream", f"127.0.0.1:{rport}",
                             "--log-file", str(self.workdir / f"{name}.jsonl")],
                      self.workdir / f"{name}.log")
@@ -808,7 +821,7 @@ Live pool (pool.discovery: registry): each replica has an `extproc register` age
   Registered now:
   .venv/bin/etcdctl --endpoints {stack.etcd_endpoint} get --prefix --keys-only /llmgw/v1/pool/
   Start another model server and register it; it takes traffic without a restart:
-  .venv/bin/python -m extproc.demo.replica --port 8011 --name r9 &
+  .venv/bin/python -m devkit.demo.replica --port 8011 --name r9 &
   .venv/bin/extproc register --config {stack.workdir}/extproc.yaml --address 127.0.0.1:8011 \\
     --fingerprint weights_revision=demo-1
 """

@@ -91,19 +91,13 @@ def main(argv: list[str] | None = None) -> int:
     rp.add_argument("request_id")
     rp.add_argument("--config")
     rp.add_argument("--trace-file", help="replay a trace JSON file instead of etcd's")
-    q = sub.add_parser("run", help="quickstart: etcd + processor + Envoy + 2 demo replicas")
-    q.add_argument("--config")
-    q.add_argument("--workdir")
-    q.add_argument("--replicas", type=int, default=2)
-    q.add_argument("--port", type=int, default=10000)
-    q.add_argument("--live-pool", action="store_true",
-                   help="pool.discovery: registry, an `extproc register` agent per replica")
-    q.add_argument("--cells", type=int, default=1,
-                   help="N cells (an Envoy and a processor each) on one port: one core each "
-                        "(docs/decisions/0019-cells-for-more-cores.md)")
-    q.add_argument("--etcd-members", type=int, default=1,
-                   help="N etcd members on loopback (a cluster when N > 1), the processor "
-                        "given every member's endpoint (docs/chaos.md)")
+    given = sys.argv[1:] if argv is None else argv
+    if given[:1] == ["run"]:
+        # The quickstart is development tooling (devkit/, not in the package): the old
+        # command says where it went instead of argparse's "invalid choice".
+        raise SystemExit("extproc run: the quickstart moved out of the package; from a clone of "
+                         "the repository: `make run`, or `python -m devkit run` with the same "
+                         "options")
     args = ap.parse_args(argv)
 
     if args.cmd == "serve":
@@ -179,17 +173,6 @@ def main(argv: list[str] | None = None) -> int:
         file_trace = (json.loads(Path(args.trace_file).read_text())
                       if getattr(args, "trace_file", None) else None)
         return asyncio.run(_inspect_or_replay(args, file_trace))
-    if args.cmd == "run":
-        from .devstack import run_forever
-        if args.config:
-            read_config(args.config)  # fail fast, naming the field
-        if not 1 <= args.cells <= 64:
-            raise SystemExit("run: --cells must be between 1 and 64")
-        if not 1 <= args.etcd_members <= 9:
-            raise SystemExit("run: --etcd-members must be between 1 and 9")
-        return run_forever(args.config, args.workdir, args.replicas, args.port,
-                           live_pool=args.live_pool, cells=args.cells,
-                           etcd_members=args.etcd_members)
     return 2
 
 

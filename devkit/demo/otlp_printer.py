@@ -3,7 +3,7 @@
 `make run` starts it so the quickstart shows its own traces (Envoy's and the processor's)
 without installing a collector. Point `telemetry.otlp_endpoint` (and Envoy) at it.
 
-Run: python -m extproc.demo.otlp_printer --port P [--out FILE]
+Run: python -m devkit.demo.otlp_printer --port P [--out FILE]
 """
 
 from __future__ import annotations

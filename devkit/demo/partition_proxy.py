@@ -12,7 +12,7 @@ chosen by headers the client sends and Envoy forwards upstream:
 response until N content deltas went through, then drops everything. Each cut is logged as
 one JSON line: what was dropped after the cut, and when the replica itself finished.
 
-Run: python -m extproc.demo.partition_proxy --listen 127.0.0.1:P --upstream 127.0.0.1:Q
+Run: python -m devkit.demo.partition_proxy --listen 127.0.0.1:P --upstream 127.0.0.1:Q
 """
 
 from __future__ import annotations

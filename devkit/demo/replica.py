@@ -6,12 +6,12 @@ and with the same fault hooks at the same points (the events before the first co
 event stand where chat's role event does).
 
 It exists so that failover behaviour can be reproduced with nothing but curl: the
-output is deterministic (see ``extproc.demo.tokens``), the wire format mirrors
+output is deterministic (see ``devkit.demo.tokens``), the wire format mirrors
 vLLM's, and each request can ask the replica to die, stall or fail at an exact
 point of the stream via ``x-replica-fault`` headers. Every attempt leaves one JSON
 line in ``--log-file`` so tests can check what the replica actually saw and sent.
 
-Run: ``python -m extproc.demo.replica --host 127.0.0.1 --port PORT --name r1
+Run: ``python -m devkit.demo.replica --host 127.0.0.1 --port PORT --name r1
 --log-file PATH [--token-delay-ms 0] [--model demo-model]``.
 """
 
@@ -38,9 +38,8 @@ from typing import Any, Final, Literal, NoReturn
 import aiohttp
 from aiohttp import web
 
-from extproc.core.pool import Fingerprint
-from extproc.demo.serving import until_signalled
-from extproc.demo.tokens import (
+from devkit.demo.serving import until_signalled
+from devkit.demo.tokens import (
     DEFAULT_MAX_TOKENS,
     DEFAULT_SEED,
     MAX_TOKENS_CAP,
@@ -48,6 +47,7 @@ from extproc.demo.tokens import (
     count_prompt_tokens,
     generate_tokens,
 )
+from extproc.core.pool import Fingerprint
 
 FAULT_HEADER: Final = "x-replica-fault"
 FAULT_ATTEMPT_HEADER: Final = "x-replica-fault-attempt"
@@ -1038,7 +1038,7 @@ def build_app(replica: Replica) -> web.Application:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m extproc.demo.replica",
+        prog="python -m devkit.demo.replica",
         description="Deterministic OpenAI-compatible demo replica with fault hooks.",
     )
     parser.add_argument("--host", default="127.0.0.1")

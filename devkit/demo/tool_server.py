@@ -9,7 +9,7 @@ result that names the execution number. Per-request knobs (headers):
   x-tool-result-bytes: N    pad the result to N bytes (a result too large to record)
   x-tool-fault: die-after-execute   log the execution, then SIGKILL itself mid-answer
 
-Run: python -m extproc.demo.tool_server --port P --log-file F
+Run: python -m devkit.demo.tool_server --port P --log-file F
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import time
 
 from aiohttp import web
 
-from extproc.demo.serving import until_signalled
+from devkit.demo.serving import until_signalled
 
 
 class ToolServer:

@@ -1,10 +1,10 @@
 """Run the fault sweep from the command line (`make sweep`, `make sweep-quick`).
 
-  python -m tests.sweep --full                 every kind at every index 0..N (docs/sweep.md)
-  python -m tests.sweep --quick                the deterministic subset `make test` runs
-  python -m tests.sweep --case 'kill-after-deltas@3/stream' --seed 7   one case, with trace
-  python -m tests.sweep --kinds partition,etcd-freeze --indices 0,5 --modes stream
-  python -m tests.sweep --unsafe               the self-check slice on a processor started
+  python -m devkit.sweep --full                 every kind at every index 0..N (docs/sweep.md)
+  python -m devkit.sweep --quick                the deterministic subset `make test` runs
+  python -m devkit.sweep --case 'kill-after-deltas@3/stream' --seed 7   one case, with trace
+  python -m devkit.sweep --kinds partition,etcd-freeze --indices 0,5 --modes stream
+  python -m devkit.sweep --unsafe               the self-check slice on a processor started
                                                with EXTPROC_UNSAFE_RELEASE_WITHOUT_FENCE=1
 
 Prints one line per case, then the summary table and the directory holding results.jsonl
@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tests.sweep", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m devkit.sweep", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--full", action="store_true", help="every index 0..N (default: quick)")

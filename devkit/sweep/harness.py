@@ -7,7 +7,7 @@ client's raw bytes, each replica's attempt lines, the journal record, the partit
 and the tool server's logs. See docs/sweep.md for the list and how to read the result.
 
 The harness does not trust the code under test: it parses SSE itself and derives the
-reference answer from the demo replica's documented token rule (extproc.demo.tokens), and
+reference answer from the demo replica's documented token rule (devkit.demo.tokens), and
 also from a fault-free run through the same gateway.
 """
 
@@ -30,9 +30,9 @@ from typing import Any
 
 import httpx
 
+from devkit.demo.tokens import chat_prompt, generate_tokens
+from devkit.devstack import Stack
 from extproc.core.journal import request_id_for_key
-from extproc.demo.tokens import chat_prompt, generate_tokens
-from extproc.devstack import Stack
 
 # ----- the reference answer -------------------------------------------------------------
 
@@ -96,7 +96,7 @@ class Case:
         return re.sub(r"[^A-Za-z0-9_.-]+", "_", self.case_id)
 
     def repro(self) -> str:
-        return ("python -m tests.sweep --case "
+        return ("python -m devkit.sweep --case "
                 + shlex.quote(f"{self.kind}@{self.index}/{self.mode}") + f" --seed {self.seed}")
 
     def __str__(self) -> str:
@@ -255,7 +255,7 @@ def _processor_kill(env: SweepEnv, stack: Stack, case: Case) -> Plan:
 
 
 def _freeze(env: SweepEnv, stack: Stack, case: Case) -> Plan:
-    # The replica SIGSTOPs itself at the exact point (extproc.demo.replica); whatever
+    # The replica SIGSTOPs itself at the exact point (devkit.demo.replica); whatever
     # happens, every replica runs again once the client is done.
     def after() -> None:
         for i in range(len(stack.replica_ports)):

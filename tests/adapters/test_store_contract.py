@@ -24,13 +24,13 @@ from typing import Any, TypeVar
 
 import pytest
 
+from devkit.devstack import _http_ok, free_port, wait_until
 from extproc.adapters.etcd_store import EtcdStore, ToolLedger
 from extproc.adapters.leases import AdmitResult, StoreUnavailable
 from extproc.adapters.memory_store import MemoryLedger, MemoryStore
 from extproc.adapters.ports import Journal, Ledger
 from extproc.core.config import EtcdConfig, load_config
 from extproc.core.credentials import digest
-from extproc.devstack import _http_ok, free_port, wait_until
 
 OWNER = "contract/1"
 TTL_S = 2  # attempt_lease_ttl_s: a `fenced:` marker lives this long (etcd's minimum)

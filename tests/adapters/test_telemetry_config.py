@@ -7,9 +7,9 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from devkit.devstack import free_port
 from extproc.adapters.telemetry import Telemetry, otlp_plan
 from extproc.core.config import ConfigError, TelemetryConfig
-from extproc.devstack import free_port
 
 FILE = TelemetryConfig(otlp_endpoint="collector:4317")
 

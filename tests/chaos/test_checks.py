@@ -77,7 +77,7 @@ def kinds(t: Transcript) -> list[str]:
 
 
 def test_the_reference_is_the_demo_replicas_answer() -> None:
-    # The same rule as extproc/demo/tokens.py: " word" tokens, fully determined.
+    # The same rule as devkit/demo/tokens.py: " word" tokens, fully determined.
     ref = reference(spec())
     assert len(ref) == 4 and all(t.startswith(" ") for t in ref)
     assert reference(spec()) == ref

@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from extproc.demo.tokens import (
+from devkit.demo.tokens import (
     MAX_TOKENS_CAP,
     WORDS,
     chat_prompt,
@@ -111,7 +111,7 @@ async def _start(tmp: Path, name: str, *extra: str) -> Replica:
     port = _free_port()
     log_path = tmp / f"{name}-{port}.jsonl"
     stderr = (tmp / f"{name}-{port}.stderr").open("wb")
-    cmd = [sys.executable, "-m", "extproc.demo.replica", "--host", "127.0.0.1"]
+    cmd = [sys.executable, "-m", "devkit.demo.replica", "--host", "127.0.0.1"]
     cmd += ["--port", str(port), "--name", name, "--log-file", str(log_path), *extra]
     proc = await asyncio.to_thread(
         subprocess.Popen, cmd, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=stderr

@@ -33,7 +33,7 @@ from typing import Any
 import pytest
 import yaml
 
-from extproc.devstack import Proc, _bin, _http_ok, free_port, wait_until
+from devkit.devstack import Proc, _bin, _http_ok, free_port, wait_until
 
 from .test_helm_chart import HELM, _container, _doc, _values
 
@@ -126,7 +126,7 @@ def pod(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Pod]:
         tools_on = bool(_values(values)["tools"]["enabled"])
         tool_listen, tport = (free_port(), free_port()) if tools_on else (0, 0)
         if tools_on:
-            tools = Proc("tools", [sys.executable, "-m", "extproc.demo.tool_server",
+            tools = Proc("tools", [sys.executable, "-m", "devkit.demo.tool_server",
                                    "--port", str(tport),
                                    "--log-file", str(tmp_path / "tools.jsonl")],
                          tmp_path / "tools.log")
@@ -162,7 +162,7 @@ def pod(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Pod]:
         wait_until(lambda: Path(sock).exists() or not processor.alive(), 20, "processor socket")
         assert processor.alive(), (tmp_path / "processor.log").read_text()
 
-        replica = Proc("r1", [sys.executable, "-m", "extproc.demo.replica", "--host",
+        replica = Proc("r1", [sys.executable, "-m", "devkit.demo.replica", "--host",
                               "127.0.0.1", "--port", str(rport), "--name", "r1",
                               "--log-file", str(tmp_path / "r1.jsonl"),
                               *(["--tool-gateway", f"http://127.0.0.1:{tool_listen}"]

@@ -34,7 +34,7 @@ import httpx
 import pytest
 import yaml
 
-from extproc.devstack import Proc, _bin, _http_ok, free_port, wait_until
+from devkit.devstack import Proc, _bin, _http_ok, free_port, wait_until
 from tests.e2e.test_image import IMAGE, ROOT, image_problem, podman
 
 from .test_helm_chart import CHART, HELM, _helm
@@ -103,7 +103,7 @@ def played(tmp_path: Path) -> Iterator[PlayedPod]:
             "--initial-cluster", f"kp-etcd=http://127.0.0.1:{pport}",
             "--log-level", "warn", "--unsafe-no-fsync"], tmp_path / "etcd.log")
         replica_log = tmp_path / "r1.jsonl"
-        replica = Proc("r1", [sys.executable, "-m", "extproc.demo.replica", "--host",
+        replica = Proc("r1", [sys.executable, "-m", "devkit.demo.replica", "--host",
                               "127.0.0.1", "--port", str(rport), "--name", "r1",
                               "--log-file", str(replica_log)], tmp_path / "r1.log")
         for p in (etcd, replica):

@@ -27,8 +27,8 @@ import pytest
 import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from devkit.devstack import free_port
 from extproc.core.config import load_config
-from extproc.devstack import free_port
 from extproc.envoy_config import Topology, render
 
 FILES = Path(__file__).resolve().parents[2] / "helm" / "llm-failover-extproc" / "files"

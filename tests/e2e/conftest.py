@@ -13,8 +13,8 @@ from typing import Any
 import httpx
 import pytest
 
+from devkit.devstack import Stack
 from extproc.core.sse import EventKind, SseDecoder
-from extproc.devstack import Stack
 
 E2E_CONFIG: dict[str, Any] = {
     "timeouts": {

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from extproc.devstack import Stack, wait_until
+from devkit.devstack import Stack, wait_until
 
 from .conftest import E2E_CONFIG, Gateway
 
@@ -109,7 +109,13 @@ def test_one_member_stays_the_default(stack: Stack) -> None:
 
 
 def test_run_refuses_an_etcd_member_count_out_of_range() -> None:
-    from extproc.cli import main
+    from devkit.__main__ import main
     for bad in ("0", "10"):
         with pytest.raises(SystemExit, match="--etcd-members must be between 1 and 9"):
             main(["run", "--etcd-members", bad])
+
+
+def test_the_old_quickstart_command_says_where_it_went() -> None:
+    from extproc.cli import main
+    with pytest.raises(SystemExit, match="python -m devkit run"):
+        main(["run", "--etcd-members", "3"])

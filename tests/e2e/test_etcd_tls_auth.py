@@ -26,11 +26,11 @@ import httpx
 import pytest
 from aetcd import rpc
 
+from devkit.devstack import Proc, Stack, _bin, _http_ok, free_port, wait_until
+from devkit.etcd_tls import Pki, enable_auth, tls_flags, write_secret
 from extproc.adapters.etcd_store import EtcdStore
 from extproc.adapters.leases import StoreUnavailable
 from extproc.core.config import ConfigError, EtcdConfig, load_config
-from extproc.devstack import Proc, Stack, _bin, _http_ok, free_port, wait_until
-from extproc.etcd_tls_dev import Pki, enable_auth, tls_flags, write_secret
 
 pytestmark = pytest.mark.e2e
 

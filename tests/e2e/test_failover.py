@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from extproc.devstack import Stack
+from devkit.devstack import Stack
 
 from .conftest import Gateway, Result
 

@@ -1,7 +1,7 @@
 """Fencing under a real partition, the four failure classes, and infrastructure failures.
 
 The partition is made by a proxy the tests own between Envoy and each replica
-(extproc.demo.partition_proxy): bytes stop in both directions and no close crosses, so the
+(devkit.demo.partition_proxy): bytes stop in both directions and no close crosses, so the
 replica keeps decoding while Envoy hears nothing. Lease TTLs are short here so the waits
 that the policy demands are visible but quick.
 """
@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from extproc.devstack import Stack
+from devkit.devstack import Stack
 
 from .conftest import Gateway, Result
 

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from bench.floors import FLOORS
-from extproc.devstack import Stack
+from devkit.devstack import Stack
 
 pytestmark = pytest.mark.e2e
 

@@ -11,7 +11,7 @@ import time
 import urllib.request
 from typing import Any
 
-from extproc.devstack import Stack
+from devkit.devstack import Stack
 
 from .conftest import Gateway
 

@@ -1,7 +1,7 @@
 """The built processor image, run by podman as the processor next to real Envoy and etcd.
 
 `make image` builds localhost/llm-failover-extproc:<version> (docs/image.md). Here the
-container replaces the processor subprocess of the usual e2e stack (extproc.devstack.Stack):
+container replaces the processor subprocess of the usual e2e stack (devkit.devstack.Stack):
 host network, root filesystem read-only with no tmpfs at all, every capability dropped, the
 config bind-mounted read-only, the image's own non-root user. Real Envoy, etcd and demo
 replicas run on loopback beside it. Per request_id the tests compare the exact event list
@@ -33,7 +33,7 @@ from typing import Any
 import pytest
 import yaml
 
-from extproc.devstack import Stack
+from devkit.devstack import Stack
 
 from .conftest import E2E_CONFIG, Gateway, Result, parse_events, word_tokenizer
 
@@ -152,19 +152,18 @@ def test_root_filesystem_is_read_only_and_nothing_is_written(runnable: None) -> 
     r = run_in_image("sh", "-c", "touch /opt/extproc/x || echo refused")
     assert r.returncode == 0 and r.stdout.strip() == "refused", (r.stdout, r.stderr)
     # Every module has its bytecode in place (compiled at build time), so nothing tries to
-    # write any at run time; and the whole package imports on the read-only root (all but
-    # extproc.demo: the demo servers need the demo extra, which the image leaves out).
+    # write any at run time; the whole package imports on the read-only root; and the dev
+    # tooling (devkit: the quickstart stack, the demo servers) is not in the image at all.
     r = run_in_image("python3", "-c",
                      "import importlib, importlib.util as u, pathlib, pkgutil, extproc; "
                      "lib = pathlib.Path(extproc.__file__).parents[1]; "
                      "print([str(p) for p in lib.rglob('*.py') "
                      "if not pathlib.Path(u.cache_from_source(str(p))).exists()][:5]); "
                      "[importlib.import_module(m.name) for m in pkgutil.walk_packages("
-                     "extproc.__path__, 'extproc.') if not m.name.endswith('__main__') "
-                     "and not m.name.startswith('extproc.demo')]; "
-                     "print('imported')")
+                     "extproc.__path__, 'extproc.') if not m.name.endswith('__main__')]; "
+                     "print('imported', u.find_spec('devkit'))")
     assert r.returncode == 0, r.stderr
-    assert r.stdout.split("\n")[:2] == ["[]", "imported"], r.stdout
+    assert r.stdout.split("\n")[:2] == ["[]", "imported None"], r.stdout
 
 
 def test_render_envoy_in_the_image_matches_the_tree(runnable: None, tmp_path: Path) -> None:

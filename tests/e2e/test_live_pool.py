@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from extproc.devstack import Stack, _bin, wait_until
+from devkit.devstack import Stack, _bin, wait_until
 
 from .conftest import Gateway, Result
 from .test_pool_availability import MAX, assert_complete, load, reference

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
+from devkit.devstack import Stack
 from extproc.core.pool import Fingerprint
-from extproc.devstack import Stack
 
 from .conftest import Gateway, Result
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from extproc.devstack import Stack
+from devkit.devstack import Stack
 
 from .conftest import Gateway, Result
 

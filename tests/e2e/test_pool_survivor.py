@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from extproc.devstack import Stack, wait_until
+from devkit.devstack import Stack, wait_until
 
 from .conftest import Gateway, Result
 

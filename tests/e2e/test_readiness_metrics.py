@@ -31,7 +31,7 @@ from opentelemetry.proto.collector.metrics.v1 import (
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from extproc.devstack import Proc, Stack, _bin, _http_ok, _tcp_open, free_port, wait_until
+from devkit.devstack import Proc, Stack, _bin, _http_ok, _tcp_open, free_port, wait_until
 
 from .conftest import Gateway
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from extproc.devstack import Stack, _bin
+from devkit.devstack import Stack, _bin
 
 from .conftest import Gateway, Result
 

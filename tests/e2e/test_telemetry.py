@@ -23,7 +23,7 @@ from opentelemetry.proto.collector.metrics.v1 import (
 )
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-from extproc.devstack import Stack, free_port
+from devkit.devstack import Stack, free_port
 
 from .conftest import Gateway
 

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from extproc.devstack import Stack
+from devkit.devstack import Stack
 
 from .conftest import E2E_CONFIG, Gateway, Result, parse_events, word_tokenizer
 

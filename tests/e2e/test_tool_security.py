@@ -20,8 +20,8 @@ from typing import Any
 import httpx
 import pytest
 
+from devkit.devstack import Proc, Stack, free_port, wait_until
 from extproc.core.journal import new_request_id, request_id_for_key
-from extproc.devstack import Proc, Stack, free_port, wait_until
 
 from .conftest import Gateway
 from .test_tools import LiveAttempt, attempt_secret, executions, tool_call

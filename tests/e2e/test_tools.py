@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from extproc.devstack import Stack
+from devkit.devstack import Stack
 
 from .conftest import Gateway, Result, parse_events
 

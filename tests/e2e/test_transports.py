@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from extproc.devstack import Stack
+from devkit.devstack import Stack
 
 from .conftest import E2E_CONFIG, Gateway
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from .harness import SweepEnv
+from devkit.sweep.harness import SweepEnv
 
 
 @pytest.fixture(scope="module")

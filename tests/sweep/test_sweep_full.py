@@ -1,6 +1,6 @@
 """The full fault sweep (every kind at every index 0..N): only with EXTPROC_SWEEP=full.
 
-`make sweep` runs the same plan through `python -m tests.sweep --full`, which also prints
+`make sweep` runs the same plan through `python -m devkit.sweep --full`, which also prints
 the summary table; this entry point exists for pytest users (`EXTPROC_SWEEP=full pytest
 tests/sweep/test_sweep_full.py`).
 """
@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from .harness import Case, SweepEnv, plan_cases
+from devkit.sweep.harness import Case, SweepEnv, plan_cases
 
 pytestmark = [
     pytest.mark.e2e,

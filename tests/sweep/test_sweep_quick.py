@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from .harness import UNSAFE_SLICE, Case, SweepEnv, known_issue, plan_cases
+from devkit.sweep.harness import UNSAFE_SLICE, Case, SweepEnv, known_issue, plan_cases
 
 pytestmark = pytest.mark.e2e
 

@@ -37,8 +37,8 @@ from typing import Any
 import httpx
 import pytest
 
+from devkit.devstack import Proc, Stack, wait_until
 from extproc.core.sse import EventKind, SseDecoder
-from extproc.devstack import Proc, Stack, wait_until
 
 ENABLED = os.environ.get("EXTPROC_VLLM") == "1"
 if not ENABLED:

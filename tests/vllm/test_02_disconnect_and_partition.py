@@ -1,6 +1,6 @@
 """The client hangs up; the network between Envoy and a replica breaks. Nothing is killed.
 
-The partition is real: a proxy between Envoy and each replica (extproc.demo.partition_proxy)
+The partition is real: a proxy between Envoy and each replica (devkit.demo.partition_proxy)
 stops every byte in both directions and propagates no close, so vLLM keeps decoding into the
 void (its log shows no abort) while Envoy hears nothing.
 """
@@ -12,7 +12,7 @@ import time
 import urllib.request
 from typing import Any
 
-from extproc.devstack import Stack
+from devkit.devstack import Stack
 
 from .conftest import MEASURED, Client, Engines, Result, assert_same_stream, engine_tokens
 
