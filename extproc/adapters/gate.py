@@ -9,7 +9,6 @@ is a row of the machine's table; logs, spans and metrics come from `observer.gat
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol, TypeVar
@@ -76,9 +75,8 @@ from . import envoy_codec as codec
 from . import observer
 from .causes import NO_GATE
 from .leases import UNDO_SETTLE_S, AttemptLease, StoreUnavailable
-from .logs import rlog
 from .ports import Clock, EntryLog, GateJournal, Ids
-from .session import INVALID, HandedOff, Messages, Pending, Session, log, retrying
+from .session import INVALID, HandedOff, Messages, Pending, Session, resent, retrying
 from .telemetry import TRACEPARENT_HEADER, Telemetry
 from .timers import TimerHandle, Timers
 
@@ -422,31 +420,9 @@ class GateSession(Session):
 
     async def _resent(self, what: str, call: Callable[[], Awaitable[T]],
                       within: float | None = None) -> T:
-        """A conditioned write that knows its own earlier try (the admission: `live` is this
-        attempt; the fence: `delivery` names it) is sent again while etcd does not answer,
-        each try to the member in use (which moves on when one fails), until
-        etcd.resend_deadline_s (decision 0026), and never more than `within` seconds from
-        now (the attempt's first-delta limit): an election costs a wait, not the attempt."""
-        loop = asyncio.get_running_loop()
         limit = self.cfg.etcd.resend_deadline_s
-        give_up = loop.time() + (limit if within is None else min(limit, within))
-        pause, tries = 0.05, 0
-        aid = self.m.attempt_id if self.m else None
-        while True:
-            tries += 1
-            try:
-                res = await call()
-            except StoreUnavailable as e:
-                if loop.time() + pause >= give_up:
-                    raise
-                rlog(log, logging.INFO, f"{what} not confirmed; sending it again", self.rid,
-                     aid, error=str(e), tries=tries)
-                await asyncio.sleep(pause)
-                pause = min(pause * 2, 0.4)
-                continue
-            if tries > 1:
-                rlog(log, logging.INFO, f"{what} confirmed", self.rid, aid, tries=tries)
-            return res
+        return await resent(what, call, self.rid, self.m.attempt_id if self.m else None,
+                            limit if within is None else min(limit, within))
 
     def _never_started(self, live: str) -> bool:
         """`live` is attempt 1 as the guard admitted it, and no gate ever ran for it."""

@@ -102,6 +102,33 @@ async def retrying(fn: Callable[[], Awaitable[Any]], what: str, rid: str | None,
 
 
 
+async def resent(what: str, call: Callable[[], Awaitable[T]], rid: str | None,
+                 aid: str | None, limit_s: float) -> T:
+    """A conditioned write that knows its own earlier try (the admission: `live` is this
+    attempt; the fence: `delivery` names it) is sent again while etcd does not answer, each
+    try to the member in use (which moves on when one fails), for at most `limit_s`
+    (etcd.resend_deadline_s, or less: decision 0026): an election costs a wait, not the
+    attempt. Raises StoreUnavailable once the time is up."""
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + limit_s
+    pause, tries = 0.05, 0
+    while True:
+        tries += 1
+        try:
+            res = await call()
+        except StoreUnavailable as e:
+            if loop.time() + pause >= give_up:
+                raise
+            rlog(log, logging.INFO, f"{what} not confirmed; sending it again", rid, aid,
+                 error=str(e), tries=tries)
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 0.4)
+            continue
+        if tries > 1:
+            rlog(log, logging.INFO, f"{what} confirmed", rid, aid, tries=tries)
+        return res
+
+
 class Messages(Protocol):
     """One ext_proc stream's messages: grpc.aio's servicer context, or grpclib's stream
     behind `grpclib_server.StreamMessages`. `read` returns `grpc.aio.EOF` or None at the end."""
