@@ -283,7 +283,7 @@ class GuardSession(Session):
             await self.tool.on_request_headers(hd)
             self.rid = self.tool.rid
             return
-        intake = classify_request(hd, self.cfg)
+        intake = classify_request(hd, self.cfg, self.p.ids.request_id)
         if isinstance(intake, Rejected):
             self._machine(intake.error.request_id or "", "rejected")
             rlog(log, logging.INFO, "request rejected", intake.error.request_id, None,

@@ -8,6 +8,7 @@ hermetic test can drive the sessions with no sockets but Envoy's messages.
 
 from __future__ import annotations
 
+import os
 import secrets
 import time
 from collections.abc import Callable, Mapping
@@ -37,11 +38,13 @@ class SystemClock:
 
 
 class RandomIds:
+    """Ids from the system's clock and randomness: the only place they are read for ids."""
+
     def request_id(self) -> str:
-        return new_request_id()
+        return new_request_id(int(time.time() * 1000), os.urandom(10))
 
     def attempt_id(self) -> str:
-        return "att_" + new_request_id()[4:]
+        return "att_" + self.request_id()[4:]
 
     def attempt_secret(self) -> str:
         """A live attempt's credential for its tool calls (decision 0028)."""

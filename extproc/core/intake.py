@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +17,7 @@ from .config import Config
 from .errors import ErrorCode, GatewayError, bad_request
 from .families import GENERATION_PATHS as FAMILY_PATHS
 from .families import family_for_path
-from .journal import new_request_id, request_id_for_key, validate_request_id
+from .journal import request_id_for_key, validate_request_id
 from .usage import UsageMode, ask_for_usage
 
 # Every API family the contract covers (core.families): chat, completions, Responses and
@@ -58,8 +58,14 @@ def _valid_key(key: str, max_len: int) -> bool:
     return 0 < len(key) <= max_len and all(0x21 <= ord(c) <= 0x7E for c in key)
 
 
-def classify_request(headers: Mapping[str, str], cfg: Config) -> Intake:
-    """Decide from the request headers alone (lower-case names)."""
+def _no_ids() -> str:
+    raise RuntimeError("a key-less request needs a new id: pass new_id (the Ids port)")
+
+
+def classify_request(headers: Mapping[str, str], cfg: Config,
+                     new_id: Callable[[], str] = _no_ids) -> Intake:
+    """Decide from the request headers alone (lower-case names). `new_id` mints the id of
+    a request without an Idempotency-Key (the adapters' Ids port: the core mints nothing)."""
     method = headers.get(":method", "")
     path = headers.get(":path", "").split("?", 1)[0]
     tenant = DEFAULT_TENANT
@@ -98,7 +104,7 @@ def classify_request(headers: Mapping[str, str], cfg: Config) -> Intake:
         if cfg.idempotency.required:
             return Rejected(bad_request(ErrorCode.MISSING_IDEMPOTENCY_KEY,
                                         "this gateway requires an Idempotency-Key header"))
-        return Generation(request_id=new_request_id(), tenant=tenant,
+        return Generation(request_id=new_id(), tenant=tenant,
                           idempotency_key=None, path=path)
     if not _valid_key(key, cfg.limits.max_idempotency_key_length):
         return Rejected(bad_request(

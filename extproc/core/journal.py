@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
-import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
@@ -70,11 +68,10 @@ def request_id_for_key(tenant: str, idempotency_key: str) -> str:
     return "req_" + _b32(digest, 26)
 
 
-def new_request_id(now_ms: int | None = None, rand: bytes | None = None) -> str:
-    """A time-ordered id (ULID layout) for requests without an Idempotency-Key."""
-    ms = int(time.time() * 1000) if now_ms is None else now_ms
-    rnd = os.urandom(10) if rand is None else rand
-    return "req_" + _b32(ms.to_bytes(6, "big") + rnd, 26)
+def new_request_id(now_ms: int, rand: bytes) -> str:
+    """A time-ordered id (ULID layout) for requests without an Idempotency-Key, from the time
+    and the randomness the Ids port passes in (the core reads neither)."""
+    return "req_" + _b32(now_ms.to_bytes(6, "big") + rand, 26)
 
 
 def tenant_digest(tenant: str) -> str:

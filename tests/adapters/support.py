@@ -18,15 +18,17 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 
 class FixedIds:
-    """Deterministic ids: att_test_1, att_test_2, ... (request ids likewise)."""
+    """Deterministic ids: att_test_1, att_test_2, ...; request ids req_000...1, ..."""
 
     def __init__(self) -> None:
         self.n = 0
         self.secrets = 0  # counted apart, so the ids stay what they were
+        self.requests = 0
 
     def request_id(self) -> str:
-        self.n += 1
-        return f"req_test_{self.n}"
+        """Shaped as the gateway mints them (ULID layout), counted apart from attempt ids."""
+        self.requests += 1
+        return f"req_{self.requests:026d}"
 
     def attempt_id(self) -> str:
         self.n += 1

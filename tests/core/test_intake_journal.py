@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from extproc.adapters.ports import RandomIds
 from extproc.core.config import Config, load_config
 from extproc.core.errors import ErrorCode, GatewayError
 from extproc.core.intake import (
@@ -87,12 +88,13 @@ def test_passthrough_paths(headers: dict[str, str]) -> None:
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
 def test_generation_paths_only_accept_post(path: str) -> None:
     rejected(classify_request(get(path), CFG), ErrorCode.INVALID_HEADER, 405)
-    assert isinstance(classify_request(post(path), CFG), Generation)
+    assert isinstance(classify_request(post(path), CFG, RandomIds().request_id), Generation)
 
 
 def test_missing_key_when_not_required_gets_a_fresh_id() -> None:
-    a = classify_request(post(), CFG)
-    b = classify_request(post("/v1/chat/completions?x=1"), CFG)
+    # The id comes from the Ids port (the core mints nothing).
+    a = classify_request(post(), CFG, RandomIds().request_id)
+    b = classify_request(post("/v1/chat/completions?x=1"), CFG, RandomIds().request_id)
     assert isinstance(a, Generation) and isinstance(b, Generation)
     assert a.idempotency_key is None and a.tenant == "default"
     assert a.path == "/v1/chat/completions" and b.path == "/v1/chat/completions"
@@ -420,10 +422,12 @@ def test_new_request_id_is_time_ordered(t1: int, dt: int, r1: bytes, r2: bytes) 
 
 
 def test_new_request_id_uses_the_randomness() -> None:
-    ids = {new_request_id(1_700_000_000_000) for _ in range(50)}
+    ids = {RandomIds().request_id() for _ in range(50)}
     assert len(ids) == 50
     assert new_request_id(5, b"\x01" * 10) != new_request_id(5, b"\x02" * 10)
-    assert REQUEST_ID_RE.match(new_request_id())
+    assert all(REQUEST_ID_RE.match(i) for i in ids)
+    with pytest.raises(RuntimeError, match="new_id"):  # no id without the port
+        classify_request(post(), CFG)
 
 
 def test_new_request_id_keeps_every_random_bit() -> None:

@@ -21,7 +21,8 @@ import httpx
 import pytest
 
 from devkit.devstack import Proc, Stack, free_port, wait_until
-from extproc.core.journal import new_request_id, request_id_for_key
+from extproc.adapters.ports import RandomIds
+from extproc.core.journal import request_id_for_key
 
 from .conftest import Gateway
 from .test_tools import LiveAttempt, attempt_secret, executions, tool_call
@@ -299,7 +300,7 @@ def test_the_status_lookup_across_tenants(ga: Gateway, gb: Gateway) -> None:
     assert ra.status == 200 and len(ra.contents) == MAX
     mine = ga.journal(ra.request_id)
     assert mine["request_id"] == ra.request_id and mine["outcome"] == "completed"
-    unknown = new_request_id()
+    unknown = RandomIds().request_id()
     theirs, missing = gb.status(ra.request_id), gb.status(unknown)
     assert theirs.status_code == missing.status_code == 404
     # The same answer as an id that does not exist, up to the id itself.
