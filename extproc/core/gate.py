@@ -150,6 +150,7 @@ class GateMachine(Machine):
     end_plan: records.EndPlan | None = None
     ended_at: float = 0.0
     stream_closed: bool = False
+    settled: str | None = None  # "class/fence/cause" once its end is settled (replay's)
 
     @classmethod
     def new(cls, request_id: str, max_buffer: int = 4 << 20,
@@ -524,6 +525,7 @@ def _settle(m: GateMachine, entry: str | None, wall: float) -> list[Action]:
     ended_at = m.ended_at if plan.revoke_now else wall
     record = records.attempt_end(m.facts().base(), f, done, ended_at, p.lease_ttl_s)
     m.state = State.GATE_CLOSED
+    m.settled = f"{done.failure_class}/{done.fence}/{done.cause}"
     # Confirmed end (the replica closed, answered, the client left, or Envoy closed an
     # uncertain one): `live` is deleted, so a retry may start now. Unknown
     # (policy.uncertain_source_liveness): the replica may still be decoding and may still

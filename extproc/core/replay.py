@@ -150,6 +150,8 @@ def summary(m: GateMachine | GuardMachine) -> dict[str, Any]:
     else:
         out["timed_out"] = m.timed_out
         out["ended"] = m.ended
+        if m.settled is not None:
+            out["end"] = m.settled  # how its end was settled: class, fence, Envoy's cause
     return out
 
 

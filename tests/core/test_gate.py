@@ -52,6 +52,7 @@ from extproc.core.events import (
 )
 from extproc.core.gate import FENCE_MARGIN_S, GateMachine, GateParams
 from extproc.core.machine import ProtocolViolation
+from extproc.core.replay import record, replay
 from extproc.core.sse import DONE_EVENT, encode_event
 
 from .gate_drive import ADMITTED, FINAL, admit
@@ -556,3 +557,28 @@ def test_every_end_is_a_row_of_the_trace() -> None:
     g.handle(CauseLearned("client", None, True, WALL0 + 7))
     assert [e["type"] for e in g.trace][-3:] == ["StreamClosed", "Revoked", "CauseLearned"]
     assert g.decisions[-1] == "gate_closed:CloseAttempt"
+
+
+def test_replay_decides_the_whole_life_again_waits_included() -> None:
+    g = holding(preadmitted=True)
+    g.handle(TimerFired(TimerKind.FIRST_DELTA, 40.0, WALL0 + 40))
+    g.handle(StreamClosed(mono=40.1, wall=WALL0 + 40.1))
+    g.handle(CauseLearned("timeout", None, True, WALL0 + 40.2))
+    trace = json.loads(json.dumps(record(g, {}, 1 << 20)))
+    types = [e["type"] for e in trace["events"]]
+    assert types[:4] == ["RequestStarted", "IntakeCommitted", "AdmissionDecided",
+                         "AdmitDecided"]
+    assert types[-3:] == ["TimerFired", "StreamClosed", "CauseLearned"]
+    assert replay(trace).ok
+    # A tampered wait (the admission said no) is a divergence, found where it happened.
+    bad = json.loads(json.dumps(trace))
+    bad["events"][3]["admitted"] = False
+    r = replay(bad)
+    assert not r.ok and r.steps == 4 and "AdmitDecided" in (r.divergence or "")
+    # So is Envoy's word: an entry that never came settles another fence.
+    bad = json.loads(json.dumps(trace))
+    bad["events"][-1]["heard"] = False
+    r = replay(bad)
+    assert (not r.ok and "final state" not in (r.divergence or "x")) or not r.ok
+    # A format-1 gate trace was decided by an older core, outside the machine.
+    assert not replay({**trace, "format": 1}).ok
