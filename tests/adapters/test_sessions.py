@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -478,6 +479,32 @@ async def test_gate_holds_until_the_first_delta_is_fenced_then_hands_off() -> No
     assert view is not None and view.first_delta_sent
     assert view.delivery is not None and view.delivery["attempt_id"] == "att_pre"
     assert p.handoffs.take("att_pre") is not None
+
+
+async def test_gate_logs_each_step_once_from_its_transitions(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # The session says nothing itself: the observer derives each line from the machine's
+    # transition, so an attempt failed on purpose logs its admission, its failure and its
+    # end, once each, every line with both ids.
+    p, store = proc()
+    await open_request(store, p)
+    ctx, _, task = start(GateSession, p)
+    with caplog.at_level(logging.INFO, logger="extproc"):
+        ctx.send(gate_headers(1, p.clock.wall()))
+        await ctx.wait_for(1)
+        ctx.send(resp_headers({":status": "200", "content-type": "text/event-stream"}))
+        ctx.send(resp_body(b'data: {"error": {"message": "boom"}}\n\n'))
+        out = await ctx.wait_for(3)
+        assert out[1].response_headers.response.header_mutation.set_headers
+        ctx.close()
+        await asyncio.wait_for(task, 3)
+        await p.drain()
+    mine = [r for r in caplog.records if getattr(r, "attempt_id", None) == "att_pre"]
+    assert [r.getMessage() for r in mine] == [
+        "attempt admitted", "attempt failed before first delta", "attempt ended"]
+    assert all(getattr(r, "request_id", None) == RID for r in mine)
+    view = await store.get(RID)
+    assert view is not None and view.attempts[0]["failure_class"] == "ended_by_gateway"
 
 
 async def test_gate_refuses_a_re_prefill_past_the_budget_but_not_a_first_run() -> None:
