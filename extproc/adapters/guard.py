@@ -96,6 +96,7 @@ from ..core.journal import (
 )
 from ..gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from . import envoy_codec as codec
+from . import observer
 from .leases import UNDO_SETTLE_S, AttemptLease, ProcessLease, StoreUnavailable
 from .logs import rlog
 from .session import CHUNK_TIME_SAMPLE, INVALID, Messages, Processor, Session, log, retrying
@@ -714,20 +715,12 @@ class GuardSession(Session):
                                            or f.outcome is Outcome.COMPLETED)
         cls, record = records.released_end(info, upstream_finished=finished, cause=f.cause,
                                            ended_at=self.p.clock.wall())
-        cause = record["envoy_cause"]
-        rlog(log, logging.INFO, "attempt ended", self.rid, str(info["attempt_id"]),
-             attempt=info["attempt"], released=True, failure_class=str(cls),
-             fence="ended_with_request", cause=f.cause)
-        span = self.attempt_span
-        if span is not None:
-            self.attempt_span = None
-            span.add_event("lease.revoked")
-            self.p.tel.fences.add(1, {"kind": "ended_with_request", "class": str(cls)})
-            end_span(span, None if cls is FailureClass.COMPLETED else str(cls),
-                     **{"llmgw.failure_class": str(cls), "llmgw.released": True,
-                        "llmgw.fence": "ended_with_request", "llmgw.envoy_cause": cause,
-                        "llmgw.model_revision": record.get("model_revision"),
-                        "http.response.status_code": 200})
+        span, self.attempt_span = self.attempt_span, None
+        observer.attempt_ended(self.p.tel, span, self.rid, str(info["attempt_id"]),
+                               attempt=int(info["attempt"]), released=True,
+                               failure_class=str(cls), fence="ended_with_request",
+                               cause=f.cause, envoy_cause=record["envoy_cause"],
+                               model_revision=record.get("model_revision"), http_status=200)
         gm = self.attempt_machine
         if gm is not None and self.p.keep_trace(cls is FailureClass.COMPLETED):
             self.attempt_machine = None
