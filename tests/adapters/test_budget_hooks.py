@@ -14,7 +14,7 @@ from extproc.adapters.gate import GateSession
 from extproc.adapters.guard import GuardSession
 from extproc.core import headers as H
 
-from .support import RID, SSE_CONTENT, SSE_DONE, SSE_ROLE
+from .support import RID, SSE_CONTENT, SSE_DONE, SSE_ROLE, idle
 from .test_sessions import (
     CHAT,
     DOWN,
@@ -45,7 +45,7 @@ async def test_a_re_prefill_over_before_release_gives_its_place_back() -> None:
     assert p.budget.snapshot(p.clock.monotonic()) == (1, 1)
     ctx.send(resp_headers({":status": "200", "content-type": "text/event-stream"}))
     ctx.send(resp_body(SSE_ROLE))  # no content yet: held
-    await asyncio.sleep(0.05)
+    await idle()
     ctx.close()  # the upstream went away before any delta: over, never released
     await asyncio.wait_for(task, 3)
     assert p.budget.snapshot(p.clock.monotonic()) == (1, 0)
