@@ -74,7 +74,9 @@ def _event_record(ev: Event) -> dict[str, Any]:
     if type(ev) is ResponseBody:  # the hot path: one per body message
         return {"type": "ResponseBody", "data": ev.data.decode("latin-1"),
                 "end_of_stream": ev.end_of_stream}
-    if isinstance(ev, _SHARED_RECORD_TYPES):
+    if isinstance(ev, _SHARED_RECORD_TYPES) and not (
+            isinstance(ev, ResponseHeaders) and (ev.handoff or ev.model_revision)):
+        # (A hand-off or a model revision is per attempt: such headers are not shared.)
         rec = _SHARED_RECORDS.get(ev)
         if rec is None:
             rec = _build_record(ev)
