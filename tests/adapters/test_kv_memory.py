@@ -38,7 +38,7 @@ from extproc.adapters.kv import (
 from extproc.adapters.kv_etcd import EtcdKV
 from extproc.adapters.kv_memory import MemoryKV
 from extproc.adapters.leases import StoreUnavailable
-from tests.adapters.test_store_contract import FakeClock, _cfg, etcd_endpoint
+from tests.adapters.test_journal_store import FakeClock, _cfg, etcd_endpoint
 
 __all__ = ["etcd_endpoint"]  # the module's etcd (a fixture of its own here)
 

@@ -434,3 +434,66 @@ def test_etcd_tls_and_auth_are_set_in_the_file_not_by_env_overrides() -> None:
         {"EXTPROC_ETCD__ENDPOINTS": "etcd-0.etcd:2379,[::1]:2379,10.0.0.7:2379"}))
     assert cfg.etcd.endpoints == ("etcd-0.etcd:2379", "[::1]:2379", "10.0.0.7:2379")
     assert cfg.etcd.tls.enabled
+
+
+# --- the first-delta budget and the pool's health checks --------------------------------
+
+
+def test_config_first_delta_total_and_pool_health() -> None:
+    c = load_config({})
+    assert c.timeouts.total_first_delta_s(c.policy.max_attempts) == 60.0
+    assert c.policy.retry_budget.min_retry_concurrency == 10
+    assert c.pool.health_check.path == "/health" and c.pool.outlier_detection.enabled
+    c = load_config({"timeouts": {"first_delta_s": 5, "first_delta_total_s": 7}})
+    assert c.timeouts.total_first_delta_s(2) == 7.0
+    for raw, field in [
+        ({"timeouts": {"first_delta_s": 5, "first_delta_total_s": 4}},
+         "timeouts.first_delta_total_s"),
+        ({"pool": {"health_check": {"path": "health"}}}, "pool.health_check.path"),
+        ({"pool": {"health_check": {"interval": 1}}}, "pool.health_check.interval"),
+        ({"pool": {"outlier_detection": {"consecutive_local_origin_failure": 0}}},
+         "pool.outlier_detection.consecutive_local_origin_failure"),
+        ({"pool": {"outlier_detection": {"base_ejection_time_s": 10,
+                                         "max_ejection_time_s": 5}}},
+         "pool.outlier_detection.max_ejection_time_s"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            load_config(raw)
+        assert e.value.path == field
+
+
+# --- the retry budget (decision 0023) -------------------------------------------------
+
+
+def test_budget_config_defaults_and_keys() -> None:
+    rb = load_config({}).policy.retry_budget
+    assert (rb.fraction, rb.min_retry_concurrency, rb.in_flight_expiry_s) == (0.2, 10, 600.0)
+    rb = load_config({"policy": {"retry_budget": {
+        "fraction": 0.5, "min_retry_concurrency": 0, "in_flight_expiry_s": 30}}}
+    ).policy.retry_budget
+    assert (rb.fraction, rb.min_retry_concurrency, rb.in_flight_expiry_s) == (0.5, 0, 30.0)
+
+
+@pytest.mark.parametrize(("key", "says"), [
+    ("min_retries", "replaced by min_retry_concurrency"),
+    ("window_s", "removed: the budget counts re-prefills in flight"),
+])
+def test_the_per_window_keys_are_refused_naming_what_replaced_them(key: str, says: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config({"policy": {"retry_budget": {key: 10}}})
+    assert e.value.path == f"policy.retry_budget.{key}" and says in e.value.problem
+    assert "decision 0023" in e.value.problem
+
+
+@pytest.mark.parametrize(("raw", "path"), [
+    ({"fraction": 1.5}, "policy.retry_budget.fraction"),
+    ({"min_retry_concurrency": -1}, "policy.retry_budget.min_retry_concurrency"),
+    ({"min_retry_concurrency": 2.5}, "policy.retry_budget.min_retry_concurrency"),
+    ({"in_flight_expiry_s": 5}, "policy.retry_budget.in_flight_expiry_s"),
+    ({"in_flight_expiry_s": 20}, "policy.retry_budget.in_flight_expiry_s"),  # < first_delta_s
+    ({"bogus": 1}, "policy.retry_budget.bogus"),
+])
+def test_budget_config_errors_name_the_field(raw: dict[str, object], path: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config({"policy": {"retry_budget": raw}, "timeouts": {"first_delta_s": 25}})
+    assert e.value.path == path

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from typing import Any
 
@@ -503,6 +504,43 @@ def test_an_overloaded_replica_is_said_so_with_its_retry_after() -> None:
     g.handle(AdmitDecided(True))
     assert g.handle(ResponseHeaders(429, "application/json", retry_after="7")) == [
         Overloaded(7.0), PassHeaders(retry=True)]
+
+
+# --- the gate machine at its deadline (moved from test_health_admission) ----------------
+
+
+def gate_in(state: str, final: bool) -> GateMachine:
+    m = GateMachine.new("req_1", 1 << 20)
+    admit(m, attempt=2, verdict=FINAL if final else ADMITTED, accepted_at=1000.0)
+    if state == "holding":
+        m.handle(ResponseHeaders(200, "text/event-stream"))
+    return m
+
+
+@pytest.mark.parametrize(("state", "final"), list(itertools.product(["forwarded", "holding"],
+                                                                     [False, True])))
+def test_first_delta_deadline(state: str, final: bool) -> None:
+    m = gate_in(state, final)
+    acts = m.handle(TimerFired(TimerKind.FIRST_DELTA, 12.5, 1012.5))
+    if final:
+        # Nothing left to retry with: our error goes to the client (never retried).
+        (a,) = acts
+        assert isinstance(a, Refuse) and a.error.code is ErrorCode.UPSTREAM_TIMEOUT
+        assert a.error.http_status == 504 and "12.5 s" in a.error.message
+        assert m.state is State.GATE_FAILED
+    elif state == "holding":
+        (a,) = acts
+        assert isinstance(a, FailAttempt)  # 503 to the router: retry elsewhere
+    else:
+        assert acts == []  # no headers to answer: Envoy's per-try timeout ends it
+        assert m.state is State.GATE_FORWARDED
+    *_, end = m.handle(StreamClosed(13.0, 1013.0))
+    timed_out = final or state == "holding"
+    # A timed-out end is uncertain: Envoy's word is awaited before it is settled.
+    # Not timed out, ended before the limit: confirmed, revoked at once.
+    assert isinstance(end, AwaitCause if timed_out else RevokeEarly)
+    assert m.timed_out is timed_out
+
 
 
 # --- the attempt's end -------------------------------------------------------------------
