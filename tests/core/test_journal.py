@@ -1,4 +1,6 @@
-"""Request intake (headers, body) and the journal record as operators and clients see it."""
+"""The journal record as operators and clients see it, request ids, and a repeat of a key:
+answered from the journal, or run again as the same logical request (decision 0027).
+`journal.answer_repeat` decides for every outcome the journal records."""
 
 from __future__ import annotations
 
@@ -10,203 +12,26 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from extproc.adapters.ports import RandomIds
-from extproc.core.config import Config, load_config
 from extproc.core.errors import ErrorCode, GatewayError
-from extproc.core.intake import (
-    Generation,
-    PassThrough,
-    Rejected,
-    RequestMeta,
-    StatusLookup,
-    classify_request,
-    parse_body,
-)
+from extproc.core.intake import classify_request
 from extproc.core.journal import (
+    MAX_RUNS,
     REQUEST_ID_RE,
+    RERUNNABLE,
     JournalView,
     Outcome,
     Phase,
+    Rerun,
+    answer_repeat,
+    assemble,
     new_request_id,
     repeat_answer,
     request_id_for_key,
+    rerun_blocker,
     validate_request_id,
 )
 
-CFG = Config()
-REQUIRED = load_config({"idempotency": {"required": True}})
-TENANTED = load_config({"tenancy": {"header": "X-Tenant"}})
-RID = request_id_for_key("default", "k-1")
-
-
-def post(path: str = "/v1/chat/completions", **headers: str) -> dict[str, str]:
-    return {":method": "POST", ":path": path, **headers}
-
-
-def get(path: str, **headers: str) -> dict[str, str]:
-    return {":method": "GET", ":path": path, **headers}
-
-
-def rejected(res: Any, code: ErrorCode, status: int) -> GatewayError:
-    assert isinstance(res, Rejected), res
-    assert res.error.code is code
-    assert res.error.http_status == status
-    assert res.error.retryable is False
-    return res.error
-
-
-# --- classify_request -----------------------------------------------------------------------
-
-
-def test_status_lookup() -> None:
-    res = classify_request(get(f"/v1/requests/{RID}"), CFG)
-    assert res == StatusLookup(request_id=RID, tenant="default")
-    res = classify_request(get(f"/v1/requests/{RID}?verbose=1"), CFG)
-    assert res == StatusLookup(request_id=RID, tenant="default")
-
-
-@pytest.mark.parametrize("rid", ["", "req_", "req_short", RID.upper(), RID + "0", RID[:-1],
-                                 RID + "/x", "xyz_" + RID[4:], "../../etc/passwd"])
-def test_status_lookup_with_an_invalid_id(rid: str) -> None:
-    rejected(classify_request(get(f"/v1/requests/{rid}"), CFG), ErrorCode.INVALID_REQUEST_ID,
-             400)
-
-
-@pytest.mark.parametrize("method", ["POST", "DELETE", "PUT", ""])
-def test_status_lookup_only_accepts_get(method: str) -> None:
-    res = classify_request({":method": method, ":path": f"/v1/requests/{RID}"}, CFG)
-    rejected(res, ErrorCode.INVALID_HEADER, 405)
-
-
-@pytest.mark.parametrize("headers", [
-    get("/v1/models"), post("/v1/embeddings"), get("/healthz"), post("/v1/chat/completions/x"),
-    post("/v1/chat"), {":method": "GET"},
-])
-def test_passthrough_paths(headers: dict[str, str]) -> None:
-    assert classify_request(headers, CFG) == PassThrough()
-
-
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
-def test_generation_paths_only_accept_post(path: str) -> None:
-    rejected(classify_request(get(path), CFG), ErrorCode.INVALID_HEADER, 405)
-    assert isinstance(classify_request(post(path), CFG, RandomIds().request_id), Generation)
-
-
-def test_missing_key_when_not_required_gets_a_fresh_id() -> None:
-    # The id comes from the Ids port (the core mints nothing).
-    a = classify_request(post(), CFG, RandomIds().request_id)
-    b = classify_request(post("/v1/chat/completions?x=1"), CFG, RandomIds().request_id)
-    assert isinstance(a, Generation) and isinstance(b, Generation)
-    assert a.idempotency_key is None and a.tenant == "default"
-    assert a.path == "/v1/chat/completions" and b.path == "/v1/chat/completions"
-    assert REQUEST_ID_RE.match(a.request_id) and REQUEST_ID_RE.match(b.request_id)
-    assert a.request_id != b.request_id
-
-
-def test_missing_key_when_required() -> None:
-    rejected(classify_request(post(), REQUIRED), ErrorCode.MISSING_IDEMPOTENCY_KEY, 400)
-    res = classify_request(post(**{"idempotency-key": "abc"}), REQUIRED)
-    assert isinstance(res, Generation) and res.idempotency_key == "abc"
-
-
-@pytest.mark.parametrize("key", ["", "x" * 129, "has space", "tab\there", "ключ", "caf\u00e9",
-                                 "nul\x00", "bell\x07", "del\x7f", "line\nbreak"],
-                         ids=["empty", "too-long", "space", "tab", "cyrillic", "latin1", "nul",
-                              "bell", "del", "newline"])
-def test_invalid_keys(key: str) -> None:
-    rejected(classify_request(post(**{"idempotency-key": key}), CFG),
-             ErrorCode.INVALID_IDEMPOTENCY_KEY, 400)
-
-
-def test_key_length_limit_is_inclusive_and_configurable() -> None:
-    assert isinstance(classify_request(post(**{"idempotency-key": "x" * 128}), CFG), Generation)
-    short = load_config({"limits": {"max_idempotency_key_length": 8}})
-    assert isinstance(classify_request(post(**{"idempotency-key": "x" * 8}), short), Generation)
-    rejected(classify_request(post(**{"idempotency-key": "x" * 9}), short),
-             ErrorCode.INVALID_IDEMPOTENCY_KEY, 400)
-
-
-def test_same_key_same_tenant_same_request() -> None:
-    h = {"idempotency-key": "order-42", "x-tenant": "acme"}
-    a = classify_request(post(**h), TENANTED)
-    b = classify_request(post("/v1/completions", **h), TENANTED)
-    assert isinstance(a, Generation) and isinstance(b, Generation)
-    assert a.request_id == b.request_id == request_id_for_key("acme", "order-42")
-    assert a.tenant == "acme"
-    c = classify_request(post(**{**h, "x-tenant": "globex"}), TENANTED)
-    assert isinstance(c, Generation) and c.request_id != a.request_id
-    d = classify_request(post(**{**h, "idempotency-key": "order-43"}), TENANTED)
-    assert isinstance(d, Generation) and d.request_id != a.request_id
-
-
-@pytest.mark.parametrize("tenant", [None, "", "a b", "x" * 257])
-def test_missing_or_invalid_tenant_is_401(tenant: str | None) -> None:
-    h = {} if tenant is None else {"x-tenant": tenant}
-    for req in (post(**h), get(f"/v1/requests/{RID}", **h), get("/v1/models", **h)):
-        rejected(classify_request(req, TENANTED), ErrorCode.INVALID_HEADER, 401)
-
-
-def test_status_lookup_carries_the_tenant() -> None:
-    res = classify_request(get(f"/v1/requests/{RID}", **{"x-tenant": "acme"}), TENANTED)
-    assert res == StatusLookup(request_id=RID, tenant="acme")
-
-
-# --- parse_body -------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(("body", "needle"), [
-    (b"{", "not valid JSON"), (b"", "not valid JSON"), (b"\xff\xfe\x00", "not valid JSON"),
-    (b"[1, 2]", "JSON object"), (b'"text"', "JSON object"), (b"null", "JSON object"),
-    (b'{"stream": "yes"}', "'stream'"), (b'{"stream": 1}', "'stream'"),
-    (b'{"model": 3}', "'model'"),
-    (b'{"seed": 1.5}', "'seed'"), (b'{"seed": true}', "'seed'"), (b'{"seed": "7"}', "'seed'"),
-    (b'{"max_tokens": "10"}', "'max_tokens'"), (b'{"max_tokens": false}', "'max_tokens'"),
-    (b'{"max_completion_tokens": 1.0}', "'max_tokens'"),
-])
-def test_parse_body_rejections(body: bytes, needle: str) -> None:
-    err = parse_body(body, CFG, RID)
-    assert isinstance(err, GatewayError)
-    assert err.code is ErrorCode.INVALID_REQUEST_BODY
-    assert err.http_status == 400 and err.request_id == RID
-    assert needle in err.message
-
-
-def test_parse_body_too_large() -> None:
-    cfg = load_config({"limits": {"max_request_body_bytes": 1024}})
-    body = json.dumps({"model": "m", "messages": [{"content": "x" * 1024}]}).encode()
-    err = parse_body(body, cfg, RID)
-    assert isinstance(err, GatewayError)
-    assert err.code is ErrorCode.REQUEST_BODY_TOO_LARGE and err.http_status == 413
-    assert isinstance(parse_body(b" " * 1020 + b"{}", cfg, RID), RequestMeta)
-
-
-def test_parse_body_deeply_nested() -> None:
-    err = parse_body(b"[" * 100_000 + b"]" * 100_000, CFG, RID)
-    assert isinstance(err, GatewayError) and err.code is ErrorCode.INVALID_REQUEST_BODY
-
-
-def test_parse_body_valid_meta() -> None:
-    body = json.dumps({"model": "m-1", "stream": True, "seed": 42, "max_tokens": 64,
-                       "messages": [{"role": "user", "content": "hi"}]}).encode()
-    meta = parse_body(body, CFG, RID)
-    assert isinstance(meta, RequestMeta)
-    assert (meta.model, meta.stream, meta.seed, meta.max_tokens) == ("m-1", True, 42, 64)
-    assert meta.body_bytes == len(body)
-    assert meta.input_digest.startswith("sha256:") and len(meta.input_digest) == 7 + 64
-    d = meta.to_dict()
-    assert set(d) == {"model", "stream", "seed", "max_tokens", "input_digest", "body_bytes",
-                      "estimated_prompt_tokens", "request_digest"}
-    assert "hi" not in json.dumps(d)  # never the prompt itself
-    other = parse_body(body.replace(b"hi", b"ho"), CFG, RID)
-    assert isinstance(other, RequestMeta) and other.input_digest != meta.input_digest
-    again = parse_body(body, CFG, RID)
-    assert isinstance(again, RequestMeta) and again.input_digest == meta.input_digest
-
-
-def test_parse_body_defaults() -> None:
-    meta = parse_body(b'{"max_completion_tokens": 9}', CFG, RID)
-    assert isinstance(meta, RequestMeta)
-    assert (meta.model, meta.stream, meta.seed, meta.max_tokens) == (None, False, None, 9)
-
+from .test_intake import _BODY, CFG, RID, _digest, post
 
 # --- journal view -----------------------------------------------------------------------------
 
@@ -334,30 +159,6 @@ def test_repeat_after_another_end(oc: Outcome, delivered: int) -> None:
 
 # --- a key names one request (its canonical digest) -------------------------------------------
 
-_BODY = {"model": "m-1", "stream": True, "max_tokens": 8, "temperature": 0.5,
-         "messages": [{"role": "user", "content": "hi"}]}
-
-
-def _digest(obj: dict[str, Any] | bytes, path: str = "/v1/chat/completions") -> str:
-    raw = obj if isinstance(obj, bytes) else json.dumps(obj).encode()
-    meta = parse_body(raw, CFG, RID, path)
-    assert isinstance(meta, RequestMeta)
-    return meta.request_digest
-
-
-def test_the_digest_ignores_spelling_and_sees_every_value() -> None:
-    d = _digest(_BODY)
-    assert d.startswith("sha256:") and len(d) == 7 + 64
-    # Key order and whitespace are spelling, not the request.
-    respelled = json.dumps(dict(reversed(list(_BODY.items()))), indent=2).encode()
-    assert _digest(respelled) == d
-    assert "hi" not in d  # a digest, never the prompt
-    for change in ({"model": "m-2"}, {"temperature": 0.7}, {"max_tokens": 9},
-                   {"messages": [{"role": "user", "content": "ho"}]}, {"seed": 1},
-                   {"stream": False}):
-        assert _digest({**_BODY, **change}) != d, change
-    assert _digest(_BODY, "/v1/completions") != d  # another endpoint, another request
-
 
 def _with_digest(digest: str | None, **kw: Any) -> JournalView:
     meta = {**META, **({"request_digest": digest} if digest is not None else {})}
@@ -462,3 +263,171 @@ def test_gateway_interrupted_says_its_count_is_unknown() -> None:
     assert err0 is not None and err0.retryable is True and err0.partial_output is False
     # A request with a live processor or attempt is not orphaned.
     assert not view(delivery={"at": "t"}, guard="gw-1/1").orphaned
+
+
+# --- a repeat answered or run again (decision 0027) --------------------------------------------
+
+RERUN_RID = "req_0123456789abcdefghjkmnpqrs"
+DIGEST = "sha256:" + "a" * 64
+RERUN_META = {"model": "m-1", "stream": True, "max_attempts": 2, "request_digest": DIGEST}
+
+
+def att(n: int, **extra: Any) -> dict[str, Any]:
+    return {"attempt": n, "attempt_id": f"att_{n}", **extra}
+
+
+def ended(outcome: Outcome | str, delivered: int = 0, *, delivery: bool = False,
+          live: str | None = None, cause: str | None = "http 503", attempts: int = 2,
+          history: tuple[dict[str, Any], ...] = (), **extra: Any) -> JournalView:
+    oc = {"outcome": str(outcome), "delivered_output_tokens": delivered, "cause": cause,
+          "finished_at": 5.0, **extra}
+    return JournalView(request_id=RERUN_RID, meta=RERUN_META,
+                       attempts=tuple(att(n) for n in range(1, attempts + 1)),
+                       delivery={"at": 1.0} if delivery else None, outcome=oc,
+                       live_attempt_id=live, history=history)
+
+
+def code(res: GatewayError | Rerun) -> str:
+    return "rerun" if isinstance(res, Rerun) else str(res.code)
+
+
+# Every outcome, with and without a delivered first delta: what its repeat gets.
+@pytest.mark.parametrize(("outcome", "delivered", "want"), [
+    # Nothing delivered, for a reason not the request's own: it runs again.
+    (Outcome.UPSTREAM_FAILED, False, "rerun"),
+    (Outcome.CLIENT_DISCONNECTED, False, "rerun"),
+    (Outcome.GATEWAY_INTERRUPTED, False, "rerun"),
+    (Outcome.REFUSED, False, "rerun"),
+    # A first delta left: answered from the journal, as before decision 0027.
+    (Outcome.UPSTREAM_FAILED, True, "request_already_finished"),
+    (Outcome.CLIENT_DISCONNECTED, True, "request_already_finished"),
+    (Outcome.GATEWAY_INTERRUPTED, True, "gateway_interrupted"),
+    (Outcome.REFUSED, True, "request_already_finished"),
+    (Outcome.UPSTREAM_DECODE_INTERRUPTED, True, "upstream_decode_interrupted"),
+    (Outcome.COMPLETED, True, "request_already_completed"),
+    # Ends that never go without a delivery, but if one did: never run twice.
+    (Outcome.UPSTREAM_DECODE_INTERRUPTED, False, "upstream_decode_interrupted"),
+    (Outcome.COMPLETED, False, "request_already_completed"),
+])
+def test_every_outcome(outcome: Outcome, delivered: bool, want: str) -> None:
+    v = ended(outcome, 3 if delivered else 0, delivery=delivered)
+    res = answer_repeat(v, DIGEST, "k-1")
+    assert code(res) == want
+    assert (rerun_blocker(v) is None) is (want == "rerun")
+    if isinstance(res, GatewayError):
+        assert res.http_status == 409 and res.request_id == RERUN_RID
+
+
+def test_the_list_covers_every_outcome() -> None:
+    # A new outcome must be decided here, not fall into a list by accident.
+    assert RERUNNABLE | {Outcome.COMPLETED, Outcome.UPSTREAM_DECODE_INTERRUPTED} == set(Outcome)
+
+
+def test_the_rerun_continues_the_attempt_numbers_and_keeps_the_ended_run() -> None:
+    v = ended(Outcome.UPSTREAM_FAILED, attempts=2)
+    res = answer_repeat(v, DIGEST, "k-1")
+    assert isinstance(res, Rerun)
+    assert (res.request_id, res.run, res.first_attempt, res.attempt_offset) == (RERUN_RID, 2, 3, 2)
+    assert res.outcome == v.outcome and res.ended_first_attempt == 1
+    h = res.history(6.0, "gw-1", "envoy-2")
+    assert h == {"run": 1, "first_attempt": 1, "last_attempt": 2, "outcome": v.outcome,
+                 "reopened_at": 6.0, "reopened_by": "gw-1", "next_envoy_request_id": "envoy-2"}
+    # Run 2 (attempts 3, 4) failed too: run 3 starts at 5, and says where run 2 began.
+    v2 = ended(Outcome.UPSTREAM_FAILED, attempts=4, history=(h,))
+    res2 = answer_repeat(v2, DIGEST, "k-1")
+    assert isinstance(res2, Rerun)
+    assert (res2.run, res2.first_attempt, res2.ended_first_attempt) == (3, 5, 3)
+    # The numbering goes on from the highest recorded, gaps and order aside.
+    gappy = JournalView(request_id=RERUN_RID, meta=RERUN_META, attempts=(att(1), att(4)),
+                        outcome={"outcome": "upstream_failed", "delivered_output_tokens": 0})
+    res3 = answer_repeat(gappy)
+    assert isinstance(res3, Rerun) and res3.first_attempt == 5
+
+
+@pytest.mark.parametrize(("cause", "want"), [
+    ("http 503", "rerun"), ("http 502", "rerun"), ("http 504", "rerun"), ("http 500", "rerun"),
+    ("http 429", "rerun"), ("http 408", "rerun"),
+    ("upstream", "rerun"), ("unknown", "rerun"), ("client", "rerun"), (None, "rerun"),
+    # The upstream refused the request itself: the same body gets the same answer.
+    ("http 400", "request_already_finished"), ("http 404", "request_already_finished"),
+    ("http 413", "request_already_finished"), ("http 422", "request_already_finished"),
+])
+def test_a_refusal_of_the_request_itself_is_not_run_again(cause: str | None,
+                                                           want: str) -> None:
+    assert code(answer_repeat(ended(Outcome.UPSTREAM_FAILED, cause=cause))) == want
+
+
+def test_a_different_body_under_the_key_is_refused_before_anything() -> None:
+    res = answer_repeat(ended(Outcome.UPSTREAM_FAILED), "sha256:" + "b" * 64, "k-1")
+    assert isinstance(res, GatewayError) and res.code is ErrorCode.IDEMPOTENCY_KEY_REUSED
+    assert res.http_status == 422
+
+
+def test_in_progress_is_answered_as_today() -> None:
+    v = JournalView(request_id=RERUN_RID, meta=RERUN_META, attempts=(att(1),),
+                    live_attempt_id="att_1")
+    res = answer_repeat(v, DIGEST)
+    assert isinstance(res, GatewayError) and res.code is ErrorCode.REQUEST_IN_PROGRESS
+    assert res.body()["error"]["phase"] == "prefill"
+
+
+def test_an_attempt_that_may_still_run_waits_for_its_fence() -> None:
+    v = JournalView(request_id=RERUN_RID, meta=RERUN_META,
+                    attempts=(att(1), att(2, lease_expires_by=17.5)),
+                    outcome={"outcome": "upstream_failed", "delivered_output_tokens": 0,
+                             "cause": "http 504"},
+                    live_attempt_id="fenced:att_2")
+    assert rerun_blocker(v) == "an attempt of it may still be running"
+    res = answer_repeat(v, DIGEST)
+    assert isinstance(res, GatewayError) and res.code is ErrorCode.REQUEST_IN_PROGRESS
+    assert res.http_status == 409 and res.retryable is True
+    body = res.body()["error"]
+    assert body["phase"] == "done" and body["fence_expires_at"] == 17.5
+    # Not re-runnable anyway (delivered): the journal's answer, not a wait.
+    delivered = JournalView(request_id=RERUN_RID, meta=RERUN_META, attempts=v.attempts,
+                            delivery={"at": 1.0}, outcome=v.outcome,
+                            live_attempt_id="fenced:att_2")
+    assert code(answer_repeat(delivered, DIGEST)) == "request_already_finished"
+
+
+def test_a_key_runs_at_most_max_runs_times() -> None:
+    hist = tuple({"run": r, "first_attempt": 2 * r - 1, "last_attempt": 2 * r,
+                  "outcome": {"outcome": "upstream_failed"}} for r in range(1, MAX_RUNS - 1))
+    v = ended(Outcome.UPSTREAM_FAILED, attempts=2 * (MAX_RUNS - 1), history=hist)
+    assert v.runs == MAX_RUNS - 1
+    res = answer_repeat(v, DIGEST)
+    assert isinstance(res, Rerun) and res.run == MAX_RUNS
+    last = ended(Outcome.UPSTREAM_FAILED, attempts=2 * MAX_RUNS,
+                 history=(*hist, {"run": MAX_RUNS - 1, "first_attempt": 2 * MAX_RUNS - 3,
+                                  "last_attempt": 2 * MAX_RUNS - 2}))
+    assert last.runs == MAX_RUNS
+    res = answer_repeat(last, DIGEST)
+    assert isinstance(res, GatewayError) and res.code is ErrorCode.REQUEST_ALREADY_FINISHED
+    assert res.retryable is False and "new key" in res.message
+    assert code(answer_repeat(last, DIGEST, max_runs=MAX_RUNS + 1)) == "rerun"
+
+
+def test_a_partial_output_flag_counts_as_delivered() -> None:
+    v = ended(Outcome.UPSTREAM_FAILED, partial_output=True)
+    assert code(answer_repeat(v)) == "request_already_finished"
+
+
+def test_the_status_view_shows_every_run() -> None:
+    h = {"run": 1, "first_attempt": 1, "last_attempt": 2,
+         "outcome": {"outcome": "upstream_failed", "cause": "http 503"}, "reopened_at": 6.0}
+    entries = [("meta", json.dumps(RERUN_META).encode()),
+               ("attempts/003", json.dumps(att(3)).encode()),
+               ("attempts/001", json.dumps(att(1)).encode()),
+               ("attempts/002", json.dumps(att(2)).encode()),
+               ("history/001", json.dumps(h).encode()),
+               ("guard", b"gw-1")]
+    v = assemble(RERUN_RID, entries, "att_3")
+    assert v is not None and v.history == (h,) and v.runs == 2
+    assert (v.run_first_attempt, v.last_attempt) == (3, 3)
+    d = v.to_dict()
+    assert (d["phase"], d["attempt"], d["attempt_id"], d["runs"]) == ("prefill", 3, "att_3", 2)
+    assert d["history"] == [h] and [a["attempt"] for a in d["attempts"]] == [1, 2, 3]
+    # max_attempts (2) holds per run: run 2 has used one.
+    assert d["retry_budget"] == 1
+    once = assemble(RERUN_RID, entries[:4], None)
+    assert once is not None and once.to_dict()["runs"] == 1 and once.to_dict()["history"] == []
