@@ -5,7 +5,7 @@ an injected clock (a fake one jumps a `fenced:` marker's lease past its TTL at o
 transaction is journal_store.JournalStore's and ToolLedger's, the code EtcdStore runs; only
 etcd is replaced, by kv_memory.MemoryKV (an in-memory fake of etcd whose likeness
 tests/adapters/test_kv_memory.py checks against a real etcd). tests/adapters/
-test_store_contract.py runs one suite on both stores with identical assertions.
+test_journal_store.py runs one suite on both stores with identical assertions.
 
 Modelled: what MemoryKV models (revisions, compares, leases expiring on the clock, the prefix
 watch told synchronously, "requested lease not found"); `admit_attempt` waits up to

@@ -2,7 +2,7 @@
 
 No sockets: a fake gRPC context feeds ProcessingRequests in and collects the exact
 ProcessingResponses out; the journal and ledger are `memory_store` (its agreement with etcd
-is tests/adapters/test_store_contract.py); the clock and ids are injected. Real Envoy runs
+is tests/adapters/test_journal_store.py); the clock and ids are injected. Real Envoy runs
 the same sessions end to end in tests/e2e.
 """
 
