@@ -33,11 +33,9 @@ from ..core.events import (
     Accepted,
     Action,
     AnswerBody,
-    ArmWatchdog,
     AwaitCause,
     AwaitIntake,
     CauseLearned,
-    DisarmWatchdog,
     Event,
     Fenced,
     Finish,
@@ -53,10 +51,13 @@ from ..core.events import (
     ResponseBody,
     ResponseHeaders,
     Send,
-    StallTimeout,
+    StartTimer,
     State,
+    StopTimers,
     StreamClosed,
     TakeOver,
+    TimerFired,
+    TimerKind,
 )
 from ..core.failure import FailureClass
 from ..core.families import family_for_path
@@ -101,6 +102,7 @@ from .leases import UNDO_SETTLE_S, AttemptLease, ProcessLease, StoreUnavailable
 from .logs import rlog
 from .session import CHUNK_TIME_SAMPLE, INVALID, Messages, Processor, Session, log, retrying
 from .telemetry import TRACEPARENT_HEADER, end_span
+from .timers import TimerHandle
 from .tools import ToolCallHandler
 
 # Response headers that never reach a client: the gate's hand-off, and an attempt's secret
@@ -135,6 +137,7 @@ class GuardSession(Session):
         "tools_listener",
         "watchdog",
         "watchdog_at",
+        "watchdog_kind",
     )
 
     def __init__(self, proc: Processor, ctx: Messages, tools: bool = False) -> None:
@@ -153,7 +156,8 @@ class GuardSession(Session):
         # What the intake's steps need: the parsed body, the route, the record, attempt 1.
         self.intake: tuple[RequestMeta, tuple[str, list[str]] | None, dict[str, Any],
                            dict[str, Any]] | None = None
-        self.watchdog: asyncio.TimerHandle | None = None
+        self.watchdog: TimerHandle | None = None
+        self.watchdog_kind = TimerKind.STALL
         self.finished = False
         self.closed = False
         self.progress_at = self.p.clock.monotonic()
@@ -168,7 +172,7 @@ class GuardSession(Session):
         self.span: Span = INVALID
         self.first_delta_evented = False
         self.envoy_request_id: str | None = None
-        self.watchdog_at = 0.0  # monotonic deadline of the stall watchdog (0: disarmed)
+        self.watchdog_at = 0.0  # monotonic deadline of the stall timer (0: stopped)
         # The attempt the gate handed over at release: its record, and its permission to
         # publish (process lease + the revocation watch).
         self.aid1: str | None = None
@@ -547,6 +551,9 @@ class GuardSession(Session):
     async def feed(self, ev: Event) -> None:
         assert self.m is not None
         actions = self.m.handle(ev)
+        if isinstance(ev, TimerFired) and any(isinstance(a, Finish) for a in actions):
+            rlog(log, logging.WARNING, "upstream silent after first delta: ending stream",
+                 self.rid, None, delivered_output_tokens=self.m.delivered)
         # The outcome is recorded first, in its own task: once our terminal event is
         # written Envoy may close this stream and cancel us mid-await (found by the sweep).
         for a in actions:
@@ -581,9 +588,9 @@ class GuardSession(Session):
                         and self.m.delivered > 0):
                     self.first_delta_evented = True
                     self.span.add_event("first_delta.delivered")
-        elif isinstance(a, ArmWatchdog):
-            self._arm(a.seconds)
-        elif isinstance(a, DisarmWatchdog):
+        elif isinstance(a, StartTimer):
+            self._start_timer(a.kind, a.seconds)
+        elif isinstance(a, StopTimers):
             self._disarm()
         elif isinstance(a, Refuse):
             await self.write(codec.immediate(a.error, {H.REQUEST_ID: rid} if rid else None))
@@ -614,21 +621,22 @@ class GuardSession(Session):
                 self.progress_inflight = False
         self.p.spawn(put(m.delivered), f"guard-progress-{self.rid}")
 
-    def _arm(self, seconds: float) -> None:
-        # Re-armed on every chunk: move a deadline, keep one timer (a timer per chunk was
-        # a measurable share of the per-chunk cost).
-        loop = asyncio.get_running_loop()
-        self.watchdog_at = loop.time() + seconds
+    def _start_timer(self, kind: TimerKind, seconds: float) -> None:
+        # The stall timer is started again on every chunk: move its deadline, keep one
+        # timer on the Timers port (a timer per chunk was a measurable share of the
+        # per-chunk cost).
+        self.watchdog_kind = kind
+        self.watchdog_at = self.p.clock.monotonic() + seconds
         if self.watchdog is None:
-            self.watchdog = loop.call_at(self.watchdog_at, self._watchdog_fired)
+            self.watchdog = self.p.timers.start(seconds, self._watchdog_fired)
 
     def _watchdog_fired(self) -> None:
-        loop = asyncio.get_running_loop()
-        if self.watchdog_at > loop.time():
-            self.watchdog = loop.call_at(self.watchdog_at, self._watchdog_fired)
+        left = self.watchdog_at - self.p.clock.monotonic()
+        if left > 0:  # moved on since it was started: wait the rest
+            self.watchdog = self.p.timers.start(left, self._watchdog_fired)
             return
         self.watchdog = None
-        self.p.spawn(self.on_stall(), f"guard-stall-{self.rid}")
+        self.p.spawn(self.on_timer(self.watchdog_kind), f"guard-timer-{self.rid}")
 
     def _disarm(self) -> None:
         self.watchdog_at = 0.0
@@ -636,13 +644,11 @@ class GuardSession(Session):
             self.watchdog.cancel()
             self.watchdog = None
 
-    async def on_stall(self) -> None:
+    async def on_timer(self, kind: TimerKind) -> None:
         async with self.lock:
             if self.closed or self.m is None:
                 return
-            rlog(log, logging.WARNING, "upstream silent after first delta: ending stream",
-                 self.rid, None, delivered_output_tokens=self.m.delivered)
-            await self.feed(StallTimeout())
+            await self.feed(TimerFired(kind, self.p.clock.monotonic(), self.p.clock.wall()))
 
     async def opened_after_close(self, opening: asyncio.Task[GatewayError | None]) -> None:
         err = await opening

@@ -77,6 +77,7 @@ class StoreDown:
 class TimerKind(StrEnum):
     SOFT_FIRST_DELTA = "soft_first_delta"  # slow is not dead: noted, nothing changes
     FIRST_DELTA = "first_delta"  # the attempt's first-delta deadline
+    STALL = "stall"  # guard: no byte from upstream for this long after the first delta
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,11 +172,6 @@ class FenceDecided:
 
 
 @dataclass(frozen=True, slots=True)
-class StallTimeout:
-    """Guard: no byte from upstream for the configured time after the first delta."""
-
-
-@dataclass(frozen=True, slots=True)
 class StreamClosed:
     """Envoy closed our gRPC stream (the filter was destroyed): no more messages.
 
@@ -215,7 +211,7 @@ class CauseLearned:
 
 Event: TypeAlias = (RequestStarted | IntakeCommitted | AdmissionDecided | StoreDown | TimerFired
                     | Revoked | AdmitDecided | ResponseHeaders | ResponseBody | FenceDecided
-                    | StallTimeout | StreamClosed | CauseLearned | Fenced
+                    | StreamClosed | CauseLearned | Fenced
                     | LeaseLost | RequestHeadersSeen | RequestBodySeen | RequestOpened)
 
 # --- actions --------------------------------------------------------------------------
@@ -417,16 +413,6 @@ class Send:
 
 
 @dataclass(frozen=True, slots=True)
-class ArmWatchdog:
-    seconds: float
-
-
-@dataclass(frozen=True, slots=True)
-class DisarmWatchdog:
-    pass
-
-
-@dataclass(frozen=True, slots=True)
 class AwaitCause:
     """Wait (bounded) for Envoy's access log to say why the stream ended: the guard's
     request entry, or (`attempt_id`) the gate's per-attempt entry; feed CauseLearned."""
@@ -515,8 +501,8 @@ Action: TypeAlias = (Admit | AwaitIntakeCommit | Decide | TakeLease | GiveBack |
                      | UndoFence | Watch | StartTimer | StopTimers | MarkSlow | RevokeEarly
                      | CloseAttempt | Overloaded | RetryEnded | ContinueRequest | Refuse
                      | PassHeaders | HoldChunk | PassChunk
-                     | Fence | Release | FailAttempt | DropChunk | Send | ArmWatchdog
-                     | DisarmWatchdog | AwaitCause | EndAttempt | Finish | OpenIntake
+                     | Fence | Release | FailAttempt | DropChunk | Send
+                     | AwaitCause | EndAttempt | Finish | OpenIntake
                      | RegisterIntake | AnswerBody | AwaitIntake | Accepted | IntakeFailed
                      | TakeOver | PassAside)
 

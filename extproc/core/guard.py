@@ -26,11 +26,9 @@ from .events import (
     Accepted,
     Action,
     AnswerBody,
-    ArmWatchdog,
     AwaitCause,
     AwaitIntake,
     CauseLearned,
-    DisarmWatchdog,
     Fenced,
     Finish,
     IntakeFailed,
@@ -45,10 +43,13 @@ from .events import (
     ResponseBody,
     ResponseHeaders,
     Send,
-    StallTimeout,
+    StartTimer,
     State,
+    StopTimers,
     StreamClosed,
     TakeOver,
+    TimerFired,
+    TimerKind,
 )
 from .families import CHAT, Family, family_named
 from .intake import own_intake
@@ -249,7 +250,7 @@ def _sse_forward(m: GuardMachine, events: list[SseEvent], end: bool) -> list[Act
             out += m._terminal()
             m.state = State.GUARD_TERMINATED
             m.sent_downstream(len(out))
-            return [Send(bytes(out), True), DisarmWatchdog(),
+            return [Send(bytes(out), True), StopTimers(),
                     m._finish(Outcome.UPSTREAM_DECODE_INTERRUPTED,
                               "in-band error" if e.kind is EventKind.ERROR else "malformed event")]
         elif usage and e.kind is EventKind.NON_CONTENT:
@@ -267,12 +268,12 @@ def _sse_forward(m: GuardMachine, events: list[SseEvent], end: bool) -> list[Act
     acts: list[Action] = [Send(bytes(out), end)]
     if end:
         m.state = State.GUARD_COMPLETE
-        acts.append(DisarmWatchdog())
+        acts.append(StopTimers())
     elif m.done_seen:
-        acts.append(DisarmWatchdog())  # complete answer: silence now is no interruption
+        acts.append(StopTimers())  # complete answer: silence now is no interruption
     elif m.delivered > 0:
         m.state = State.GUARD_STREAMING
-        acts.append(ArmWatchdog(m.stall_after_first_delta_s))
+        acts.append(StartTimer(TimerKind.STALL, m.stall_after_first_delta_s))
     return acts
 
 
@@ -310,7 +311,7 @@ def _output_tokens(family: Family, body: bytes) -> int | None:
     return family.output_tokens(obj)
 
 
-def _guard_stall(m: GuardMachine, ev: StallTimeout) -> list[Action]:
+def _guard_stall(m: GuardMachine, ev: TimerFired) -> list[Action]:
     if m.delivered == 0 or m.done_seen:
         return []  # before delivery, stalls belong to Envoy's per-try timeout (retryable)
     # An incomplete event fragment still in the decoder is never sent: the terminal event
@@ -329,7 +330,7 @@ def _guard_fenced(m: GuardMachine, ev: Fenced) -> list[Action]:
     end = m._terminal()
     m.sent_downstream(len(end))
     return [Send(end, True),
-            DisarmWatchdog(), m._finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, "fenced")]
+            StopTimers(), m._finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, "fenced")]
 
 
 def _guard_ignore(m: GuardMachine, ev: Any) -> list[Action]:
@@ -345,7 +346,7 @@ def _guard_closed(m: GuardMachine, ev: StreamClosed) -> list[Action]:
     if m.state is State.GUARD_COMPLETE:
         m.state = State.GUARD_CLOSED
         ok = m.status == 200
-        return [DisarmWatchdog(),
+        return [StopTimers(),
                 m._finish(Outcome.COMPLETED if ok else Outcome.UPSTREAM_FAILED,
                           None if ok else f"http {m.status}")]
     if m.state is State.GUARD_TERMINATED:
@@ -354,10 +355,10 @@ def _guard_closed(m: GuardMachine, ev: StreamClosed) -> list[Action]:
     if m.done_seen:
         # `[DONE]` reached the client before the reset: its answer is complete.
         m.state = State.GUARD_CLOSED
-        return [DisarmWatchdog(), m._finish(Outcome.COMPLETED, "reset after [DONE]")]
+        return [StopTimers(), m._finish(Outcome.COMPLETED, "reset after [DONE]")]
     # Ended without an end of stream: the client left, or the upstream was reset.
     m.state = State.GUARD_AWAIT_CAUSE
-    return [DisarmWatchdog(), AwaitCause()]
+    return [StopTimers(), AwaitCause()]
 
 
 def _guard_cause(m: GuardMachine, ev: CauseLearned) -> list[Action]:
@@ -379,7 +380,7 @@ def _guard_cause_late(m: GuardMachine, ev: CauseLearned) -> list[Action]:
     return []
 
 
-def _guard_stall_ignored(m: GuardMachine, ev: StallTimeout) -> list[Action]:
+def _guard_stall_ignored(m: GuardMachine, ev: TimerFired) -> list[Action]:
     return []
 
 
@@ -487,12 +488,12 @@ GUARD_TABLE: Table = {
                                                S.GUARD_TERMINATED),
     (S.GUARD_STREAMING, ResponseBody): T(_guard_body, S.GUARD_STREAMING,
                                               S.GUARD_COMPLETE, S.GUARD_TERMINATED),
-    (S.GUARD_RESPONDING, StallTimeout): T(_guard_stall_ignored, S.GUARD_RESPONDING),
-    (S.GUARD_STREAMING, StallTimeout): T(_guard_stall, S.GUARD_STREAMING,
+    (S.GUARD_RESPONDING, TimerFired): T(_guard_stall_ignored, S.GUARD_RESPONDING),
+    (S.GUARD_STREAMING, TimerFired): T(_guard_stall, S.GUARD_STREAMING,
                                               S.GUARD_TERMINATED),
     (S.GUARD_TERMINATED, ResponseBody): T(_guard_body_after_end, S.GUARD_TERMINATED),
     **stay(_guard_stall_ignored, (S.GUARD_TERMINATED, S.GUARD_COMPLETE, S.GUARD_CLOSED),
-            StallTimeout),
+            TimerFired),
     (S.GUARD_AWAIT_CAUSE, CauseLearned): T(_guard_cause, S.GUARD_CLOSED),
     (S.GUARD_CLOSED, CauseLearned): T(_guard_cause_late, S.GUARD_CLOSED),
     (S.GUARD_CLOSED, StreamClosed): T(lambda m, ev: [], S.GUARD_CLOSED),

@@ -29,7 +29,6 @@ from .events import (
     ResponseBody,
     ResponseHeaders,
     Role,
-    StallTimeout,
     State,
 )
 from .sse import SseDecoder
@@ -65,7 +64,7 @@ TRACE_RECORD_COST = 320
 
 # Records of events that repeat across requests (no request-specific data in them) are one
 # shared, never mutated dict each: an open stream holds references, not copies.
-_SHARED_RECORD_TYPES = (ResponseHeaders, FenceDecided, StallTimeout, Fenced, LeaseLost,
+_SHARED_RECORD_TYPES = (ResponseHeaders, FenceDecided, Fenced, LeaseLost,
                         RequestHeadersSeen, RequestOpened)
 _SHARED_RECORDS: dict[Event, dict[str, Any]] = {}
 

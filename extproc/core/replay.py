@@ -31,7 +31,6 @@ from .events import (
     ResponseBody,
     ResponseHeaders,
     Revoked,
-    StallTimeout,
     State,
     StoreDown,
     StreamClosed,
@@ -114,8 +113,8 @@ def event_from_record(d: Mapping[str, Any]) -> Event:
                                str(e.get("message", "")), int(d.get("http_status") or 503),
                                request_id=e.get("request_id"))
         return RequestOpened(bool(d["accepted"]), err)
-    if t == "StallTimeout":
-        return StallTimeout()
+    if t == "StallTimeout":  # traces kept before the stall watchdog was a timer row
+        return TimerFired(TimerKind.STALL)
     if t == "Fenced":
         return Fenced()
     if t == "StreamClosed":

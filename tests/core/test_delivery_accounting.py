@@ -14,12 +14,13 @@ from extproc.core import records
 from extproc.core.events import (
     AwaitCause,
     CauseLearned,
-    DisarmWatchdog,
     Finish,
     ResponseBody,
     ResponseHeaders,
-    StallTimeout,
+    StopTimers,
     StreamClosed,
+    TimerFired,
+    TimerKind,
 )
 from extproc.core.guard import (
     MARK_STRIDE,
@@ -68,7 +69,7 @@ def sent(m: GuardMachine, *chunks: bytes) -> int:
 
 
 def ended(m: GuardMachine, cause: str, body_bytes: int | None) -> Finish:
-    assert m.handle(StreamClosed()) == [DisarmWatchdog(), AwaitCause()]
+    assert m.handle(StreamClosed()) == [StopTimers(), AwaitCause()]
     [f] = m.handle(CauseLearned(cause, body_bytes))
     assert isinstance(f, Finish)
     return f
@@ -161,7 +162,7 @@ def test_a_terminal_event_of_our_own_counts_what_we_wrote_before_it() -> None:
     # is not asked, the count is what preceded the terminal event (decision 0025).
     m = guard()
     sent(m, ROLE, content("a"), content("b"))
-    [send, f] = m.handle(StallTimeout())
+    [send, f] = m.handle(TimerFired(TimerKind.STALL))
     assert isinstance(f, Finish) and f.delivered_output_tokens == 2 and f.bound is None
     assert m.sent == sum(len(c) for c in (ROLE, content("a"), content("b"))) + len(send.data)
 

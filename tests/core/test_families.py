@@ -17,8 +17,6 @@ from hypothesis import strategies as st
 
 from extproc.core.errors import decode_interrupted, upstream_unavailable
 from extproc.core.events import (
-    ArmWatchdog,
-    DisarmWatchdog,
     FailAttempt,
     Fence,
     Fenced,
@@ -32,9 +30,12 @@ from extproc.core.events import (
     ResponseBody,
     ResponseHeaders,
     Send,
-    StallTimeout,
+    StartTimer,
     State,
+    StopTimers,
     StreamClosed,
+    TimerFired,
+    TimerKind,
 )
 from extproc.core.families import (
     CHAT,
@@ -402,7 +403,7 @@ def test_guard_replaces_an_in_band_error_after_delivery(name: str) -> None:
                      **({"type": "api_error"} if name == "messages" else {})}
     assert b"[DONE]" not in send.data and b"message_stop" not in send.data
     assert b"response.completed" not in send.data
-    assert acts[1:] == [DisarmWatchdog(), Finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, 3,
+    assert acts[1:] == [StopTimers(), Finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, 3,
                                                  "in-band error", exact=False)]
 
 
@@ -412,10 +413,10 @@ def test_guard_ends_a_stalled_or_fenced_stream_in_the_family_shape(name: str, ho
     fam, head, delta, _ = SHAPES[name]
     m = guard(fam)
     acts = m.handle(ResponseBody(b"".join(head()) + delta(0, "a"), False))
-    assert acts[-1] == ArmWatchdog(15.0)
+    assert acts[-1] == StartTimer(TimerKind.STALL, 15.0)
     # An incomplete event is never sent before ours.
     m.handle(ResponseBody(delta(1, "b")[:20], False))
-    acts = m.handle(StallTimeout() if how == "stall" else Fenced())
+    acts = m.handle(TimerFired(TimerKind.STALL) if how == "stall" else Fenced())
     t = _terminal_of(acts)
     error = t["response"]["error"] if name == "responses" else t["error"]
     assert error["code"] == "upstream_decode_interrupted"
@@ -432,7 +433,7 @@ def test_guard_completes_at_the_family_terminal_event(name: str) -> None:
     m = guard(fam)
     stream = b"".join(head()) + delta(0, "a") + b"".join(tail(1))
     acts = m.handle(ResponseBody(stream, False))
-    assert acts == [Send(stream, False), DisarmWatchdog()]
+    assert acts == [Send(stream, False), StopTimers()]
     assert m.done_seen
     # Bytes after the terminal event never reach the client; a reset now is no failure.
     assert m.handle(ResponseBody(delta(1, "late"), False))[0] == Send(b"", False)
@@ -472,7 +473,7 @@ def test_a_family_trace_replays(name: str) -> None:
     fam, head, delta, _ = SHAPES[name]
     m = guard(fam)
     m.handle(ResponseBody(b"".join(head()) + delta(0, "a"), False))
-    m.handle(StallTimeout())
+    m.handle(TimerFired(TimerKind.STALL))
     m.handle(StreamClosed())
     assert replay(record(m, {}, 1 << 20)).ok
     g = gate(fam)

@@ -27,10 +27,11 @@ from extproc.core.events import (
     ResponseBody,
     ResponseHeaders,
     Send,
-    StallTimeout,
     State,
     StopTimers,
     StreamClosed,
+    TimerFired,
+    TimerKind,
 )
 from extproc.core.gate import GateMachine
 from extproc.core.guard import GuardMachine
@@ -264,7 +265,7 @@ def run_guard(s: Stream, stalls: list[bool], cause: str) -> GuardRun:
         eos = s.eos and idx == len(s.chunks) - 1
         account(m.handle(ResponseBody(chunk, eos)))
         if idx < len(stalls) and stalls[idx]:
-            account(m.handle(StallTimeout()))
+            account(m.handle(TimerFired(TimerKind.STALL)))
     account(m.handle(StreamClosed()))
     assert m.state is State.GUARD_CLOSED
     return GuardRun(m, sends, finishes)

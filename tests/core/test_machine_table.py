@@ -13,11 +13,9 @@ from extproc.core.events import (
     AdmissionDecided,
     AdmitDecided,
     AnswerBody,
-    ArmWatchdog,
     AwaitCause,
     AwaitIntake,
     CauseLearned,
-    DisarmWatchdog,
     Event,
     Fenced,
     FenceDecided,
@@ -36,8 +34,9 @@ from extproc.core.events import (
     ResponseHeaders,
     Revoked,
     Send,
-    StallTimeout,
+    StartTimer,
     State,
+    StopTimers,
     StoreDown,
     StreamClosed,
     TimerFired,
@@ -101,7 +100,6 @@ CANONICAL: dict[type, Any] = {
     ResponseHeaders: ResponseHeaders(200, SSE),
     ResponseBody: ResponseBody(b"", False),
     FenceDecided: FenceDecided(True),
-    StallTimeout: StallTimeout(),
     StreamClosed: StreamClosed(),
     CauseLearned: CauseLearned("client"),
     Fenced: Fenced(),
@@ -178,7 +176,7 @@ def test_forwarded_and_request_events_are_never_guard_transitions() -> None:
     # The guard is driven by response events only.
     for state in GUARD_STATES:
         for ev_type in (RequestStarted, AdmitDecided, FenceDecided, IntakeCommitted,
-                        AdmissionDecided, StoreDown, TimerFired, Revoked):
+                        AdmissionDecided, StoreDown, Revoked):
             assert ("guard", state, ev_type) not in TABLE
 
 
@@ -215,18 +213,18 @@ def test_guard_counts_content_units_and_completes() -> None:
     assert m.handle(ResponseBody(ROLE, False)) == [Send(ROLE, False)]
     assert m.delivered == 0 and m.state is State.GUARD_RESPONDING
     assert m.handle(ResponseBody(content("Hel"), False)) == [
-        Send(content("Hel"), False), ArmWatchdog(STALL)]
+        Send(content("Hel"), False), StartTimer(TimerKind.STALL, STALL)]
     assert m.state is State.GUARD_STREAMING
     two = encode_event({"choices": [{"index": 0, "delta": {"content": "a"}},
                                     {"index": 1, "delta": {"content": "b"}}]})
     assert m.handle(ResponseBody(two + EMPTY, False)) == [
-        Send(two + EMPTY, False), ArmWatchdog(STALL)]
+        Send(two + EMPTY, False), StartTimer(TimerKind.STALL, STALL)]
     assert m.delivered == 3
     tail = FINISH + USAGE + DONE_EVENT
-    assert m.handle(ResponseBody(tail, True)) == [Send(tail, True), DisarmWatchdog()]
+    assert m.handle(ResponseBody(tail, True)) == [Send(tail, True), StopTimers()]
     assert m.state is State.GUARD_COMPLETE
     assert m.handle(StreamClosed()) == [
-        DisarmWatchdog(), Finish(Outcome.COMPLETED, 3, None, exact=False)]
+        StopTimers(), Finish(Outcome.COMPLETED, 3, None, exact=False)]
     assert m.finished == Finish(Outcome.COMPLETED, 3, None, exact=False)
     assert m.handle(StreamClosed()) == []
 
@@ -236,13 +234,13 @@ def test_guard_error_after_delivery_is_replaced_by_our_terminal_event() -> None:
     m.handle(ResponseBody(ROLE + content("a"), False))
     acts = m.handle(ResponseBody(content("b") + ERROR + content("c"), False))
     fin = Finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, 2, "in-band error", exact=False)
-    assert acts == [Send(content("b") + terminal(2), True), DisarmWatchdog(), fin]
+    assert acts == [Send(content("b") + terminal(2), True), StopTimers(), fin]
     assert m.state is State.GUARD_TERMINATED
     sent = b"".join(a.data for a in acts if isinstance(a, Send))
     assert b"engine_dead" not in sent and b"CUDA" not in sent
     # Whatever comes afterwards goes nowhere.
     assert m.handle(ResponseBody(content("d") + DONE_EVENT, True)) == []
-    assert m.handle(StallTimeout()) == []
+    assert m.handle(TimerFired(TimerKind.STALL)) == []
     assert m.handle(StreamClosed()) == []
     assert m.state is State.GUARD_CLOSED
     assert m.finished == fin
@@ -253,22 +251,22 @@ def test_guard_malformed_after_delivery_terminates() -> None:
     m = streaming_guard()
     m.handle(ResponseBody(content("a"), False))
     acts = m.handle(ResponseBody(MALFORMED, False))
-    assert acts == [Send(terminal(1), True), DisarmWatchdog(),
+    assert acts == [Send(terminal(1), True), StopTimers(),
                     Finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, 1, "malformed event", exact=False)]
 
 
 def test_guard_stall_before_delivery_does_nothing() -> None:
     m = streaming_guard()
-    assert m.handle(StallTimeout()) == []
+    assert m.handle(TimerFired(TimerKind.STALL)) == []
     m.handle(ResponseBody(ROLE, False))
-    assert m.handle(StallTimeout()) == []
+    assert m.handle(TimerFired(TimerKind.STALL)) == []
     assert m.state is State.GUARD_RESPONDING and m.finished is None
 
 
 def test_guard_stall_after_delivery_ends_the_stream() -> None:
     m = streaming_guard()
     m.handle(ResponseBody(ROLE + content("a") + content("b"), False))
-    acts = m.handle(StallTimeout())
+    acts = m.handle(TimerFired(TimerKind.STALL))
     assert acts == [Send(terminal(2), True),
                     Finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, 2, "stall", exact=False)]
     assert m.state is State.GUARD_TERMINATED
@@ -279,7 +277,7 @@ def test_guard_fenced_attempt_ends_the_stream_at_once() -> None:
     m = streaming_guard()
     m.handle(ResponseBody(ROLE + content("a") + content("b"), False))
     acts = m.handle(Fenced())
-    assert acts == [Send(terminal(2), True), DisarmWatchdog(),
+    assert acts == [Send(terminal(2), True), StopTimers(),
                     Finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, 2, "fenced", exact=False)]
     assert m.state is State.GUARD_TERMINATED
     assert m.handle(ResponseBody(content("late"), False)) == []
@@ -289,7 +287,7 @@ def test_guard_fenced_attempt_ends_the_stream_at_once() -> None:
 def test_guard_fenced_before_any_content_still_publishes_nothing() -> None:
     m = streaming_guard()
     acts = m.handle(Fenced())
-    assert acts == [Send(terminal(0), True), DisarmWatchdog(),
+    assert acts == [Send(terminal(0), True), StopTimers(),
                     Finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, 0, "fenced")]
 
 
@@ -307,7 +305,7 @@ def test_trace_budget_bounds_what_is_recorded_not_what_is_handled() -> None:
     m.handle(ResponseBody(content("a"), False))
     assert len(m.trace) == n0 + 1 and not m.trace_truncated
     acts = m.handle(ResponseBody(content("b"), False))
-    assert acts == [Send(content("b"), False), ArmWatchdog(STALL)]
+    assert acts == [Send(content("b"), False), StartTimer(TimerKind.STALL, STALL)]
     assert len(m.trace) == n0 + 1 and len(m.decisions) == n0 + 1 and m.trace_truncated
     assert m.delivered == 2
 
@@ -316,8 +314,8 @@ def test_guard_incomplete_fragment_is_not_sent_at_stall() -> None:
     m = streaming_guard()
     nxt = content("FRAGMENT")
     acts = m.handle(ResponseBody(content("a") + nxt[:15], False))
-    assert acts == [Send(content("a"), False), ArmWatchdog(STALL)]
-    [send, _fin] = m.handle(StallTimeout())
+    assert acts == [Send(content("a"), False), StartTimer(TimerKind.STALL, STALL)]
+    [send, _fin] = m.handle(TimerFired(TimerKind.STALL))
     assert send == Send(terminal(1), True)
     assert nxt[:15] not in send.data
 
@@ -329,7 +327,7 @@ def test_guard_stream_closed_mid_stream_awaits_the_cause() -> None:
                            ("timeout", Outcome.UPSTREAM_DECODE_INTERRUPTED)]:
         m = streaming_guard()
         m.handle(ResponseBody(content("a") + content("b"), False))
-        assert m.handle(StreamClosed()) == [DisarmWatchdog(), AwaitCause()]
+        assert m.handle(StreamClosed()) == [StopTimers(), AwaitCause()]
         assert m.state is State.GUARD_AWAIT_CAUSE
         # Envoy's entry says it sent every byte the guard handed it (decision 0025).
         sent = len(content("a") + content("b"))
@@ -341,14 +339,14 @@ def test_guard_stream_closed_mid_stream_awaits_the_cause() -> None:
 def test_guard_stream_closed_before_delivery() -> None:
     m = streaming_guard()
     m.handle(ResponseBody(ROLE, False))
-    assert m.handle(StreamClosed()) == [DisarmWatchdog(), AwaitCause()]
+    assert m.handle(StreamClosed()) == [StopTimers(), AwaitCause()]
     assert m.handle(CauseLearned("upstream")) == [Finish(Outcome.UPSTREAM_FAILED, 0, "upstream")]
     m = streaming_guard()
     m.handle(StreamClosed())
     assert m.handle(CauseLearned("client")) == [
         Finish(Outcome.CLIENT_DISCONNECTED, 0, "client")]
     m = GuardMachine.new(RID, STALL)
-    assert m.handle(StreamClosed()) == [DisarmWatchdog(), AwaitCause()]
+    assert m.handle(StreamClosed()) == [StopTimers(), AwaitCause()]
 
 
 def test_guard_non_200_completes_as_upstream_failed() -> None:
@@ -357,7 +355,7 @@ def test_guard_non_200_completes_as_upstream_failed() -> None:
     body = b'{"error":{"code":"upstream_unavailable"}}'
     assert m.handle(ResponseBody(body, True)) == [Send(body, True)]
     assert m.handle(StreamClosed()) == [
-        DisarmWatchdog(), Finish(Outcome.UPSTREAM_FAILED, 0, "http 503")]
+        StopTimers(), Finish(Outcome.UPSTREAM_FAILED, 0, "http 503")]
 
 
 def test_guard_headers_only_response() -> None:
@@ -373,7 +371,7 @@ def test_guard_non_streaming_counts_completion_tokens() -> None:
     m.handle(ResponseHeaders(200, "application/json"))
     assert m.handle(ResponseBody(body[:5], False)) == [Send(body[:5], False)]
     assert m.handle(ResponseBody(body[5:], True)) == [Send(body[5:], True)]
-    assert m.handle(StreamClosed()) == [DisarmWatchdog(), Finish(
+    assert m.handle(StreamClosed()) == [StopTimers(), Finish(
         Outcome.COMPLETED, 7, None, exact=True, source="engine")]
 
 

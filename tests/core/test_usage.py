@@ -24,8 +24,9 @@ from extproc.core.events import (
     RequestOpened,
     ResponseBody,
     ResponseHeaders,
-    StallTimeout,
     StreamClosed,
+    TimerFired,
+    TimerKind,
 )
 from extproc.core.families import CHAT, COMPLETIONS, MESSAGES, RESPONSES
 from extproc.core.guard import GuardMachine
@@ -212,7 +213,7 @@ def test_an_interrupted_stream_reports_the_engines_count(
     cut = sum(len(e.raw) for e in events[:1 + upto])
     m = guard(UsageMode.STRIP_ALL)
     sent = feed(m, full[:cut], [c % (cut + 1) for c in cuts], False)
-    sent += b"".join(a.data for a in m.handle(StallTimeout()) if hasattr(a, "data"))
+    sent += b"".join(a.data for a in m.handle(TimerFired(TimerKind.STALL)) if hasattr(a, "data"))
     n = sum(len(g) for g in groups[:upto])
     prefix = b"".join(e.raw for e in SseDecoder().feed(stream(groups, False, False))[:1 + upto])
     assert sent == prefix + decode_interrupted(RID, n, True).sse_bytes()
@@ -294,7 +295,7 @@ def test_a_tokenizer_counts_the_delivered_text(family: str) -> None:
                       "finish_reason": None}, None) for t in texts]
     m.handle(ResponseBody(b"".join(evs), False))
     assert fam.text_of(m.kept) == "one two three four five six"
-    acts = m.handle(StallTimeout())
+    acts = m.handle(TimerFired(TimerKind.STALL))
     fin = [a for a in acts if isinstance(a, Finish)]
     assert fin == [Finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, 6, "stall", exact=False,
                           source="tokenizer")]
