@@ -284,7 +284,7 @@ class GuardSession(Session):
         if is_tool:
             self._machine("", "tool")
             self.tool = ToolCallHandler(self.cfg, self.p.ledger, self.write, self.p.spawn,
-                                        retrying)
+                                        retrying, self.p.clock, self.p.timers)
             await self.tool.on_request_headers(hd)
             self.rid = self.tool.rid
             return

@@ -53,10 +53,9 @@ from . import envoy_codec as codec
 from .leases import UNDO_SETTLE_S, StoreUnavailable
 from .logs import rlog
 from .ports import Clock, Ledger, SystemClock
+from .timers import LoopTimers, Timers
 
 log = logging.getLogger("extproc.tools")
-
-Sleep = Callable[[float], Awaitable[None]]
 
 
 class ToolCallHandler:
@@ -64,7 +63,7 @@ class ToolCallHandler:
                  write: Callable[[ep.ProcessingResponse], Awaitable[None]],
                  spawn: Callable[[Awaitable[Any], str], Any],
                  retrying: Callable[..., Awaitable[bool]],
-                 clock: Clock | None = None, sleep: Sleep = asyncio.sleep) -> None:
+                 clock: Clock | None = None, timers: Timers | None = None) -> None:
         t = cfg.tools
         self.m = ToolRoute(t.path_prefix, t.wait_s, t.max_result_bytes)
         self.ledger = ledger
@@ -73,7 +72,7 @@ class ToolCallHandler:
         self.retrying = retrying
         self.clock: Clock = clock or SystemClock()
         # The timers of the bounded wait, on the injected clock's time.
-        self.sleep = sleep
+        self.timers: Timers = timers or LoopTimers()
 
     @property
     def rid(self) -> str | None:
@@ -126,7 +125,10 @@ class ToolCallHandler:
         except StoreUnavailable as e:
             return StoreDown(str(e))
         if isinstance(a, StartTimer):
-            await self.sleep(a.seconds)
+            fired: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self.timers.start(a.seconds,
+                              lambda: None if fired.done() else fired.set_result(None))
+            await fired
             return TimerFired(a.kind)
         if isinstance(a, Record):
             key, entry = a.key, a.entry

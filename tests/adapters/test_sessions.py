@@ -194,6 +194,47 @@ async def test_guard_accepts_opens_the_journal_and_streams() -> None:
     assert att["fence"] == "ended_with_request" and att["released"] is True
 
 
+async def test_guard_ends_a_silent_stream_on_its_stall_timer() -> None:
+    # On a fake clock: the stall watchdog is the machine's timer (StartTimer/TimerFired),
+    # run on the Timers port; one timer whose deadline each chunk moves.
+    timers = FakeTimers(FakeClock())
+    p, store = proc({"timeouts": {"stall_after_first_delta_s": 10, "access_log_wait_s": 0.05}},
+                    timers)
+    ctx, _, task = start(GuardSession, p)
+    ctx.send(req_headers(DOWN))
+    rid = set_headers((await ctx.wait_for(1))[0], "request_headers")[H.REQUEST_ID]
+    ctx.send(req_body(CHAT))
+    await ctx.wait_for(2)
+    handoff = json.dumps({"attempt": 1, "attempt_id": "att_test_1", "replica": REPLICA,
+                          "lease_id": 0})
+    ctx.send(resp_headers({":status": "200", "content-type": "text/event-stream",
+                           H.HANDOFF: handoff}))
+    await ctx.wait_for(3)
+    assert timers.pending() == 0  # nothing delivered yet: Envoy's per-try timeout's time
+    ctx.send(resp_body(SSE_ROLE + SSE_CONTENT))
+    await ctx.wait_for(4)
+    assert timers.pending() == 1
+    assert timers.advance(6.0) == 0
+    ctx.send(resp_body(SSE_CONTENT))  # a chunk moves the deadline to 16 s
+    await ctx.wait_for(5)
+    assert timers.advance(4.0) == 1  # the timer's first end: moved on, so started again
+    await idle()
+    assert len(ctx.out) == 5 and timers.pending() == 1
+    assert timers.advance(5.9) == 0
+    await idle()
+    assert len(ctx.out) == 5
+    assert timers.advance(0.1) == 1  # silent for 10 s since the last chunk
+    end = (await ctx.wait_for(6))[5].response_body.response.body_mutation.streamed_response
+    assert end.end_of_stream and b"decode_interrupted" in end.body
+    ctx.close()
+    await asyncio.wait_for(task, 3)
+    await p.drain()
+    view = await store.get(rid)
+    assert view is not None and view.outcome is not None
+    assert view.outcome["outcome"] == "upstream_decode_interrupted"
+    assert view.outcome["cause"] == "stall" and view.outcome["delivered_output_tokens"] == 2
+
+
 async def test_guard_fails_closed_when_the_journal_is_down() -> None:
     p, store = proc()
     ctx, _, task = start(GuardSession, p)
@@ -846,35 +887,40 @@ async def test_gate_of_a_later_attempt_sends_its_own_secret_never_attempt_1s() -
 
 
 async def test_a_repeat_of_a_running_tool_call_waits_on_timers_then_gets_the_result() -> None:
-    """The bounded wait runs on the executor's injected sleep (no real time): the second
-    call of a key waits while the first runs, and replays its result once recorded."""
+    """The bounded wait runs on the executor's Timers port over a fake clock (no real
+    time): the second call of a key waits while the first runs, and replays its result
+    once recorded."""
     from extproc.adapters.session import retrying
     from extproc.adapters.tools import ToolCallHandler
     p, _ = await two_live_requests()
+    timers = FakeTimers(FakeClock())
     first_out: list[ep.ProcessingResponse] = []
 
     async def w1(r: ep.ProcessingResponse) -> None:
         first_out.append(r)
-    first = ToolCallHandler(p.cfg, p.ledger, w1, p.spawn, retrying, p.clock)
+    first = ToolCallHandler(p.cfg, p.ledger, w1, p.spawn, retrying, timers.clock, timers)
     hd = {":method": "POST", ":path": "/tools/demo_tool", H.REQUEST_ID: TOOL_RID,
           H.ATTEMPT_ID: TOOL_AID, "x-tool-call-id": "call_w", H.ATTEMPT_SECRET: SECRET_A}
     await first.on_request_headers(dict(hd))
     assert first_out[-1].WhichOneof("response") == "request_headers"  # forwarded
-    pauses: list[float] = []
-
-    async def sleep(s: float) -> None:
-        pauses.append(s)
-        if len(pauses) == 2:  # meanwhile the tool server answers the first call
-            await first.on_response_headers({":status": "200",
-                                             "content-type": "application/json"}, False)
-            await first.on_response_body(b'{"r":1}', True)
     second_out: list[ep.ProcessingResponse] = []
 
     async def w2(r: ep.ProcessingResponse) -> None:
         second_out.append(r)
-    second = ToolCallHandler(p.cfg, p.ledger, w2, p.spawn, retrying, p.clock, sleep)
-    await second.on_request_headers(dict(hd))
-    assert pauses == [0.01, 0.02]
+    second = ToolCallHandler(p.cfg, p.ledger, w2, p.spawn, retrying, timers.clock, timers)
+    waiting = asyncio.ensure_future(second.on_request_headers(dict(hd)))
+    await idle()
+    assert timers.pending() == 1 and second_out == []  # it waits, on a timer
+    assert timers.advance(0.005) == 0
+    assert timers.advance(0.005) == 1  # the first pause: still running, a longer one
+    await idle()
+    assert timers.pending() == 1 and second_out == []
+    # Meanwhile the tool server answers the first call.
+    await first.on_response_headers({":status": "200", "content-type": "application/json"},
+                                    False)
+    await first.on_response_body(b'{"r":1}', True)
+    assert timers.advance(0.02) == 1
+    await asyncio.wait_for(waiting, 3)
     (r,) = second_out
     assert r.immediate_response.status.code == 200 and r.immediate_response.body == b'{"r":1}'
     replayed = {h.header.key: h.header.raw_value.decode()
