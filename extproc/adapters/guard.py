@@ -43,6 +43,7 @@ from ..core.events import (
     OpenIntake,
     PassAside,
     PassHeaders,
+    RecordWritten,
     Refuse,
     RegisterIntake,
     RequestBodySeen,
@@ -121,7 +122,6 @@ class GuardSession(Session):
         "attempt_span",
         "cred1",
         "envoy_request_id",
-        "finished",
         "first_delta_evented",
         "gen",
         "intake",
@@ -158,7 +158,6 @@ class GuardSession(Session):
                            dict[str, Any]] | None = None
         self.watchdog: TimerHandle | None = None
         self.watchdog_kind = TimerKind.STALL
-        self.finished = False
         self.closed = False
         self.progress_at = self.p.clock.monotonic()
         self.progress_sent = 0
@@ -664,9 +663,8 @@ class GuardSession(Session):
                 await self.feed(StreamClosed())
 
     async def record(self, f: Finish) -> None:
-        if self.finished or self.rid is None:
+        if self.rid is None:
             return
-        self.finished = True
         if self._unwatch is not None:
             # Our own finish deletes `live`: that is no revocation to react to.
             self._unwatch()
@@ -709,8 +707,10 @@ class GuardSession(Session):
         # etcd may be briefly away (frozen, electing a leader): keep trying for a bounded
         # time. Until it lands, the record shows no outcome rather than a wrong one.
         rid = self.rid
-        await retrying(lambda: self.p.journal.finish(rid, body, attempt_end),
-                       "record the outcome", rid, None)
+        landed = await retrying(lambda: self.p.journal.finish(rid, body, attempt_end),
+                                "record the outcome", rid, None)
+        async with self.lock:
+            await self.feed(RecordWritten(landed))
 
     def attempt_end(self, f: Finish) -> tuple[int, dict[str, Any]] | None:
         """The record of the attempt the gate handed over, now that its end is known."""

@@ -194,6 +194,14 @@ class LeaseLost:
 
 
 @dataclass(frozen=True, slots=True)
+class RecordWritten:
+    """Guard: the answer to Finish's write of the terminal record: it landed, or etcd never
+    answered within its bounded retry (`landed` False: the record shows no outcome)."""
+
+    landed: bool
+
+
+@dataclass(frozen=True, slots=True)
 class CauseLearned:
     """Guard: the termination cause, from Envoy's access log (or 'unknown' on timeout).
 
@@ -211,7 +219,7 @@ class CauseLearned:
 
 Event: TypeAlias = (RequestStarted | IntakeCommitted | AdmissionDecided | StoreDown | TimerFired
                     | Revoked | AdmitDecided | ResponseHeaders | ResponseBody | FenceDecided
-                    | StreamClosed | CauseLearned | Fenced
+                    | StreamClosed | CauseLearned | RecordWritten | Fenced
                     | LeaseLost | RequestHeadersSeen | RequestBodySeen | RequestOpened)
 
 # --- actions --------------------------------------------------------------------------
@@ -432,7 +440,8 @@ class EndAttempt:
 
 @dataclass(frozen=True, slots=True)
 class Finish:
-    """Write the terminal record: the outcome and what the client received."""
+    """Write the terminal record: the outcome and what the client received; its answer
+    comes back as RecordWritten."""
 
     outcome: Outcome
     delivered_output_tokens: int

@@ -35,6 +35,7 @@ from .events import (
     OpenIntake,
     PassAside,
     PassHeaders,
+    RecordWritten,
     Refuse,
     RegisterIntake,
     RequestBodySeen,
@@ -87,6 +88,7 @@ class GuardMachine(Machine):
     body: bytearray = field(default_factory=bytearray)  # non-streaming body (bounded)
     max_buffer: int = 4 << 20
     finished: Finish | None = None
+    recorded: bool | None = None  # Finish's write: landed, or never answered (None: not yet)
     done_seen: bool = False  # `[DONE]` forwarded: the client has a complete answer
     keyed: bool = False  # its intake is answered before its body goes on (decision 0021)
     # Envoy's own plain-text 5xx (e.g. no healthy upstream, overflow): replaced by our JSON
@@ -380,6 +382,13 @@ def _guard_cause_late(m: GuardMachine, ev: CauseLearned) -> list[Action]:
     return []
 
 
+def _guard_recorded(m: GuardMachine, ev: RecordWritten) -> list[Action]:
+    # The terminal record's write is settled: it landed, or the record shows no outcome
+    # (its lease's expiry and a later repeat settle it).
+    m.recorded = ev.landed
+    return []
+
+
 def _guard_stall_ignored(m: GuardMachine, ev: TimerFired) -> list[Action]:
     return []
 
@@ -497,6 +506,8 @@ GUARD_TABLE: Table = {
     (S.GUARD_AWAIT_CAUSE, CauseLearned): T(_guard_cause, S.GUARD_CLOSED),
     (S.GUARD_CLOSED, CauseLearned): T(_guard_cause_late, S.GUARD_CLOSED),
     (S.GUARD_CLOSED, StreamClosed): T(lambda m, ev: [], S.GUARD_CLOSED),
+    # A Finish's write answers once it lands or gives up (the stream may be gone by then).
+    **stay(_guard_recorded, (S.GUARD_TERMINATED, S.GUARD_CLOSED), RecordWritten),
     (S.GUARD_RESPONDING, Fenced): T(_guard_fenced, S.GUARD_RESPONDING,
                                          S.GUARD_TERMINATED),
     (S.GUARD_STREAMING, Fenced): T(_guard_fenced, S.GUARD_STREAMING, S.GUARD_TERMINATED),

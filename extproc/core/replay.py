@@ -24,6 +24,7 @@ from .events import (
     FenceDecided,
     IntakeCommitted,
     LeaseLost,
+    RecordWritten,
     RequestBodySeen,
     RequestHeadersSeen,
     RequestOpened,
@@ -115,6 +116,8 @@ def event_from_record(d: Mapping[str, Any]) -> Event:
         return RequestOpened(bool(d["accepted"]), err)
     if t == "StallTimeout":  # traces kept before the stall watchdog was a timer row
         return TimerFired(TimerKind.STALL)
+    if t == "RecordWritten":
+        return RecordWritten(bool(d["landed"]))
     if t == "Fenced":
         return Fenced()
     if t == "StreamClosed":

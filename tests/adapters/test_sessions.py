@@ -200,7 +200,7 @@ async def test_guard_ends_a_silent_stream_on_its_stall_timer() -> None:
     timers = FakeTimers(FakeClock())
     p, store = proc({"timeouts": {"stall_after_first_delta_s": 10, "access_log_wait_s": 0.05}},
                     timers)
-    ctx, _, task = start(GuardSession, p)
+    ctx, s, task = start(GuardSession, p)
     ctx.send(req_headers(DOWN))
     rid = set_headers((await ctx.wait_for(1))[0], "request_headers")[H.REQUEST_ID]
     ctx.send(req_body(CHAT))
@@ -233,6 +233,7 @@ async def test_guard_ends_a_silent_stream_on_its_stall_timer() -> None:
     assert view is not None and view.outcome is not None
     assert view.outcome["outcome"] == "upstream_decode_interrupted"
     assert view.outcome["cause"] == "stall" and view.outcome["delivered_output_tokens"] == 2
+    assert s.m.recorded is True  # the record's write answered the machine (RecordWritten)
 
 
 async def test_guard_fails_closed_when_the_journal_is_down() -> None:

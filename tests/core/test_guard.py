@@ -25,6 +25,7 @@ from extproc.core.events import (
     OpenIntake,
     PassAside,
     PassHeaders,
+    RecordWritten,
     Refuse,
     RegisterIntake,
     RequestBodySeen,
@@ -33,9 +34,13 @@ from extproc.core.events import (
     ResponseBody,
     ResponseHeaders,
     Send,
+    StartTimer,
     State,
+    StopTimers,
     StreamClosed,
     TakeOver,
+    TimerFired,
+    TimerKind,
 )
 from extproc.core.guard import (
     INTAKE_MAX_PAUSE_S,
@@ -118,6 +123,39 @@ def test_no_take_over_without_a_released_attempt(status: int, handoff: str | Non
     m.handle(RequestOpened(True))
     acts = m.handle(ResponseHeaders(status, SSE, handoff=handoff))
     assert not any(isinstance(a, TakeOver) for a in acts)
+
+
+def streaming(m: GuardMachine) -> list[Action]:
+    assert m.handle(ResponseHeaders(200, SSE)) == [PassHeaders()]
+    return m.handle(ResponseBody(b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n', False))
+
+
+def test_the_stall_watchdog_is_a_timer_row() -> None:
+    m = GuardMachine.new(RID, 15.0)
+    acts = streaming(m)
+    # Started (again) with every chunk past the first delta, as the gate's limits are.
+    assert acts[-1] == StartTimer(TimerKind.STALL, 15.0)
+    [send, fin] = m.handle(TimerFired(TimerKind.STALL, 15.0))
+    assert isinstance(send, Send) and send.end_of_stream
+    assert isinstance(fin, Finish) and fin.cause == "stall"
+    assert m.state is State.GUARD_TERMINATED
+    # The stream's end stops it; a late one changes nothing.
+    assert m.handle(StreamClosed()) == []
+    assert m.handle(TimerFired(TimerKind.STALL, 30.0)) == []
+
+
+def test_the_records_write_answers_the_machine() -> None:
+    m = GuardMachine.new(RID, 15.0)
+    streaming(m)
+    with pytest.raises(ProtocolViolation):  # no Finish yet: no write to answer
+        m.handle(RecordWritten(True))
+    acts = m.handle(StreamClosed())
+    assert acts == [StopTimers(), AwaitCause()]
+    [fin] = m.handle(CauseLearned("client", None))
+    assert isinstance(fin, Finish) and m.recorded is None
+    assert m.handle(RecordWritten(False)) == []
+    assert m.recorded is False and m.state is State.GUARD_CLOSED
+    assert event_from_record(m.trace[-1]) == RecordWritten(False)
 
 
 def test_a_response_that_is_not_a_request_of_ours_passes_and_is_not_traced() -> None:
