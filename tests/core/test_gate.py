@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import itertools
 import json
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from extproc.core.admission import Admitted, AttemptRequest
 from extproc.core.errors import ErrorCode, GatewayError, journal_unavailable
@@ -54,9 +57,10 @@ from extproc.core.events import (
 from extproc.core.gate import FENCE_MARGIN_S, GateMachine, GateParams
 from extproc.core.machine import ProtocolViolation
 from extproc.core.replay import record, replay
-from extproc.core.sse import DONE_EVENT, encode_event
+from extproc.core.sse import DONE_EVENT, EventKind, encode_event
 
 from .gate_drive import ADMITTED, FINAL, admit
+from .sse_streams import Stream, assert_replays, decode, streams
 
 RID = "req_0123456789abcdefghjkmnpqrs"
 SSE = "text/event-stream"
@@ -82,7 +86,7 @@ def content(text: str) -> bytes:
     return _delta({"content": text})
 
 
-# --- the response: hold, fence, release (moved from test_machine_table) -----------------
+# --- the response: hold, fence, release -------------------------------------------------
 
 
 def admitted_gate(max_buffer: int = 4 << 20) -> GateMachine:
@@ -620,3 +624,126 @@ def test_replay_decides_the_whole_life_again_waits_included() -> None:
     assert (not r.ok and "final state" not in (r.divergence or "x")) or not r.ok
     # A format-1 gate trace was decided by an older core, outside the machine.
     assert not replay({**trace, "format": 1}).ok
+
+
+# --- random streams, randomly split: the invariants hold ---------------------------------
+
+
+@dataclass
+class GateRun:
+    gate: GateMachine
+    answers: int = 0  # body messages answered (released, failed, passed, dropped)
+    fed: int = 0
+    decisions: int = 0  # Release + FailAttempt
+    released: bool = False
+    failed: FailAttempt | None = None
+
+
+def run_gate(s: Stream, committed: bool, fence_delay: int, max_buffer: int) -> GateRun:
+    g = GateMachine.new(RID, max_buffer=max_buffer)
+    admit(g, 1)
+    assert g.handle(ResponseHeaders(200, SSE)) == []
+    run = GateRun(g)
+    pending_fence: int | None = None
+    fed_bytes = b""
+
+    def account(actions: list[Any], eos_fed: bool) -> None:
+        for a in actions:
+            if isinstance(a, Release | FailAttempt):
+                run.decisions += 1
+                run.answers += a.held_chunks
+                if isinstance(a, Release):
+                    # (a) never released before a content event (or a complete empty answer)
+                    seen = decode(fed_bytes, final=eos_fed)
+                    kinds = [e.kind for e in seen]
+                    assert EventKind.CONTENT in kinds or (eos_fed and EventKind.DONE in kinds)
+                    run.released = True
+                else:
+                    run.failed = a
+            elif isinstance(a, PassChunk | DropChunk):
+                # In order: nothing may be passed while earlier messages are still held.
+                assert g.held == 0
+                run.answers += 1
+
+    for idx, chunk in enumerate(s.chunks):
+        eos = s.eos and idx == len(s.chunks) - 1
+        fed_bytes += chunk
+        run.fed += 1
+        acts = g.handle(ResponseBody(chunk, eos))
+        account(acts, eos)
+        if any(isinstance(a, Fence) for a in acts):
+            assert pending_fence is None
+            pending_fence = fence_delay
+        if pending_fence is not None:
+            if pending_fence == 0:
+                account(g.handle(FenceDecided(committed)), s.eos)
+                pending_fence = None
+            else:
+                pending_fence -= 1
+    if pending_fence is not None:
+        account(g.handle(FenceDecided(committed)), s.eos)
+    end = g.handle(StreamClosed())
+    # Released: the guard ends it. Otherwise its end is planned here (a row of its own).
+    assert (end == [StopTimers()]) is run.released
+    if run.failed is None:
+        assert g.ended == s.eos
+    return run
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(s=streams(), committed=st.booleans(), fence_delay=st.integers(0, 3),
+       max_buffer=st.one_of(st.just(4 << 20), st.integers(1, 600)))
+def test_gate_invariants(s: Stream, committed: bool, fence_delay: int, max_buffer: int) -> None:
+    run = run_gate(s, committed, fence_delay, max_buffer)
+    # (b) at most one decision
+    assert run.decisions <= 1
+    # (c) every body message gets exactly one answer, once the attempt has an outcome
+    if s.eos:
+        assert run.decisions == 1
+        assert run.answers == run.fed
+    else:
+        assert run.answers + (0 if run.decisions else run.gate.held) == run.fed
+    # The oracle: the first decisive event decides.
+    events = decode(s.data, final=s.eos)
+    decisive = next((e.kind for e in events if e.kind in (
+        EventKind.CONTENT, EventKind.ERROR, EventKind.MALFORMED)), None)
+    # (d) an error or a malformed event ahead of all content fails the attempt
+    if decisive in (EventKind.ERROR, EventKind.MALFORMED):
+        assert run.failed is not None and not run.released
+    if max_buffer == 4 << 20:
+        if decisive is EventKind.CONTENT or (
+                decisive is None and s.eos and any(e.kind is EventKind.DONE for e in events)):
+            assert run.released == committed
+            assert (run.failed is not None) == (not committed)
+        elif decisive is None and s.eos:
+            assert run.failed is not None and "without content" in run.failed.reason
+        elif decisive is None:
+            assert run.decisions == 0
+    if run.failed is not None:
+        assert run.failed.error.code is ErrorCode.UPSTREAM_UNAVAILABLE
+        assert run.failed.error.retryable
+    assert_replays(run.gate)
+
+
+def test_replay_of_a_refused_attempt() -> None:
+    g = GateMachine.new(RID)
+    g.handle(RequestStarted(3, attempt_id="att_3"))
+    g.handle(IntakeCommitted())
+    err = GatewayError(code=ErrorCode.RETRY_BUDGET_EXHAUSTED, message="no", http_status=503,
+                       request_id=RID)
+    g.handle(AdmissionDecided(error=err))
+    g.handle(StreamClosed())
+    assert_replays(g)
+    assert g.decisions == ["gate_awaiting_intake:AwaitIntakeCommit", "gate_deciding:Decide",
+                           "gate_closed:Refuse", "gate_closed:StopTimers,RetryEnded"]
+
+
+def test_replay_rejects_a_trace_out_of_order() -> None:
+    g = GateMachine.new(RID)
+    try:
+        g.handle(FenceDecided(True))
+    except ProtocolViolation:
+        pass
+    else:  # pragma: no cover
+        raise AssertionError("FenceDecided in gate_new must be a protocol violation")
+    assert g.trace == []

@@ -1,17 +1,30 @@
 """The guard's rows for the intake order (decision 0021), the take-over of a hand-off and a
 response that is not (yet) ours; then every interleaving of the intake's answer, Envoy's
-response messages, the stream's close and Envoy's word on why it ended.
+response messages, the stream's close and Envoy's word on why it ended; the intake
+transaction's own rows; the response path with exact actions (what the client gets, the
+stall timer, the fence, the record's write); random streams, randomly split, and the
+invariants that hold for all of them.
 
 Pure: no I/O, no sleeps.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from extproc.core.errors import journal_unavailable, request_in_progress
+from extproc.core.errors import (
+    ErrorCode,
+    GatewayError,
+    decode_interrupted,
+    journal_unavailable,
+    request_in_progress,
+)
 from extproc.core.events import (
     Accepted,
     Action,
@@ -20,6 +33,7 @@ from extproc.core.events import (
     AwaitIntake,
     CauseLearned,
     Event,
+    Fenced,
     Finish,
     IntakeFailed,
     OpenIntake,
@@ -65,6 +79,9 @@ from extproc.core.guard import (
 from extproc.core.journal import JournalView, Outcome
 from extproc.core.machine import ProtocolViolation
 from extproc.core.replay import event_from_record
+from extproc.core.sse import DONE_EVENT, EventKind, SseDecoder, encode_event
+
+from .sse_streams import UPSTREAM_ERROR_MARK, Stream, assert_replays, decode, streams, texts
 
 RID = "req_0123456789abcdefghjkmnpqrs"
 SSE = "text/event-stream"
@@ -555,3 +572,385 @@ def test_the_intakes_resends_stay_within_their_deadline() -> None:
     for r in INTAKE_RUNS:
         paused = sum(a.seconds for _, aa in r.log for a in aa if isinstance(a, PauseIntake))
         assert paused < RESEND_S, r.choices
+
+
+# --- the response path, with exact actions --------------------------------------------
+
+STALL = 15.0
+
+
+def _delta(delta: dict[str, Any], **extra: Any) -> bytes:
+    return encode_event({"id": "c1", "object": "chat.completion.chunk",
+                         "choices": [{"index": 0, "delta": delta, **extra}]})
+
+
+ROLE = _delta({"role": "assistant", "content": ""})
+EMPTY = _delta({})
+FINISH = _delta({}, finish_reason="stop")
+USAGE = encode_event({"id": "c1", "choices": [],
+                      "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}})
+ERROR = encode_event({"error": {"message": "CUDA error: device lost", "type": "server_error",
+                                "code": "engine_dead"}})
+MALFORMED = b'data: {"choices": [\n\n'
+
+
+def content(text: str) -> bytes:
+    return _delta({"content": text})
+
+
+
+def streaming_guard() -> GuardMachine:
+    m = GuardMachine.new(RID, STALL)
+    assert m.handle(ResponseHeaders(200, SSE)) == [PassHeaders()]
+    assert m.state is State.GUARD_RESPONDING
+    return m
+
+
+def terminal(delivered: int, exact: bool | None = None) -> bytes:
+    """Our terminal event; a count of events is exact only when it is 0 (decision 0018)."""
+    return decode_interrupted(RID, delivered, delivered == 0 if exact is None else exact
+                              ).sse_bytes()
+
+
+def test_terminal_event_bytes_are_the_client_contract() -> None:
+    events = SseDecoder().feed(terminal(37))
+    assert [e.kind for e in events] == [EventKind.ERROR, EventKind.DONE]
+    err = json.loads(events[0].data)["error"]
+    assert err["code"] == "upstream_decode_interrupted"
+    assert err["message"] == "Generation was interrupted after part of the answer was sent"
+    assert err["request_id"] == RID
+    assert err["partial_output"] is True
+    assert err["retryable"] is False
+    assert err["delivered_output_tokens"] == 37
+
+
+def test_guard_counts_content_units_and_completes() -> None:
+    m = streaming_guard()
+    assert m.handle(ResponseBody(ROLE, False)) == [Send(ROLE, False)]
+    assert m.delivered == 0 and m.state is State.GUARD_RESPONDING
+    assert m.handle(ResponseBody(content("Hel"), False)) == [
+        Send(content("Hel"), False), StartTimer(TimerKind.STALL, STALL)]
+    assert m.state is State.GUARD_STREAMING
+    two = encode_event({"choices": [{"index": 0, "delta": {"content": "a"}},
+                                    {"index": 1, "delta": {"content": "b"}}]})
+    assert m.handle(ResponseBody(two + EMPTY, False)) == [
+        Send(two + EMPTY, False), StartTimer(TimerKind.STALL, STALL)]
+    assert m.delivered == 3
+    tail = FINISH + USAGE + DONE_EVENT
+    assert m.handle(ResponseBody(tail, True)) == [Send(tail, True), StopTimers()]
+    assert m.state is State.GUARD_COMPLETE
+    assert m.handle(StreamClosed()) == [
+        StopTimers(), Finish(Outcome.COMPLETED, 3, None, exact=False)]
+    assert m.finished == Finish(Outcome.COMPLETED, 3, None, exact=False)
+    assert m.handle(StreamClosed()) == []
+
+
+def test_guard_error_after_delivery_is_replaced_by_our_terminal_event() -> None:
+    m = streaming_guard()
+    m.handle(ResponseBody(ROLE + content("a"), False))
+    acts = m.handle(ResponseBody(content("b") + ERROR + content("c"), False))
+    fin = Finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, 2, "in-band error", exact=False)
+    assert acts == [Send(content("b") + terminal(2), True), StopTimers(), fin]
+    assert m.state is State.GUARD_TERMINATED
+    sent = b"".join(a.data for a in acts if isinstance(a, Send))
+    assert b"engine_dead" not in sent and b"CUDA" not in sent
+    # Whatever comes afterwards goes nowhere.
+    assert m.handle(ResponseBody(content("d") + DONE_EVENT, True)) == []
+    assert m.handle(TimerFired(TimerKind.STALL)) == []
+    assert m.handle(StreamClosed()) == []
+    assert m.state is State.GUARD_CLOSED
+    assert m.finished == fin
+    assert m.handle(CauseLearned("upstream")) == []
+
+
+def test_guard_malformed_after_delivery_terminates() -> None:
+    m = streaming_guard()
+    m.handle(ResponseBody(content("a"), False))
+    acts = m.handle(ResponseBody(MALFORMED, False))
+    assert acts == [Send(terminal(1), True), StopTimers(),
+                    Finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, 1, "malformed event", exact=False)]
+
+
+def test_guard_stall_before_delivery_does_nothing() -> None:
+    m = streaming_guard()
+    assert m.handle(TimerFired(TimerKind.STALL)) == []
+    m.handle(ResponseBody(ROLE, False))
+    assert m.handle(TimerFired(TimerKind.STALL)) == []
+    assert m.state is State.GUARD_RESPONDING and m.finished is None
+
+
+def test_guard_stall_after_delivery_ends_the_stream() -> None:
+    m = streaming_guard()
+    m.handle(ResponseBody(ROLE + content("a") + content("b"), False))
+    acts = m.handle(TimerFired(TimerKind.STALL))
+    assert acts == [Send(terminal(2), True),
+                    Finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, 2, "stall", exact=False)]
+    assert m.state is State.GUARD_TERMINATED
+    assert m.handle(ResponseBody(content("late"), False)) == []
+
+
+def test_guard_fenced_attempt_ends_the_stream_at_once() -> None:
+    m = streaming_guard()
+    m.handle(ResponseBody(ROLE + content("a") + content("b"), False))
+    acts = m.handle(Fenced())
+    assert acts == [Send(terminal(2), True), StopTimers(),
+                    Finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, 2, "fenced", exact=False)]
+    assert m.state is State.GUARD_TERMINATED
+    assert m.handle(ResponseBody(content("late"), False)) == []
+    assert m.handle(Fenced()) == []
+
+
+def test_guard_fenced_before_any_content_still_publishes_nothing() -> None:
+    m = streaming_guard()
+    acts = m.handle(Fenced())
+    assert acts == [Send(terminal(0), True), StopTimers(),
+                    Finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, 0, "fenced")]
+
+
+def test_guard_fenced_after_done_changes_nothing() -> None:
+    m = streaming_guard()
+    m.handle(ResponseBody(content("a") + FINISH + DONE_EVENT, False))
+    assert m.handle(Fenced()) == []
+    assert m.state is State.GUARD_RESPONDING or m.state is State.GUARD_STREAMING
+
+
+
+def test_guard_incomplete_fragment_is_not_sent_at_stall() -> None:
+    m = streaming_guard()
+    nxt = content("FRAGMENT")
+    acts = m.handle(ResponseBody(content("a") + nxt[:15], False))
+    assert acts == [Send(content("a"), False), StartTimer(TimerKind.STALL, STALL)]
+    [send, _fin] = m.handle(TimerFired(TimerKind.STALL))
+    assert send == Send(terminal(1), True)
+    assert nxt[:15] not in send.data
+
+
+def test_guard_stream_closed_mid_stream_awaits_the_cause() -> None:
+    for cause, outcome in [("client", Outcome.CLIENT_DISCONNECTED),
+                           ("upstream", Outcome.UPSTREAM_DECODE_INTERRUPTED),
+                           ("unknown", Outcome.UPSTREAM_DECODE_INTERRUPTED),
+                           ("timeout", Outcome.UPSTREAM_DECODE_INTERRUPTED)]:
+        m = streaming_guard()
+        m.handle(ResponseBody(content("a") + content("b"), False))
+        assert m.handle(StreamClosed()) == [StopTimers(), AwaitCause()]
+        assert m.state is State.GUARD_AWAIT_CAUSE
+        # Envoy's entry says it sent every byte the guard handed it (decision 0025).
+        sent = len(content("a") + content("b"))
+        assert m.handle(CauseLearned(cause, sent)) == [Finish(outcome, 2, cause, exact=False)]
+        assert m.state is State.GUARD_CLOSED
+        assert m.handle(CauseLearned(cause, sent)) == []
+
+
+def test_guard_stream_closed_before_delivery() -> None:
+    m = streaming_guard()
+    m.handle(ResponseBody(ROLE, False))
+    assert m.handle(StreamClosed()) == [StopTimers(), AwaitCause()]
+    assert m.handle(CauseLearned("upstream")) == [Finish(Outcome.UPSTREAM_FAILED, 0, "upstream")]
+    m = streaming_guard()
+    m.handle(StreamClosed())
+    assert m.handle(CauseLearned("client")) == [
+        Finish(Outcome.CLIENT_DISCONNECTED, 0, "client")]
+    m = GuardMachine.new(RID, STALL)
+    assert m.handle(StreamClosed()) == [StopTimers(), AwaitCause()]
+
+
+def test_guard_non_200_completes_as_upstream_failed() -> None:
+    m = GuardMachine.new(RID, STALL)
+    m.handle(ResponseHeaders(503, "application/json", ours=True))  # the gate's own 503
+    body = b'{"error":{"code":"upstream_unavailable"}}'
+    assert m.handle(ResponseBody(body, True)) == [Send(body, True)]
+    assert m.handle(StreamClosed()) == [
+        StopTimers(), Finish(Outcome.UPSTREAM_FAILED, 0, "http 503")]
+
+
+def test_guard_headers_only_response() -> None:
+    m = GuardMachine.new(RID, STALL)
+    assert m.handle(ResponseHeaders(204, "", end_of_stream=True)) == [PassHeaders()]
+    assert m.state is State.GUARD_COMPLETE
+
+
+def test_guard_non_streaming_counts_completion_tokens() -> None:
+    body = json.dumps({"choices": [{"index": 0, "message": {"content": "hi there"}}],
+                       "usage": {"completion_tokens": 7}}).encode()
+    m = GuardMachine.new(RID, STALL)
+    m.handle(ResponseHeaders(200, "application/json"))
+    assert m.handle(ResponseBody(body[:5], False)) == [Send(body[:5], False)]
+    assert m.handle(ResponseBody(body[5:], True)) == [Send(body[5:], True)]
+    assert m.handle(StreamClosed()) == [StopTimers(), Finish(
+        Outcome.COMPLETED, 7, None, exact=True, source="engine")]
+
+
+def test_the_guard_request_phase_is_in_the_table() -> None:
+    err = GatewayError(ErrorCode.INVALID_REQUEST_BODY, "bad", 400, request_id=RID)
+    for kind, body, opened, end in [
+            ("generation", None, True, State.GUARD_WAITING),
+            ("generation", None, False, State.GUARD_ASIDE),   # a repeat, or etcd down
+            ("generation", err, None, State.GUARD_ASIDE),     # a body we cannot run
+            ("passthrough", None, None, State.GUARD_ASIDE),
+            ("status", None, None, State.GUARD_ASIDE)]:
+        m = GuardMachine.new(RID, STALL, at_request=True)
+        assert m.state is State.GUARD_NEW and not m.accepted
+        m.handle(RequestHeadersSeen(kind))
+        if kind == "generation":
+            acts = m.handle(RequestBodySeen(body))
+            assert acts == ([Refuse(err)] if body is not None else [
+                OpenIntake(), RegisterIntake(), AnswerBody(), AwaitIntake()])
+            if opened is not None:
+                m.handle(RequestOpened(opened))
+        assert m.state is end and m.accepted is (end is State.GUARD_WAITING)
+        # Closing before the intake finished records nothing.
+        if not m.accepted:
+            assert m.handle(StreamClosed()) == [] and m.state is State.GUARD_CLOSED
+
+
+def opening_guard() -> GuardMachine:
+    m = GuardMachine.new(RID, STALL, at_request=True)
+    m.handle(RequestHeadersSeen("generation"))
+    m.handle(RequestBodySeen(None))
+    assert m.state is State.GUARD_OPENING
+    return m
+
+
+def test_a_stream_closed_during_its_intake_is_finished_if_the_intake_commits() -> None:
+    # The intake commits after the stream closed: the record is ours to finish, from
+    # Envoy's cause, or a repeat of its key would be "in progress" for as long as we live.
+    m = opening_guard()
+    assert m.handle(StreamClosed()) == [] and m.state is State.GUARD_LEFT_OPENING
+    assert not m.accepted
+    assert m.handle(StreamClosed()) == [] and m.state is State.GUARD_LEFT_OPENING
+    assert m.handle(RequestOpened(True)) == [AwaitCause()]
+    assert m.state is State.GUARD_AWAIT_CAUSE
+    assert m.handle(CauseLearned("client")) == [
+        Finish(Outcome.CLIENT_DISCONNECTED, 0, "client", True, "events")]
+    assert m.state is State.GUARD_CLOSED
+    # Envoy ended the stream for another reason: nothing was delivered, nothing ran.
+    m = opening_guard()
+    m.handle(StreamClosed())
+    m.handle(RequestOpened(True))
+    assert m.handle(CauseLearned("unknown")) == [
+        Finish(Outcome.UPSTREAM_FAILED, 0, "unknown", True, "events")]
+
+
+def test_a_stream_closed_during_an_intake_that_fails_records_nothing() -> None:
+    m = opening_guard()
+    m.handle(StreamClosed())
+    assert m.handle(RequestOpened(False)) == [] and m.state is State.GUARD_CLOSED
+
+
+
+def test_guard_puts_a_replicas_own_5xx_in_our_shape_and_leaves_ours() -> None:
+    # The last attempt's replica answered 500 with the engine's own JSON: the client gets
+    # our error with the request id (docs/errors.md), status kept.
+    m = GuardMachine.new(RID, STALL)
+    assert m.handle(ResponseHeaders(500, "application/json")) == [PassHeaders()]
+    (sent,) = m.handle(ResponseBody(b'{"object":"error","message":"boom","code":500}', True))
+    assert isinstance(sent, Send) and sent.end_of_stream
+    err = json.loads(sent.data)["error"]
+    assert err["request_id"] == RID and err["code"] == "upstream_unavailable"
+    assert err["retryable"] is True and "upstream status 500" in err["message"]
+    # An error the processor wrote itself (x-gateway-error) passes as it is.
+    ours = b'{"error":{"code":"journal_unavailable","request_id":"' + RID.encode() + b'"}}'
+    m = GuardMachine.new(RID, STALL)
+    assert m.handle(ResponseHeaders(503, "application/json", ours=True)) == [PassHeaders()]
+    (sent,) = m.handle(ResponseBody(ours, True))
+    assert isinstance(sent, Send) and sent.data == ours
+
+
+# --- random streams, randomly split: the invariants hold ---------------------------------
+
+
+@dataclass
+class GuardRun:
+    guard: GuardMachine
+    sends: list[Send]
+    finishes: list[Finish]
+
+
+def run_guard(s: Stream, stalls: list[bool], cause: str) -> GuardRun:
+    m = GuardMachine.new(RID, STALL)
+    m.handle(ResponseHeaders(200, SSE))
+    sends: list[Send] = []
+    finishes: list[Finish] = []
+
+    def account(actions: list[Any]) -> None:
+        for a in actions:
+            if isinstance(a, Send):
+                # After the stream was ended, nothing more is sent.
+                assert not (sends and sends[-1].end_of_stream)
+                sends.append(a)
+            elif isinstance(a, Finish):
+                finishes.append(a)
+            elif isinstance(a, AwaitCause):
+                account(m.handle(CauseLearned(cause)))
+
+    for idx, chunk in enumerate(s.chunks):
+        eos = s.eos and idx == len(s.chunks) - 1
+        account(m.handle(ResponseBody(chunk, eos)))
+        if idx < len(stalls) and stalls[idx]:
+            account(m.handle(TimerFired(TimerKind.STALL)))
+    account(m.handle(StreamClosed()))
+    assert m.state is State.GUARD_CLOSED
+    return GuardRun(m, sends, finishes)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(s=streams(), stalls=st.lists(st.booleans(), max_size=10),
+       cause=st.sampled_from(["client", "upstream", "unknown"]))
+def test_guard_invariants(s: Stream, stalls: list[bool], cause: str) -> None:
+    run = run_guard(s, stalls, cause)
+    m = run.guard
+    sent = b"".join(x.data for x in run.sends)
+    out = decode(sent)
+    fed = decode(s.data, final=s.eos)
+    # Content goes out in the order it came, each once: a prefix of what was fed.
+    sent_texts = texts(out)
+    assert sent_texts == texts(fed)[: len(sent_texts)]
+    assert len(set(sent_texts)) == len(sent_texts)
+    # `delivered` is exactly what the client got.
+    assert m.delivered == sum(e.content_units for e in out if e.kind is EventKind.CONTENT)
+    # One terminal record, with that count.
+    assert len(run.finishes) == 1
+    assert run.finishes[0].delivered_output_tokens == m.delivered
+    # After the first content, no upstream error is ever forwarded; an error there is ours,
+    # it is final (only [DONE] after it) and it ends the stream.
+    first = next((i for i, e in enumerate(out) if e.kind is EventKind.CONTENT), None)
+    if first is not None:
+        assert UPSTREAM_ERROR_MARK not in b"".join(e.raw for e in out[first:])
+        errs = [i for i, e in enumerate(out) if i > first and e.kind in (
+            EventKind.ERROR, EventKind.MALFORMED)]
+        if errs:
+            assert len(errs) == 1
+            i = errs[0]
+            assert [e.kind for e in out[i:]] == [EventKind.ERROR, EventKind.DONE]
+            assert out[i].raw + out[i + 1].raw == decode_interrupted(
+                RID, m.delivered, False).sse_bytes()  # events counted: not exact
+            assert run.sends[-1].end_of_stream
+            assert run.finishes[0].outcome is Outcome.UPSTREAM_DECODE_INTERRUPTED
+    # Oracle for streams without stalls that ended normally.
+    # Nothing after `[DONE]` reaches the client: its answer is complete by then.
+    done_at = next((i for i, e in enumerate(fed) if e.kind is EventKind.DONE), None)
+    if done_at is not None:
+        fed = fed[: done_at + 1]
+    if s.eos and not any(stalls[: len(s.chunks)]):
+        bad_after = next((i for i, e in enumerate(fed) if e.kind in (
+            EventKind.ERROR, EventKind.MALFORMED) and any(
+                x.kind is EventKind.CONTENT for x in fed[:i])), None)
+        if bad_after is None:
+            assert sent == (s.data if done_at is None else b"".join(e.raw for e in fed))
+            assert run.finishes[0] == Finish(Outcome.COMPLETED, m.delivered, None,
+                                             exact=m.delivered == 0)
+        else:
+            prefix = b"".join(e.raw for e in fed[:bad_after])
+            assert sent == prefix + decode_interrupted(RID, m.delivered,
+                                                       m.delivered == 0).sse_bytes()
+    assert_replays(m)
+
+
+@settings(max_examples=100, deadline=None)
+@given(s=streams())
+def test_guard_output_does_not_depend_on_chunking(s: Stream) -> None:
+    whole = Stream(s.kinds, [s.data], s.eos)
+    a = run_guard(s, [], "upstream")
+    b = run_guard(whole, [], "upstream")
+    assert b"".join(x.data for x in a.sends) == b"".join(x.data for x in b.sends)
+    assert a.finishes == b.finishes
