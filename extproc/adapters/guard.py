@@ -397,7 +397,7 @@ class GuardSession(Session):
                 except StoreUnavailable as e:
                     pending.append(IntakeDown(str(e), clock.monotonic()))
                 if isinstance(a, PauseIntake):
-                    await asyncio.sleep(a.seconds)
+                    await self.timer(a.seconds)
                     pending.append(IntakePauseOver())
                 elif isinstance(a, TakeBackIntake):
                     self._take_back_intake(rid, a.attempt_id)
@@ -414,6 +414,12 @@ class GuardSession(Session):
                         self.p.reached.pop(rid, None)
                     return a.error
         raise AssertionError("the intake ended without an answer")
+
+    async def timer(self, seconds: float) -> None:
+        """A wait on the Timers port (the injected clock's time)."""
+        fired: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.p.timers.start(seconds, lambda: None if fired.done() else fired.set_result(None))
+        await fired
 
     def undo_reopen_later(self, rid: str, history: tuple[int, Mapping[str, Any]], n: int,
                           aid: str) -> None:

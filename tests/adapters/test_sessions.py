@@ -438,11 +438,12 @@ async def test_a_stream_reset_during_its_intake_still_gets_an_outcome(
     # repeat of its key would be answered request_in_progress for as long as we run.
     p, store = proc()
     release = held_intake(store)
-    guard, _, gtask = start(GuardSession, p)
+    guard, gs, gtask = start(GuardSession, p)
     guard.send(req_headers(headers))
     rid = set_headers((await guard.wait_for(1))[0], "request_headers")[H.REQUEST_ID]
     guard.send(req_body(CHAT))
-    await asyncio.sleep(0.05)
+    await idle()
+    assert gs.opening is not None  # its intake is in flight, held by the store
     gtask.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await gtask
