@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from opentelemetry.trace import Span, SpanKind
+from opentelemetry.trace import Span
 
 from ..core import headers as H
 from ..core import records
@@ -64,7 +64,6 @@ from ..core.failure import FailureClass
 from ..core.families import family_for_path
 from ..core.guard import (
     GuardMachine,
-    IntakeAction,
     IntakeAnswer,
     IntakeDown,
     IntakeEvent,
@@ -81,7 +80,7 @@ from ..core.guard import (
     ViewSettled,
     WriteIntake,
 )
-from ..core.handoff import TraceSnapshot
+from ..core.handoff import HandOff, TraceSnapshot
 from ..core.intake import (
     Generation,
     PassThrough,
@@ -102,7 +101,7 @@ from . import observer
 from .leases import UNDO_SETTLE_S, AttemptLease, ProcessLease, StoreUnavailable
 from .logs import rlog
 from .session import CHUNK_TIME_SAMPLE, INVALID, Messages, Processor, Session, log, retrying
-from .telemetry import TRACEPARENT_HEADER, end_span
+from .telemetry import TRACEPARENT_HEADER
 from .timers import TimerHandle
 from .tools import ToolCallHandler
 
@@ -179,7 +178,7 @@ class GuardSession(Session):
         # and the digest the intake (or the re-open) records for it.
         self.secret1: str | None = None
         self.cred1: str | None = None
-        self.attempt: dict[str, Any] | None = None
+        self.attempt: HandOff | None = None
         self.lease: AttemptLease | None = None
         self.attempt_span: Span | None = None
         self.attempt_machine: TraceSnapshot | None = None
@@ -229,7 +228,7 @@ class GuardSession(Session):
             lease = self.lease
             if lease is not None and not lease.valid() and lease.lose("expired locally"):
                 # its lease ran out locally: said once, acted on once
-                self.fenced_log()
+                observer.guard_fenced(self)
                 await self.feed(Fenced())
             tel = self.p.tel
             sample = False
@@ -383,7 +382,7 @@ class GuardSession(Session):
         while pending:
             ev = pending.pop()
             acts = flow.handle(ev)
-            observe_intake(flow, ev, acts)
+            observer.guard_intake(flow, ev, acts)
             for a in acts:
                 try:
                     if isinstance(a, WriteIntake):
@@ -436,28 +435,6 @@ class GuardSession(Session):
                               "take back an unconfirmed intake", rid, aid,
                               settle_s=UNDO_SETTLE_S), f"guard-undo-intake-{rid}")
 
-    def start_span(self, meta: RequestMeta, route: tuple[str, list[str]] | None) -> None:
-        gen, rid = self.gen, self.rid or ""
-        assert gen is not None
-        self.span = self.p.tel.start("llm.request", self.p.tel.parent_from(self.md),
-                                     SpanKind.SERVER, {
-            "llmgw.request_id": rid, "gen_ai.request.model": meta.model,
-            "gen_ai.operation.name": family_for_path(gen.path).operation,
-            "http.request.method": "POST", "url.path": gen.path,
-            "llmgw.stream": meta.stream, "llmgw.fingerprint": route[0] if route else None,
-            "llmgw.gateway_id": self.cfg.server.gateway_id})
-
-    def opened(self, meta: RequestMeta, route: tuple[str, list[str]] | None) -> None:
-        """The intake committed: the request is ours."""
-        # In flight for the retry budget until this stream ends (on_closed).
-        self.p.budget.request_started(self.rid or "", self.p.clock.monotonic(), self.aid1 or "")
-        rlog(log, logging.INFO, "request accepted", self.rid, None, stream=meta.stream,
-             model=meta.model, fingerprint=route[0] if route else None)
-        self.span.add_event("request.accepted")
-        if self.rerun is not None:
-            self.span.add_event("request.rerun", {"llmgw.run": self.rerun.run,
-                                                  "llmgw.first_attempt": self.rerun.first_attempt})
-
     def body_answer(self, meta: RequestMeta, route: tuple[str, list[str]] | None,
                     record: dict[str, Any], aid1: str) -> ep.ProcessingResponse:
         set_headers = {H.PROMPT_TOKENS: str(meta.estimated_prompt_tokens), H.PREADMITTED: aid1,
@@ -499,8 +476,6 @@ class GuardSession(Session):
             assert self.opening is not None
             self.p.intakes.put(rid, self.opening)
         elif isinstance(a, AnswerBody):
-            if self.span is INVALID:
-                self.start_span(meta, route)
             await self.write(self.body_answer(meta, route, record, first["attempt_id"]))
         elif isinstance(a, AwaitIntake):
             assert self.opening is not None
@@ -508,45 +483,38 @@ class GuardSession(Session):
             self.opening = None
             await self.feed(RequestOpened(err is None, err))
         elif isinstance(a, Accepted):
-            if self.span is INVALID:
-                self.start_span(meta, route)
-            self.opened(meta, route)
-        else:
-            # The gate gives the client this error; nothing ran.
-            end_span(self.span, str(a.error.code))
-            self.span = INVALID
+            # In flight for the retry budget until this stream ends (on_closed).
+            self.p.budget.request_started(rid, self.p.clock.monotonic(), self.aid1 or "")
+        # IntakeFailed: the gate gives the client this error; nothing ran (its span's end
+        # is the observer's).
 
     def take_over(self, handoff: str | None) -> None:
         """The gate released its attempt to us: own its end, its record and its fence."""
         if not handoff:
             return
-        try:
-            info = json.loads(handoff)
-            aid = str(info["attempt_id"])
-            int(info["attempt"])
-        except (ValueError, KeyError, TypeError):
-            rlog(log, logging.ERROR, "unreadable attempt hand-off", self.rid, None)
+        ho = HandOff.from_header(handoff)
+        if ho is None:
+            observer.guard_handoff_unreadable(self)
             return
-        self.attempt = info
+        aid = ho.attempt_id
         got = self.p.handoffs.take(aid)
+        if got is not None:
+            ho = got.handoff  # the same record, with the gate's trace (in-process only)
+        self.attempt = ho
         self.attempt_span = got.span if got is not None else None
-        self.attempt_machine = got.handoff.trace if got is not None else None
+        self.attempt_machine = ho.trace
         pl = self.p.journal.current_process_lease()
         # The attempt's `live` key hangs on the lease of the process that admitted it; when
         # that is us, its local deadline also bounds publishing (etcd unreachable).
-        self.lease = AttemptLease(pl if pl is not None and pl.lease_id == info.get("lease_id")
+        self.lease = AttemptLease(pl if pl is not None and pl.lease_id == ho.lease_id
                                    else ProcessLease(0, 0, float("inf")))
 
         def on_live(value: str | None) -> None:
             lease = self.lease
             if lease is not None and value != aid and lease.lose("revoked or replaced"):
-                self.fenced_log()
+                observer.guard_fenced(self)
                 self.p.spawn(self.on_fenced(), f"guard-fenced-{self.rid}")
         self._unwatch = self.p.journal.on_live_change(self.rid or "", on_live, aid)
-
-    def fenced_log(self) -> None:
-        rlog(log, logging.WARNING, "attempt fenced: its lease was revoked or replaced",
-             self.rid, self.attempt.get("attempt_id") if self.attempt else None)
 
     async def on_fenced(self) -> None:
         async with self.lock:
@@ -556,9 +524,7 @@ class GuardSession(Session):
     async def feed(self, ev: Event) -> None:
         assert self.m is not None
         actions = self.m.handle(ev)
-        if isinstance(ev, TimerFired) and any(isinstance(a, Finish) for a in actions):
-            rlog(log, logging.WARNING, "upstream silent after first delta: ending stream",
-                 self.rid, None, delivered_output_tokens=self.m.delivered)
+        observer.guard(self, ev, actions)
         # The outcome is recorded first, in its own task: once our terminal event is
         # written Envoy may close this stream and cancel us mid-await (found by the sweep).
         for a in actions:
@@ -589,10 +555,6 @@ class GuardSession(Session):
             if a.data or a.end_of_stream:
                 await self.write(codec.streamed_response_body(a.data, a.end_of_stream))
                 self._maybe_checkpoint()
-                if (not self.first_delta_evented and self.m is not None
-                        and self.m.delivered > 0):
-                    self.first_delta_evented = True
-                    self.span.add_event("first_delta.delivered")
         elif isinstance(a, StartTimer):
             self._start_timer(a.kind, a.seconds)
         elif isinstance(a, StopTimers):
@@ -680,31 +642,6 @@ class GuardSession(Session):
                                cause=f.cause, finished_at=self.p.clock.wall(),
                                gateway_id=self.cfg.server.gateway_id, exact=f.exact,
                                source=f.source, bound=f.bound)
-        m = self.m
-        if m is not None and m.withheld:
-            # Forwarded by us, never written by Envoy: the stream was gone first.
-            rlog(log, logging.WARNING, "content the guard forwarded never reached the client",
-                 self.rid, str(self.attempt["attempt_id"]) if self.attempt else None,
-                 withheld_content_events=m.withheld, handed_bytes=m.sent)
-        rlog(log, logging.INFO, "request finished", self.rid, None, outcome=str(f.outcome),
-             delivered_output_tokens=f.delivered_output_tokens, cause=f.cause,
-             delivered_output_tokens_source=f.source,
-             delivered_output_tokens_bound=f.bound)
-        if f.cause in ("stall", "in-band error", "malformed event"):
-            self.span.add_event("terminal_error.injected", {"llmgw.cause": f.cause})
-        if f.outcome is Outcome.CLIENT_DISCONNECTED:
-            self.span.add_event("client.gone")
-        if f.outcome is Outcome.UPSTREAM_DECODE_INTERRUPTED:
-            self.p.tel.interruptions.add(1, {"cause": f.cause or "unknown"})
-        self.p.tel.outcomes.add(1, {"outcome": str(f.outcome)})
-        end_span(self.span, None if f.outcome is Outcome.COMPLETED else str(f.outcome),
-                 **{"llmgw.outcome": str(f.outcome), "llmgw.cause": f.cause,
-                    "llmgw.delivered_output_tokens": f.delivered_output_tokens,
-                    "llmgw.delivered_output_tokens_exact": f.exact,
-                    "llmgw.delivered_output_tokens_source": f.source,
-                    "llmgw.delivered_output_tokens_bound": f.bound,
-                    "llmgw.first_delta_sent": bool(self.m and self.m.delivered > 0),
-                    "http.response.status_code": self.m.status if self.m else None})
         if self.m is not None and self.p.keep_trace(f.outcome is Outcome.COMPLETED):
             self.p.spawn(self.p.save_trace(self.rid, "guard", self.m, {
                 "outcome": str(f.outcome), "gateway_id": self.cfg.server.gateway_id}),
@@ -720,9 +657,10 @@ class GuardSession(Session):
 
     def attempt_end(self, f: Finish) -> tuple[int, dict[str, Any]] | None:
         """The record of the attempt the gate handed over, now that its end is known."""
-        info = self.attempt
-        if info is None:
+        ho = self.attempt
+        if ho is None:
             return None
+        info = ho.record()
         finished = self.m is not None and (self.m.done_seen
                                            or f.outcome is Outcome.COMPLETED)
         cls, record = records.released_end(info, upstream_finished=finished, cause=f.cause,
@@ -741,27 +679,3 @@ class GuardSession(Session):
                 "attempt_id": info["attempt_id"], "replica": info.get("replica"),
                 "failure_class": str(cls)}), f"trace-{info['attempt_id']}")
         return int(info["attempt"]), record
-
-
-def observe_intake(flow: IntakeFlow, ev: IntakeEvent, acts: list[IntakeAction]) -> None:
-    """The intake's log lines, derived from what its flow decided."""
-    rid, aid = flow.request_id, flow.attempt_id
-    for a in acts:
-        if isinstance(a, PauseIntake) and isinstance(ev, IntakeDown):
-            rlog(log, logging.INFO, "intake not confirmed; sending it again", rid, aid,
-                 error=ev.error, tries=flow.tries)
-        elif isinstance(a, IntakeAnswer):
-            if a.error is None and flow.confirmed_own:
-                rlog(log, logging.INFO, "intake confirmed by its own record", rid, aid,
-                     tries=flow.tries)
-            if isinstance(ev, IntakeDown):
-                rlog(log, logging.WARNING, "journal unavailable", rid, None, error=ev.error)
-            elif a.error is not None and flow.view is not None:
-                view = flow.view
-                rlog(log, logging.INFO, "repeat of a known request", rid, None,
-                     code=str(a.error.code), outcome=view.outcome_value, runs=view.runs)
-            if a.rerun is not None:
-                r = a.rerun
-                rlog(log, logging.INFO, "repeat runs the request again", rid, aid,
-                     run=r.run, attempt=r.first_attempt, ended=r.outcome.get("outcome"),
-                     ended_cause=r.outcome.get("cause"))

@@ -16,27 +16,45 @@ from opentelemetry.trace import Span, SpanKind
 
 from ..core.errors import ErrorCode
 from ..core.events import (
+    Accepted,
     Action,
     AdmissionDecided,
     AdmitDecided,
+    AnswerBody,
     CloseAttempt,
     Event,
     FailAttempt,
+    Finish,
+    IntakeFailed,
     LeaseLost,
     MarkSlow,
     Refuse,
     Release,
     RequestStarted,
+    Send,
     State,
     StoreDown,
+    TimerFired,
 )
 from ..core.failure import FailureClass
 from ..core.failure import Fence as FenceKind
+from ..core.families import family_for_path
+from ..core.guard import (
+    IntakeAction,
+    IntakeAnswer,
+    IntakeDown,
+    IntakeEvent,
+    IntakeFlow,
+    PauseIntake,
+)
+from ..core.journal import Outcome
 from .logs import rlog
+from .session import INVALID
 from .telemetry import Telemetry, end_span
 
 if TYPE_CHECKING:
     from .gate import GateSession
+    from .guard import GuardSession
 
 log = logging.getLogger("extproc")
 
@@ -146,3 +164,122 @@ def _start_span(s: GateSession, ev: RequestStarted) -> None:
         "llmgw.attempt": ev.attempt_offset + ev.attempt, "llmgw.envoy_attempt": ev.attempt,
         "server.address": host or None, "server.port": int(port) if port.isdigit() else None,
         "llmgw.fingerprint": s.p.pool.fingerprint_of(ev.replica or "")})
+
+
+# --- the guard ---------------------------------------------------------------------------
+
+# Outcomes whose cause the guard's own terminal event stated.
+_INJECTED = ("stall", "in-band error", "malformed event")
+
+
+def guard(s: GuardSession, ev: Event, actions: list[Action]) -> None:
+    """What the guard's transition on `ev` says to the operator (called before the actions
+    are carried out, so a span a body answer carries exists by then)."""
+    m = s.m
+    if m is None:
+        return
+    for a in actions:
+        if type(a) is Send:  # the hot path: once per chunk
+            if not s.first_delta_evented and m.delivered > 0 and (a.data or a.end_of_stream):
+                s.first_delta_evented = True
+                s.span.add_event("first_delta.delivered")
+        elif isinstance(a, AnswerBody):
+            _guard_span(s)
+        elif isinstance(a, Accepted):
+            _guard_span(s)
+            _guard_accepted(s)
+        elif isinstance(a, IntakeFailed):
+            # The gate gives the client this error; nothing ran.
+            end_span(s.span, str(a.error.code))
+            s.span = INVALID
+        elif isinstance(a, Finish):
+            if isinstance(ev, TimerFired):
+                rlog(log, logging.WARNING, "upstream silent after first delta: ending stream",
+                     s.rid, None, delivered_output_tokens=m.delivered)
+            _guard_finished(s, a)
+
+
+def _guard_span(s: GuardSession) -> None:
+    if s.span is not INVALID or s.gen is None or s.intake is None:
+        return
+    meta, route = s.intake[0], s.intake[1]
+    gen, tel = s.gen, s.p.tel
+    s.span = tel.start("llm.request", tel.parent_from(s.md), SpanKind.SERVER, {
+        "llmgw.request_id": s.rid or "", "gen_ai.request.model": meta.model,
+        "gen_ai.operation.name": family_for_path(gen.path).operation,
+        "http.request.method": "POST", "url.path": gen.path,
+        "llmgw.stream": meta.stream, "llmgw.fingerprint": route[0] if route else None,
+        "llmgw.gateway_id": s.cfg.server.gateway_id})
+
+
+def _guard_accepted(s: GuardSession) -> None:
+    assert s.intake is not None
+    meta, route = s.intake[0], s.intake[1]
+    rlog(log, logging.INFO, "request accepted", s.rid, None, stream=meta.stream,
+         model=meta.model, fingerprint=route[0] if route else None)
+    s.span.add_event("request.accepted")
+    if s.rerun is not None:
+        s.span.add_event("request.rerun", {"llmgw.run": s.rerun.run,
+                                           "llmgw.first_attempt": s.rerun.first_attempt})
+
+
+def _guard_finished(s: GuardSession, f: Finish) -> None:
+    m, tel = s.m, s.p.tel
+    assert m is not None
+    if m.withheld:
+        # Forwarded by us, never written by Envoy: the stream was gone first.
+        rlog(log, logging.WARNING, "content the guard forwarded never reached the client",
+             s.rid, s.attempt.attempt_id if s.attempt else None,
+             withheld_content_events=m.withheld, handed_bytes=m.sent)
+    rlog(log, logging.INFO, "request finished", s.rid, None, outcome=str(f.outcome),
+         delivered_output_tokens=f.delivered_output_tokens, cause=f.cause,
+         delivered_output_tokens_source=f.source, delivered_output_tokens_bound=f.bound)
+    if f.cause in _INJECTED:
+        s.span.add_event("terminal_error.injected", {"llmgw.cause": f.cause})
+    if f.outcome is Outcome.CLIENT_DISCONNECTED:
+        s.span.add_event("client.gone")
+    if f.outcome is Outcome.UPSTREAM_DECODE_INTERRUPTED:
+        tel.interruptions.add(1, {"cause": f.cause or "unknown"})
+    tel.outcomes.add(1, {"outcome": str(f.outcome)})
+    end_span(s.span, None if f.outcome is Outcome.COMPLETED else str(f.outcome),
+             **{"llmgw.outcome": str(f.outcome), "llmgw.cause": f.cause,
+                "llmgw.delivered_output_tokens": f.delivered_output_tokens,
+                "llmgw.delivered_output_tokens_exact": f.exact,
+                "llmgw.delivered_output_tokens_source": f.source,
+                "llmgw.delivered_output_tokens_bound": f.bound,
+                "llmgw.first_delta_sent": m.delivered > 0,
+                "http.response.status_code": m.status})
+
+
+def guard_fenced(s: GuardSession) -> None:
+    """The released attempt's lease was lost (revoked, replaced, or expired locally)."""
+    rlog(log, logging.WARNING, "attempt fenced: its lease was revoked or replaced", s.rid,
+         s.attempt.attempt_id if s.attempt else None)
+
+
+def guard_handoff_unreadable(s: GuardSession) -> None:
+    rlog(log, logging.ERROR, "unreadable attempt hand-off", s.rid, None)
+
+
+def guard_intake(flow: IntakeFlow, ev: IntakeEvent, acts: list[IntakeAction]) -> None:
+    """The intake's log lines, derived from what its flow decided."""
+    rid, aid = flow.request_id, flow.attempt_id
+    for a in acts:
+        if isinstance(a, PauseIntake) and isinstance(ev, IntakeDown):
+            rlog(log, logging.INFO, "intake not confirmed; sending it again", rid, aid,
+                 error=ev.error, tries=flow.tries)
+        elif isinstance(a, IntakeAnswer):
+            if a.error is None and flow.confirmed_own:
+                rlog(log, logging.INFO, "intake confirmed by its own record", rid, aid,
+                     tries=flow.tries)
+            if isinstance(ev, IntakeDown):
+                rlog(log, logging.WARNING, "journal unavailable", rid, None, error=ev.error)
+            elif a.error is not None and flow.view is not None:
+                view = flow.view
+                rlog(log, logging.INFO, "repeat of a known request", rid, None,
+                     code=str(a.error.code), outcome=view.outcome_value, runs=view.runs)
+            if a.rerun is not None:
+                r = a.rerun
+                rlog(log, logging.INFO, "repeat runs the request again", rid, aid,
+                     run=r.run, attempt=r.first_attempt, ended=r.outcome.get("outcome"),
+                     ended_cause=r.outcome.get("cause"))

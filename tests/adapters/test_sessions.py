@@ -194,9 +194,12 @@ async def test_guard_accepts_opens_the_journal_and_streams() -> None:
     assert att["fence"] == "ended_with_request" and att["released"] is True
 
 
-async def test_guard_ends_a_silent_stream_on_its_stall_timer() -> None:
+async def test_guard_ends_a_silent_stream_on_its_stall_timer(
+        caplog: pytest.LogCaptureFixture) -> None:
     # On a fake clock: the stall watchdog is the machine's timer (StartTimer/TimerFired),
-    # run on the Timers port; one timer whose deadline each chunk moves.
+    # run on the Timers port; one timer whose deadline each chunk moves. The guard's log
+    # lines come from its transitions (the observer), once each, with the request id.
+    caplog.set_level(logging.INFO, logger="extproc")
     timers = FakeTimers(FakeClock())
     p, store = proc({"timeouts": {"stall_after_first_delta_s": 10, "access_log_wait_s": 0.05}},
                     timers)
@@ -234,6 +237,9 @@ async def test_guard_ends_a_silent_stream_on_its_stall_timer() -> None:
     assert view.outcome["outcome"] == "upstream_decode_interrupted"
     assert view.outcome["cause"] == "stall" and view.outcome["delivered_output_tokens"] == 2
     assert s.m.recorded is True  # the record's write answered the machine (RecordWritten)
+    lines = [r.getMessage() for r in caplog.records if getattr(r, "request_id", None) == rid]
+    assert lines == ["request accepted", "upstream silent after first delta: ending stream",
+                     "request finished", "attempt ended"]
 
 
 async def test_guard_fails_closed_when_the_journal_is_down() -> None:
