@@ -13,13 +13,15 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from typing import Any, Protocol
 
 from opentelemetry.trace import Span
 
 from ..core import headers as H
 from ..core import records
+from ..core.budget import RetryBudget
+from ..core.config import Config
 from ..core.credentials import digest
 from ..core.errors import (
     GatewayError,
@@ -91,23 +93,82 @@ from ..core.intake import (
     parse_body,
 )
 from ..core.journal import (
+    JournalView,
     Outcome,
     Rerun,
     tenant_digest,
 )
+from ..core.pool import Pool
 from ..gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from . import envoy_codec as codec
 from . import observer
 from .leases import UNDO_SETTLE_S, AttemptLease, ProcessLease, StoreUnavailable
 from .logs import rlog
-from .session import CHUNK_TIME_SAMPLE, INVALID, Messages, Processor, Session, log, retrying
-from .telemetry import TRACEPARENT_HEADER
-from .timers import TimerHandle
+from .ports import Clock, GuardJournal, Ids, Ledger, SentLog
+from .session import (
+    CHUNK_TIME_SAMPLE,
+    INVALID,
+    HandedOff,
+    Messages,
+    Pending,
+    Session,
+    log,
+    retrying,
+)
+from .telemetry import TRACEPARENT_HEADER, Telemetry
+from .timers import TimerHandle, Timers
 from .tools import ToolCallHandler
 
 # Response headers that never reach a client: the gate's hand-off, and an attempt's secret
 # (a replica could echo it back; decision 0028).
 NEVER_TO_CLIENT = (H.HANDOFF, H.ATTEMPT_SECRET)
+
+
+
+class GuardPorts(Protocol):
+    """What one request's guard needs from its process, declared here by its consumer: the
+    configuration, the clock, ids and timers, the journal calls of a request, the tool
+    ledger, Envoy's word on what it sent, the pool's view and the hosts' order, the
+    tokenizers, the budget, the intake in flight, the count of attempts that reached a
+    replica, the hand-off, background work and traces. `session.Processor` provides it."""
+
+    @property
+    def cfg(self) -> Config: ...
+    @property
+    def clock(self) -> Clock: ...
+    @property
+    def ids(self) -> Ids: ...
+    @property
+    def timers(self) -> Timers: ...
+    @property
+    def journal(self) -> GuardJournal: ...
+    @property
+    def ledger(self) -> Ledger: ...
+    @property
+    def causes(self) -> SentLog: ...
+    @property
+    def pool(self) -> Pool: ...
+    @property
+    def tokenizers(self) -> Mapping[str, Callable[[str], int]]: ...
+    @property
+    def budget(self) -> RetryBudget: ...
+    @property
+    def reached(self) -> MutableMapping[str, int]: ...
+    @property
+    def intakes(self) -> Pending[asyncio.Future[GatewayError | None]]: ...
+    @property
+    def handoffs(self) -> Pending[HandedOff]: ...
+    @property
+    def tel(self) -> Telemetry: ...
+
+    def host_order(self, hosts: list[str]) -> list[str]: ...
+    def trace_budget(self) -> int: ...
+    def spawn(self, coro: Awaitable[Any], name: str) -> asyncio.Task[Any]: ...
+    def keep_trace(self, clean: bool) -> bool: ...
+    async def save_trace(self, rid: str, name: str, m: GuardMachine | TraceSnapshot,
+                         meta: dict[str, Any]) -> None: ...
+    async def settled(self, view: JournalView | None) -> JournalView | None: ...
+
 
 # --- guard ---------------------------------------------------------------------------
 
@@ -139,9 +200,9 @@ class GuardSession(Session):
         "watchdog_kind",
     )
 
-    def __init__(self, proc: Processor, ctx: Messages, tools: bool = False) -> None:
+    def __init__(self, proc: GuardPorts, ctx: Messages, tools: bool = False) -> None:
         self.detach = False
-        self.p = proc
+        self.p: GuardPorts = proc
         self.cfg = proc.cfg
         self.ctx = ctx
         # The role of the stream's filter: False, the client listener (role `guard`), which

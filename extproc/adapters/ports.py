@@ -135,6 +135,37 @@ class GateJournal(Protocol):
                        mine: str | None = None) -> Callable[[], None]: ...
 
 
+class GuardJournal(Protocol):
+    """The journal calls a request's guard makes: its intake (and a repeat's re-open), the
+    take-backs, a status read, the progress checkpoint, the record's end, and the watch on
+    the released attempt's `live` key (the consumer's own port)."""
+
+    async def open_request(self, rid: str, meta: Mapping[str, Any],
+                           first_attempt: tuple[str, Mapping[str, Any]] | None = None,
+                           credential: str | None = None) -> JournalView | None: ...
+    async def reopen_request(self, rid: str, ended_outcome: Mapping[str, Any],
+                             history: tuple[int, Mapping[str, Any]],
+                             first_attempt: tuple[int, str, Mapping[str, Any]],
+                             credential: str | None = None) -> JournalView | None: ...
+    async def undo_reopen(self, rid: str, history: tuple[int, Mapping[str, Any]],
+                          first_attempt: tuple[int, str]) -> bool: ...
+    async def undo_intake(self, rid: str, attempt_id: str) -> bool: ...
+    async def get(self, rid: str) -> JournalView | None: ...
+    async def progress(self, rid: str, record: Mapping[str, Any]) -> None: ...
+    async def finish(self, rid: str, outcome: Mapping[str, Any],
+                     attempt_end: tuple[int, Mapping[str, Any]] | None = None) -> bool: ...
+    def current_process_lease(self) -> ProcessLease | None: ...
+    def on_live_change(self, rid: str, cb: Callable[[str | None], None],
+                       mine: str | None = None) -> Callable[[], None]: ...
+
+
+class SentLog(Protocol):
+    """Envoy's downstream access-log word, as the guard asks for it: why the stream ended and
+    how many body bytes it sent (decision 0025)."""
+
+    async def wait_sent(self, rid: str, timeout_s: float) -> tuple[str, int] | None: ...
+
+
 class EntryLog(Protocol):
     """Envoy's per-attempt access-log entries, as the gate asks for them."""
 
