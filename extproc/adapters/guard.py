@@ -10,6 +10,7 @@ and `core.records`; this module carries them out.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -45,6 +46,7 @@ from ..core.events import (
     OpenIntake,
     PassAside,
     PassHeaders,
+    ProgressWritten,
     RecordWritten,
     Refuse,
     RegisterIntake,
@@ -61,6 +63,7 @@ from ..core.events import (
     TakeOver,
     TimerFired,
     TimerKind,
+    WriteProgress,
 )
 from ..core.failure import FailureClass
 from ..core.families import family_for_path
@@ -170,11 +173,20 @@ class GuardPorts(Protocol):
     async def settled(self, view: JournalView | None) -> JournalView | None: ...
 
 
+class _Timer:
+    __slots__ = ("at", "handle")
+
+    def __init__(self, handle: TimerHandle, at: float) -> None:
+        self.handle = handle
+        self.at = at  # monotonic deadline
+
+
 # --- guard ---------------------------------------------------------------------------
 
 
 class GuardSession(Session):
     __slots__ = (
+        "_timers",
         "_unwatch",
         "aid1",
         "attempt",
@@ -188,16 +200,10 @@ class GuardSession(Session):
         "lease",
         "m",
         "opening",
-        "progress_at",
-        "progress_inflight",
-        "progress_sent",
         "rerun",
         "secret1",
         "tool",
         "tools_listener",
-        "watchdog",
-        "watchdog_at",
-        "watchdog_kind",
     )
 
     def __init__(self, proc: GuardPorts, ctx: Messages, tools: bool = False) -> None:
@@ -216,12 +222,9 @@ class GuardSession(Session):
         # What the intake's steps need: the parsed body, the route, the record, attempt 1.
         self.intake: tuple[RequestMeta, tuple[str, list[str]] | None, dict[str, Any],
                            dict[str, Any]] | None = None
-        self.watchdog: TimerHandle | None = None
-        self.watchdog_kind = TimerKind.STALL
+        # The machine's timers on the Timers port: per kind, its handle and its deadline.
+        self._timers: dict[TimerKind, _Timer] = {}
         self.closed = False
-        self.progress_at = self.p.clock.monotonic()
-        self.progress_sent = 0
-        self.progress_inflight = False
         self.tool: ToolCallHandler | None = None
         # A repeat of a key that runs the request again (decision 0027), once re-opened.
         self.rerun: Rerun | None = None
@@ -231,7 +234,6 @@ class GuardSession(Session):
         self.span: Span = INVALID
         self.first_delta_evented = False
         self.envoy_request_id: str | None = None
-        self.watchdog_at = 0.0  # monotonic deadline of the stall timer (0: stopped)
         # The attempt the gate handed over at release: its record, and its permission to
         # publish (process lease + the revocation watch).
         self.aid1: str | None = None
@@ -246,7 +248,7 @@ class GuardSession(Session):
         self._unwatch: Callable[[], None] | None = None
 
     async def on_closed(self) -> None:
-        self._disarm()
+        self._stop_timers()
         if self.rid is not None and self.aid1 is not None and self.tool is None:
             # The request is over, and with it its re-prefills (the released one too).
             self.p.budget.request_ended(self.rid, self.aid1)
@@ -320,9 +322,10 @@ class GuardSession(Session):
 
     def _machine(self, rid: str, kind: str, family: str = "chat") -> GuardMachine:
         """The request's machine, from its headers on (its request phase is in the table)."""
-        m = self.m = GuardMachine.new(rid, self.cfg.timeouts.stall_after_first_delta_s,
+        t = self.cfg.timeouts
+        m = self.m = GuardMachine.new(rid, t.stall_after_first_delta_s,
                                       self.cfg.limits.max_buffered_response_bytes,
-                                      at_request=True)
+                                      at_request=True, progress_every=t.progress_interval_s)
         m.trace_budget = self.p.trace_budget()
         m.handle(RequestHeadersSeen(kind, family))
         return m
@@ -615,11 +618,12 @@ class GuardSession(Session):
         elif isinstance(a, Send):
             if a.data or a.end_of_stream:
                 await self.write(codec.streamed_response_body(a.data, a.end_of_stream))
-                self._maybe_checkpoint()
         elif isinstance(a, StartTimer):
             self._start_timer(a.kind, a.seconds)
         elif isinstance(a, StopTimers):
-            self._disarm()
+            self._stop_timers()
+        elif isinstance(a, WriteProgress):
+            self.p.spawn(self.write_progress(a.delivered), f"guard-progress-{rid}")
         elif isinstance(a, Refuse):
             await self.write(codec.immediate(a.error, {H.REQUEST_ID: rid} if rid else None))
         elif isinstance(a, AwaitCause):
@@ -628,49 +632,42 @@ class GuardSession(Session):
             await self.feed(CauseLearned("unknown", None) if got is None
                             else CauseLearned(got[0], got[1]))
 
-    def _maybe_checkpoint(self) -> None:
-        """Now and then record the delivered count, in case this process dies mid-stream."""
-        every = self.cfg.timeouts.progress_interval_s
-        m = self.m
-        if every <= 0 or m is None or self.progress_inflight or m.delivered <= self.progress_sent:
-            return
-        now = self.p.clock.monotonic()
-        if now - self.progress_at < every:
-            return
-        self.progress_at, self.progress_sent, self.progress_inflight = now, m.delivered, True
-
-        async def put(n: int) -> None:
-            try:
-                await self.p.journal.progress(self.rid or "", {"delivered_output_tokens": n,
-                                                             "at": self.p.clock.wall()})
-            except StoreUnavailable:
-                pass  # a missed checkpoint only weakens the lower bound
-            finally:
-                self.progress_inflight = False
-        self.p.spawn(put(m.delivered), f"guard-progress-{self.rid}")
+    async def write_progress(self, n: int) -> None:
+        # A missed checkpoint only weakens the lower bound it gives.
+        with contextlib.suppress(StoreUnavailable):
+            await self.p.journal.progress(self.rid or "", {"delivered_output_tokens": n,
+                                                         "at": self.p.clock.wall()})
+        async with self.lock:
+            if self.m is not None:
+                await self.feed(ProgressWritten())
 
     def _start_timer(self, kind: TimerKind, seconds: float) -> None:
-        # The stall timer is started again on every chunk: move its deadline, keep one
-        # timer on the Timers port (a timer per chunk was a measurable share of the
-        # per-chunk cost).
-        self.watchdog_kind = kind
-        self.watchdog_at = self.p.clock.monotonic() + seconds
-        if self.watchdog is None:
-            self.watchdog = self.p.timers.start(seconds, self._watchdog_fired)
+        # A kind started again (the stall timer, with every chunk) moves its deadline and
+        # keeps its one timer on the port (a timer per chunk was a measurable share of the
+        # per-chunk cost). The guard's deadlines only ever move later.
+        at = self.p.clock.monotonic() + seconds
+        t = self._timers.get(kind)
+        if t is not None:
+            t.at = at
+        else:
+            self._timers[kind] = _Timer(self.p.timers.start(seconds, lambda: self._fired(kind)),
+                                        at)
 
-    def _watchdog_fired(self) -> None:
-        left = self.watchdog_at - self.p.clock.monotonic()
-        if left > 0:  # moved on since it was started: wait the rest
-            self.watchdog = self.p.timers.start(left, self._watchdog_fired)
+    def _fired(self, kind: TimerKind) -> None:
+        t = self._timers.get(kind)
+        if t is None:
             return
-        self.watchdog = None
-        self.p.spawn(self.on_timer(self.watchdog_kind), f"guard-timer-{self.rid}")
+        left = t.at - self.p.clock.monotonic()
+        if left > 0:  # moved on since it was started: wait the rest
+            t.handle = self.p.timers.start(left, lambda: self._fired(kind))
+            return
+        del self._timers[kind]
+        self.p.spawn(self.on_timer(kind), f"guard-timer-{self.rid}")
 
-    def _disarm(self) -> None:
-        self.watchdog_at = 0.0
-        if self.watchdog is not None:
-            self.watchdog.cancel()
-            self.watchdog = None
+    def _stop_timers(self) -> None:
+        for t in self._timers.values():
+            t.handle.cancel()
+        self._timers.clear()
 
     async def on_timer(self, kind: TimerKind) -> None:
         async with self.lock:

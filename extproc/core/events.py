@@ -78,6 +78,7 @@ class TimerKind(StrEnum):
     SOFT_FIRST_DELTA = "soft_first_delta"  # slow is not dead: noted, nothing changes
     FIRST_DELTA = "first_delta"  # the attempt's first-delta deadline
     STALL = "stall"  # guard: no byte from upstream for this long after the first delta
+    CHECKPOINT = "checkpoint"  # guard: time to record the delivered count again
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,6 +203,12 @@ class RecordWritten:
 
 
 @dataclass(frozen=True, slots=True)
+class ProgressWritten:
+    """Guard: the answer to WriteProgress (landed or not: a missed checkpoint only weakens
+    the lower bound it gives)."""
+
+
+@dataclass(frozen=True, slots=True)
 class CauseLearned:
     """Guard: the termination cause, from Envoy's access log (or 'unknown' on timeout).
 
@@ -219,7 +226,8 @@ class CauseLearned:
 
 Event: TypeAlias = (RequestStarted | IntakeCommitted | AdmissionDecided | StoreDown | TimerFired
                     | Revoked | AdmitDecided | ResponseHeaders | ResponseBody | FenceDecided
-                    | StreamClosed | CauseLearned | RecordWritten | Fenced
+                    | StreamClosed | CauseLearned | RecordWritten | ProgressWritten
+                    | Fenced
                     | LeaseLost | RequestHeadersSeen | RequestBodySeen | RequestOpened)
 
 # --- actions --------------------------------------------------------------------------
@@ -439,6 +447,14 @@ class EndAttempt:
 
 
 @dataclass(frozen=True, slots=True)
+class WriteProgress:
+    """Record the delivered count so far (a lower bound, in case this process dies
+    mid-stream); its answer comes back as ProgressWritten."""
+
+    delivered: int
+
+
+@dataclass(frozen=True, slots=True)
 class Finish:
     """Write the terminal record: the outcome and what the client received; its answer
     comes back as RecordWritten."""
@@ -513,7 +529,7 @@ Action: TypeAlias = (Admit | AwaitIntakeCommit | Decide | TakeLease | GiveBack |
                      | Fence | Release | FailAttempt | DropChunk | Send
                      | AwaitCause | EndAttempt | Finish | OpenIntake
                      | RegisterIntake | AnswerBody | AwaitIntake | Accepted | IntakeFailed
-                     | TakeOver | PassAside)
+                     | TakeOver | PassAside | WriteProgress)
 
 
 class State(StrEnum):

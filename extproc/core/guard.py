@@ -35,6 +35,7 @@ from .events import (
     OpenIntake,
     PassAside,
     PassHeaders,
+    ProgressWritten,
     RecordWritten,
     Refuse,
     RegisterIntake,
@@ -51,6 +52,7 @@ from .events import (
     TakeOver,
     TimerFired,
     TimerKind,
+    WriteProgress,
 )
 from .families import CHAT, Family, family_named
 from .intake import own_intake
@@ -89,6 +91,11 @@ class GuardMachine(Machine):
     max_buffer: int = 4 << 20
     finished: Finish | None = None
     recorded: bool | None = None  # Finish's write: landed, or never answered (None: not yet)
+    # The delivered count checkpointed every `progress_every` seconds while streaming (0:
+    # never): the count last written, and whether a write is still unanswered.
+    progress_every: float = 0.0
+    progress_sent: int = 0
+    progress_inflight: bool = False
     done_seen: bool = False  # `[DONE]` forwarded: the client has a complete answer
     keyed: bool = False  # its intake is answered before its body goes on (decision 0021)
     # Envoy's own plain-text 5xx (e.g. no healthy upstream, overflow): replaced by our JSON
@@ -107,12 +114,14 @@ class GuardMachine(Machine):
 
     @classmethod
     def new(cls, request_id: str, stall_after_first_delta_s: float,
-            max_buffer: int = 4 << 20, at_request: bool = False) -> GuardMachine:
+            max_buffer: int = 4 << 20, at_request: bool = False,
+            progress_every: float = 0.0) -> GuardMachine:
         """At the request's headers (`at_request`, as the guard runs it), or already
         accepted and waiting for the response (tests of the response path)."""
         state = State.GUARD_NEW if at_request else State.GUARD_WAITING
         return cls(request_id=request_id, state=state, role="guard", initial_state=state,
-                   stall_after_first_delta_s=stall_after_first_delta_s, max_buffer=max_buffer)
+                   stall_after_first_delta_s=stall_after_first_delta_s, max_buffer=max_buffer,
+                   progress_every=progress_every)
 
     @property
     def accepted(self) -> bool:
@@ -274,6 +283,8 @@ def _sse_forward(m: GuardMachine, events: list[SseEvent], end: bool) -> list[Act
     elif m.done_seen:
         acts.append(StopTimers())  # complete answer: silence now is no interruption
     elif m.delivered > 0:
+        if m.state is not State.GUARD_STREAMING and m.progress_every > 0:
+            acts.append(StartTimer(TimerKind.CHECKPOINT, m.progress_every))
         m.state = State.GUARD_STREAMING
         acts.append(StartTimer(TimerKind.STALL, m.stall_after_first_delta_s))
     return acts
@@ -322,6 +333,27 @@ def _guard_stall(m: GuardMachine, ev: TimerFired) -> list[Action]:
     end = m._terminal()
     m.sent_downstream(len(end))
     return [Send(end, True), m._finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, "stall")]
+
+
+def _guard_timer(m: GuardMachine, ev: TimerFired) -> list[Action]:
+    if ev.kind is TimerKind.CHECKPOINT:
+        return _guard_checkpoint(m, ev)
+    return _guard_stall(m, ev)
+
+
+def _guard_checkpoint(m: GuardMachine, ev: TimerFired) -> list[Action]:
+    # Now and then the delivered count is recorded, in case this process dies mid-stream
+    # (one write at a time; none when nothing more went out).
+    acts: list[Action] = [StartTimer(TimerKind.CHECKPOINT, m.progress_every)]
+    if m.delivered > m.progress_sent and not m.progress_inflight:
+        m.progress_sent, m.progress_inflight = m.delivered, True
+        acts.insert(0, WriteProgress(m.delivered))
+    return acts
+
+
+def _guard_progress_written(m: GuardMachine, ev: ProgressWritten) -> list[Action]:
+    m.progress_inflight = False
+    return []
 
 
 def _guard_fenced(m: GuardMachine, ev: Fenced) -> list[Action]:
@@ -498,7 +530,7 @@ GUARD_TABLE: Table = {
     (S.GUARD_STREAMING, ResponseBody): T(_guard_body, S.GUARD_STREAMING,
                                               S.GUARD_COMPLETE, S.GUARD_TERMINATED),
     (S.GUARD_RESPONDING, TimerFired): T(_guard_stall_ignored, S.GUARD_RESPONDING),
-    (S.GUARD_STREAMING, TimerFired): T(_guard_stall, S.GUARD_STREAMING,
+    (S.GUARD_STREAMING, TimerFired): T(_guard_timer, S.GUARD_STREAMING,
                                               S.GUARD_TERMINATED),
     (S.GUARD_TERMINATED, ResponseBody): T(_guard_body_after_end, S.GUARD_TERMINATED),
     **stay(_guard_stall_ignored, (S.GUARD_TERMINATED, S.GUARD_COMPLETE, S.GUARD_CLOSED),
@@ -508,6 +540,9 @@ GUARD_TABLE: Table = {
     (S.GUARD_CLOSED, StreamClosed): T(lambda m, ev: [], S.GUARD_CLOSED),
     # A Finish's write answers once it lands or gives up (the stream may be gone by then).
     **stay(_guard_recorded, (S.GUARD_TERMINATED, S.GUARD_CLOSED), RecordWritten),
+    # A checkpoint's write answers whenever it lands, the stream going on or not.
+    **stay(_guard_progress_written, (S.GUARD_STREAMING, S.GUARD_COMPLETE, S.GUARD_TERMINATED,
+                                     S.GUARD_AWAIT_CAUSE, S.GUARD_CLOSED), ProgressWritten),
     (S.GUARD_RESPONDING, Fenced): T(_guard_fenced, S.GUARD_RESPONDING,
                                          S.GUARD_TERMINATED),
     (S.GUARD_STREAMING, Fenced): T(_guard_fenced, S.GUARD_STREAMING, S.GUARD_TERMINATED),

@@ -24,6 +24,7 @@ from .events import (
     FenceDecided,
     IntakeCommitted,
     LeaseLost,
+    ProgressWritten,
     RecordWritten,
     RequestBodySeen,
     RequestHeadersSeen,
@@ -116,6 +117,8 @@ def event_from_record(d: Mapping[str, Any]) -> Event:
         return RequestOpened(bool(d["accepted"]), err)
     if t == "StallTimeout":  # traces kept before the stall watchdog was a timer row
         return TimerFired(TimerKind.STALL)
+    if t == "ProgressWritten":
+        return ProgressWritten()
     if t == "RecordWritten":
         return RecordWritten(bool(d["landed"]))
     if t == "Fenced":
@@ -166,6 +169,7 @@ def snapshot(m: GateMachine | GuardMachine) -> TraceSnapshot:
         params["initial_state"] = str(m.initial_state)
     if isinstance(m, GuardMachine):
         params["stall_after_first_delta_s"] = m.stall_after_first_delta_s
+        params["progress_every"] = m.progress_every
     return TraceSnapshot(role=m.role, request_id=m.request_id, params=params,
                          events=tuple(m.trace), decisions=tuple(m.decisions),
                          summary=summary(m))
@@ -211,7 +215,8 @@ def replay(trace: Mapping[str, Any]) -> ReplayResult:
     elif trace["role"] == "guard":
         m = GuardMachine.new(rid, float(params.get("stall_after_first_delta_s", 15.0)),
                              int(params.get("max_buffer", 4 << 20)),
-                             at_request=params.get("initial_state") == str(State.GUARD_NEW))
+                             at_request=params.get("initial_state") == str(State.GUARD_NEW),
+                             progress_every=float(params.get("progress_every", 0.0)))
     else:
         return ReplayResult(False, 0, f"unknown role {trace['role']!r}")
     recorded = list(trace.get("decisions") or [])

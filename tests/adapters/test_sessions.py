@@ -201,8 +201,8 @@ async def test_guard_ends_a_silent_stream_on_its_stall_timer(
     # lines come from its transitions (the observer), once each, with the request id.
     caplog.set_level(logging.INFO, logger="extproc")
     timers = FakeTimers(FakeClock())
-    p, store = proc({"timeouts": {"stall_after_first_delta_s": 10, "access_log_wait_s": 0.05}},
-                    timers)
+    p, store = proc({"timeouts": {"stall_after_first_delta_s": 10, "access_log_wait_s": 0.05,
+                                  "progress_interval_s": 0}}, timers)
     ctx, s, task = start(GuardSession, p)
     ctx.send(req_headers(DOWN))
     rid = set_headers((await ctx.wait_for(1))[0], "request_headers")[H.REQUEST_ID]
@@ -240,6 +240,48 @@ async def test_guard_ends_a_silent_stream_on_its_stall_timer(
     lines = [r.getMessage() for r in caplog.records if getattr(r, "request_id", None) == rid]
     assert lines == ["request accepted", "upstream silent after first delta: ending stream",
                      "request finished", "attempt ended"]
+
+
+async def test_guard_checkpoints_the_delivered_count_on_its_timer() -> None:
+    # On a fake clock: every progress_interval_s while streaming, the count so far is
+    # recorded (the machine's CHECKPOINT timer and WriteProgress, answered ProgressWritten).
+    timers = FakeTimers(FakeClock())
+    p, store = proc({"timeouts": {"stall_after_first_delta_s": 100, "progress_interval_s": 2,
+                                  "access_log_wait_s": 0.05}}, timers)
+    writes: list[int] = []
+    real = store.progress
+
+    async def progress(rid: str, record: Any) -> None:
+        writes.append(record["delivered_output_tokens"])
+        await real(rid, record)
+    store.progress = progress  # type: ignore[method-assign]
+    ctx, s, task = start(GuardSession, p)
+    ctx.send(req_headers(DOWN))
+    await ctx.wait_for(1)
+    ctx.send(req_body(CHAT))
+    await ctx.wait_for(2)
+    ctx.send(resp_headers({":status": "200", "content-type": "text/event-stream"}))
+    ctx.send(resp_body(SSE_ROLE + SSE_CONTENT))
+    await ctx.wait_for(4)
+    assert timers.pending() == 2  # the stall timer and the checkpoint's
+    assert timers.advance(1.9) == 0
+    assert timers.advance(0.1) == 1
+    await idle()
+    assert writes == [1] and s.m.progress_inflight is False  # written, answered
+    assert timers.advance(2.0) == 1  # nothing new went out: nothing written
+    await idle()
+    assert writes == [1]
+    ctx.send(resp_body(SSE_CONTENT))
+    await ctx.wait_for(5)
+    assert timers.advance(2.0) == 1
+    await idle()
+    assert writes == [1, 2]
+    ctx.send(resp_body(SSE_DONE, eos=True))
+    await ctx.wait_for(6)
+    assert timers.pending() == 0  # the end stops both
+    ctx.close()
+    await asyncio.wait_for(task, 3)
+    await p.drain()
 
 
 async def test_guard_fails_closed_when_the_journal_is_down() -> None:

@@ -39,6 +39,7 @@ from extproc.core.events import (
     OpenIntake,
     PassAside,
     PassHeaders,
+    ProgressWritten,
     RecordWritten,
     Refuse,
     RegisterIntake,
@@ -55,6 +56,7 @@ from extproc.core.events import (
     TakeOver,
     TimerFired,
     TimerKind,
+    WriteProgress,
 )
 from extproc.core.guard import (
     INTAKE_MAX_PAUSE_S,
@@ -159,6 +161,31 @@ def test_the_stall_watchdog_is_a_timer_row() -> None:
     # The stream's end stops it; a late one changes nothing.
     assert m.handle(StreamClosed()) == []
     assert m.handle(TimerFired(TimerKind.STALL, 30.0)) == []
+
+
+def test_the_delivered_count_is_checkpointed_on_a_timer_row() -> None:
+    m = GuardMachine.new(RID, 15.0, progress_every=2.0)
+    acts = streaming(m)
+    # The first delta starts the checkpoint timer once; every chunk moves the stall timer.
+    assert acts[1:] == [StartTimer(TimerKind.CHECKPOINT, 2.0), StartTimer(TimerKind.STALL, 15.0)]
+    assert StartTimer(TimerKind.CHECKPOINT, 2.0) not in m.handle(ResponseBody(
+        b'data: {"choices":[{"delta":{"content":"b"}}]}\n\n', False))
+    assert m.handle(TimerFired(TimerKind.CHECKPOINT, 2.0)) == [
+        WriteProgress(2), StartTimer(TimerKind.CHECKPOINT, 2.0)]
+    # One write at a time: unanswered, the next tick writes nothing; nor with nothing new.
+    assert m.handle(TimerFired(TimerKind.CHECKPOINT, 4.0)) == [
+        StartTimer(TimerKind.CHECKPOINT, 2.0)]
+    assert m.handle(ProgressWritten()) == []
+    assert m.handle(TimerFired(TimerKind.CHECKPOINT, 6.0)) == [
+        StartTimer(TimerKind.CHECKPOINT, 2.0)]
+    m.handle(ResponseBody(b'data: {"choices":[{"delta":{"content":"c"}}]}\n\n', False))
+    assert m.handle(TimerFired(TimerKind.CHECKPOINT, 8.0))[0] == WriteProgress(3)
+    assert m.state is State.GUARD_STREAMING
+    # Never without an interval; a late answer after the end changes nothing.
+    assert not any(isinstance(a, StartTimer) and a.kind is TimerKind.CHECKPOINT
+                   for a in streaming(GuardMachine.new(RID, 15.0)))
+    m.handle(StreamClosed())
+    assert m.handle(ProgressWritten()) == []
 
 
 def test_the_records_write_answers_the_machine() -> None:
