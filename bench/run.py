@@ -1,7 +1,7 @@
 """One-command benchmark: plain Envoy vs Envoy + our processor vs the floor, on this machine.
 
     .venv/bin/python -m bench.run            # full: 3 repeats + extras, ~10 min
-    .venv/bin/python -m bench.run --quick    # smoke: 1 repeat, short windows, ~3 min
+    .venv/bin/python -m bench.run --quick    # smoke: 1 repeat, ~6 min (--no-extras: ~1.5)
 
 Three sides, measured per repeat in turn (the order reverses between repeats), each figure on
 a fresh stack started just before and stopped just after, so no two sides share the cores:
@@ -51,7 +51,7 @@ from bench.report import render_extras, render_table, summarize
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="1 repeat, short windows (~40 s)")
+    ap.add_argument("--quick", action="store_true", help="1 repeat, short windows")
     ap.add_argument("--repeats", type=int, help="repeats (default 3; 1 with --quick)")
     ap.add_argument("--clients", type=int, help="saturation concurrency (default 32)")
     ap.add_argument("--duration", type=float, help="saturation window seconds (default 8)")
