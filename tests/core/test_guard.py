@@ -83,6 +83,7 @@ from extproc.core.machine import ProtocolViolation
 from extproc.core.replay import event_from_record
 from extproc.core.sse import DONE_EVENT, EventKind, SseDecoder, encode_event
 
+from .exhaustive import Chooser, every
 from .sse_streams import UPSTREAM_ERROR_MARK, Stream, assert_replays, decode, streams, texts
 
 RID = "req_0123456789abcdefghjkmnpqrs"
@@ -227,25 +228,13 @@ def test_the_new_fields_survive_a_trace() -> None:
 # --- properties: every interleaving -----------------------------------------------------
 
 
-class NeedChoice(Exception):
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-
 @dataclass
-class Run:
+class Run(Chooser):
     keyed: bool
     accept: bool
     choices: list[int]
     at: int = 0
     log: list[tuple[Event, list[Action]]] = field(default_factory=list)
-
-    def choose(self, n: int) -> int:
-        if self.at == len(self.choices):
-            raise NeedChoice(n)
-        c = self.choices[self.at]
-        self.at += 1
-        return c
 
 
 def play(run: Run) -> GuardMachine:
@@ -290,16 +279,7 @@ def every_run() -> list[Run]:
     runs: list[Run] = []
     for keyed in (False, True):
         for accept in (False, True):
-            stack: list[list[int]] = [[]]
-            while stack:
-                prefix = stack.pop()
-                r = Run(keyed, accept, list(prefix))
-                try:
-                    play(r)
-                except NeedChoice as need:
-                    stack += [[*prefix, i] for i in range(need.n)]
-                    continue
-                runs.append(r)
+            runs += every(lambda c, k=keyed, a=accept: Run(k, a, c), play)
     return runs
 
 
@@ -504,18 +484,11 @@ def test_an_intake_flow_pair_with_no_row_is_a_protocol_violation() -> None:
 
 
 @dataclass
-class IntakeRun:
+class IntakeRun(Chooser):
     choices: list[int]
     at: int = 0
     mono: float = 0.0
     log: list[tuple[object, list[IntakeAction]]] = field(default_factory=list)
-
-    def choose(self, n: int) -> int:
-        if self.at == len(self.choices):
-            raise NeedChoice(n)
-        c = self.choices[self.at]
-        self.at += 1
-        return c
 
 
 def play_intake(r: IntakeRun) -> IntakeFlow:
@@ -549,17 +522,7 @@ def play_intake(r: IntakeRun) -> IntakeFlow:
 
 
 def every_intake_run() -> list[IntakeRun]:
-    runs, stack = [], [[]]
-    while stack:
-        prefix = stack.pop()
-        r = IntakeRun(list(prefix))
-        try:
-            play_intake(r)
-        except NeedChoice as need:
-            stack += [[*prefix, i] for i in range(need.n)]
-            continue
-        runs.append(r)
-    return runs
+    return every(IntakeRun, play_intake)
 
 
 INTAKE_RUNS = every_intake_run()

@@ -56,6 +56,8 @@ from extproc.core.tool_route import (
     arrows,
 )
 
+from .exhaustive import Chooser, every
+
 RID = "req_" + "a" * 26
 AID = "att_" + "b" * 26
 SECRET = "s" * 43
@@ -319,13 +321,8 @@ def test_arrows_draw_every_state_reached() -> None:
 # --- properties: every interleaving -----------------------------------------------------
 
 
-class NeedChoice(Exception):
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-
 @dataclass
-class World:
+class World(Chooser):
     """Plays the store, the timers, the tool server and the stream, one choice at a time."""
 
     choices: list[int]
@@ -333,13 +330,6 @@ class World:
     mono: float = 10.0
     log: list[tuple[Event, list[Action]]] = field(default_factory=list)
     closed: bool = False
-
-    def choose(self, n: int) -> int:
-        if self.at == len(self.choices):
-            raise NeedChoice(n)
-        c = self.choices[self.at]
-        self.at += 1
-        return c
 
     def answer(self, a: Action) -> Event | None:
         if isinstance(a, ReadCredential):
@@ -412,17 +402,7 @@ def play(world: World) -> ToolRoute:
 
 
 def every_run() -> list[World]:
-    worlds, stack = [], [[]]
-    while stack:
-        prefix = stack.pop()
-        w = World(list(prefix))
-        try:
-            play(w)
-        except NeedChoice as need:
-            stack += [[*prefix, i] for i in range(need.n)]
-            continue
-        worlds.append(w)
-    return worlds
+    return every(World, play)
 
 
 RUNS = every_run()
