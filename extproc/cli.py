@@ -82,6 +82,29 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--fingerprint", action="append", default=[], metavar="FIELD=VALUE",
                    help="one fingerprint field (repeat; lora_adapters as a,b,c)")
     g.add_argument("--model", action="append", default=[], help="a model it serves (repeat)")
+    a = sub.add_parser("agent", help="`register`'s job plus a streaming proxy in front of the "
+                       "model server that fences, aborts and acknowledges attempts at the "
+                       "source (docs/replica-agent.md)")
+    a.add_argument("--config")
+    a.add_argument("--listen", required=True, metavar="HOST:PORT",
+                   help="what Envoy and the pool dial (the agent's proxy)")
+    a.add_argument("--address", default=None, metavar="IP:PORT",
+                   help="the address registered in the pool (default: --listen)")
+    a.add_argument("--engine", required=True, metavar="HOST:PORT",
+                   help="the model server, on loopback behind the agent")
+    a.add_argument("--engine-kind", default="openai",
+                   choices=["openai", "vllm", "sglang", "demo"],
+                   help="how an abort is confirmed (docs/replica-agent.md)")
+    a.add_argument("--engine-metrics", default=None, metavar="NAME[,NAME]",
+                   help="the engine metrics whose sum is what it still holds "
+                        "(default: the kind's)")
+    a.add_argument("--ops", default=None, metavar="HOST:PORT",
+                   help="a listener serving /metrics and /healthz")
+    a.add_argument("--ack-timeout-s", type=float, default=5.0,
+                   help="how long to wait for the engine's evidence before giving up the ack")
+    a.add_argument("--fingerprint-file", default=None)
+    a.add_argument("--fingerprint", action="append", default=[], metavar="FIELD=VALUE")
+    a.add_argument("--model", action="append", default=[])
     i = sub.add_parser("inspect", help="show a request's journal record and event traces")
     i.add_argument("request_id")
     i.add_argument("--config")
@@ -167,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             sys.stdout.write("---\n".join(files.values()))
         return 0
-    if args.cmd == "register":
+    if args.cmd in ("register", "agent"):
         return _register(args)
     if args.cmd in ("inspect", "replay"):
         file_trace = (json.loads(Path(args.trace_file).read_text())
@@ -188,16 +211,29 @@ def _register(args: argparse.Namespace) -> int:
         if not isinstance(loaded, dict):
             raise SystemExit("register: --fingerprint-file must hold a mapping")
         fp.update(loaded)
+    proxy = args.cmd == "agent"
     try:
         fp.update(fingerprint_flags(args.fingerprint))
-        record = registration_record(args.address, fp, args.model,
+        record = registration_record(args.address or args.listen if proxy else args.address,
+                                     fp, args.model,
                                      agent=f"{os.uname().nodename}/{os.getpid()}")
     except RegistrationError as e:
-        raise SystemExit(f"register: {e}") from e
+        raise SystemExit(f"{args.cmd}: {e}") from e
     from .adapters.logs import setup
     from .adapters.register import run_agent
     setup(cfg.server.log_level)
     try:
+        if proxy:
+            from .adapters.agent import EngineSpec, run
+            try:
+                engine = EngineSpec.make(args.engine, args.engine_kind, args.engine_metrics,
+                                         cfg.pool.health_check.path)
+            except ValueError as e:
+                raise SystemExit(f"agent: {e}") from e
+            # The gateway learns from the record that an agent fronts this replica.
+            record["agent"] = {"version": 1, "id": record["agent"]}
+            return asyncio.run(run(cfg, record, args.listen, engine, args.ops,
+                                   args.ack_timeout_s))
         return asyncio.run(run_agent(cfg, record, args.probe or record["address"]))
     except ConfigError as e:  # an etcd.tls / etcd.auth file unreadable at start-up
         raise SystemExit(f"config error: {e}") from e

@@ -399,6 +399,7 @@ class Replica:
         self.port = 0
         # attempt id -> the secret it came with, for the test hook below (bounded).
         self.credentials: dict[str, str] = {}
+        self.running = 0  # generation requests in progress (GET /metrics)
 
     # ----- logging -------------------------------------------------------------------
 
@@ -534,6 +535,21 @@ class Replica:
         return await self._generate(request, "messages")
 
     async def _generate(self, request: web.Request, kind: Kind) -> web.StreamResponse:
+        # The running-requests gauge a replica agent confirms an abort with (as it reads
+        # vLLM's num_requests_running): up while the handler runs, down when it returns.
+        self.running += 1
+        try:
+            return await self._generate_counted(request, kind)
+        finally:
+            self.running -= 1
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        """Prometheus text: the generation requests this replica is running now."""
+        return web.Response(text="# TYPE demo_requests_running gauge\n"
+                            f"demo_requests_running {self.running}\n",
+                            content_type="text/plain")
+
+    async def _generate_counted(self, request: web.Request, kind: Kind) -> web.StreamResponse:
         headers = request.headers
         request_id = headers.get(GATEWAY_ID_HEADER) or headers.get(REQUEST_ID_HEADER) or None
         att = Attempt(request_id=request_id, attempt=1, path=request.path)
@@ -1028,6 +1044,7 @@ def build_app(replica: Replica) -> web.Application:
     app.router.add_get("/health", replica.health)
     app.router.add_get("/fingerprint", replica.fingerprint_view)
     app.router.add_get("/v1/models", replica.models)
+    app.router.add_get("/metrics", replica.metrics)
     app.router.add_get("/debug/attempts/{attempt_id}/credential", replica.credential)
     app.router.add_post("/v1/chat/completions", replica.chat)
     app.router.add_post("/v1/completions", replica.completions)

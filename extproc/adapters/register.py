@@ -14,7 +14,7 @@ import contextlib
 import logging
 import signal
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..core.config import Config
@@ -29,7 +29,11 @@ _NOID = {"request_id": None, "attempt_id": None}
 
 
 async def run_agent(cfg: Config, record: Mapping[str, Any], probe_address: str,
-                    stop: asyncio.Event | None = None) -> int:
+                    stop: asyncio.Event | None = None,
+                    on_probe: Callable[[bool], None] | None = None,
+                    signals: bool = True) -> int:
+    """Register, keep and withdraw. `on_probe` hears every probe's verdict (the replica
+    agent's /healthz follows it); `signals` False leaves SIGTERM to the caller."""
     address = str(record["address"])
     hc = cfg.pool.health_check
     store = EtcdStore(cfg.etcd, owner=f"register/{address}")
@@ -40,7 +44,7 @@ async def run_agent(cfg: Config, record: Mapping[str, Any], probe_address: str,
                               unhealthy_threshold=hc.unhealthy_threshold))
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT) if signals else ():
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
     lease = 0
@@ -77,6 +81,8 @@ async def run_agent(cfg: Config, record: Mapping[str, Any], probe_address: str,
         while not stop.is_set():
             ok = True if not hc.enabled else await probe_once(probe_address, hc.path,
                                                                hc.timeout_s)
+            if on_probe is not None:
+                on_probe(ok)
             now = time.monotonic()
             action = agent.probed(ok, now)
             if action is not None:

@@ -173,6 +173,17 @@ class SourceFence:
     def __post_init__(self) -> None:
         self._decoder = self.family.decoder() if self.sse else None
 
+    def response(self, sse: bool, family: Family) -> None:
+        """The engine's response headers arrived: classify its events (an SSE 200) or
+        pass its body through unheld (anything else)."""
+        self.sse, self.family = sse, family
+        self._decoder = family.decoder() if sse else None
+
+    @property
+    def ended(self) -> bool:
+        """The engine's response ended well (its connection may be re-used)."""
+        return self.phase is Phase.ENDED
+
     # --- inputs ----------------------------------------------------------------------
 
     def step(self, inp: Input, now: float) -> Do:

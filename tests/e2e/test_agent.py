@@ -1,0 +1,390 @@
+"""The replica agent (`extproc agent`, issue 26) against a real etcd and a real demo replica,
+as subprocesses on loopback, no Envoy: the test plays the gateway's part in etcd (it puts
+`live/<rid>` on a lease it granted, writes cancels, reads acks and notices)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from devkit.devstack import Proc, Stack, _bin, _http_ok, free_ports, wait_until
+
+pytestmark = pytest.mark.e2e
+
+P = "/llmgw/v1"
+ROLE_PREFIX = b'data: {"id":'
+
+
+@dataclass
+class Rig:
+    workdir: Path
+    etcd: str
+    engine_port: int
+    agent_port: int
+    ops_port: int
+    procs: dict[str, Proc]
+
+    def ctl(self, *args: str) -> str:
+        out = subprocess.run([_bin("etcdctl"), "--endpoints", self.etcd, *args],
+                             capture_output=True, text=True, timeout=10, check=True)
+        return out.stdout
+
+    def grant(self, ttl: int) -> str:
+        return self.ctl("lease", "grant", str(ttl)).split()[1]  # "lease <hex> granted ..."
+
+    def keep_alive_once(self, lease: str) -> None:
+        self.ctl("lease", "keep-alive", "--once", lease)
+
+    def put(self, key: str, value: str, lease: str | None = None) -> None:
+        self.ctl("put", P + key, value, *(["--lease", lease] if lease else []))
+
+    def delete(self, key: str) -> None:
+        self.ctl("del", P + key)
+
+    def get(self, key: str) -> str | None:
+        out = self.ctl("get", P + key, "--print-value-only")
+        return out.rstrip("\n") if out else None
+
+    def gauge(self) -> float:
+        text = httpx.get(f"http://127.0.0.1:{self.engine_port}/metrics", timeout=5).text
+        return float(text.split("\ndemo_requests_running ")[1].split()[0])
+
+    def agent_metric(self, name: str) -> float:
+        text = httpx.get(f"http://127.0.0.1:{self.ops_port}/metrics", timeout=5).text
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith(f"extproc_agent_{name}"):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    def replica_log(self) -> list[dict[str, object]]:
+        path = self.workdir / "replica-e1.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+@pytest.fixture(scope="module")
+def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
+    wd = tmp_path_factory.mktemp("agent")
+    etcd = Stack(wd)
+    etcd._start_etcd()
+    engine_port, agent_port, ops_port = free_ports(3)
+    cfg = {"etcd": {"endpoints": [etcd.etcd_endpoint], "attempt_lease_ttl_s": 3},
+           "pool": {"discovery": "registry", "registration_ttl_s": 5,
+                    "health_check": {"interval_s": 0.2}}}
+    (wd / "agent.yaml").write_text(yaml.safe_dump(cfg))
+    procs = dict(etcd.procs)
+    replica = Proc("e1", [sys.executable, "-m", "devkit.demo.replica", "--port",
+                          str(engine_port), "--name", "e1", "--log-file",
+                          str(wd / "replica-e1.jsonl")], wd / "replica-e1.log")
+    agent = Proc("agent", [sys.executable, "-m", "extproc", "agent", "--config",
+                           str(wd / "agent.yaml"), "--listen", f"127.0.0.1:{agent_port}",
+                           "--engine", f"127.0.0.1:{engine_port}", "--engine-kind", "demo",
+                           "--ops", f"127.0.0.1:{ops_port}", "--ack-timeout-s", "3",
+                           "--fingerprint", "weights_revision=demo-1"], wd / "agent.log")
+    procs.update(e1=replica, agent=agent)
+    r = Rig(wd, etcd.etcd_endpoint, engine_port, agent_port, ops_port, procs)
+    try:
+        replica.start()
+        agent.start()
+        wait_until(lambda: _http_ok(f"http://127.0.0.1:{agent_port}/healthz"), 20,
+                   "agent healthy")
+        yield r
+    finally:
+        for name in ("agent", "e1", "etcd"):
+            procs[name].stop()
+
+
+def ensure_engine(rig: Rig) -> None:
+    """A test that killed the engine starts it again (same port)."""
+    p = rig.procs["e1"]
+    if not p.alive():
+        p.start()
+    wait_until(lambda: _http_ok(f"http://127.0.0.1:{rig.engine_port}/health"), 20, "engine")
+    wait_until(lambda: _http_ok(f"http://127.0.0.1:{rig.agent_port}/healthz"), 20,
+               "agent healthy again")
+
+
+def ids() -> tuple[str, str]:
+    return f"req_{uuid.uuid4().hex[:12]}", f"att_{uuid.uuid4().hex[:26]}"
+
+
+def body(max_tokens: int = 8) -> bytes:
+    return json.dumps({"model": "demo-model", "stream": True, "max_tokens": max_tokens,
+                       "messages": [{"role": "user", "content": "hello"}]}).encode()
+
+
+def raw_post(port: int, hdrs: dict[str, str], data: bytes) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    head = "".join(f"{k}: {v}\r\n" for k, v in hdrs.items())
+    s.sendall((f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+               f"application/json\r\nContent-Length: {len(data)}\r\nConnection: close\r\n"
+               f"{head}\r\n").encode() + data)
+    return s
+
+
+@dataclass
+class Read:
+    head: bytes
+    body: bytes  # de-chunked
+    complete: bool  # the chunked body's terminating chunk arrived
+    reset: bool
+    ended_at: float
+
+
+def read_response(s: socket.socket) -> Read:
+    """Read a chunked response off a raw socket to its end (or its reset)."""
+    buf, reset = b"", False
+    while True:
+        try:
+            data = s.recv(65536)
+        except ConnectionResetError:
+            reset = True
+            break
+        except TimeoutError:
+            break
+        if not data:
+            break
+        buf += data
+    ended = time.monotonic()
+    head = buf.partition(b"\r\n\r\n")[0]
+    b, complete = dechunk(buf)
+    return Read(head, b, complete, reset, ended)
+
+
+def dechunk(buf: bytes) -> tuple[bytes, bool]:
+    _, _, rest = buf.partition(b"\r\n\r\n")
+    out = b""
+    while rest:
+        size_line, sep, rest = rest.partition(b"\r\n")
+        if not sep:
+            return out, False
+        try:
+            n = int(size_line.split(b";")[0], 16)
+        except ValueError:
+            return out, False
+        if n == 0:
+            return out, True
+        out += rest[:n]
+        rest = rest[n + 2:]
+    return out, False
+
+
+def events(b: bytes) -> list[bytes]:
+    return [e + b"\n\n" for e in b.split(b"\n\n") if e]
+
+
+def tracked(rid: str, aid: str, **extra: str) -> dict[str, str]:
+    return {"x-gateway-request-id": rid, "x-gateway-attempt-id": aid, **extra}
+
+
+def wait_value(rig: Rig, key: str, timeout_s: float = 8.0) -> str:
+    got: list[str] = []
+
+    def has() -> bool:
+        v = rig.get(key)
+        if v:
+            got.append(v)
+        return bool(v)
+    wait_until(has, timeout_s, key)
+    return got[-1]
+
+
+# --- tests ---------------------------------------------------------------------------------
+
+
+def test_proxying_is_byte_identical_to_direct(rig: Rig) -> None:
+    ensure_engine(rig)
+    rid, aid = ids()
+    lease = rig.grant(30)
+    rig.put(f"/live/{rid}", aid, lease)
+    h = tracked(rid, aid, **{"x-request-id": "same"})
+    direct = read_response(raw_post(rig.engine_port, h, body(16)))
+    via = read_response(raw_post(rig.agent_port, h, body(16)))
+    plain = read_response(raw_post(rig.agent_port, {"x-request-id": "same",
+                                                    "x-gateway-request-id": rid}, body(16)))
+    assert direct.complete and via.complete and plain.complete
+    assert via.body == direct.body == plain.body
+    assert via.body.endswith(b"data: [DONE]\n\n") and len(events(via.body)) == 16 + 3
+    assert via.head.split(b"\r\n")[0] == b"HTTP/1.1 200 OK"
+    # A normal end writes no ack.
+    assert rig.get(f"/ack/{rid}/{aid}") is None
+
+
+def test_request_for_a_non_live_attempt_gets_409_engine_never_called(rig: Rig) -> None:
+    ensure_engine(rig)
+    rid, aid = ids()
+    rig.put(f"/live/{rid}", "att_someoneelse")
+    before = len(rig.replica_log())
+    r = httpx.post(f"http://127.0.0.1:{rig.agent_port}/v1/chat/completions",
+                   content=body(), headers=tracked(rid, aid), timeout=10)
+    assert r.status_code == 409
+    assert r.json()["error"]["type"] == "attempt_fenced"
+    rid2, aid2 = ids()  # no live key at all
+    r2 = httpx.post(f"http://127.0.0.1:{rig.agent_port}/v1/chat/completions",
+                    content=body(), headers=tracked(rid2, aid2), timeout=10)
+    assert r2.status_code == 409
+    time.sleep(0.2)
+    assert len(rig.replica_log()) == before  # the engine never saw either
+
+
+def stop_mid_stream(rig: Rig, action: str) -> tuple[Read, str, str, float]:
+    """A slow stream through the agent; after 2 content events the test fences (deletes
+    or replaces live), or cancels; returns what the client read."""
+    ensure_engine(rig)
+    rid, aid = ids()
+    lease = rig.grant(30)
+    rig.put(f"/live/{rid}", aid, lease)
+    stopped_bytes = rig.agent_metric("bytes_stopped")
+    s = raw_post(rig.agent_port, {**tracked(rid, aid), "x-replica-token-delay-ms": "100"},
+                 body(60))
+    marker = b'"content":"'
+    at: list[float] = []
+
+    def act() -> None:
+        at.append(time.monotonic())
+        if action == "delete":
+            rig.delete(f"/live/{rid}")
+        elif action == "replace":
+            rig.put(f"/live/{rid}", "att_next", lease)
+        else:
+            rig.put(f"/cancel/{rid}/{aid}", "{}")
+
+    # Fire once the body holds the role event and 2 content events.
+    buf, fired = b"", False
+    while True:
+        try:
+            data = s.recv(65536)
+        except ConnectionResetError:
+            break
+        if not data:
+            break
+        buf += data
+        if not fired and dechunk(buf)[0].count(marker) >= 3:  # role ("") + 2 contents
+            fired = True
+            act()
+    read = Read(b"", dechunk(buf)[0], dechunk(buf)[1], True, time.monotonic())
+    assert fired
+    assert rig.agent_metric("bytes_stopped") >= stopped_bytes
+    return read, rid, aid, at[0]
+
+
+@pytest.mark.parametrize("action,why", [("delete", "fenced"), ("replace", "fenced"),
+                                        ("cancel", "cancel")])
+def test_fence_or_cancel_stops_bytes_aborts_engine_and_acks(rig: Rig, action: str,
+                                                            why: str) -> None:
+    read, rid, aid, _ = stop_mid_stream(rig, action)
+    evs = events(read.body)
+    # Stopped within one chunk of the change: at most one more token event (100 ms each,
+    # the watch takes milliseconds), no [DONE], no terminating chunk.
+    contents = [e for e in evs if b'"content":"' in e and b'"role"' not in e]
+    assert 2 <= len(contents) <= 3, evs
+    assert not read.complete and b"[DONE]" not in read.body
+    ack = json.loads(wait_value(rig, f"/ack/{rid}/{aid}"))
+    assert ack["why"] == why
+    assert ack["evidence"].startswith("demo_requests_running=0 <= 0")
+    assert 0 <= ack["abort_ms"] < 2000
+    assert rig.gauge() == 0
+    log = [x for x in rig.replica_log() if x["request_id"] == rid]
+    assert [x["outcome"] for x in log] == ["peer_closed"]
+
+
+def test_lease_let_expire_stops_forwarding_before_etcds_expiry(rig: Rig) -> None:
+    ensure_engine(rig)
+    rid, aid = ids()
+    lease = rig.grant(3)
+    rig.put(f"/live/{rid}", aid, lease)
+    t0 = time.monotonic()
+    s = raw_post(rig.agent_port, {**tracked(rid, aid), "x-replica-token-delay-ms": "50"},
+                 body(200))
+    read = read_response(s)
+    stopped = read.ended_at
+    # etcd's expiry: poll until the key is gone (it was never kept alive).
+    wait_until(lambda: rig.get(f"/live/{rid}") is None, 10, "lease expiry", 0.02)
+    gone = time.monotonic()
+    assert stopped < gone, (stopped - t0, gone - t0)
+    assert 1.0 < stopped - t0 < 3.0
+    assert not read.complete and b"[DONE]" not in read.body
+    ack = json.loads(wait_value(rig, f"/ack/{rid}/{aid}"))
+    assert ack["why"] == "lease_deadline"
+
+
+def test_engine_killed_after_two_content_events_ends_in_band(rig: Rig) -> None:
+    ensure_engine(rig)
+    rid, aid = ids()
+    rig.put(f"/live/{rid}", aid, rig.grant(30))
+    s = raw_post(rig.agent_port, {**tracked(rid, aid),
+                                  "x-replica-fault": "kill-after-deltas:2"}, body(8))
+    read = read_response(s)
+    assert not read.reset and read.complete
+    evs = events(read.body)
+    assert len(evs) == 1 + 2 + 2  # role, 2 contents, the error event, [DONE]
+    assert all(b'"content":"' in e for e in evs[:3])
+    err = json.loads(evs[3][len(b"data: "):])
+    assert err["error"]["type"] == "engine_interrupted" and err["error"]["code"] == 502
+    assert evs[4] == b"data: [DONE]\n\n"
+    ack = json.loads(wait_value(rig, f"/ack/{rid}/{aid}"))
+    assert ack["why"] == "engine_died"
+    assert ack["evidence"] == "engine_down: metrics connection refused"
+    assert rig.agent_metric("engine_deaths_in_band") >= 1
+
+
+def test_engine_killed_before_content_resets_the_connection(rig: Rig) -> None:
+    ensure_engine(rig)
+    rid, aid = ids()
+    rig.put(f"/live/{rid}", aid, rig.grant(30))
+    s = raw_post(rig.agent_port, {**tracked(rid, aid),
+                                  "x-replica-fault": "kill-after-headers"}, body(8))
+    read = read_response(s)
+    assert read.reset and not read.complete
+    assert b'"content":"' not in read.body.replace(b'"content":""', b"")
+
+
+def test_first_content_notice_once_not_on_the_role_event(rig: Rig) -> None:
+    ensure_engine(rig)
+    rid, aid = ids()
+    rig.put(f"/live/{rid}", aid, rig.grant(30))
+    # Killed after 0 content events: only the role event left; no notice.
+    s = raw_post(rig.agent_port, {**tracked(rid, aid, **{"x-gateway-processor": "gw-a"}),
+                                  "x-replica-fault": "kill-after-deltas:0"}, body(8))
+    read_response(s)
+    ensure_engine(rig)
+    time.sleep(0.3)
+    assert rig.get(f"/src/gw-a/{rid}/{aid}") is None
+    rid2, aid2 = ids()
+    rig.put(f"/live/{rid2}", aid2, rig.grant(30))
+    notices = rig.agent_metric("src_notices")
+    read = read_response(raw_post(
+        rig.agent_port, tracked(rid2, aid2, **{"x-gateway-processor": "gw-a"}), body(6)))
+    assert read.complete
+    note = json.loads(wait_value(rig, f"/src/gw-a/{rid2}/{aid2}"))
+    assert note["first_content"] is True
+    time.sleep(0.2)
+    assert rig.agent_metric("src_notices") == notices + 1
+
+
+def test_downstream_gone_aborts_the_engine_request(rig: Rig) -> None:
+    ensure_engine(rig)
+    rid, aid = ids()
+    rig.put(f"/live/{rid}", aid, rig.grant(30))
+    s = raw_post(rig.agent_port, {**tracked(rid, aid), "x-replica-token-delay-ms": "100"},
+                 body(60))
+    buf = b""
+    while dechunk(buf)[0].count(b'"content":"') < 3:
+        buf += s.recv(65536)
+    s.close()
+    ack = json.loads(wait_value(rig, f"/ack/{rid}/{aid}"))
+    assert ack["why"] == "downstream_gone"
+    assert rig.gauge() == 0
