@@ -180,6 +180,12 @@ class Stack:
     # A live pool (decision 0014): pool.discovery is `registry`, every replica gets an
     # `extproc register` agent beside it (`reg-rN`), and Envoy's replicas come over EDS.
     registry: bool = False
+    # A replica agent (`extproc agent`, issue 26) in front of every replica: the replica
+    # (the "engine") on its own loopback port, the agent (`agent-rN`) on the port Envoy
+    # and the pool use; with `registry` the agent also registers it. Killing `rN` kills
+    # the engine alone, the agent lives.
+    agents: bool = False
+    agent_ports: list[int] = field(default_factory=list)
     # Extra environment for the processor (e.g. the sweep's test-only sabotage switch).
     processor_env: dict[str, str] | None = None
     # Start a span-printing OTLP receiver and send both Envoy's and our traces to it.
@@ -247,7 +253,9 @@ class Stack:
         self._start_replicas()
         if self.partition_proxies:
             self._start_proxies()
-        if self.registry and not self.plain:
+        if self.agents and not self.plain:
+            self._start_replica_agents()
+        elif self.registry and not self.plain:
             self._start_agents()
         self._start_envoy()
         self._sup = threading.Thread(target=self._supervise, name="replica-supervisor",
@@ -588,11 +596,38 @@ class Stack:
         name = f"r{i + 1}"
         fp = self.workdir / f"fingerprint-{name}.yaml"
         fp.write_text(yaml.safe_dump(self.fingerprint_of(i)))
-        port = (self.proxy_ports or self.replica_ports)[i]
+        port = self.front_ports()[i]
         return Proc(f"reg-{name}", [
             sys.executable, "-m", "extproc", "register", "--config",
             str(self.workdir / "extproc.yaml"), "--address", f"127.0.0.1:{port}",
             "--fingerprint-file", str(fp)], self.workdir / f"reg-{name}.log")
+
+    def front_ports(self) -> list[int]:
+        """The port Envoy dials per replica: its partition proxy, its agent, or itself."""
+        return self.proxy_ports or self.agent_ports or self.replica_ports
+
+    def replica_agent_proc(self, i: int) -> Proc:
+        """`extproc agent` in front of replica i (kind `demo`: its running gauge)."""
+        name = f"r{i + 1}"
+        fp = self.workdir / f"fingerprint-{name}.yaml"
+        fp.write_text(yaml.safe_dump(self.fingerprint_of(i)))
+        return Proc(f"agent-{name}", [
+            sys.executable, "-m", "extproc", "agent", "--config",
+            str(self.workdir / "extproc.yaml"), "--listen", f"127.0.0.1:{self.agent_ports[i]}",
+            "--engine", f"127.0.0.1:{self.replica_ports[i]}", "--engine-kind", "demo",
+            "--fingerprint-file", str(fp)], self.workdir / f"agent-{name}.log")
+
+    def _start_replica_agents(self) -> None:
+        if self.partition_proxies:
+            raise ValueError("agents with partition_proxies is not supported yet")
+        self.agent_ports = self.agent_ports or free_ports(len(self.replica_ports))
+        for i in range(len(self.replica_ports)):
+            p = self.replica_agent_proc(i)
+            p.start()
+            self.procs[p.name] = p
+        for i, port in enumerate(self.agent_ports):
+            wait_until(lambda port=port: _http_ok(f"http://127.0.0.1:{port}/healthz"),
+                       self.replica_start_timeout_s, f"agent of r{i + 1}")
 
     def _start_agents(self) -> None:
         for i in range(len(self.replica_ports)):
@@ -656,7 +691,7 @@ class Stack:
                             admin=("127.0.0.1", admin),
                             processor=procs[cell - 1] if len(procs) >= cell else "127.0.0.1:1",
                             replicas=tuple(("127.0.0.1", p) for p in
-                                           (self.proxy_ports or self.replica_ports)),
+                                           self.front_ports()),
                             access_log_path=str(self.workdir / f"envoy-access{suffix}.jsonl"),
                             tools=(("127.0.0.1", self.tool_port),) if self.tool_server else (),
                             tool_listen=(("127.0.0.1", self.tool_listen_port)
@@ -749,7 +784,7 @@ class Stack:
             parts = line.split("::")
             if len(parts) == 4 and parts[0] == "replicas" and parts[2] == "health_flags":
                 flags[parts[1]] = parts[3]
-        ports = set(self.proxy_ports or self.replica_ports)
+        ports = set(self.front_ports())
         seen = {int(a.rsplit(":", 1)[1]) for a in flags}
         return ports <= seen and all(f == "healthy" for f in flags.values())
 
@@ -760,6 +795,7 @@ class Stack:
         envoys = [n for n in self.procs if n.startswith("envoy-c")]
         processors = [n for n in self.procs if n.startswith("processor-c")]
         for name in ["envoy", *envoys,
+                     *[n for n in self.procs if n.startswith("agent-")],
                      *[n for n in self.procs if n.startswith(("r", "proxy-"))],
                      "tools", "processor", *processors, "etcd",
                      *[n for n in self.etcd_member_metrics if n != "etcd"], "otlp"]:

@@ -388,3 +388,50 @@ def test_downstream_gone_aborts_the_engine_request(rig: Rig) -> None:
     ack = json.loads(wait_value(rig, f"/ack/{rid}/{aid}"))
     assert ack["why"] == "downstream_gone"
     assert rig.gauge() == 0
+
+
+# --- the whole stack: Envoy + the processor + agents in front of the demo replicas --------
+
+
+@pytest.fixture(scope="module")
+def agents_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    from .conftest import E2E_CONFIG
+    st = Stack(workdir=tmp_path_factory.mktemp("agents-stack"), config=E2E_CONFIG,
+               replicas=2, agents=True).start()
+    try:
+        yield st
+    finally:
+        st.stop()
+
+
+def test_through_envoy_a_stream_completes_and_an_engine_death_ends_in_band(
+        agents_stack: Stack) -> None:
+    from .conftest import Gateway
+    agents_stack.wait_replicas_healthy()
+    gw = Gateway(agents_stack)
+    try:
+        ref = gw.post(gw.body(max_tokens=8))
+        assert ref.status == 200 and ref.transport_error is None
+        assert len(ref.contents) == 8 and ref.events[-1] == "[DONE]"
+        assert gw.journal(ref.request_id)["outcome"] == "completed"
+        # The engine (the demo replica process) killed after 2 deltas; its agent lives.
+        res = gw.post(gw.body(max_tokens=8), headers={"x-replica-fault":
+                                                      "kill-after-deltas:2"})
+        assert res.status == 200
+        assert res.transport_error is None  # not a cut: the stream ended well-formed
+        assert res.contents == ref.contents[:2]
+        assert res.normalized()[:3] == ref.normalized()[:3]  # role + the 2 deltas
+        assert res.error is not None
+        assert res.error["code"] == "upstream_decode_interrupted"
+        assert res.error["delivered_output_tokens"] == 2
+        assert res.events[-1] == "[DONE]"
+        j = gw.journal(res.request_id)
+        assert j["outcome"] == "upstream_decode_interrupted"
+        assert j["delivered_output_tokens"] == 2 and len(j["attempts"]) == 1
+        rows = gw.attempts_logged(res.request_id)
+        assert [(r["attempt"], r["outcome"], r["tokens_written"]) for r in rows] == [
+            (1, "killed", 2)]
+        assert any(p.name.startswith("agent-") and p.alive()
+                   for p in agents_stack.procs.values())
+    finally:
+        gw.client.close()
