@@ -224,7 +224,11 @@ def _register(args: argparse.Namespace) -> int:
     setup(cfg.server.log_level)
     try:
         if proxy:
-            from .adapters.agent import EngineSpec, run
+            try:
+                from .adapters.agent import EngineSpec, run
+            except ImportError as e:
+                raise SystemExit("agent: needs the `agent` extra (pip install "
+                                 f"'llm-failover-extproc[agent]'): {e}") from e
             try:
                 engine = EngineSpec.make(args.engine, args.engine_kind, args.engine_metrics,
                                          cfg.pool.health_check.path)
