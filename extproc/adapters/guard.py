@@ -19,69 +19,16 @@ from typing import Any, Protocol
 
 from opentelemetry.trace import Span
 
+from ..core import events as E
+from ..core import guard as G
 from ..core import headers as H
 from ..core import records
 from ..core.budget import RetryBudget
 from ..core.config import Config
 from ..core.credentials import digest
 from ..core.errors import GatewayError
-from ..core.events import (
-    Accepted,
-    Action,
-    AnswerBody,
-    AnswerHeaders,
-    AnswerStatus,
-    AwaitCause,
-    AwaitIntake,
-    CauseLearned,
-    Event,
-    Fenced,
-    Finish,
-    LookUpStatus,
-    LoseLease,
-    OpenIntake,
-    PassAside,
-    PassHeaders,
-    PassRequest,
-    ProgressWritten,
-    RecordWritten,
-    Refuse,
-    RegisterIntake,
-    RequestBodySeen,
-    RequestHeadersSeen,
-    RequestOpened,
-    ResponseBody,
-    ResponseHeaders,
-    Send,
-    StartTimer,
-    StartToolCall,
-    StatusRead,
-    StopTimers,
-    StreamClosed,
-    TakeOver,
-    TimerFired,
-    TimerKind,
-    WriteProgress,
-)
 from ..core.failure import FailureClass
-from ..core.guard import (
-    GuardMachine,
-    IntakeAnswer,
-    IntakeDown,
-    IntakeEvent,
-    IntakeFlow,
-    IntakePauseOver,
-    IntakeStart,
-    IntakeWritten,
-    PauseIntake,
-    Reopen,
-    ReopenAnswered,
-    SettleView,
-    TakeBackIntake,
-    UndoReopenLater,
-    ViewSettled,
-    WriteIntake,
-)
+from ..core.guard import GuardMachine
 from ..core.handoff import HandOff, TraceSnapshot
 from ..core.intake import (
     Generation,
@@ -169,26 +116,10 @@ class _Timer:
 
 
 class GuardSession(Session):
-    __slots__ = (
-        "_timers",
-        "_unwatch",
-        "attempt",
-        "attempt_machine",
-        "attempt_span",
-        "cred1",
-        "envoy_request_id",
-        "first_delta_evented",
-        "gen",
-        "intake",
-        "lease",
-        "m",
-        "opening",
-        "rerun",
-        "secret1",
-        "tool",
-        "tools_listener",
-        "verdict",
-    )
+    __slots__ = ("_timers", "_unwatch", "attempt", "attempt_machine", "attempt_span",
+                 "cred1", "envoy_request_id", "first_delta_evented", "gen", "intake",
+                 "lease", "m", "opening", "rerun", "secret1", "tool",
+                 "tools_listener", "verdict")
 
     def __init__(self, proc: GuardPorts, ctx: Messages, tools: bool = False) -> None:
         self.detach = False
@@ -206,7 +137,7 @@ class GuardSession(Session):
         self.gen: Generation | None = None
         self.intake: Prepared | None = None  # the body, the route, the record, attempt 1
         # The machine's timers on the Timers port: per kind, its handle and its deadline.
-        self._timers: dict[TimerKind, _Timer] = {}
+        self._timers: dict[E.TimerKind, _Timer] = {}
         self.closed = False
         self.tool: ToolCallHandler | None = None
         # A repeat of a key that runs the request again (decision 0027), once re-opened.
@@ -243,7 +174,7 @@ class GuardSession(Session):
             await self.on_request_body(msg.request_body.body)
         elif which == "response_headers":
             hd = codec.headers_dict(msg.response_headers.headers)
-            await self.feed(ResponseHeaders(status=int(hd.get(":status", "0") or 0),
+            await self.feed(E.ResponseHeaders(status=int(hd.get(":status", "0") or 0),
                                             content_type=hd.get("content-type", ""),
                                             end_of_stream=msg.response_headers.end_of_stream,
                                             envoy_reply=H.ENVOY_REPLY in hd,
@@ -251,7 +182,7 @@ class GuardSession(Session):
                                             handoff=hd.get(H.HANDOFF)))
         elif which == "response_body":
             body, lease, tel = msg.response_body, self.lease, self.p.tel
-            ev = ResponseBody(body.body, body.end_of_stream,
+            ev = E.ResponseBody(body.body, body.end_of_stream,
                               lease is not None and not lease.valid())
             if tel.enabled:  # nothing per chunk unless metrics are exported
                 tel.chunks_seen += 1
@@ -291,7 +222,7 @@ class GuardSession(Session):
                                       self.cfg.limits.max_buffered_response_bytes,
                                       at_request=True, progress_every=t.progress_interval_s)
         m.trace_budget = self.p.trace_budget()
-        await self.feed(RequestHeadersSeen(kind, family, error, end_of_stream))
+        await self.feed(E.RequestHeadersSeen(kind, family, error, end_of_stream))
 
     async def on_request_body(self, body: bytes) -> None:
         gen, m = self.gen, self.m
@@ -303,7 +234,7 @@ class GuardSession(Session):
                               new_attempt_id=self.p.ids.attempt_id, wall=self.p.clock.wall(),
                               envoy_request_id=self.envoy_request_id)
         if isinstance(prep, GatewayError):
-            await self.feed(RequestBodySeen(prep))
+            await self.feed(E.RequestBodySeen(prep))
             return
         if prep.meta.stream:
             m.count_text = self.p.tokenizers.get(prep.meta.model or "")
@@ -313,8 +244,8 @@ class GuardSession(Session):
         self.cred1 = digest(self.secret1)
         self.intake = prep
         # The order of the intake, the body's answer and the wait is the machine's
-        # (decision 0021): OpenIntake, RegisterIntake, AnswerBody, AwaitIntake, Accepted.
-        await self.feed(RequestBodySeen(None, prep.meta.usage_mode,
+        # (decision 0021): E.OpenIntake, E.RegisterIntake, E.AnswerBody, E.AwaitIntake, E.Accepted.
+        await self.feed(E.RequestBodySeen(None, prep.meta.usage_mode,
                                         keyed=gen.idempotency_key is not None))
 
     async def on_closed(self) -> None:
@@ -329,7 +260,7 @@ class GuardSession(Session):
             self._unwatch()
             self._unwatch = None
         if self.m is not None:
-            self.p.spawn(self.locked(StreamClosed()), f"guard-close-{self.rid}")
+            self.p.spawn(self.locked(E.StreamClosed()), f"guard-close-{self.rid}")
         if self.opening is not None:
             # Closed while the intake was in flight: its answer still goes to the machine.
             self.p.spawn(self.opened_after_close(self.opening), f"guard-opened-{self.rid}")
@@ -343,79 +274,79 @@ class GuardSession(Session):
 
     # --- events -> the machine -> actions ---------------------------------------------
 
-    async def feed(self, ev: Event) -> None:
+    async def feed(self, ev: E.Event) -> None:
         assert self.m is not None
         actions = self.m.handle(ev)
         observer.guard(self, ev, actions)
         # The outcome is recorded first, in its own task: once our terminal event is
         # written Envoy may close this stream and cancel us mid-await (found by the sweep).
         for a in actions:
-            if isinstance(a, Finish):
+            if isinstance(a, E.Finish):
                 self.p.spawn(self.record(a), f"guard-finish-{self.rid}")
         for a in actions:
-            if not isinstance(a, Finish):
+            if not isinstance(a, E.Finish):
                 await self.act(a)
 
-    async def locked(self, ev: Event, while_open: bool = False) -> None:
+    async def locked(self, ev: E.Event, while_open: bool = False) -> None:
         """An event from outside Envoy's message order (a port's answer, a timer)."""
         async with self.lock:
             if self.m is not None and not (while_open and self.closed):
                 await self.feed(ev)
 
-    async def act(self, a: Action) -> None:
+    async def act(self, a: E.Action) -> None:
         rid, p = self.rid or "", self.p
-        if isinstance(a, Send):
+        if isinstance(a, E.Send):
             if a.data or a.end_of_stream:
                 await self.write(codec.streamed_response_body(a.data, a.end_of_stream))
-        elif isinstance(a, StartTimer):
+        elif isinstance(a, E.StartTimer):
             self._start_timer(a.kind, a.seconds)
-        elif isinstance(a, StopTimers):
+        elif isinstance(a, E.StopTimers):
             self._stop_timers()
-        elif isinstance(a, AnswerHeaders):
+        elif isinstance(a, E.AnswerHeaders):
             await self.write(codec.continue_request_headers(
                 {H.REQUEST_ID: rid}, remove=tuple(h for h in H.OWNED if h != H.REQUEST_ID)))
-        elif isinstance(a, PassRequest):
+        elif isinstance(a, E.PassRequest):
             await self.write(codec.continue_request_headers(remove=H.OWNED))
-        elif isinstance(a, LookUpStatus):
+        elif isinstance(a, E.LookUpStatus):
             await self.feed(await self.status_read())
-        elif isinstance(a, AnswerStatus):
+        elif isinstance(a, E.AnswerStatus):
             await self.write(codec.immediate_json(
                 200, json.dumps(a.view.to_dict(), separators=(",", ":")).encode(),
                 {H.REQUEST_ID: a.view.request_id}))
-        elif isinstance(a, StartToolCall):
+        elif isinstance(a, E.StartToolCall):
             assert isinstance(self.verdict, ToolCall)
             self.tool = ToolCallHandler(self.cfg, p.ledger, self.write, p.spawn, retrying,
                                         p.clock, p.timers)
             await self.tool.on_request_headers(dict(self.verdict.headers))
             self.rid = self.tool.rid
-        elif isinstance(a, OpenIntake):
+        elif isinstance(a, E.OpenIntake):
             self.opening = p.spawn(self.open_record(), f"guard-intake-{rid}")
-        elif isinstance(a, RegisterIntake):
+        elif isinstance(a, E.RegisterIntake):
             assert self.opening is not None
             p.intakes.put(rid, self.opening)
-        elif isinstance(a, AnswerBody):
+        elif isinstance(a, E.AnswerBody):
             assert self.intake is not None
             secret, self.secret1 = self.secret1, None  # kept no longer than this answer
             set_headers, lb = body_headers(self.intake, secret=secret, rerun=self.rerun,
                                            traceparent=p.tel.traceparent(self.span))
             await self.write(codec.continue_request_body_with(set_headers, lb,
                                                               self.intake.meta.upstream_body))
-        elif isinstance(a, AwaitIntake):
+        elif isinstance(a, E.AwaitIntake):
             assert self.opening is not None
             err = await asyncio.shield(self.opening)
             self.opening = None
-            await self.feed(RequestOpened(err is None, err))
-        elif isinstance(a, Accepted):
+            await self.feed(E.RequestOpened(err is None, err))
+        elif isinstance(a, E.Accepted):
             # In flight for the retry budget until this stream ends (on_closed).
             p.budget.request_started(rid, p.clock.monotonic(), self.aid1)
-        elif isinstance(a, TakeOver):
+        elif isinstance(a, E.TakeOver):
             self.take_over(a.handoff)
-        elif isinstance(a, LoseLease):
+        elif isinstance(a, E.LoseLease):
             if self.lease is not None:
                 self.lease.lose(a.why)
-        elif isinstance(a, PassAside):
+        elif isinstance(a, E.PassAside):
             await self.write(codec.continue_response_headers(remove=NEVER_TO_CLIENT))
-        elif isinstance(a, PassHeaders):
+        elif isinstance(a, E.PassHeaders):
             if self.m is not None and self.m.replaced_error is not None:
                 await self.write(codec.continue_response_headers(
                     {H.REQUEST_ID: rid, "content-type": "application/json"},
@@ -423,28 +354,28 @@ class GuardSession(Session):
             else:
                 await self.write(codec.continue_response_headers({H.REQUEST_ID: rid},
                                                                  remove=NEVER_TO_CLIENT))
-        elif isinstance(a, WriteProgress):
+        elif isinstance(a, E.WriteProgress):
             p.spawn(self.write_progress(a.delivered), f"guard-progress-{rid}")
-        elif isinstance(a, Refuse):
+        elif isinstance(a, E.Refuse):
             await self.write(codec.immediate(a.error, {H.REQUEST_ID: rid} if rid else None))
-        elif isinstance(a, AwaitCause):
+        elif isinstance(a, E.AwaitCause):
             # Why it ended, and how much of the body Envoy sent the client (decision 0025).
             got = await p.causes.wait_sent(rid, self.cfg.timeouts.access_log_wait_s)
-            await self.feed(CauseLearned("unknown", None) if got is None
-                            else CauseLearned(got[0], got[1]))
+            await self.feed(E.CauseLearned("unknown", None) if got is None
+                            else E.CauseLearned(got[0], got[1]))
         # IntakeFailed: the gate gives the client this error; nothing ran (its span's end
         # is the observer's).
 
     # --- the port calls that take more than a line ------------------------------------
 
-    async def status_read(self) -> StatusRead:
+    async def status_read(self) -> E.StatusRead:
         q = self.verdict
         assert isinstance(q, StatusLookup)
         try:
             view = await self.p.settled(await self.p.journal.get(q.request_id))
         except StoreUnavailable as e:
-            return StatusRead(None, q.tenant, str(e))
-        return StatusRead(view, q.tenant)
+            return E.StatusRead(None, q.tenant, str(e))
+        return E.StatusRead(view, q.tenant)
 
     async def open_record(self) -> GatewayError | None:
         """The intake transaction (core.guard.IntakeFlow decides; here each step is carried
@@ -452,32 +383,32 @@ class GuardSession(Session):
         gen, prep, rid = self.gen, self.intake, self.rid or ""
         assert gen is not None and prep is not None
         journal, clock, first = self.p.journal, self.p.clock, prep.first
-        flow = IntakeFlow(rid, str(first["attempt_id"]), prep.meta.request_digest,
+        flow = G.IntakeFlow(rid, str(first["attempt_id"]), prep.meta.request_digest,
                           gen.idempotency_key, self.cfg.etcd.resend_deadline_s,
                           self.cfg.server.gateway_id, self.envoy_request_id)
-        pending: list[IntakeEvent] = [IntakeStart(clock.monotonic())]
+        pending: list[G.IntakeEvent] = [G.IntakeStart(clock.monotonic())]
         while pending:
             ev = pending.pop()
             acts = flow.handle(ev)
             observer.guard_intake(flow, ev, acts)
             for a in acts:
                 try:
-                    if isinstance(a, WriteIntake):
-                        pending.append(IntakeWritten(await journal.open_request(
+                    if isinstance(a, G.WriteIntake):
+                        pending.append(G.IntakeWritten(await journal.open_request(
                             rid, prep.record, (flow.attempt_id, first), credential=self.cred1)))
-                    elif isinstance(a, SettleView):
-                        pending.append(ViewSettled(await self.p.settled(a.view), clock.wall()))
-                    elif isinstance(a, Reopen):
-                        pending.append(ReopenAnswered(await journal.reopen_request(
+                    elif isinstance(a, G.SettleView):
+                        pending.append(G.ViewSettled(await self.p.settled(a.view), clock.wall()))
+                    elif isinstance(a, G.Reopen):
+                        pending.append(G.ReopenAnswered(await journal.reopen_request(
                             rid, a.outcome, a.history, a.first, credential=self.cred1)))
                 except StoreUnavailable as e:
-                    pending.append(IntakeDown(str(e), clock.monotonic()))
-                if isinstance(a, PauseIntake):
+                    pending.append(G.IntakeDown(str(e), clock.monotonic()))
+                if isinstance(a, G.PauseIntake):
                     await self.timer(a.seconds)
-                    pending.append(IntakePauseOver())
-                elif isinstance(a, TakeBackIntake | UndoReopenLater):
+                    pending.append(G.IntakePauseOver())
+                elif isinstance(a, G.TakeBackIntake | G.UndoReopenLater):
                     self.take_back(a)
-                elif isinstance(a, IntakeAnswer):
+                elif isinstance(a, G.IntakeAnswer):
                     if a.error is None:
                         # Recorded: a gate that comes from now on need not wait.
                         self.p.intakes.take(rid)
@@ -489,11 +420,11 @@ class GuardSession(Session):
                     return a.error
         raise AssertionError("the intake ended without an answer")
 
-    def take_back(self, a: TakeBackIntake | UndoReopenLater) -> None:
+    def take_back(self, a: G.TakeBackIntake | G.UndoReopenLater) -> None:
         """An intake (or a re-open) whose answer never came may still apply: taken back
         once etcd answers (nothing ran for it: the client is told journal_unavailable)."""
         rid, journal = self.rid or "", self.p.journal
-        if isinstance(a, TakeBackIntake):
+        if isinstance(a, G.TakeBackIntake):
             what, aid = "intake", a.attempt_id
             undo: Callable[[], Awaitable[Any]] = lambda: journal.undo_intake(rid, aid)  # noqa: E731
         else:
@@ -528,7 +459,7 @@ class GuardSession(Session):
 
         def on_live(value: str | None) -> None:
             if value != aid:  # revoked or replaced: the machine says it once
-                self.p.spawn(self.locked(Fenced("revoked or replaced"), while_open=True),
+                self.p.spawn(self.locked(E.Fenced("revoked or replaced"), while_open=True),
                              f"guard-fenced-{self.rid}")
         self._unwatch = self.p.journal.on_live_change(self.rid or "", on_live, aid)
 
@@ -537,9 +468,9 @@ class GuardSession(Session):
         with contextlib.suppress(StoreUnavailable):
             await self.p.journal.progress(self.rid or "", {"delivered_output_tokens": n,
                                                          "at": self.p.clock.wall()})
-        await self.locked(ProgressWritten())
+        await self.locked(E.ProgressWritten())
 
-    def _start_timer(self, kind: TimerKind, seconds: float) -> None:
+    def _start_timer(self, kind: E.TimerKind, seconds: float) -> None:
         # A kind started again (the stall timer, with every chunk) moves its deadline and
         # keeps its one timer on the port (a timer per chunk was a measurable share of the
         # per-chunk cost). The guard's deadlines only ever move later.
@@ -551,7 +482,7 @@ class GuardSession(Session):
             self._timers[kind] = _Timer(self.p.timers.start(seconds, lambda: self._fired(kind)),
                                         at)
 
-    def _fired(self, kind: TimerKind) -> None:
+    def _fired(self, kind: E.TimerKind) -> None:
         t = self._timers.get(kind)
         if t is None:
             return
@@ -560,7 +491,7 @@ class GuardSession(Session):
             t.handle = self.p.timers.start(left, lambda: self._fired(kind))
             return
         del self._timers[kind]
-        self.p.spawn(self.locked(TimerFired(kind, self.p.clock.monotonic(), self.p.clock.wall()),
+        self.p.spawn(self.locked(E.TimerFired(kind, self.p.clock.monotonic(), self.p.clock.wall()),
                                  while_open=True), f"guard-timer-{self.rid}")
 
     def _stop_timers(self) -> None:
@@ -572,9 +503,9 @@ class GuardSession(Session):
         err = await opening
         if err is not None and self.rid is not None:
             self.p.intakes.take(self.rid)
-        await self.locked(RequestOpened(err is None))
+        await self.locked(E.RequestOpened(err is None))
 
-    async def record(self, f: Finish) -> None:
+    async def record(self, f: E.Finish) -> None:
         rid = self.rid
         if rid is None:
             return
@@ -595,9 +526,9 @@ class GuardSession(Session):
         # time. Until it lands, the record shows no outcome rather than a wrong one.
         landed = await retrying(lambda: self.p.journal.finish(rid, body, attempt_end),
                                 "record the outcome", rid, None)
-        await self.locked(RecordWritten(landed))
+        await self.locked(E.RecordWritten(landed))
 
-    def attempt_end(self, f: Finish, wall: float) -> tuple[int, dict[str, Any]] | None:
+    def attempt_end(self, f: E.Finish, wall: float) -> tuple[int, dict[str, Any]] | None:
         """The record of the attempt the gate handed over, now that its end is known."""
         ho = self.attempt
         if ho is None:
