@@ -930,6 +930,25 @@ async def test_the_tool_listener_serves_nothing_but_the_tool_route() -> None:
     assert await store.get(RID) is None
 
 
+async def test_the_request_phase_says_each_refusal_once_from_its_rows(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # The request phase's log lines come from the observer (role, transition, actions).
+    caplog.set_level(logging.INFO, logger="extproc")
+    p, store = proc()
+    misrouted = await one_call(p, req_headers({**DOWN, ":path": "/v1/chat/completions?x=1"}))
+    bad_key = await one_call(p, req_headers({**DOWN, "idempotency-key": "a b"}), tools=False)
+    store.unavailable = True
+    lookup = await one_call(p, req_headers({":method": "GET", ":path": f"/v1/requests/{RID}"},
+                                           eos=True), tools=False)
+    assert [immediate(r)[1]["error"]["code"] for r in (misrouted, bad_key, lookup)] == [
+        "tool_route_not_here", "invalid_idempotency_key", "journal_unavailable"]
+    assert [(r.getMessage(), getattr(r, "request_id", None)) for r in caplog.records] == [
+        ("request refused: wrong listener for its path", None),
+        ("request rejected", None),
+        ("journal unavailable", RID)]
+    assert caplog.records[0].path == "/v1/chat/completions"  # type: ignore[attr-defined]
+
+
 async def test_gate_of_a_later_attempt_sends_its_own_secret_never_attempt_1s() -> None:
     p, store = proc()
     await open_request(store, p)
