@@ -27,12 +27,16 @@ from ..core.events import (
     Finish,
     IntakeFailed,
     LeaseLost,
+    LoseLease,
     MarkSlow,
     Refuse,
     Release,
+    RequestBodySeen,
+    RequestHeadersSeen,
     RequestStarted,
     Send,
     State,
+    StatusRead,
     StoreDown,
     TimerFired,
 )
@@ -47,6 +51,7 @@ from ..core.guard import (
     IntakeFlow,
     PauseIntake,
 )
+from ..core.intake import Misrouted
 from ..core.journal import Outcome
 from .logs import rlog
 from .session import INVALID
@@ -197,12 +202,35 @@ def guard(s: GuardSession, ev: Event, actions: list[Action]) -> None:
                 rlog(log, logging.WARNING, "upstream silent after first delta: ending stream",
                      s.rid, None, delivered_output_tokens=m.delivered)
             _guard_finished(s, a)
+        elif isinstance(a, LoseLease):
+            rlog(log, logging.WARNING, "attempt fenced: its lease was revoked or replaced",
+                 s.rid, s.attempt.attempt_id if s.attempt else None)
+        elif isinstance(a, Refuse):
+            _guard_refused(s, ev, a)
+
+
+def _guard_refused(s: GuardSession, ev: Event, a: Refuse) -> None:
+    """The request phase's refusals, each said once, as the intake decided them."""
+    code = str(a.error.code)
+    if isinstance(ev, RequestHeadersSeen) and ev.kind == "misrouted":
+        v = s.verdict
+        rlog(log, logging.WARNING, "request refused: wrong listener for its path", None, None,
+             code=code, path=v.path if isinstance(v, Misrouted) else None,
+             tools_listener=s.tools_listener)
+    elif isinstance(ev, RequestHeadersSeen) and ev.kind == "rejected":
+        rlog(log, logging.INFO, "request rejected", a.error.request_id, None, code=code)
+    elif (isinstance(ev, RequestBodySeen) and ev.error is not None
+          and ev.error.code is not ErrorCode.NO_COMPATIBLE_REPLICA):
+        rlog(log, logging.INFO, "request body rejected", s.rid, None, code=code)
+    elif isinstance(ev, StatusRead) and ev.down is not None:
+        rlog(log, logging.WARNING, "journal unavailable", a.error.request_id, None,
+             error=ev.down)
 
 
 def _guard_span(s: GuardSession) -> None:
     if s.span is not INVALID or s.gen is None or s.intake is None:
         return
-    meta, route = s.intake[0], s.intake[1]
+    meta, route = s.intake.meta, s.intake.route
     gen, tel = s.gen, s.p.tel
     s.span = tel.start("llm.request", tel.parent_from(s.md), SpanKind.SERVER, {
         "llmgw.request_id": s.rid or "", "gen_ai.request.model": meta.model,
@@ -214,7 +242,7 @@ def _guard_span(s: GuardSession) -> None:
 
 def _guard_accepted(s: GuardSession) -> None:
     assert s.intake is not None
-    meta, route = s.intake[0], s.intake[1]
+    meta, route = s.intake.meta, s.intake.route
     rlog(log, logging.INFO, "request accepted", s.rid, None, stream=meta.stream,
          model=meta.model, fingerprint=route[0] if route else None)
     s.span.add_event("request.accepted")
@@ -249,12 +277,6 @@ def _guard_finished(s: GuardSession, f: Finish) -> None:
                 "llmgw.delivered_output_tokens_bound": f.bound,
                 "llmgw.first_delta_sent": m.delivered > 0,
                 "http.response.status_code": m.status})
-
-
-def guard_fenced(s: GuardSession) -> None:
-    """The released attempt's lease was lost (revoked, replaced, or expired locally)."""
-    rlog(log, logging.WARNING, "attempt fenced: its lease was revoked or replaced", s.rid,
-         s.attempt.attempt_id if s.attempt else None)
 
 
 def guard_handoff_unreadable(s: GuardSession) -> None:

@@ -109,6 +109,21 @@ class RequestHeadersSeen:
 
     kind: str
     family: str = "chat"
+    # Trace format 3: what the intake refused ("rejected", "misrouted"), and a generation
+    # whose headers ended the request (no body to run).
+    error: GatewayError | None = None
+    end_of_stream: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class StatusRead:
+    """Guard: the journal's answer to a status lookup (LookUpStatus): the record as read
+    (settled if its processor died; None: none), or `down`, etcd's trouble. `tenant`: the
+    asking tenant's digest. Fed after the headers' row turned tracing off: never traced."""
+
+    view: Any = None  # core.journal.JournalView | None
+    tenant: str = ""
+    down: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +180,9 @@ class ResponseHeaders:
 class ResponseBody:
     data: bytes
     end_of_stream: bool
+    # Guard: the released attempt's lease, as its port answers with this chunk, has run out
+    # locally (its deadline moves with the process lease's keep-alives; trace format 3).
+    lease_expired: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,6 +204,8 @@ class StreamClosed:
 class Fenced:
     """Guard: the released attempt lost its fence (lease expired locally, or its `live` key
     was revoked or replaced): it may publish nothing more."""
+
+    why: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,7 +248,8 @@ Event: TypeAlias = (RequestStarted | IntakeCommitted | AdmissionDecided | StoreD
                     | Revoked | AdmitDecided | ResponseHeaders | ResponseBody | FenceDecided
                     | StreamClosed | CauseLearned | RecordWritten | ProgressWritten
                     | Fenced
-                    | LeaseLost | RequestHeadersSeen | RequestBodySeen | RequestOpened)
+                    | LeaseLost | RequestHeadersSeen | RequestBodySeen | RequestOpened
+                    | StatusRead)
 
 # --- actions --------------------------------------------------------------------------
 
@@ -470,6 +491,10 @@ class Finish:
     # "upper": the count is of what the guard handed to Envoy, and Envoy did not say how
     # much of it it sent: at most this much reached the client (decision 0025).
     bound: str | None = None
+    # The upstream's answer was whole (`[DONE]` forwarded, or completed): how the released
+    # attempt's own record ends (core.records.released_end). Derived from the rest of the
+    # machine's state, so not part of what makes two Finishes the same.
+    upstream_finished: bool = field(default=False, compare=False)
 
 
 # --- guard: the intake order (decision 0021) and the take-over of a hand-off ------------
@@ -522,6 +547,41 @@ class PassAside:
     for the headers that never reach a client."""
 
 
+@dataclass(frozen=True, slots=True)
+class AnswerHeaders:
+    """Guard: a generation's headers go on, with its request id (a client's copies of the
+    gateway's own headers removed)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PassRequest:
+    """Guard: not a request of ours: its headers go on without the gateway's own."""
+
+
+@dataclass(frozen=True, slots=True)
+class LookUpStatus:
+    """Guard: read the request's record for a status lookup; feed StatusRead."""
+
+
+@dataclass(frozen=True, slots=True)
+class AnswerStatus:
+    """Guard: answer a status lookup with the record (`view`, a core.journal.JournalView)."""
+
+    view: Any
+
+
+@dataclass(frozen=True, slots=True)
+class StartToolCall:
+    """Guard: the tool route serves this stream (its own machine, core.tool_route)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoseLease:
+    """Guard: the released attempt's permission to publish ends (`why`), said once."""
+
+    why: str
+
+
 Action: TypeAlias = (Admit | AwaitIntakeCommit | Decide | TakeLease | GiveBack | UndoAdmission
                      | UndoFence | Watch | StartTimer | StopTimers | MarkSlow | RevokeEarly
                      | CloseAttempt | Overloaded | RetryEnded | ContinueRequest | Refuse
@@ -529,7 +589,8 @@ Action: TypeAlias = (Admit | AwaitIntakeCommit | Decide | TakeLease | GiveBack |
                      | Fence | Release | FailAttempt | DropChunk | Send
                      | AwaitCause | EndAttempt | Finish | OpenIntake
                      | RegisterIntake | AnswerBody | AwaitIntake | Accepted | IntakeFailed
-                     | TakeOver | PassAside | WriteProgress)
+                     | TakeOver | PassAside | WriteProgress | AnswerHeaders | PassRequest
+                     | LookUpStatus | AnswerStatus | StartToolCall | LoseLease)
 
 
 class State(StrEnum):

@@ -17,24 +17,31 @@ from typing import Any, TypeAlias
 from . import records
 from .errors import (
     GatewayError,
+    body_required,
     decode_interrupted,
     journal_unavailable,
     request_in_progress,
+    request_not_found,
     upstream_unavailable,
 )
 from .events import (
     Accepted,
     Action,
     AnswerBody,
+    AnswerHeaders,
+    AnswerStatus,
     AwaitCause,
     AwaitIntake,
     CauseLearned,
     Fenced,
     Finish,
     IntakeFailed,
+    LookUpStatus,
+    LoseLease,
     OpenIntake,
     PassAside,
     PassHeaders,
+    PassRequest,
     ProgressWritten,
     RecordWritten,
     Refuse,
@@ -46,7 +53,9 @@ from .events import (
     ResponseHeaders,
     Send,
     StartTimer,
+    StartToolCall,
     State,
+    StatusRead,
     StopTimers,
     StreamClosed,
     TakeOver,
@@ -56,7 +65,7 @@ from .events import (
 )
 from .families import CHAT, Family, family_named
 from .intake import own_intake
-from .journal import JournalView, Outcome, Rerun, answer_repeat
+from .journal import JournalView, Outcome, Rerun, answer_repeat, tenant_digest
 from .machine import Machine, ProtocolViolation, T, Table, counting_decoder, stay
 from .sse import EventKind, SseDecoder, SseEvent
 from .usage import UsageMode, take_usage
@@ -111,6 +120,7 @@ class GuardMachine(Machine):
     floor: tuple[int, int, int, int] = (0, 0, -1, 0)
     bound: str | None = None  # "upper": Envoy did not say what it sent (see Finish)
     withheld: int = 0  # content units the guard forwarded that Envoy never sent
+    lease_lost: bool = False  # the released attempt's permission ended (LoseLease, once)
 
     @classmethod
     def new(cls, request_id: str, stall_after_first_delta_s: float,
@@ -122,6 +132,11 @@ class GuardMachine(Machine):
         return cls(request_id=request_id, state=state, role="guard", initial_state=state,
                    stall_after_first_delta_s=stall_after_first_delta_s, max_buffer=max_buffer,
                    progress_every=progress_every)
+
+    @property
+    def reads_body(self) -> bool:
+        """A generation's body is the next thing it reads (any other body passes)."""
+        return self.state is State.GUARD_AWAITING_BODY
 
     @property
     def accepted(self) -> bool:
@@ -192,7 +207,9 @@ class GuardMachine(Machine):
         n, exact, source = self.delivered_tokens()
         self.finished = Finish(outcome=outcome, delivered_output_tokens=n, cause=cause,
                                exact=exact, source=source,
-                               bound=self.bound if n > 0 else None)
+                               bound=self.bound if n > 0 else None,
+                               upstream_finished=self.done_seen
+                               or outcome is Outcome.COMPLETED)
         return self.finished
 
 
@@ -291,6 +308,16 @@ def _sse_forward(m: GuardMachine, events: list[SseEvent], end: bool) -> list[Act
 
 
 def _guard_body(m: GuardMachine, ev: ResponseBody) -> list[Action]:
+    if ev.lease_expired and not m.lease_lost:
+        # The lease ran out locally (checked with each chunk): said once, acted on once.
+        acts = _guard_fenced(m, Fenced("expired locally"))
+        if m.state is State.GUARD_TERMINATED:
+            return acts  # the chunk came after our end: never forwarded
+        return acts + _guard_chunk(m, ev)
+    return _guard_chunk(m, ev)
+
+
+def _guard_chunk(m: GuardMachine, ev: ResponseBody) -> list[Action]:
     if m.status == 200 and m.streaming:
         events = m.decoder.feed(ev.data)
         if ev.end_of_stream:
@@ -357,23 +384,25 @@ def _guard_progress_written(m: GuardMachine, ev: ProgressWritten) -> list[Action
 
 
 def _guard_fenced(m: GuardMachine, ev: Fenced) -> list[Action]:
-    if m.done_seen or not (m.status == 200 and m.streaming):
-        return []  # a complete answer (or a whole non-streaming body) is already out
+    # Whoever noticed it first (the revocation watch, a chunk's lease check), once.
+    if m.lease_lost:
+        return []
+    m.lease_lost = True
+    lose: list[Action] = [LoseLease(ev.why or "expired locally")]
+    if (m.state not in (State.GUARD_RESPONDING, State.GUARD_STREAMING) or m.done_seen
+            or not (m.status == 200 and m.streaming)):
+        return lose  # a complete answer (or a whole non-streaming body) is already out
     # Like a stall, but the cause is known: this attempt may not publish another byte.
     m.state = State.GUARD_TERMINATED
     end = m._terminal()
     m.sent_downstream(len(end))
-    return [Send(end, True),
+    return [*lose, Send(end, True),
             StopTimers(), m._finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, "fenced")]
-
-
-def _guard_ignore(m: GuardMachine, ev: Any) -> list[Action]:
-    return []
 
 
 def _guard_body_after_end(m: GuardMachine, ev: ResponseBody) -> list[Action]:
     # Bytes after we ended the stream are never forwarded: the stream is over for the client.
-    return []
+    return _guard_fenced(m, Fenced("expired locally")) if ev.lease_expired else []
 
 
 def _guard_closed(m: GuardMachine, ev: StreamClosed) -> list[Action]:
@@ -432,14 +461,36 @@ REQUEST_PHASE = frozenset({State.GUARD_NEW, State.GUARD_AWAITING_BODY, State.GUA
                            State.GUARD_LEFT_OPENING, State.GUARD_ASIDE})
 
 
+# What the headers of a request that is not ours (or not yet) are answered with.
+_ASIDE_ANSWER: dict[str, Callable[[], Action]] = {
+    "status": LookUpStatus, "tool": StartToolCall, "passthrough": PassRequest}
+
+
 def _guard_request_headers(m: GuardMachine, ev: RequestHeadersSeen) -> list[Action]:
-    m.state = State.GUARD_AWAITING_BODY if ev.kind == "generation" else State.GUARD_ASIDE
-    if m.state is State.GUARD_ASIDE:
-        m.trace_budget = 0  # not a request of ours: what passes by is not traced
     if ev.family != m.family.name:
         m.family = family_named(ev.family)
         m.decoder = m.family.decoder()
-    return []
+    if ev.kind == "generation" and not ev.end_of_stream:
+        m.state = State.GUARD_AWAITING_BODY
+        return [AnswerHeaders()]
+    m.state = State.GUARD_ASIDE
+    if ev.kind == "generation":
+        return [Refuse(body_required(m.request_id))]  # headers that ended the request
+    m.trace_budget = 0  # not a request of ours: what passes by is not traced
+    if ev.error is not None:
+        return [Refuse(ev.error)]  # refused by the intake ("rejected", "misrouted")
+    answer = _ASIDE_ANSWER.get(ev.kind)
+    return [answer()] if answer is not None else []
+
+
+def _guard_status(m: GuardMachine, ev: StatusRead) -> list[Action]:
+    if ev.down is not None:
+        return [Refuse(journal_unavailable(m.request_id))]
+    view = ev.view
+    if view is None or view.meta.get("tenant") != tenant_digest(ev.tenant):
+        # Another tenant's request is indistinguishable from a missing one.
+        return [Refuse(request_not_found(m.request_id))]
+    return [AnswerStatus(view)]
 
 
 def _guard_request_body(m: GuardMachine, ev: RequestBodySeen) -> list[Action]:
@@ -512,6 +563,7 @@ GUARD_TABLE: Table = {
     (S.GUARD_AWAITING_BODY, RequestBodySeen): T(_guard_request_body, S.GUARD_OPENING,
                                                      S.GUARD_ASIDE),
     (S.GUARD_OPENING, RequestOpened): T(_guard_opened, S.GUARD_WAITING, S.GUARD_ASIDE),
+    (S.GUARD_ASIDE, StatusRead): T(_guard_status, S.GUARD_ASIDE),
     **stay(_guard_pass_aside, _ASIDE_STATES, ResponseHeaders),
     # Envoy's own answer that came before the intake committed, headers passed aside
     # above: its body passes too (the stream's close then finishes the record).
@@ -546,7 +598,7 @@ GUARD_TABLE: Table = {
     (S.GUARD_RESPONDING, Fenced): T(_guard_fenced, S.GUARD_RESPONDING,
                                          S.GUARD_TERMINATED),
     (S.GUARD_STREAMING, Fenced): T(_guard_fenced, S.GUARD_STREAMING, S.GUARD_TERMINATED),
-    **stay(_guard_ignore, (S.GUARD_WAITING, S.GUARD_COMPLETE, S.GUARD_TERMINATED,
+    **stay(_guard_fenced, (S.GUARD_WAITING, S.GUARD_COMPLETE, S.GUARD_TERMINATED,
                             S.GUARD_AWAIT_CAUSE, S.GUARD_CLOSED), Fenced),
     **{(st, StreamClosed): T(_guard_closed, S.GUARD_CLOSED, S.GUARD_AWAIT_CAUSE)
        for st in (S.GUARD_WAITING, S.GUARD_RESPONDING, S.GUARD_STREAMING, S.GUARD_COMPLETE,

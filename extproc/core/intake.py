@@ -12,12 +12,21 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from . import headers as H
+from . import records
 from .budget import estimate_prompt_tokens
 from .config import Config
-from .errors import ErrorCode, GatewayError, bad_request
+from .errors import (
+    ErrorCode,
+    GatewayError,
+    bad_request,
+    no_compatible_replica,
+    tool_route_not_here,
+)
 from .families import GENERATION_PATHS as FAMILY_PATHS
 from .families import family_for_path
-from .journal import request_id_for_key, validate_request_id
+from .journal import Rerun, request_id_for_key, validate_request_id
+from .pool import Pool
 from .usage import UsageMode, ask_for_usage
 
 # Every API family the contract covers (core.families): chat, completions, Responses and
@@ -52,6 +61,48 @@ class Rejected:
 
 
 Intake = StatusLookup | Generation | PassThrough | Rejected
+
+
+@dataclass(frozen=True, slots=True)
+class Misrouted:
+    """A tool call on the client listener, or anything else on the tool listener: refused
+    before anything is read (no ledger, no journal; decision 0028)."""
+
+    error: GatewayError
+    path: str
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """The tool route on the tool listener: its own machine (core.tool_route) serves it."""
+
+    headers: Mapping[str, str]
+
+
+Verdict = Intake | Misrouted | ToolCall
+
+
+def read_headers(headers: Mapping[str, str], cfg: Config, tools_listener: bool,
+                 new_id: Callable[[], str]) -> Verdict:
+    """The request's headers, as the guard of the listener `tools_listener` reads them."""
+    path = headers.get(":path", "")
+    is_tool = path.startswith(cfg.tools.path_prefix)
+    if is_tool != tools_listener:
+        bare = path.split("?", 1)[0]
+        return Misrouted(tool_route_not_here(bare, tools_listener), bare)
+    if is_tool:
+        return ToolCall(headers)
+    return classify_request(headers, cfg, new_id)
+
+
+def kind_of(v: Verdict) -> tuple[str, str, GatewayError | None]:
+    """What the guard's machine is told of a verdict: (kind, family, error)."""
+    if isinstance(v, Generation):
+        return "generation", family_for_path(v.path).name, None
+    if isinstance(v, Misrouted | Rejected):
+        return ("misrouted" if isinstance(v, Misrouted) else "rejected"), "chat", v.error
+    return {StatusLookup: "status", PassThrough: "passthrough",
+            ToolCall: "tool"}[type(v)], "chat", None
 
 
 def _valid_key(key: str, max_len: int) -> bool:
@@ -215,3 +266,69 @@ def own_intake(attempts: tuple[Mapping[str, Any], ...], live: str | None,
     return (len(attempts) == 1 and attempts[0].get("attempt_id") == first_attempt_id
             and live in (None, first_attempt_id))
 
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A generation's body, ready for its intake: the parsed body, the hosts in order, the
+    record and attempt 1 (admitted in the same transaction as the record)."""
+
+    meta: RequestMeta
+    route: tuple[str, list[str]] | None
+    record: dict[str, Any]
+    first: dict[str, Any]
+
+
+def prepare_intake(body: bytes, cfg: Config, gen: Generation, *, pool: Pool,
+                   order_hosts: Callable[[list[str]], list[str]],
+                   new_attempt_id: Callable[[], str], wall: float,
+                   envoy_request_id: str | None) -> Prepared | GatewayError:
+    """Parse the body, route it, and write down its record and attempt 1 (ids and times
+    come in: the core mints nothing); else the error the client gets."""
+    rid = gen.request_id
+    meta = parse_body(body, cfg, rid, gen.path)
+    if isinstance(meta, GatewayError):
+        return meta
+    route: tuple[str, list[str]] | None = None
+    if pool.enabled:
+        route = pool.choose(meta.model, rid)
+        if route is None:
+            return no_compatible_replica(rid, f"no replica declared for model {meta.model!r}")
+        # Hosts known to be down go last: attempt 1 should not be spent on them.
+        route = (route[0], order_hosts(route[1]))
+    gw = cfg.server.gateway_id
+    record = records.request_meta(
+        request_id=rid, tenant=gen.tenant, idempotency_key=gen.idempotency_key,
+        endpoint=gen.path, max_attempts=cfg.policy.max_attempts, gateway_id=gw,
+        envoy_request_id=envoy_request_id, created_at=wall, body_meta=meta.to_dict(),
+        route=route)
+    return Prepared(meta, route, record, records.first_attempt(new_attempt_id(), gw, wall))
+
+
+def body_headers(p: Prepared, *, secret: str | None, traceparent: str | None,
+                 rerun: Rerun | None) -> tuple[dict[str, str], dict[str, Any] | None]:
+    """What the body's answer sets for attempt 1's gate (headers, and Envoy's dynamic
+    metadata with the hosts in order)."""
+    meta, route = p.meta, p.route
+    set_headers = {H.PROMPT_TOKENS: str(meta.estimated_prompt_tokens),
+                   H.PREADMITTED: str(p.first["attempt_id"]),
+                   H.ACCEPTED_AT: f"{p.record['created_at']:.6f}"}
+    if secret is not None:
+        # For the gate of attempt 1, which keeps it; a later attempt's gate replaces it with
+        # its own.
+        set_headers[H.ATTEMPT_SECRET] = secret
+    if traceparent:
+        set_headers[H.TRACEPARENT] = traceparent
+    if rerun is not None:
+        # The gates name their attempts after the runs before (decision 0027).
+        set_headers[H.ATTEMPT_OFFSET] = str(rerun.attempt_offset)
+    lb: dict[str, Any] | None = None
+    if route is not None:
+        # Attempt n goes to hosts[n-1]: every host listed shares one fingerprint, so no
+        # retry can land on an incompatible replica.
+        set_headers[H.FINGERPRINT] = route[0]
+        lb = {"envoy.lb": {"x-gateway-destination-endpoint": ",".join(route[1])}}
+    if meta.upstream_body is not None:
+        # Envoy rejects a buffered body mutation whose content-length does not match.
+        set_headers["content-length"] = str(len(meta.upstream_body))
+    return set_headers, lb

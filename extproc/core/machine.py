@@ -71,11 +71,15 @@ _SHARED_RECORDS: dict[Event, dict[str, Any]] = {}
 
 def _event_record(ev: Event) -> dict[str, Any]:
     if type(ev) is ResponseBody:  # the hot path: one per body message
+        if ev.lease_expired:
+            return {"type": "ResponseBody", "data": ev.data.decode("latin-1"),
+                    "end_of_stream": ev.end_of_stream, "lease_expired": True}
         return {"type": "ResponseBody", "data": ev.data.decode("latin-1"),
                 "end_of_stream": ev.end_of_stream}
     if isinstance(ev, _SHARED_RECORD_TYPES) and not (
-            isinstance(ev, ResponseHeaders) and (ev.handoff or ev.model_revision)):
-        # (A hand-off or a model revision is per attempt: such headers are not shared.)
+            (isinstance(ev, ResponseHeaders) and (ev.handoff or ev.model_revision))
+            or (isinstance(ev, RequestHeadersSeen) and ev.error is not None)):
+        # (A hand-off, a model revision or a refusal is per request: such are not shared.)
         rec = _SHARED_RECORDS.get(ev)
         if rec is None:
             rec = _build_record(ev)
@@ -92,6 +96,11 @@ def _build_record(ev: Event) -> dict[str, Any]:
         d = asdict(ev)
         d["error"] = ev.error.body() if ev.error else None
         d["http_status"] = ev.error.http_status if ev.error else None
+    elif isinstance(ev, RequestHeadersSeen):
+        d = {"kind": ev.kind, "family": ev.family,
+             "error": ev.error.body() if ev.error else None,
+             "http_status": ev.error.http_status if ev.error else None,
+             "end_of_stream": ev.end_of_stream}
     elif isinstance(ev, RequestBodySeen):
         d = {"error": ev.error.body() if ev.error else None,
              "http_status": ev.error.http_status if ev.error else None,

@@ -48,7 +48,18 @@ from .usage import UsageMode
 
 # 2: the gate's trace holds its whole life, waits included (its admission, timers, end);
 # a format-1 gate trace was recorded by a core that decided those outside the machine.
-FORMAT = 2
+# 3: the guard's request phase answers its headers by rows (AnswerHeaders, ...), and the
+# loss of its released attempt's lease is a row's LoseLease (a chunk says when the lease ran
+# out); a format-2 guard trace is compared without those actions, which it did not record.
+FORMAT = 3
+# Actions a guard's rows took from format 3 on, absent from the decisions of older traces.
+_GUARD_FORMAT_3 = frozenset({"AnswerHeaders", "PassRequest", "LookUpStatus", "StartToolCall",
+                             "LoseLease"})
+
+
+def _without_format_3(decision: str) -> str:
+    state, _, acts = decision.partition(":")
+    return state + ":" + ",".join(a for a in acts.split(",") if a and a not in _GUARD_FORMAT_3)
 
 
 def event_from_record(d: Mapping[str, Any]) -> Event:
@@ -90,13 +101,16 @@ def event_from_record(d: Mapping[str, Any]) -> Event:
                                d.get("handoff"), _opt(d.get("model_revision")),
                                _opt(d.get("retry_after")))
     if t == "ResponseBody":
-        return ResponseBody(str(d["data"]).encode("latin-1"), bool(d["end_of_stream"]))
+        return ResponseBody(str(d["data"]).encode("latin-1"), bool(d["end_of_stream"]),
+                            bool(d.get("lease_expired", False)))
     if t == "FenceDecided":
         return FenceDecided(bool(d["committed"]))
     if t == "LeaseLost":
         return LeaseLost()
     if t == "RequestHeadersSeen":
-        return RequestHeadersSeen(str(d["kind"]), str(d.get("family", "chat")))
+        return RequestHeadersSeen(str(d["kind"]), str(d.get("family", "chat")),
+                                  _error(d, "invalid_header"),
+                                  bool(d.get("end_of_stream", False)))
     if t == "RequestBodySeen":
         body = d.get("error")
         if not isinstance(body, Mapping):
@@ -122,7 +136,7 @@ def event_from_record(d: Mapping[str, Any]) -> Event:
     if t == "RecordWritten":
         return RecordWritten(bool(d["landed"]))
     if t == "Fenced":
-        return Fenced()
+        return Fenced(str(d.get("why", "")))
     if t == "StreamClosed":
         return StreamClosed(float(d.get("mono", 0.0)), float(d.get("wall", 0.0)))
     if t == "CauseLearned":
@@ -220,15 +234,17 @@ def replay(trace: Mapping[str, Any]) -> ReplayResult:
     else:
         return ReplayResult(False, 0, f"unknown role {trace['role']!r}")
     recorded = list(trace.get("decisions") or [])
+    legacy = m.role == "guard" and int(trace.get("format", 1)) < 3
     for i, d in enumerate(trace.get("events") or []):
         try:
             m.handle(event_from_record(d))
         except (ProtocolViolation, ValueError, KeyError) as e:
             return ReplayResult(False, i, f"event {i} ({d.get('type')}) cannot be replayed: {e}")
         want = recorded[i] if i < len(recorded) else None
-        if m.decisions[-1] != want:
+        got = _without_format_3(m.decisions[-1]) if legacy else m.decisions[-1]
+        if got != want:
             return ReplayResult(False, i + 1, f"event {i} ({d.get('type')}): recorded "
-                                f"{want!r}, replay decided {m.decisions[-1]!r}")
+                                f"{want!r}, replay decided {got!r}")
     if len(recorded) != len(m.decisions):
         return ReplayResult(False, len(m.decisions),
                             f"{len(recorded)} decisions recorded, {len(m.decisions)} replayed")

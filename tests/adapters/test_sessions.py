@@ -398,33 +398,43 @@ async def test_a_given_up_intake_that_applied_late_is_taken_back() -> None:
     # The intake applied, then etcd stayed away past resend_deadline_s: the client is told
     # `503 journal_unavailable`, nothing was run; when etcd answers again the record is
     # taken back, so a repeat of the key runs instead of 409 request_in_progress forever
-    # (issue 24, finding 5).
-    p, store = proc({"etcd": {"timeout_s": 0.1, "resend_deadline_s": 0.3}})
+    # (issue 24, finding 5). The intake's pauses run on a fake clock; the take-back is
+    # waited for as it lands, not by sleeping.
+    timers = FakeTimers(FakeClock())
+    p, store = proc({"etcd": {"timeout_s": 0.1, "resend_deadline_s": 0.3}}, timers)
     store.lose_next_intake_answer()
-    real = store.open_request
+    real, real_undo, undone = store.open_request, store.undo_intake, asyncio.Event()
 
     async def then_down(*args: Any, **kw: Any) -> Any:
         try:
             return await real(*args, **kw)
         finally:
             store.unavailable = True
+
+    async def undo(*args: Any, **kw: Any) -> Any:
+        res = await real_undo(*args, **kw)
+        undone.set()
+        return res
     store.open_request = then_down  # type: ignore[method-assign]
+    store.undo_intake = undo  # type: ignore[method-assign]
     guard, _, gtask = start(GuardSession, p)
     guard.send(req_headers(DOWN))
     rid = set_headers((await guard.wait_for(1))[0], "request_headers")[H.REQUEST_ID]
     guard.send(req_body(CHAT))
-    status, body = immediate((await guard.wait_for(2, timeout_s=5))[1])
+    pauses = 0
+    while len(guard.out) < 2 and pauses < 10:  # sent again after 0.05 s, 0.1 s, then given up
+        await idle()
+        pauses += timers.advance(0.05)
+    assert pauses == 2
+    status, body = immediate((await guard.wait_for(2))[1])
     assert status == 503 and body["error"]["code"] == "journal_unavailable"
     assert body["error"]["retryable"] is True
     guard.close()
     await asyncio.wait_for(gtask, 3)
     store.open_request = real  # type: ignore[method-assign]
     store.unavailable = False
-    assert await store.get(rid) is not None  # the late apply, until the take-back runs
-    for _ in range(60):
-        if await store.get(rid) is None:
-            break
-        await asyncio.sleep(0.05)
+    assert await store.get(rid) is not None and not undone.is_set()  # the late apply ...
+    await asyncio.wait_for(undone.wait(), 3)  # ... until the take-back lands
     assert await store.get(rid) is None
     again, _, atask = start(GuardSession, p)
     again.send(req_headers(DOWN))
@@ -918,6 +928,25 @@ async def test_the_tool_listener_serves_nothing_but_the_tool_route() -> None:
         status, body = immediate(await one_call(p, req_headers({**DOWN, ":path": path})))
         assert status == 404 and body["error"]["code"] == "tool_route_not_here"
     assert await store.get(RID) is None
+
+
+async def test_the_request_phase_says_each_refusal_once_from_its_rows(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # The request phase's log lines come from the observer (role, transition, actions).
+    caplog.set_level(logging.INFO, logger="extproc")
+    p, store = proc()
+    misrouted = await one_call(p, req_headers({**DOWN, ":path": "/v1/chat/completions?x=1"}))
+    bad_key = await one_call(p, req_headers({**DOWN, "idempotency-key": "a b"}), tools=False)
+    store.unavailable = True
+    lookup = await one_call(p, req_headers({":method": "GET", ":path": f"/v1/requests/{RID}"},
+                                           eos=True), tools=False)
+    assert [immediate(r)[1]["error"]["code"] for r in (misrouted, bad_key, lookup)] == [
+        "tool_route_not_here", "invalid_idempotency_key", "journal_unavailable"]
+    assert [(r.getMessage(), getattr(r, "request_id", None)) for r in caplog.records] == [
+        ("request refused: wrong listener for its path", None),
+        ("request rejected", None),
+        ("journal unavailable", RID)]
+    assert caplog.records[0].path == "/v1/chat/completions"  # type: ignore[attr-defined]
 
 
 async def test_gate_of_a_later_attempt_sends_its_own_secret_never_attempt_1s() -> None:

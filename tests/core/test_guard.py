@@ -21,6 +21,8 @@ from hypothesis import strategies as st
 from extproc.core.errors import (
     ErrorCode,
     GatewayError,
+    bad_request,
+    body_required,
     decode_interrupted,
     journal_unavailable,
     request_in_progress,
@@ -29,6 +31,8 @@ from extproc.core.events import (
     Accepted,
     Action,
     AnswerBody,
+    AnswerHeaders,
+    AnswerStatus,
     AwaitCause,
     AwaitIntake,
     CauseLearned,
@@ -36,9 +40,12 @@ from extproc.core.events import (
     Fenced,
     Finish,
     IntakeFailed,
+    LookUpStatus,
+    LoseLease,
     OpenIntake,
     PassAside,
     PassHeaders,
+    PassRequest,
     ProgressWritten,
     RecordWritten,
     Refuse,
@@ -50,7 +57,9 @@ from extproc.core.events import (
     ResponseHeaders,
     Send,
     StartTimer,
+    StartToolCall,
     State,
+    StatusRead,
     StopTimers,
     StreamClosed,
     TakeOver,
@@ -78,9 +87,9 @@ from extproc.core.guard import (
     ViewSettled,
     WriteIntake,
 )
-from extproc.core.journal import JournalView, Outcome
+from extproc.core.journal import JournalView, Outcome, tenant_digest
 from extproc.core.machine import ProtocolViolation
-from extproc.core.replay import event_from_record
+from extproc.core.replay import event_from_record, record, replay
 from extproc.core.sse import DONE_EVENT, EventKind, SseDecoder, encode_event
 
 from .exhaustive import Chooser, every
@@ -94,7 +103,7 @@ REFUSED = request_in_progress(RID, "prefill")
 
 def body_seen(keyed: bool) -> tuple[GuardMachine, list[Action]]:
     m = GuardMachine.new(RID, 15.0, at_request=True)
-    assert m.handle(RequestHeadersSeen("generation")) == []
+    assert m.handle(RequestHeadersSeen("generation")) == [AnswerHeaders()]
     return m, m.handle(RequestBodySeen(None, keyed=keyed))
 
 
@@ -682,24 +691,25 @@ def test_guard_stall_after_delivery_ends_the_stream() -> None:
 def test_guard_fenced_attempt_ends_the_stream_at_once() -> None:
     m = streaming_guard()
     m.handle(ResponseBody(ROLE + content("a") + content("b"), False))
-    acts = m.handle(Fenced())
-    assert acts == [Send(terminal(2), True), StopTimers(),
+    acts = m.handle(Fenced("revoked or replaced"))
+    assert acts == [LoseLease("revoked or replaced"), Send(terminal(2), True), StopTimers(),
                     Finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, 2, "fenced", exact=False)]
-    assert m.state is State.GUARD_TERMINATED
-    assert m.handle(ResponseBody(content("late"), False)) == []
-    assert m.handle(Fenced()) == []
+    assert m.state is State.GUARD_TERMINATED and m.lease_lost
+    assert m.handle(ResponseBody(content("late"), False, lease_expired=True)) == []
+    assert m.handle(Fenced()) == []  # said once, whoever noticed it again
 
 
 def test_guard_fenced_before_any_content_still_publishes_nothing() -> None:
     m = streaming_guard()
     acts = m.handle(Fenced())
-    assert acts == [Send(terminal(0), True), StopTimers(),
+    assert acts == [LoseLease("expired locally"), Send(terminal(0), True), StopTimers(),
                     Finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, 0, "fenced")]
 
 
 def test_guard_fenced_after_done_changes_nothing() -> None:
     m = streaming_guard()
     m.handle(ResponseBody(content("a") + FINISH + DONE_EVENT, False))
+    assert m.handle(Fenced()) == [LoseLease("expired locally")]  # the lease still ends
     assert m.handle(Fenced()) == []
     assert m.state is State.GUARD_RESPONDING or m.state is State.GUARD_STREAMING
 
@@ -944,3 +954,96 @@ def test_guard_output_does_not_depend_on_chunking(s: Stream) -> None:
     b = run_guard(whole, [], "upstream")
     assert b"".join(x.data for x in a.sends) == b"".join(x.data for x in b.sends)
     assert a.finishes == b.finishes
+
+
+# --- the request phase's answers, and the chunk's lease check (trace format 3) ------------
+
+
+@pytest.mark.parametrize(("kind", "error", "want"), [
+    ("passthrough", None, [PassRequest()]),
+    ("status", None, [LookUpStatus()]),
+    ("tool", None, [StartToolCall()]),
+    ("rejected", bad_request(ErrorCode.INVALID_HEADER, "no", status=405), "refuse"),
+    ("misrouted", bad_request(ErrorCode.TOOL_ROUTE_NOT_HERE, "no", status=404), "refuse"),
+])
+def test_headers_that_are_not_a_generation_are_answered_by_their_row(
+        kind: str, error: GatewayError | None, want: Any) -> None:
+    m = GuardMachine.new(RID, STALL, at_request=True)
+    acts = m.handle(RequestHeadersSeen(kind, error=error))
+    assert acts == ([Refuse(error)] if want == "refuse" else want)
+    assert m.state is State.GUARD_ASIDE and m.trace_budget == 0 and not m.reads_body
+
+
+def test_a_generation_whose_headers_end_it_is_refused_body_required() -> None:
+    m = GuardMachine.new(RID, STALL, at_request=True)
+    assert m.handle(RequestHeadersSeen("generation", end_of_stream=True)) == [
+        Refuse(body_required(RID))]
+    assert m.state is State.GUARD_ASIDE
+
+
+def test_a_status_lookup_is_answered_from_the_record_of_its_own_tenant_only() -> None:
+    view = JournalView(request_id=RID, meta={**META, "tenant": tenant_digest("default")},
+                       attempts=())
+    for ev, want in [(StatusRead(view, "default"), [AnswerStatus(view)]),
+                     (StatusRead(view, "someone-else"), ErrorCode.REQUEST_NOT_FOUND),
+                     (StatusRead(None, "default"), ErrorCode.REQUEST_NOT_FOUND),
+                     (StatusRead(None, "default", "etcd away"), ErrorCode.JOURNAL_UNAVAILABLE)]:
+        m = GuardMachine.new(RID, STALL, at_request=True)
+        m.handle(RequestHeadersSeen("status"))
+        acts = m.handle(ev)
+        if isinstance(want, list):
+            assert acts == want
+        else:
+            [refuse] = acts
+            assert isinstance(refuse, Refuse) and refuse.error.code is want
+            assert refuse.error.request_id == RID
+
+
+def test_a_chunk_past_the_leases_local_expiry_ends_the_stream_once() -> None:
+    m = streaming_guard()
+    m.handle(ResponseBody(ROLE + content("a"), False))
+    acts = m.handle(ResponseBody(content("b"), False, lease_expired=True))
+    assert acts == [LoseLease("expired locally"), Send(terminal(1), True), StopTimers(),
+                    Finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, 1, "fenced", exact=False)]
+    assert m.handle(ResponseBody(content("c"), False, lease_expired=True)) == []
+    assert m.handle(Fenced("revoked or replaced")) == []
+    assert event_from_record(m.trace[-3]) == ResponseBody(content("b"), False, True)
+    assert "lease_expired" not in m.trace[-4]  # the hot path's record stays as it was
+    assert replay(record(m, {}, 1 << 20)).ok
+
+
+def test_a_whole_answer_past_the_leases_expiry_still_goes_out() -> None:
+    m = GuardMachine.new(RID, STALL)
+    m.handle(ResponseHeaders(200, "application/json"))
+    acts = m.handle(ResponseBody(b"{}", True, lease_expired=True))
+    assert acts == [LoseLease("expired locally"), Send(b"{}", True)]
+
+
+def test_a_format_2_guard_trace_replays_without_the_new_answers() -> None:
+    m, _ = body_seen(keyed=False)
+    m.handle(RequestOpened(True))
+    m.handle(ResponseHeaders(200, SSE, handoff=HANDOFF))
+    m.handle(ResponseBody(ROLE + content("a"), False))
+    m.handle(Fenced())
+    m.handle(StreamClosed())
+    rec = record(m, {}, 1 << 20)
+    assert rec["format"] == 3 and replay(rec).ok
+    # As a format-2 core recorded it: no AnswerHeaders, no LoseLease, a bare Fenced.
+    old = {**rec, "format": 2, "decisions": [
+        ",".join(a for a in d.split(",") if a not in ("AnswerHeaders", "LoseLease"))
+        .replace(":AnswerHeaders", ":").replace(":LoseLease,", ":")
+        for d in rec["decisions"]],
+        "events": [{"type": "Fenced"} if e["type"] == "Fenced" else e for e in rec["events"]]}
+    assert old["decisions"] != rec["decisions"] and replay(old).ok
+    assert not replay({**old, "format": 3}).ok
+
+
+def test_a_finish_says_whether_the_upstreams_answer_was_whole() -> None:
+    m = streaming_guard()
+    m.handle(ResponseBody(ROLE + content("a") + DONE_EVENT, False))
+    [_, fin] = m.handle(StreamClosed())
+    assert isinstance(fin, Finish) and fin.upstream_finished  # reset after [DONE]
+    m = streaming_guard()
+    m.handle(ResponseBody(ROLE + content("a"), False))
+    fin = m.handle(TimerFired(TimerKind.STALL))[-1]
+    assert isinstance(fin, Finish) and not fin.upstream_finished

@@ -30,6 +30,7 @@ from extproc.core.events import (
     Send,
     StartTimer,
     State,
+    StatusRead,
     StoreDown,
     StreamClosed,
     TimerFired,
@@ -91,6 +92,7 @@ CANONICAL: dict[type, Any] = {
     RequestHeadersSeen: RequestHeadersSeen("generation"),
     RequestBodySeen: RequestBodySeen(None),
     RequestOpened: RequestOpened(True),
+    StatusRead: StatusRead(None, "default"),
 }
 
 
