@@ -77,8 +77,29 @@ class StoreDown:
 class TimerKind(StrEnum):
     SOFT_FIRST_DELTA = "soft_first_delta"  # slow is not dead: noted, nothing changes
     FIRST_DELTA = "first_delta"  # the attempt's first-delta deadline
+    RESEND = "resend"  # gate: the pause before an unconfirmed write is sent again
     STALL = "stall"  # guard: no byte from upstream for this long after the first delta
     CHECKPOINT = "checkpoint"  # guard: time to record the delivered count again
+
+
+@dataclass(frozen=True, slots=True)
+class NotConfirmed:
+    """Gate: one try of a conditioned write (the lease, the admission, the fence) got no
+    answer from etcd: sent at `sent_mono`, given up on at `mono`. The rows decide whether
+    it is sent again after a pause (decision 0026) or the attempt gives up."""
+
+    error: str = ""
+    sent_mono: float = 0.0
+    mono: float = 0.0
+    wall: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class LiveChanged:
+    """Gate: the revocation watch saw the attempt's `live` key change (to `value`; None:
+    deleted)."""
+
+    value: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,7 +249,8 @@ Event: TypeAlias = (RequestStarted | IntakeCommitted | AdmissionDecided | StoreD
                     | Revoked | AdmitDecided | ResponseHeaders | ResponseBody | FenceDecided
                     | StreamClosed | CauseLearned | RecordWritten | ProgressWritten
                     | Fenced
-                    | LeaseLost | RequestHeadersSeen | RequestBodySeen | RequestOpened)
+                    | LeaseLost | RequestHeadersSeen | RequestBodySeen | RequestOpened
+                    | NotConfirmed | LiveChanged)
 
 # --- actions --------------------------------------------------------------------------
 
@@ -290,6 +312,14 @@ class UndoFence:
 @dataclass(frozen=True, slots=True)
 class Watch:
     """Gate: subscribe to the attempt's `live` key: its lease is lost if it changes."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoseLease:
+    """Gate: the attempt's permission to publish ends (`why`): someone else holds `live`."""
+
+    why: str
+    live: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -431,9 +461,12 @@ class Send:
 @dataclass(frozen=True, slots=True)
 class AwaitCause:
     """Wait (bounded) for Envoy's access log to say why the stream ended: the guard's
-    request entry, or (`attempt_id`) the gate's per-attempt entry; feed CauseLearned."""
+    request entry, or (`attempt_id`) the gate's per-attempt entry; feed CauseLearned.
+    The gate's says how long (`timeout_s`): the cause log's port bounds the wait on the
+    Timers port and answers CauseLearned(heard=False) when Envoy said nothing by then."""
 
     attempt_id: str | None = None
+    timeout_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -529,7 +562,7 @@ Action: TypeAlias = (Admit | AwaitIntakeCommit | Decide | TakeLease | GiveBack |
                      | Fence | Release | FailAttempt | DropChunk | Send
                      | AwaitCause | EndAttempt | Finish | OpenIntake
                      | RegisterIntake | AnswerBody | AwaitIntake | Accepted | IntakeFailed
-                     | TakeOver | PassAside | WriteProgress)
+                     | TakeOver | PassAside | WriteProgress | LoseLease)
 
 
 class State(StrEnum):

@@ -564,7 +564,7 @@ def test_a_confirmed_early_end_is_revoked_then_settled_from_envoys_word() -> Non
     g = holding()
     *_, revoke = g.handle(StreamClosed(mono=7.0, wall=WALL0 + 7))
     assert isinstance(revoke, RevokeEarly) and revoke.record["ended_at"] == WALL0 + 7
-    assert g.handle(Revoked(True)) == [AwaitCause("att_1")]
+    assert g.handle(Revoked(True)) == [AwaitCause("att_1", 0.5)]
     assert g.state is State.GATE_AWAITING_WORD
     [close] = g.handle(CauseLearned("upstream", None, True, WALL0 + 7.01))
     assert isinstance(close, CloseAttempt) and close.update_only and not close.expire
@@ -585,7 +585,7 @@ def test_a_timed_out_attempt_without_envoys_word_is_fenced_until_its_lease_expir
     g = holding()
     g.handle(TimerFired(TimerKind.FIRST_DELTA, 40.0, WALL0 + 40))
     *_, wait = g.handle(StreamClosed(mono=40.1, wall=WALL0 + 40.1))
-    assert wait == AwaitCause("att_1")
+    assert wait == AwaitCause("att_1", 0.5)
     [close] = g.handle(CauseLearned("unknown", None, False, WALL0 + 41))
     assert isinstance(close, CloseAttempt) and close.expire and close.timed_out
     assert close.fence == "expiry" and close.cause == "unknown"

@@ -17,6 +17,8 @@ from extproc.core.events import (
     FenceDecided,
     IntakeCommitted,
     LeaseLost,
+    LiveChanged,
+    NotConfirmed,
     PassHeaders,
     ProgressWritten,
     RecordWritten,
@@ -91,6 +93,8 @@ CANONICAL: dict[type, Any] = {
     RequestHeadersSeen: RequestHeadersSeen("generation"),
     RequestBodySeen: RequestBodySeen(None),
     RequestOpened: RequestOpened(True),
+    NotConfirmed: NotConfirmed("etcd away"),
+    LiveChanged: LiveChanged("att_other"),
 }
 
 
