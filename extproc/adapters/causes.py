@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from ..core.headers import ATTEMPT_ID, PREADMITTED, REQUEST_ID
 from ..gen.envoy.data.accesslog.v3 import accesslog_pb2 as al
-from .timers import LoopTimers, Timers
+from .timers import LoopTimers, TimerHandle, Timers
 
 REPLICA_CLUSTER = "replicas"  # the cluster name extproc.envoy_config renders
 NO_GATE = "nogate:"  # key prefix of a pre-admitted attempt that no gate ever saw
@@ -71,7 +71,7 @@ class CauseRegistry:
         self._early: OrderedDict[str, tuple[str, int, float]] = OrderedDict()
         self._waiting: dict[str, asyncio.Future[tuple[str, int]]] = {}
         # key -> who expects its entry (the gate's AwaitCause), answered once
-        self._expecting: dict[str, Callable[[str | None], None]] = {}
+        self._expecting: dict[str, tuple[Callable[[str | None], None], TimerHandle]] = {}
         self._timers: Timers = timers or LoopTimers()
         self._keep = keep
         self._ttl = ttl_s
@@ -99,9 +99,10 @@ class CauseRegistry:
         if not rid:
             return
         got = (cause_of(entry), body_bytes_sent(entry))
-        answer = self._expecting.pop(rid, None)
-        if answer is not None:
-            answer(got[0])
+        expected = self._expecting.pop(rid, None)
+        if expected is not None:
+            expected[1].cancel()
+            expected[0](got[0])
             return
         fut = self._waiting.pop(rid, None)
         if fut is not None and not fut.done():
@@ -129,13 +130,11 @@ class CauseRegistry:
         if early is not None:
             answer(early[0])
             return
-        self._expecting[rid] = answer
 
         def timed_out() -> None:
-            if self._expecting.get(rid) is answer:
-                del self._expecting[rid]
+            if self._expecting.pop(rid, None) is not None:
                 answer(None)
-        self._timers.start(timeout_s, timed_out)
+        self._expecting[rid] = (answer, self._timers.start(timeout_s, timed_out))
 
     async def wait(self, rid: str, timeout_s: float) -> str:
         entry = await self.wait_entry(rid, timeout_s)

@@ -17,52 +17,12 @@ from typing import Any, Protocol
 
 from opentelemetry.trace import Span
 
+from ..core import events as E
 from ..core import headers as H
 from ..core.admission import RETRY_HEADER, decide
 from ..core.budget import RetryBudget
 from ..core.credentials import digest
 from ..core.errors import GatewayError
-from ..core.events import (
-    Action,
-    AdmissionDecided,
-    Admit,
-    AdmitDecided,
-    AwaitCause,
-    AwaitIntakeCommit,
-    CloseAttempt,
-    ContinueRequest,
-    Decide,
-    DropChunk,
-    Event,
-    FailAttempt,
-    Fence,
-    FenceDecided,
-    GiveBack,
-    IntakeCommitted,
-    LeaseLost,
-    LiveChanged,
-    LoseLease,
-    NotConfirmed,
-    Overloaded,
-    PassChunk,
-    PassHeaders,
-    Refuse,
-    Release,
-    ResponseBody,
-    RetryEnded,
-    Revoked,
-    RevokeEarly,
-    StartTimer,
-    State,
-    StopTimers,
-    StreamClosed,
-    TakeLease,
-    TimerFired,
-    TimerKind,
-    UndoAdmission,
-    UndoFence,
-    Watch,
-)
 from ..core.gate import (
     GateMachine,
     GateParams,
@@ -147,7 +107,7 @@ class GateSession(Session):
         # This attempt's credential (decision 0028): attempt 1's from the guard, any other's
         # minted at its admission. Sent upstream only; never logged, traced or handed off.
         self.secret: str | None = None
-        self._timers: dict[TimerKind, TimerHandle] = {}
+        self._timers: dict[E.TimerKind, TimerHandle] = {}
         self._unwatch: Callable[[], None] | None = None
         self.closed = False
         self.lock = asyncio.Lock()
@@ -190,8 +150,8 @@ class GateSession(Session):
             lease = self.lease
             if lease is not None and not lease.valid() and not self.m.lease_lost:
                 lease.lose("expired locally")  # the port's answer: its local expiry
-                await self.feed(LeaseLost())
-            await self.feed(ResponseBody(msg.response_body.body,
+                await self.feed(E.LeaseLost())
+            await self.feed(E.ResponseBody(msg.response_body.body,
                                          msg.response_body.end_of_stream))
         elif which == "request_body":
             await self.write(codec.continue_request_body())
@@ -206,9 +166,9 @@ class GateSession(Session):
             self._unwatch()
         if self.m is not None:
             # Its end (a revoke, Envoy's word, the record) outlives the stream's handler.
-            self.later(lambda c: StreamClosed(c.monotonic(), c.wall()), "end")
+            self.later(lambda c: E.StreamClosed(c.monotonic(), c.wall()), "end")
 
-    def later(self, event: Callable[[Clock], Event], what: str, open_only: bool = False
+    def later(self, event: Callable[[Clock], E.Event], what: str, open_only: bool = False
               ) -> None:
         """A port's answer that comes on its own (a timer, the watch, Envoy's word, the
         stream's end): fed in turn, under the stream's lock, with the clock's times then."""
@@ -220,7 +180,7 @@ class GateSession(Session):
 
     # --- events -> the machine -> actions ---------------------------------------------
 
-    async def feed(self, ev: Event) -> None:
+    async def feed(self, ev: E.Event) -> None:
         m = self.m
         assert m is not None
         queue = [ev]
@@ -234,51 +194,51 @@ class GateSession(Session):
                 if nxt is not None:
                     queue.append(nxt)
 
-    async def act(self, a: Action, m: GateMachine) -> Event | None:
+    async def act(self, a: E.Action, m: GateMachine) -> E.Event | None:
         rid, aid, p, now = self.rid or "", m.attempt_id, self.p, self.p.clock
-        if isinstance(a, PassChunk):
+        if isinstance(a, E.PassChunk):
             await self.write(codec.continue_response_body())
-        elif isinstance(a, DropChunk):
+        elif isinstance(a, E.DropChunk):
             await self.write(codec.replace_response_body(b""))
-        elif isinstance(a, PassHeaders):
+        elif isinstance(a, E.PassHeaders):
             # Only the gate may say which attempt the guard owns, never the replica.
             await self.write(codec.continue_response_headers(
                 {RETRY_HEADER: "1"} if a.retry else {}, remove=(H.HANDOFF,)))
-        elif isinstance(a, AwaitIntakeCommit):
+        elif isinstance(a, E.AwaitIntakeCommit):
             opening = p.intakes.get(rid)
             err = await asyncio.shield(opening) if opening is not None else None
-            return IntakeCommitted(err, p.reached.get(rid, 0),
+            return E.IntakeCommitted(err, p.reached.get(rid, 0),
                                    p.pool.fingerprint_of(self.replica or ""), p.pool.enabled,
                                    now.wall())
-        elif isinstance(a, Decide):
+        elif isinstance(a, E.Decide):
             verdict = decide(a.request, p.budget, now.monotonic())
             if isinstance(verdict, GatewayError):
-                return AdmissionDecided(error=verdict)
-            return AdmissionDecided(admitted=verdict)
-        elif isinstance(a, TakeLease | Admit | Fence):
+                return E.AdmissionDecided(error=verdict)
+            return E.AdmissionDecided(admitted=verdict)
+        elif isinstance(a, E.TakeLease | E.Admit | E.Fence):
             return await self._write(a, m)
-        elif isinstance(a, UndoAdmission):
+        elif isinstance(a, E.UndoAdmission):
             n = a.attempt
             self._settle(lambda: p.journal.undo_admission(rid, n, aid),
                          "undo an unconfirmed admission", "undo-admit", UNDO_SETTLE_S)
-        elif isinstance(a, GiveBack):
+        elif isinstance(a, E.GiveBack):
             n, rec = a.attempt, a.record
             self._settle(lambda: p.journal.end_attempt(rid, n, aid, rec, False),
                          "give back a refused attempt", "refused")
-        elif isinstance(a, Watch):
+        elif isinstance(a, E.Watch):
             self._unwatch = p.journal.on_live_change(
-                rid, lambda v: self.later(lambda _: LiveChanged(v), "watch"), aid)
-        elif isinstance(a, LoseLease):
+                rid, lambda v: self.later(lambda _: E.LiveChanged(v), "watch"), aid)
+        elif isinstance(a, E.LoseLease):
             if self.lease is not None and self.lease.lose(a.why):  # said once, by its owner
                 observer.gate_fenced(self, a.live)
-        elif isinstance(a, StartTimer):
+        elif isinstance(a, E.StartTimer):
             old, kind = self._timers.pop(a.kind, None), a.kind
             if old is not None:
                 old.cancel()
             self._timers[kind] = p.timers.start(a.seconds, lambda: self._fired(kind))
-        elif isinstance(a, StopTimers):
+        elif isinstance(a, E.StopTimers):
             self._stop_timers()
-        elif isinstance(a, ContinueRequest):
+        elif isinstance(a, E.ContinueRequest):
             p.reached.mark(rid)
             # The attempt offset stays: a removal here holds for Envoy's later attempts of
             # the request too, whose gates need it (decision 0027). The attempt's own secret
@@ -287,47 +247,48 @@ class GateSession(Session):
                 {H.ATTEMPT_ID: aid, H.ATTEMPT_SECRET: self.secret} if self.secret else
                 {H.ATTEMPT_ID: aid},
                 remove=(H.PREADMITTED,) if self.secret else (H.PREADMITTED, H.ATTEMPT_SECRET)))
-        elif isinstance(a, Refuse):
+        elif isinstance(a, E.Refuse):
             await self.write(codec.immediate(a.error, {H.REQUEST_ID: rid}))
-        elif isinstance(a, Overloaded) and self.replica:
+        elif isinstance(a, E.Overloaded) and self.replica:
             p.health.overloaded(self.replica, now.monotonic() + a.seconds)
-        elif isinstance(a, UndoFence):
+        elif isinstance(a, E.UndoFence):
             rec = a.facts.fence(now.wall())
             self._settle(lambda: p.journal.undo_fence(rid, rec), "undo an unconfirmed fence",
                          "undo-fence", UNDO_SETTLE_S)
-        elif isinstance(a, Release):
+        elif isinstance(a, E.Release):
             await self._release(a, m)
-        elif isinstance(a, FailAttempt):
+        elif isinstance(a, E.FailAttempt):
             await self.write(codec.fail_attempt_headers(
                 rid, {RETRY_HEADER: "1"} if a.retry else {}, str(a.error.code)))
             for i in range(a.held_chunks):
                 await self.write(codec.replace_response_body(
                     m.family.error_json(a.error) if i == 0 else b""))
-        elif isinstance(a, RetryEnded):
+        elif isinstance(a, E.RetryEnded):
             p.budget.retry_ended(aid)
-        elif isinstance(a, RevokeEarly):
+        elif isinstance(a, E.RevokeEarly):
             if self.lease is not None:
                 self.lease.lose("ended")
             n, rec = a.attempt, a.record
-            return Revoked(await retrying(lambda: p.journal.end_attempt(rid, n, aid, rec, False),
-                                          "fence the ended attempt", rid, aid))
-        elif isinstance(a, AwaitCause):
+            return E.Revoked(await retrying(
+                lambda: p.journal.end_attempt(rid, n, aid, rec, False),
+                "fence the ended attempt", rid, aid))
+        elif isinstance(a, E.AwaitCause):
             p.causes.expect(a.attempt_id or aid, a.timeout_s or 0.0,
                             lambda entry: self.later(lambda c: word(entry, c.wall()), "word"))
-        elif isinstance(a, CloseAttempt):
+        elif isinstance(a, E.CloseAttempt):
             await self._close(a, m)
         return None  # HoldChunk, MarkSlow: nothing to carry out
 
     # --- the port calls that take more than a line ------------------------------------
 
-    async def _write(self, a: TakeLease | Admit | Fence, m: GateMachine) -> Event:
+    async def _write(self, a: E.TakeLease | E.Admit | E.Fence, m: GateMachine) -> E.Event:
         """One try of a conditioned write; not answered: NotConfirmed (the rows decide)."""
         rid, aid, p, sent = self.rid or "", m.attempt_id, self.p, self.p.clock.monotonic()
         try:
-            if isinstance(a, TakeLease):
+            if isinstance(a, E.TakeLease):
                 self.lease = await p.journal.attempt_lease()
-                return AdmitDecided(True, mono=p.clock.monotonic(), wall=p.clock.wall())
-            if isinstance(a, Admit):
+                return E.AdmitDecided(True, mono=p.clock.monotonic(), wall=p.clock.wall())
+            if isinstance(a, E.Admit):
                 # The admission makes it live with its own credential (decision 0028), the
                 # same on every try: a try that applied unseen is found as this attempt's.
                 self.secret = self.secret or p.ids.attempt_secret()
@@ -336,16 +297,16 @@ class GateSession(Session):
                     lambda live: m.never_started(live, p.causes.no_gate_ran),
                     first_attempt=a.first_attempt, credential=digest(self.secret))
                 self.lease = res.lease
-                return AdmitDecided(res.admitted, res.reason, res.waited_s,
+                return E.AdmitDecided(res.admitted, res.reason, res.waited_s,
                                     p.clock.monotonic(), p.clock.wall())
             if self.lease is None or not self.lease.valid() or a.facts is None:
-                return FenceDecided(False)  # the lease's answer: no permission to fence
-            return FenceDecided(await p.journal.fence_first_delta(
+                return E.FenceDecided(False)  # the lease's answer: no permission to fence
+            return E.FenceDecided(await p.journal.fence_first_delta(
                 rid, aid, a.facts.fence(p.clock.wall())))
         except StoreUnavailable as e:
-            return NotConfirmed(str(e), sent, p.clock.monotonic(), p.clock.wall())
+            return E.NotConfirmed(str(e), sent, p.clock.monotonic(), p.clock.wall())
 
-    async def _release(self, a: Release, m: GateMachine) -> None:
+    async def _release(self, a: E.Release, m: GateMachine) -> None:
         # From here the guard owns the attempt: it sees the rest of the response, its end,
         # and writes the attempt's record with the request's outcome (one etcd txn).
         # Registered before the headers go out: the guard looks for it when they arrive.
@@ -360,7 +321,7 @@ class GateSession(Session):
             await self.write(codec.continue_response_body())
         self.detach = a.hand_off
 
-    async def _close(self, a: CloseAttempt, m: GateMachine) -> None:
+    async def _close(self, a: E.CloseAttempt, m: GateMachine) -> None:
         rid, aid, p = self.rid or "", m.attempt_id, self.p
         if a.timed_out and self.replica:
             p.health.first_delta_timed_out(self.replica, p.clock.monotonic())
@@ -387,9 +348,9 @@ class GateSession(Session):
         self.p.work.spawn(retrying(call, what, self.rid, aid, settle_s=settle_s),
                           f"gate-{name}-{aid}")
 
-    def _fired(self, kind: TimerKind) -> None:
+    def _fired(self, kind: E.TimerKind) -> None:
         self._timers.pop(kind, None)
-        self.later(lambda c: TimerFired(kind, c.monotonic(), c.wall()), f"timer-{kind}",
+        self.later(lambda c: E.TimerFired(kind, c.monotonic(), c.wall()), f"timer-{kind}",
                    open_only=True)
 
     def _stop_timers(self) -> None:
@@ -398,4 +359,4 @@ class GateSession(Session):
         self._timers.clear()
 
 
-__all__ = ["GatePorts", "GateSession", "State"]
+__all__ = ["GatePorts", "GateSession"]
