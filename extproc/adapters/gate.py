@@ -152,7 +152,7 @@ class GateSession(Session):
                 lease.lose("expired locally")  # the port's answer: its local expiry
                 await self.feed(E.LeaseLost())
             await self.feed(E.ResponseBody(msg.response_body.body,
-                                         msg.response_body.end_of_stream))
+                                           msg.response_body.end_of_stream))
         elif which == "request_body":
             await self.write(codec.continue_request_body())
         elif which == "response_trailers":
@@ -208,8 +208,8 @@ class GateSession(Session):
             opening = p.intakes.get(rid)
             err = await asyncio.shield(opening) if opening is not None else None
             return E.IntakeCommitted(err, p.reached.get(rid, 0),
-                                   p.pool.fingerprint_of(self.replica or ""), p.pool.enabled,
-                                   now.wall())
+                                     p.pool.fingerprint_of(self.replica or ""),
+                                     p.pool.enabled, now.wall())
         elif isinstance(a, E.Decide):
             verdict = decide(a.request, p.budget, now.monotonic())
             if isinstance(verdict, GatewayError):
@@ -298,7 +298,7 @@ class GateSession(Session):
                     first_attempt=a.first_attempt, credential=digest(self.secret))
                 self.lease = res.lease
                 return E.AdmitDecided(res.admitted, res.reason, res.waited_s,
-                                    p.clock.monotonic(), p.clock.wall())
+                                      p.clock.monotonic(), p.clock.wall())
             if self.lease is None or not self.lease.valid() or a.facts is None:
                 return E.FenceDecided(False)  # the lease's answer: no permission to fence
             return E.FenceDecided(await p.journal.fence_first_delta(

@@ -2,8 +2,9 @@
 
 A small executor plays the session on a fake clock: each step either answers the wait the
 machine asked for (the intake, the verdict, the lease or the admission, the fence, the early
-revoke, Envoy's word; etcd may be away), or sends Envoy's next message, or fires a timer the
-machine started, or closes the stream. Whatever the order, the machine never refuses an event
+revoke, Envoy's word; etcd may be away, or not answer a try: then the rows' resend timer
+decides), or sends Envoy's next message, or fires a timer the machine started, or lets the
+revocation watch speak, or closes the stream. Whatever the order, the machine never refuses an event
 the session can feed, never lets the request go upstream before its intake committed and its
 admission said yes, never releases before the fence committed, answers every body message
 once, ends an attempt over before release with exactly one record, and replays from its trace.
