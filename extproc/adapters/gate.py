@@ -249,8 +249,8 @@ class GateSession(Session):
                 remove=(H.PREADMITTED,) if self.secret else (H.PREADMITTED, H.ATTEMPT_SECRET)))
         elif isinstance(a, E.Refuse):
             await self.write(codec.immediate(a.error, {H.REQUEST_ID: rid}))
-        elif isinstance(a, E.Overloaded) and self.replica:
-            p.health.overloaded(self.replica, now.monotonic() + a.seconds)
+        elif isinstance(a, E.Overloaded):  # only of an attempt with a replica
+            p.health.overloaded(self.replica or "", now.monotonic() + a.seconds)
         elif isinstance(a, E.UndoFence):
             rec = a.facts.fence(now.wall())
             self._settle(lambda: p.journal.undo_fence(rid, rec), "undo an unconfirmed fence",
