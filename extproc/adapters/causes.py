@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 from ..core.headers import ATTEMPT_ID, PREADMITTED, REQUEST_ID
 from ..gen.envoy.data.accesslog.v3 import accesslog_pb2 as al
+from .timers import LoopTimers, TimerHandle, Timers
 
 REPLICA_CLUSTER = "replicas"  # the cluster name extproc.envoy_config renders
 NO_GATE = "nogate:"  # key prefix of a pre-admitted attempt that no gate ever saw
@@ -61,13 +62,17 @@ class CauseRegistry:
     """Meets access-log entries and guard streams halfway, in whichever order they come."""
 
     def __init__(self, keep: int = 10000, ttl_s: float = 30.0,
-                 on_attempt: Callable[[str, str, int], None] | None = None) -> None:
+                 on_attempt: Callable[[str, str, int], None] | None = None,
+                 timers: Timers | None = None) -> None:
         # on_attempt(replica address, cause, HTTP status) for every per-attempt entry of the
         # replicas cluster, attempts that never reached a gate included (pool health).
         self.on_attempt = on_attempt
         # key -> (cause, response body bytes sent, arrival time)
         self._early: OrderedDict[str, tuple[str, int, float]] = OrderedDict()
         self._waiting: dict[str, asyncio.Future[tuple[str, int]]] = {}
+        # key -> who expects its entry (the gate's AwaitCause), answered once
+        self._expecting: dict[str, tuple[Callable[[str | None], None], TimerHandle]] = {}
+        self._timers: Timers = timers or LoopTimers()
         self._keep = keep
         self._ttl = ttl_s
 
@@ -94,6 +99,11 @@ class CauseRegistry:
         if not rid:
             return
         got = (cause_of(entry), body_bytes_sent(entry))
+        expected = self._expecting.pop(rid, None)
+        if expected is not None:
+            expected[1].cancel()
+            expected[0](got[0])
+            return
         fut = self._waiting.pop(rid, None)
         if fut is not None and not fut.done():
             fut.set_result(got)
@@ -107,6 +117,24 @@ class CauseRegistry:
     def seen(self, rid: str) -> bool:
         """An entry for `rid` arrived and nobody took it yet (does not consume it)."""
         return rid in self._early
+
+    def no_gate_ran(self, attempt_id: str) -> bool:
+        """Envoy's entry says the pre-admitted attempt `attempt_id` never reached a gate."""
+        return self.seen(NO_GATE + attempt_id)
+
+    def expect(self, rid: str, timeout_s: float, answer: Callable[[str | None], None]) -> None:
+        """Call `answer` once: with the cause from `rid`'s entry (at once if it came
+        already), or with None if Envoy said nothing within `timeout_s` (on the Timers
+        port, so a hermetic test moves a fake clock instead of sleeping)."""
+        early = self._early.pop(rid, None)
+        if early is not None:
+            answer(early[0])
+            return
+
+        def timed_out() -> None:
+            if self._expecting.pop(rid, None) is not None:
+                answer(None)
+        self._expecting[rid] = (answer, self._timers.start(timeout_s, timed_out))
 
     async def wait(self, rid: str, timeout_s: float) -> str:
         entry = await self.wait_entry(rid, timeout_s)

@@ -1,71 +1,36 @@
 """The gate's session: the upstream ext_proc stream of one attempt, a plain executor.
 
 Envoy's messages become events for `core.gate.GateMachine`; the actions it answers with
-become codec writes and port calls, and what a port answers is fed back as the next event.
-Every decision (wait for the intake, admit, hold, fence, release, fail, how the attempt ends)
-is a row of the machine's table; logs, spans and metrics come from `observer.gate`.
+become codec writes and port calls, and what a port answers is fed back as the next event
+(at once, or later under the stream's lock: a timer, the revocation watch, Envoy's word).
+Every decision (wait for the intake, admit, send a write again, hold, fence, release, fail,
+how the attempt ends) is a row of the machine's table; logs, spans and metrics come from
+`observer.gate`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, Protocol, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
 
 from opentelemetry.trace import Span
 
+from ..core import events as E
 from ..core import headers as H
 from ..core.admission import RETRY_HEADER, decide
 from ..core.budget import RetryBudget
-from ..core.config import Config
 from ..core.credentials import digest
 from ..core.errors import GatewayError
-from ..core.events import (
-    Action,
-    AdmissionDecided,
-    Admit,
-    AdmitDecided,
-    AwaitCause,
-    AwaitIntakeCommit,
-    CauseLearned,
-    CloseAttempt,
-    ContinueRequest,
-    Decide,
-    DropChunk,
-    Event,
-    FailAttempt,
-    Fence,
-    FenceDecided,
-    GiveBack,
-    HoldChunk,
-    IntakeCommitted,
-    LeaseLost,
-    Overloaded,
-    PassChunk,
-    PassHeaders,
-    Refuse,
-    Release,
-    RequestStarted,
-    ResponseBody,
-    ResponseHeaders,
-    RetryEnded,
-    Revoked,
-    RevokeEarly,
-    StartTimer,
-    State,
-    StopTimers,
-    StoreDown,
-    StreamClosed,
-    TakeLease,
-    TimerFired,
-    TimerKind,
-    UndoAdmission,
-    UndoFence,
-    Watch,
+from ..core.gate import (
+    GateMachine,
+    GateParams,
+    clean,
+    request_started,
+    response_started,
+    word,
 )
-from ..core.families import family_for_path
-from ..core.gate import GateMachine, GateParams, clean
 from ..core.handoff import HandOff
 from ..core.health import HostHealth
 from ..core.pool import Pool
@@ -73,34 +38,31 @@ from ..core.replay import snapshot
 from ..gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from . import envoy_codec as codec
 from . import observer
-from .causes import NO_GATE
 from .leases import UNDO_SETTLE_S, AttemptLease, StoreUnavailable
 from .ports import Clock, EntryLog, GateJournal, Ids
-from .session import INVALID, HandedOff, Messages, Pending, Session, resent, retrying
+from .session import INVALID, HandedOff, Messages, Pending, Reached, Session, retrying
 from .telemetry import TRACEPARENT_HEADER, Telemetry
 from .timers import TimerHandle, Timers
-
-T = TypeVar("T")
 
 # Test-only: proves the fault sweep can fail (docs/sweep.md). Logged loudly at start-up.
 UNSAFE_RELEASE_WITHOUT_FENCE = os.environ.get("EXTPROC_UNSAFE_RELEASE_WITHOUT_FENCE") == "1"
 
 
-def _int(v: str | None, default: int) -> int:
-    try:
-        return int(v) if v is not None else default
-    except ValueError:
-        return default
+class Work(Protocol):
+    """Work that outlives the stream's handler, and the attempt's trace kept or not."""
+
+    def spawn(self, coro: Awaitable[Any], name: str) -> asyncio.Task[Any]: ...
+    def keep(self, rid: str, name: str, m: GateMachine, meta: dict[str, Any],
+             clean: bool) -> None: ...
 
 
 class GatePorts(Protocol):
-    """What one attempt's gate needs from its process, declared here by its consumer: the
-    configuration, the clock, ids and timers, the journal calls of an attempt, Envoy's
-    entries, the request's intake in flight, the pool's view, the budget, the health, the
-    hand-off, background work and traces. `session.Processor` provides it."""
+    """What one attempt's gate needs from its process, declared here by its consumer (14
+    read-only members): the rows' parameters, the clock, ids and timers, the journal calls
+    of an attempt, Envoy's entries, the pool's view, its health, the retry budget, the
+    count of attempts that reached a replica, the intake in flight and the hand-off (the
+    request's other stream), telemetry, background work. `session.Processor` provides it."""
 
-    @property
-    def cfg(self) -> Config: ...
     @property
     def gate_params(self) -> GateParams: ...
     @property
@@ -116,23 +78,19 @@ class GatePorts(Protocol):
     @property
     def pool(self) -> Pool: ...
     @property
-    def budget(self) -> RetryBudget: ...
-    @property
     def health(self) -> HostHealth: ...
     @property
-    def reached(self) -> Mapping[str, int]: ...
+    def budget(self) -> RetryBudget: ...
+    @property
+    def reached(self) -> Reached: ...
     @property
     def intakes(self) -> Pending[asyncio.Future[GatewayError | None]]: ...
     @property
     def handoffs(self) -> Pending[HandedOff]: ...
     @property
     def tel(self) -> Telemetry: ...
-
-    def mark_reached(self, rid: str) -> None: ...
-    def spawn(self, coro: Awaitable[Any], name: str) -> asyncio.Task[Any]: ...
-    def keep_trace(self, clean: bool) -> bool: ...
-    async def save_trace(self, rid: str, name: str, m: GateMachine,
-                         meta: dict[str, Any]) -> None: ...
+    @property
+    def work(self) -> Work: ...
 
 
 class GateSession(Session):
@@ -141,7 +99,6 @@ class GateSession(Session):
     def __init__(self, proc: GatePorts, ctx: Messages) -> None:
         self.detach = False
         self.p: GatePorts = proc
-        self.cfg = proc.cfg
         self.ctx = ctx
         self.m: GateMachine | None = None
         self.rid: str | None = None
@@ -150,7 +107,7 @@ class GateSession(Session):
         # This attempt's credential (decision 0028): attempt 1's from the guard, any other's
         # minted at its admission. Sent upstream only; never logged, traced or handed off.
         self.secret: str | None = None
-        self._timers: dict[TimerKind, TimerHandle] = {}
+        self._timers: dict[E.TimerKind, TimerHandle] = {}
         self._unwatch: Callable[[], None] | None = None
         self.closed = False
         self.lock = asyncio.Lock()
@@ -164,38 +121,19 @@ class GateSession(Session):
         which = msg.WhichOneof("request")
         if which == "request_headers":
             hd = codec.headers_dict(msg.request_headers.headers)
-            rid = hd.get(H.REQUEST_ID)
-            if not rid:
-                # Not a journaled request (e.g. /v1/models): nothing to gate.
+            self.replica = str(codec.attributes(msg).get("upstream.address") or "") or None
+            self.parent_tp = hd.get(TRACEPARENT_HEADER)
+            clock = self.p.clock
+            got = request_started(hd, self.replica, self.p.ids.attempt_id, clock.monotonic(),
+                                  clock.wall())
+            if got is None:  # not a journaled request (e.g. /v1/models): nothing to gate
                 await self.write(codec.continue_request_headers())
                 return
-            self.rid = rid
-            envoy_attempt = _int(hd.get(H.ENVOY_ATTEMPT_COUNT), 1)
-            attrs = codec.attributes(msg)
-            self.replica = str(attrs.get("upstream.address") or "") or None
-            self.parent_tp = hd.get(TRACEPARENT_HEADER)
-            first = hd.get(H.PREADMITTED) or None
-            # Attempt 1 was admitted by the guard with the request, with its credential; a
-            # later attempt never takes either: it gets its own id and, at admission, secret.
-            pre = first if envoy_attempt == 1 else None
-            if pre is not None:
-                self.secret = hd.get(H.ATTEMPT_SECRET) or None
-            try:
-                accepted_at: float | None = float(hd.get(H.ACCEPTED_AT, ""))
-            except ValueError:
-                accepted_at = None
-            self.m = GateMachine.new(rid, params=self.p.gate_params)
-            await self.feed(RequestStarted(
-                envoy_attempt, family_for_path(hd.get(":path", "")).name,
-                attempt_id=pre or self.p.ids.attempt_id(),
-                # Set by our guard only (a client's is stripped), decision 0027.
-                attempt_offset=max(0, _int(hd.get(H.ATTEMPT_OFFSET), 0)),
-                preadmitted=pre is not None, first_admitted=first, replica=self.replica,
-                want_fingerprint=hd.get(H.FINGERPRINT),
-                prompt_tokens=_int(hd.get(H.PROMPT_TOKENS), 0), accepted_at=accepted_at,
-                mono=self.p.clock.monotonic(), wall=self.p.clock.wall()))
+            ev, self.secret = got
+            self.rid = hd[H.REQUEST_ID]
+            self.m = GateMachine.new(self.rid, params=self.p.gate_params)
+            await self.feed(ev)
         elif which == "response_headers":
-            hd = codec.headers_dict(msg.response_headers.headers)
             if self.m is not None and UNSAFE_RELEASE_WITHOUT_FENCE:
                 # Test-only sabotage (docs/sweep.md): release at once, no hold, no fence.
                 # The fault sweep must catch what this breaks; never set it in production.
@@ -203,20 +141,18 @@ class GateSession(Session):
             if self.m is None:
                 await self.write(codec.continue_response_headers(remove=(H.HANDOFF,)))
                 return
-            await self.feed(ResponseHeaders(
-                _int(hd.get(":status", "0") or "0", 0), hd.get("content-type", ""),
-                msg.response_headers.end_of_stream, model_revision=hd.get("x-model-revision"),
-                retry_after=hd.get("retry-after")))
+            await self.feed(response_started(codec.headers_dict(msg.response_headers.headers),
+                                             msg.response_headers.end_of_stream))
         elif which == "response_body":
             if self.m is None:
                 await self.write(codec.continue_response_body())
                 return
             lease = self.lease
             if lease is not None and not lease.valid() and not self.m.lease_lost:
-                lease.lose("expired locally")
-                await self.feed(LeaseLost())
-            await self.feed(ResponseBody(msg.response_body.body,
-                                         msg.response_body.end_of_stream))
+                lease.lose("expired locally")  # the port's answer: its local expiry
+                await self.feed(E.LeaseLost())
+            await self.feed(E.ResponseBody(msg.response_body.body,
+                                           msg.response_body.end_of_stream))
         elif which == "request_body":
             await self.write(codec.continue_request_body())
         elif which == "response_trailers":
@@ -230,22 +166,21 @@ class GateSession(Session):
             self._unwatch()
         if self.m is not None:
             # Its end (a revoke, Envoy's word, the record) outlives the stream's handler.
-            self.p.spawn(self.feed(StreamClosed(self.p.clock.monotonic(), self.p.clock.wall())),
-                         f"gate-end-{self.m.attempt_id}")
+            self.later(lambda c: E.StreamClosed(c.monotonic(), c.wall()), "end")
 
-    def _timer_fired(self, kind: TimerKind) -> None:
-        self._timers.pop(kind, None)
-
+    def later(self, event: Callable[[Clock], E.Event], what: str, open_only: bool = False
+              ) -> None:
+        """A port's answer that comes on its own (a timer, the watch, Envoy's word, the
+        stream's end): fed in turn, under the stream's lock, with the clock's times then."""
         async def fire() -> None:
             async with self.lock:
-                if self.m is not None and not self.closed:
-                    await self.feed(TimerFired(kind, self.p.clock.monotonic(),
-                                               self.p.clock.wall()))
-        self.p.spawn(fire(), f"gate-timer-{kind}")
+                if self.m is not None and not (open_only and self.closed):
+                    await self.feed(event(self.p.clock))
+        self.p.work.spawn(fire(), f"gate-{what}-{self.m.attempt_id if self.m else ''}")
 
     # --- events -> the machine -> actions ---------------------------------------------
 
-    async def feed(self, ev: Event) -> None:
+    async def feed(self, ev: E.Event) -> None:
         m = self.m
         assert m is not None
         queue = [ev]
@@ -259,129 +194,119 @@ class GateSession(Session):
                 if nxt is not None:
                     queue.append(nxt)
 
-    async def act(self, a: Action, m: GateMachine) -> Event | None:
-        rid, aid, p = self.rid or "", m.attempt_id, self.p
-        if isinstance(a, HoldChunk):
-            return None
-        if isinstance(a, PassChunk):
+    async def act(self, a: E.Action, m: GateMachine) -> E.Event | None:
+        rid, aid, p, now = self.rid or "", m.attempt_id, self.p, self.p.clock
+        if isinstance(a, E.PassChunk):
             await self.write(codec.continue_response_body())
-        elif isinstance(a, DropChunk):
+        elif isinstance(a, E.DropChunk):
             await self.write(codec.replace_response_body(b""))
-        elif isinstance(a, PassHeaders):
+        elif isinstance(a, E.PassHeaders):
             # Only the gate may say which attempt the guard owns, never the replica.
             await self.write(codec.continue_response_headers(
                 {RETRY_HEADER: "1"} if a.retry else {}, remove=(H.HANDOFF,)))
-        elif isinstance(a, AwaitIntakeCommit):
+        elif isinstance(a, E.AwaitIntakeCommit):
             opening = p.intakes.get(rid)
             err = await asyncio.shield(opening) if opening is not None else None
-            return IntakeCommitted(err, p.reached.get(rid, 0),
-                                   p.pool.fingerprint_of(self.replica or ""), p.pool.enabled,
-                                   p.clock.wall())
-        elif isinstance(a, Decide):
-            verdict = decide(a.request, p.budget, p.clock.monotonic())
+            return E.IntakeCommitted(err, p.reached.get(rid, 0),
+                                     p.pool.fingerprint_of(self.replica or ""),
+                                     p.pool.enabled, now.wall())
+        elif isinstance(a, E.Decide):
+            verdict = decide(a.request, p.budget, now.monotonic())
             if isinstance(verdict, GatewayError):
-                return AdmissionDecided(error=verdict)
-            return AdmissionDecided(admitted=verdict)
-        elif isinstance(a, TakeLease):
-            try:
-                self.lease = await self._resent("attempt lease", p.journal.attempt_lease)
-            except StoreUnavailable as e:
-                return StoreDown(str(e), p.clock.wall())
-            return AdmitDecided(True, mono=p.clock.monotonic(), wall=p.clock.wall())
-        elif isinstance(a, Admit):
-            # The admission makes it live with its own credential (decision 0028).
-            self.secret = p.ids.attempt_secret()
-            cred = digest(self.secret)
-            try:
-                res = await self._resent("admission", lambda: p.journal.admit_attempt(
-                    rid, a.attempt, aid, a.record, a.fence_wait_s, self._never_started,
-                    first_attempt=a.first_attempt, credential=cred), within=a.deadline_s)
-            except StoreUnavailable as e:
-                return StoreDown(str(e), p.clock.wall())
-            self.lease = res.lease
-            return AdmitDecided(res.admitted, res.reason, res.waited_s, p.clock.monotonic(),
-                                p.clock.wall())
-        elif isinstance(a, UndoAdmission):
+                return E.AdmissionDecided(error=verdict)
+            return E.AdmissionDecided(admitted=verdict)
+        elif isinstance(a, E.TakeLease | E.Admit | E.Fence):
+            return await self._write(a, m)
+        elif isinstance(a, E.UndoAdmission):
             n = a.attempt
-            p.spawn(retrying(lambda: p.journal.undo_admission(rid, n, aid),
-                             "undo an unconfirmed admission", rid, aid,
-                             settle_s=UNDO_SETTLE_S), f"gate-undo-admit-{aid}")
-        elif isinstance(a, GiveBack):
+            self._settle(lambda: p.journal.undo_admission(rid, n, aid),
+                         "undo an unconfirmed admission", "undo-admit", UNDO_SETTLE_S)
+        elif isinstance(a, E.GiveBack):
             n, rec = a.attempt, a.record
-            p.spawn(retrying(lambda: p.journal.end_attempt(rid, n, aid, rec, False),
-                             "give back a refused attempt", rid, aid), f"gate-refused-{aid}")
-        elif isinstance(a, Watch):
-            self._unwatch = p.journal.on_live_change(rid, self._on_live_change, aid)
-        elif isinstance(a, StartTimer):
-            old = self._timers.pop(a.kind, None)
+            self._settle(lambda: p.journal.end_attempt(rid, n, aid, rec, False),
+                         "give back a refused attempt", "refused")
+        elif isinstance(a, E.Watch):
+            self._unwatch = p.journal.on_live_change(
+                rid, lambda v: self.later(lambda _: E.LiveChanged(v), "watch"), aid)
+        elif isinstance(a, E.LoseLease):
+            if self.lease is not None and self.lease.lose(a.why):  # said once, by its owner
+                observer.gate_fenced(self, a.live)
+        elif isinstance(a, E.StartTimer):
+            old, kind = self._timers.pop(a.kind, None), a.kind
             if old is not None:
                 old.cancel()
-            kind = a.kind
-            self._timers[kind] = p.timers.start(a.seconds, lambda: self._timer_fired(kind))
-        elif isinstance(a, StopTimers):
+            self._timers[kind] = p.timers.start(a.seconds, lambda: self._fired(kind))
+        elif isinstance(a, E.StopTimers):
             self._stop_timers()
-        elif isinstance(a, ContinueRequest):
-            p.mark_reached(rid)
+        elif isinstance(a, E.ContinueRequest):
+            p.reached.mark(rid)
             # The attempt offset stays: a removal here holds for Envoy's later attempts of
             # the request too, whose gates need it (decision 0027). The attempt's own secret
             # replaces whatever an earlier attempt's request carried.
-            if self.secret is not None:
-                await self.write(codec.continue_request_headers(
-                    {H.ATTEMPT_ID: aid, H.ATTEMPT_SECRET: self.secret},
-                    remove=(H.PREADMITTED,)))
-            else:
-                await self.write(codec.continue_request_headers(
-                    {H.ATTEMPT_ID: aid}, remove=(H.PREADMITTED, H.ATTEMPT_SECRET)))
-        elif isinstance(a, Refuse):
+            await self.write(codec.continue_request_headers(
+                {H.ATTEMPT_ID: aid, H.ATTEMPT_SECRET: self.secret} if self.secret else
+                {H.ATTEMPT_ID: aid},
+                remove=(H.PREADMITTED,) if self.secret else (H.PREADMITTED, H.ATTEMPT_SECRET)))
+        elif isinstance(a, E.Refuse):
             await self.write(codec.immediate(a.error, {H.REQUEST_ID: rid}))
-        elif isinstance(a, Overloaded):
-            if self.replica:
-                p.health.overloaded(self.replica, p.clock.monotonic() + a.seconds)
-        elif isinstance(a, Fence):
-            return await self._fence(a, m)
-        elif isinstance(a, UndoFence):
-            rec = a.facts.fence(p.clock.wall())
-            p.spawn(retrying(lambda: p.journal.undo_fence(rid, rec), "undo an unconfirmed fence",
-                             rid, aid, settle_s=UNDO_SETTLE_S), f"gate-undo-fence-{aid}")
-        elif isinstance(a, Release):
+        elif isinstance(a, E.Overloaded):  # only of an attempt with a replica
+            p.health.overloaded(self.replica or "", now.monotonic() + a.seconds)
+        elif isinstance(a, E.UndoFence):
+            rec = a.facts.fence(now.wall())
+            self._settle(lambda: p.journal.undo_fence(rid, rec), "undo an unconfirmed fence",
+                         "undo-fence", UNDO_SETTLE_S)
+        elif isinstance(a, E.Release):
             await self._release(a, m)
-        elif isinstance(a, FailAttempt):
+        elif isinstance(a, E.FailAttempt):
             await self.write(codec.fail_attempt_headers(
                 rid, {RETRY_HEADER: "1"} if a.retry else {}, str(a.error.code)))
             for i in range(a.held_chunks):
                 await self.write(codec.replace_response_body(
                     m.family.error_json(a.error) if i == 0 else b""))
-        elif isinstance(a, RetryEnded):
+        elif isinstance(a, E.RetryEnded):
             p.budget.retry_ended(aid)
-        elif isinstance(a, RevokeEarly):
+        elif isinstance(a, E.RevokeEarly):
             if self.lease is not None:
                 self.lease.lose("ended")
             n, rec = a.attempt, a.record
-            return Revoked(await retrying(lambda: p.journal.end_attempt(rid, n, aid, rec, False),
-                                          "fence the ended attempt", rid, aid))
-        elif isinstance(a, AwaitCause):
-            entry = await p.causes.wait_entry(a.attempt_id or aid,
-                                              self.cfg.timeouts.access_log_wait_s)
-            return CauseLearned(entry or "unknown", None, entry is not None, p.clock.wall())
-        elif isinstance(a, CloseAttempt):
+            return E.Revoked(await retrying(
+                lambda: p.journal.end_attempt(rid, n, aid, rec, False),
+                "fence the ended attempt", rid, aid))
+        elif isinstance(a, E.AwaitCause):
+            p.causes.expect(a.attempt_id or aid, a.timeout_s or 0.0,
+                            lambda entry: self.later(lambda c: word(entry, c.wall()), "word"))
+        elif isinstance(a, E.CloseAttempt):
             await self._close(a, m)
-        return None
+        return None  # HoldChunk, MarkSlow: nothing to carry out
 
     # --- the port calls that take more than a line ------------------------------------
 
-    async def _fence(self, a: Fence, m: GateMachine) -> Event:
-        rid, aid, p = self.rid or "", m.attempt_id, self.p
-        if self.lease is None or not self.lease.valid() or a.facts is None:
-            return FenceDecided(False)
-        rec = a.facts.fence(p.clock.wall())
+    async def _write(self, a: E.TakeLease | E.Admit | E.Fence, m: GateMachine) -> E.Event:
+        """One try of a conditioned write; not answered: NotConfirmed (the rows decide)."""
+        rid, aid, p, sent = self.rid or "", m.attempt_id, self.p, self.p.clock.monotonic()
         try:
-            return FenceDecided(await self._resent(
-                "fence", lambda: p.journal.fence_first_delta(rid, aid, rec),
-                within=a.until_mono - p.clock.monotonic()))
+            if isinstance(a, E.TakeLease):
+                self.lease = await p.journal.attempt_lease()
+                return E.AdmitDecided(True, mono=p.clock.monotonic(), wall=p.clock.wall())
+            if isinstance(a, E.Admit):
+                # The admission makes it live with its own credential (decision 0028), the
+                # same on every try: a try that applied unseen is found as this attempt's.
+                self.secret = self.secret or p.ids.attempt_secret()
+                res = await p.journal.admit_attempt(
+                    rid, a.attempt, aid, a.record, a.fence_wait_s,
+                    lambda live: m.never_started(live, p.causes.no_gate_ran),
+                    first_attempt=a.first_attempt, credential=digest(self.secret))
+                self.lease = res.lease
+                return E.AdmitDecided(res.admitted, res.reason, res.waited_s,
+                                      p.clock.monotonic(), p.clock.wall())
+            if self.lease is None or not self.lease.valid() or a.facts is None:
+                return E.FenceDecided(False)  # the lease's answer: no permission to fence
+            return E.FenceDecided(await p.journal.fence_first_delta(
+                rid, aid, a.facts.fence(p.clock.wall())))
         except StoreUnavailable as e:
-            return StoreDown(str(e), p.clock.wall())
+            return E.NotConfirmed(str(e), sent, p.clock.monotonic(), p.clock.wall())
 
-    async def _release(self, a: Release, m: GateMachine) -> None:
+    async def _release(self, a: E.Release, m: GateMachine) -> None:
         # From here the guard owns the attempt: it sees the rest of the response, its end,
         # and writes the attempt's record with the request's outcome (one etcd txn).
         # Registered before the headers go out: the guard looks for it when they arrive.
@@ -394,48 +319,39 @@ class GateSession(Session):
             {H.ATTEMPT_ID: m.attempt_id, H.HANDOFF: ho.header()}))
         for _ in range(a.held_chunks):
             await self.write(codec.continue_response_body())
-        if a.hand_off:
-            self.detach = True
+        self.detach = a.hand_off
 
-    async def _close(self, a: CloseAttempt, m: GateMachine) -> None:
+    async def _close(self, a: E.CloseAttempt, m: GateMachine) -> None:
         rid, aid, p = self.rid or "", m.attempt_id, self.p
         if a.timed_out and self.replica:
             p.health.first_delta_timed_out(self.replica, p.clock.monotonic())
-        if p.keep_trace(clean(a)):
-            p.spawn(p.save_trace(rid, f"attempt-{a.attempt:03d}", m, {
-                "attempt_id": aid, "replica": self.replica, "failure_class": a.failure_class,
-                # The end plan's inputs and verdict: `extproc replay` decides it again.
-                "end": dict(a.end_trace)}), f"trace-{aid}")
+        p.work.keep(rid, f"attempt-{a.attempt:03d}", m, {
+            "attempt_id": aid, "replica": self.replica, "failure_class": a.failure_class,
+            # The end plan's inputs and verdict: `extproc replay` decides it again.
+            "end": dict(a.end_trace)}, clean(a))
         if self.lease is not None:
             self.lease.lose("ended")
         n, rec = a.attempt, a.record
+        # etcd may be briefly away: retried for a bounded time, so the record does not
+        # keep an attempt without its end (found by the fault sweep).
         if a.update_only:
             await retrying(lambda: p.journal.update_attempt(rid, n, rec),
                            "close the attempt record", rid, aid)
-            return
-        # etcd may be briefly away: retried for a bounded time, so the record does not
-        # keep an attempt without its end (found by the fault sweep).
-        await retrying(lambda: p.journal.end_attempt(rid, n, aid, rec, a.expire),
-                       "fence the ended attempt", rid, aid)
+        else:
+            await retrying(lambda: p.journal.end_attempt(rid, n, aid, rec, a.expire),
+                           "fence the ended attempt", rid, aid)
 
-    async def _resent(self, what: str, call: Callable[[], Awaitable[T]],
-                      within: float | None = None) -> T:
-        limit = self.cfg.etcd.resend_deadline_s
-        return await resent(what, call, self.rid, self.m.attempt_id if self.m else None,
-                            limit if within is None else min(limit, within))
+    def _settle(self, call: Callable[[], Awaitable[Any]], what: str, name: str,
+                settle_s: float = 0.0) -> None:
+        """A take-back or give-back, retried in the background while etcd is away."""
+        aid = self.m.attempt_id if self.m else None
+        self.p.work.spawn(retrying(call, what, self.rid, aid, settle_s=settle_s),
+                          f"gate-{name}-{aid}")
 
-    def _never_started(self, live: str) -> bool:
-        """`live` is attempt 1 as the guard admitted it, and no gate ever ran for it."""
-        s = self.m.start if self.m is not None else None
-        first = s.first_admitted if s is not None else None
-        return first is not None and live == first and self.p.causes.seen(NO_GATE + first)
-
-    def _on_live_change(self, value: str | None) -> None:
-        """The revocation watch: someone fenced this attempt (revoked, expired, replaced)."""
-        lease, m = self.lease, self.m
-        if (lease is not None and m is not None and value != m.attempt_id
-                and lease.lose("revoked or replaced")):
-            observer.gate_fenced(self, value)
+    def _fired(self, kind: E.TimerKind) -> None:
+        self._timers.pop(kind, None)
+        self.later(lambda c: E.TimerFired(kind, c.monotonic(), c.wall()), f"timer-{kind}",
+                   open_only=True)
 
     def _stop_timers(self) -> None:
         for h in self._timers.values():
@@ -443,4 +359,4 @@ class GateSession(Session):
         self._timers.clear()
 
 
-__all__ = ["GateSession", "State"]
+__all__ = ["GatePorts", "GateSession"]

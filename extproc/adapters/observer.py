@@ -19,25 +19,31 @@ from ..core.events import (
     Accepted,
     Action,
     AdmissionDecided,
+    Admit,
     AdmitDecided,
     AnswerBody,
     CloseAttempt,
     Event,
     FailAttempt,
+    Fence,
+    FenceDecided,
     Finish,
     IntakeFailed,
     LeaseLost,
     LoseLease,
     MarkSlow,
+    NotConfirmed,
     Refuse,
     Release,
     RequestBodySeen,
     RequestHeadersSeen,
     RequestStarted,
     Send,
+    StartTimer,
     State,
     StatusRead,
     StoreDown,
+    TakeLease,
     TimerFired,
 )
 from ..core.failure import FailureClass
@@ -88,6 +94,7 @@ def attempt_ended(tel: Telemetry, span: Span | None, rid: str | None, aid: str, 
 # --- the gate ----------------------------------------------------------------------------
 
 _ADMISSION = (State.GATE_AWAITING_INTAKE, State.GATE_DECIDING, State.GATE_ADMITTING)
+_WRITES = {TakeLease: "attempt lease", Admit: "admission", Fence: "fence"}
 
 
 def gate(s: GateSession, before: State, ev: Event, actions: list[Action]) -> None:
@@ -96,6 +103,9 @@ def gate(s: GateSession, before: State, ev: Event, actions: list[Action]) -> Non
     if m is None:
         return
     rid, aid, tel = s.rid, m.attempt_id or None, s.p.tel
+    if isinstance(ev, AdmitDecided | FenceDecided) and m.tries > 1:
+        rlog(log, logging.INFO, f"{_WRITES.get(type(m.write), 'write')} confirmed", rid, aid,
+             tries=m.tries)
     if isinstance(ev, RequestStarted):
         _start_span(s, ev)
     elif isinstance(ev, AdmissionDecided):
@@ -114,18 +124,21 @@ def gate(s: GateSession, before: State, ev: Event, actions: list[Action]) -> Non
         rlog(log, logging.INFO, "attempt admitted", rid, aid, attempt=m.journal_attempt,
              replica=s.replica, waited_ms=round(ev.waited_s * 1000, 2),
              with_request=bool(m.start and m.start.preadmitted))
-    elif isinstance(ev, StoreDown):
+    elif isinstance(ev, NotConfirmed) and any(isinstance(a, StartTimer) for a in actions):
+        rlog(log, logging.INFO, f"{_WRITES.get(type(m.write), 'write')} not confirmed; "
+             "sending it again", rid, aid, error=ev.error, tries=m.tries)
+    elif isinstance(ev, StoreDown | NotConfirmed):  # given up
         where = "admission" if before is State.GATE_ADMITTING else "the fence"
         if before is State.GATE_FENCING or not (m.start and m.start.preadmitted):
             rlog(log, logging.WARNING, f"journal unavailable at {where}"
                  + (": not releasing" if before is State.GATE_FENCING else ""),
-                 rid, aid, error=ev.what)
+                 rid, aid, error=ev.what if isinstance(ev, StoreDown) else ev.error)
     elif isinstance(ev, LeaseLost) and before is State.GATE_RELEASED:
         rlog(log, logging.WARNING, "lease lost after release: dropping the rest", rid, aid)
     for a in actions:
         if isinstance(a, Refuse) and before in _ADMISSION:
             code = str(a.error.code)
-            if not isinstance(ev, StoreDown):
+            if not isinstance(ev, StoreDown | NotConfirmed):
                 rlog(log, logging.WARNING, "attempt refused", rid, aid,
                      attempt=m.journal_attempt, code=code, reason=a.error.message,
                      replica=s.replica)

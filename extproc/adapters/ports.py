@@ -167,7 +167,10 @@ class SentLog(Protocol):
 
 
 class EntryLog(Protocol):
-    """Envoy's per-attempt access-log entries, as the gate asks for them."""
+    """Envoy's per-attempt access-log entries, as the gate asks for them: whether a
+    pre-admitted attempt never reached a gate, and (AwaitCause) the cause of one that did,
+    answered once, or None when Envoy said nothing in time."""
 
-    def seen(self, rid: str) -> bool: ...
-    async def wait_entry(self, rid: str, timeout_s: float) -> str | None: ...
+    def no_gate_ran(self, attempt_id: str) -> bool: ...
+    def expect(self, rid: str, timeout_s: float, answer: Callable[[str | None], None]
+               ) -> None: ...

@@ -102,33 +102,6 @@ async def retrying(fn: Callable[[], Awaitable[Any]], what: str, rid: str | None,
 
 
 
-async def resent(what: str, call: Callable[[], Awaitable[T]], rid: str | None,
-                 aid: str | None, limit_s: float) -> T:
-    """A conditioned write that knows its own earlier try (the admission: `live` is this
-    attempt; the fence: `delivery` names it) is sent again while etcd does not answer, each
-    try to the member in use (which moves on when one fails), for at most `limit_s`
-    (etcd.resend_deadline_s, or less: decision 0026): an election costs a wait, not the
-    attempt. Raises StoreUnavailable once the time is up."""
-    loop = asyncio.get_running_loop()
-    give_up = loop.time() + limit_s
-    pause, tries = 0.05, 0
-    while True:
-        tries += 1
-        try:
-            res = await call()
-        except StoreUnavailable as e:
-            if loop.time() + pause >= give_up:
-                raise
-            rlog(log, logging.INFO, f"{what} not confirmed; sending it again", rid, aid,
-                 error=str(e), tries=tries)
-            await asyncio.sleep(pause)
-            pause = min(pause * 2, 0.4)
-            continue
-        if tries > 1:
-            rlog(log, logging.INFO, f"{what} confirmed", rid, aid, tries=tries)
-        return res
-
-
 class Messages(Protocol):
     """One ext_proc stream's messages: grpc.aio's servicer context, or grpclib's stream
     behind `grpclib_server.StreamMessages`. `read` returns `grpc.aio.EOF` or None at the end."""
@@ -186,6 +159,64 @@ class Pending(Generic[T]):
         return self._items.get(key)
 
 
+class Reached(OrderedDict[str, int]):
+    """Request id -> how many of its attempts reached a replica (a gate let them go
+    upstream): a later attempt of theirs is a re-prefill, charged to the retry budget, and
+    max_attempts counts only those (decision 0024). Bounded: the oldest go first."""
+
+    def mark(self, rid: str) -> None:
+        self[rid] = self.get(rid, 0) + 1
+        while len(self) > 20000:
+            self.popitem(last=False)
+
+
+class Background:
+    """Work that must outlive a stream's handler (journal writes, revokes, traces), and
+    the traces kept as telemetry.record_traces says."""
+
+    def __init__(self, journal: Journal, cfg: Config) -> None:
+        self._journal = journal
+        self._cfg = cfg
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def spawn(self, coro: Awaitable[Any], name: str) -> asyncio.Task[Any]:
+        """Run work that must outlive a cancelled gRPC handler (journal writes, revokes)."""
+        t: asyncio.Task[Any] = asyncio.ensure_future(coro)
+        t.set_name(name)
+        self._tasks.add(t)
+        t.add_done_callback(self._done)
+        return t
+
+    def _done(self, t: asyncio.Task[Any]) -> None:
+        self._tasks.discard(t)
+        if not t.cancelled() and t.exception() is not None:
+            log.error("background task failed", exc_info=t.exception(),
+                      extra={"task": t.get_name(), "request_id": None, "attempt_id": None})
+
+    def keep_trace(self, clean: bool) -> bool:
+        mode = self._cfg.telemetry.record_traces
+        return mode == "all" or (mode == "failures" and not clean)
+
+    async def save_trace(self, rid: str, name: str, m: GateMachine | GuardMachine | TraceSnapshot,
+                         meta: dict[str, Any]) -> None:
+        try:
+            await self._journal.put_trace(rid, name, trace_record(
+                m, meta, self._cfg.telemetry.max_trace_bytes))
+        except StoreUnavailable as e:
+            rlog(log, logging.WARNING, "could not keep the event trace", rid, None,
+                 error=str(e))
+
+    def keep(self, rid: str, name: str, m: GateMachine | GuardMachine | TraceSnapshot,
+             meta: dict[str, Any], clean: bool) -> None:
+        """Store the trace in the background if the traces kept include this one."""
+        if self.keep_trace(clean):
+            self.spawn(self.save_trace(rid, name, m, meta), f"trace-{name}-{rid}")
+
+    async def drain(self, timeout_s: float = 5.0) -> None:
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=timeout_s)
+
+
 class Processor:
     """Shared services of one processor process, each behind the port the sessions use."""
 
@@ -209,12 +240,9 @@ class Processor:
             consecutive_failures=od.consecutive_local_origin_failure if od.enabled else 1 << 30,
             base_ejection_s=od.base_ejection_time_s, max_ejection_s=od.max_ejection_time_s,
             unhealthy_threshold=hc.unhealthy_threshold, healthy_threshold=hc.healthy_threshold))
-        self.causes = CauseRegistry(on_attempt=self.attempt_seen)
-        # Requests with an attempt that reached a replica (a gate let it go upstream): a
-        # later attempt of theirs is a re-prefill, charged to the retry budget.
-        # How many of its attempts did (max_attempts counts only those, decision 0024).
-        self.reached: OrderedDict[str, int] = OrderedDict()
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self.causes = CauseRegistry(on_attempt=self.attempt_seen, timers=self.timers)
+        self.reached = Reached()
+        self.work = Background(journal, cfg)
         self.open_streams = 0
         self.handoffs: Pending[HandedOff] = Pending(
             on_evict=lambda h: end_span(h.span, None))
@@ -225,9 +253,7 @@ class Processor:
         self.pool = pool
 
     def mark_reached(self, rid: str) -> None:
-        self.reached[rid] = self.reached.get(rid, 0) + 1
-        while len(self.reached) > 20000:
-            self.reached.popitem(last=False)
+        self.reached.mark(rid)
 
     def attempt_seen(self, replica: str, cause: str, status: int) -> None:
         """Envoy's per-attempt access-log entry: passive health evidence, as its outlier
@@ -255,31 +281,15 @@ class Processor:
         return 0 if t.record_traces == "none" else t.max_trace_bytes
 
     def keep_trace(self, clean: bool) -> bool:
-        mode = self.cfg.telemetry.record_traces
-        return mode == "all" or (mode == "failures" and not clean)
+        return self.work.keep_trace(clean)
 
     async def save_trace(self, rid: str, name: str, m: GateMachine | GuardMachine | TraceSnapshot,
                          meta: dict[str, Any]) -> None:
-        try:
-            await self.journal.put_trace(rid, name, trace_record(
-                m, meta, self.cfg.telemetry.max_trace_bytes))
-        except StoreUnavailable as e:
-            rlog(log, logging.WARNING, "could not keep the event trace", rid, None,
-                 error=str(e))
+        await self.work.save_trace(rid, name, m, meta)
 
     def spawn(self, coro: Awaitable[Any], name: str) -> asyncio.Task[Any]:
         """Run work that must outlive a cancelled gRPC handler (journal writes, revokes)."""
-        t: asyncio.Task[Any] = asyncio.ensure_future(coro)
-        t.set_name(name)
-        self._tasks.add(t)
-        t.add_done_callback(self._done)
-        return t
-
-    def _done(self, t: asyncio.Task[Any]) -> None:
-        self._tasks.discard(t)
-        if not t.cancelled() and t.exception() is not None:
-            log.error("background task failed", exc_info=t.exception(),
-                      extra={"task": t.get_name(), "request_id": None, "attempt_id": None})
+        return self.work.spawn(coro, name)
 
     async def settled(self, view: JournalView | None) -> JournalView | None:
         """A record whose processor died is settled (gateway_interrupted) when first read."""
@@ -304,8 +314,7 @@ class Processor:
                     self.cfg.server.gateway_id, req, ret)
 
     async def drain(self, timeout_s: float = 5.0) -> None:
-        if self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=timeout_s)
+        await self.work.drain(timeout_s)
 
 
 

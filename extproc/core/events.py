@@ -77,8 +77,29 @@ class StoreDown:
 class TimerKind(StrEnum):
     SOFT_FIRST_DELTA = "soft_first_delta"  # slow is not dead: noted, nothing changes
     FIRST_DELTA = "first_delta"  # the attempt's first-delta deadline
+    RESEND = "resend"  # gate: the pause before an unconfirmed write is sent again
     STALL = "stall"  # guard: no byte from upstream for this long after the first delta
     CHECKPOINT = "checkpoint"  # guard: time to record the delivered count again
+
+
+@dataclass(frozen=True, slots=True)
+class NotConfirmed:
+    """Gate: one try of a conditioned write (the lease, the admission, the fence) got no
+    answer from etcd: sent at `sent_mono`, given up on at `mono`. The rows decide whether
+    it is sent again after a pause (decision 0026) or the attempt gives up."""
+
+    error: str = ""
+    sent_mono: float = 0.0
+    mono: float = 0.0
+    wall: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class LiveChanged:
+    """Gate: the revocation watch saw the attempt's `live` key change (to `value`; None:
+    deleted)."""
+
+    value: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,7 +270,7 @@ Event: TypeAlias = (RequestStarted | IntakeCommitted | AdmissionDecided | StoreD
                     | StreamClosed | CauseLearned | RecordWritten | ProgressWritten
                     | Fenced
                     | LeaseLost | RequestHeadersSeen | RequestBodySeen | RequestOpened
-                    | StatusRead)
+                    | StatusRead | NotConfirmed | LiveChanged)
 
 # --- actions --------------------------------------------------------------------------
 
@@ -311,6 +332,17 @@ class UndoFence:
 @dataclass(frozen=True, slots=True)
 class Watch:
     """Gate: subscribe to the attempt's `live` key: its lease is lost if it changes."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoseLease:
+    """The attempt's permission to publish ends (`why`), said once by either role.
+
+    The gate's names who holds `live` now when the watch said (`live`); the guard's, for a
+    released attempt, leaves it None."""
+
+    why: str
+    live: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -452,9 +484,12 @@ class Send:
 @dataclass(frozen=True, slots=True)
 class AwaitCause:
     """Wait (bounded) for Envoy's access log to say why the stream ended: the guard's
-    request entry, or (`attempt_id`) the gate's per-attempt entry; feed CauseLearned."""
+    request entry, or (`attempt_id`) the gate's per-attempt entry; feed CauseLearned.
+    The gate's says how long (`timeout_s`): the cause log's port bounds the wait on the
+    Timers port and answers CauseLearned(heard=False) when Envoy said nothing by then."""
 
     attempt_id: str | None = None
+    timeout_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -573,13 +608,6 @@ class AnswerStatus:
 @dataclass(frozen=True, slots=True)
 class StartToolCall:
     """Guard: the tool route serves this stream (its own machine, core.tool_route)."""
-
-
-@dataclass(frozen=True, slots=True)
-class LoseLease:
-    """Guard: the released attempt's permission to publish ends (`why`), said once."""
-
-    why: str
 
 
 Action: TypeAlias = (Admit | AwaitIntakeCommit | Decide | TakeLease | GiveBack | UndoAdmission

@@ -13,10 +13,11 @@ Every wait is an action out and an event in; times and ids come in on the events
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
+from . import headers as H
 from . import records
 from .admission import Admitted, AttemptRequest, envoy_retries, retry_after_s
 from .config import Config
@@ -46,7 +47,10 @@ from .events import (
     HoldChunk,
     IntakeCommitted,
     LeaseLost,
+    LiveChanged,
+    LoseLease,
     MarkSlow,
+    NotConfirmed,
     Overloaded,
     PassChunk,
     PassHeaders,
@@ -72,16 +76,21 @@ from .events import (
 )
 from .failure import FailureClass
 from .failure import Fence as FenceKind
-from .families import CHAT, Family, family_named
+from .families import CHAT, Family, family_for_path, family_named
 from .machine import Machine, T, Table, counting_decoder, stay
 from .sse import EventKind, SseDecoder
 
 S = State
+W = TypeVar("W", TakeLease, Admit, Fence)
 
 # The admission and the fence are sent again only until this long before the attempt's
 # first-delta limit, so the attempt fails as "journal unavailable" (and Envoy may re-run
 # it) before Envoy's per-try timeout answers for it.
 FENCE_MARGIN_S = 0.25
+# An unconfirmed admission or fence is sent again after a pause that doubles from the first
+# to the longest, until etcd.resend_deadline_s (decision 0026).
+RESEND_FIRST_PAUSE_S = 0.05
+RESEND_MAX_PAUSE_S = 0.4
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +107,8 @@ class GateParams:
     gateway_id: str = ""
     lease_ttl_s: int = 10
     cancel_ack: bool = True  # policy.uncertain_source_liveness.wait_for
+    resend_deadline_s: float = 3.0  # etcd's: how long an unconfirmed write is sent again
+    access_log_wait_s: float = 0.5  # how long an ended attempt waits for Envoy's word
 
     @classmethod
     def from_config(cls, cfg: Config) -> GateParams:
@@ -110,7 +121,9 @@ class GateParams:
                    max_prompt_tokens=pol.retry_cost.max_prompt_tokens,
                    gateway_id=cfg.server.gateway_id, lease_ttl_s=cfg.etcd.attempt_lease_ttl_s,
                    cancel_ack=(pol.uncertain_source_liveness.wait_for
-                               == "cancel_ack_or_lease_expiry"))
+                               == "cancel_ack_or_lease_expiry"),
+                   resend_deadline_s=cfg.etcd.resend_deadline_s,
+                   access_log_wait_s=t.access_log_wait_s)
 
 
 @dataclass(slots=True)
@@ -151,6 +164,11 @@ class GateMachine(Machine):
     ended_at: float = 0.0
     stream_closed: bool = False
     settled: str | None = None  # "class/fence/cause" once its end is settled (replay's)
+    # The conditioned write in flight (TakeLease, Admit or Fence) and its resends.
+    write: TakeLease | Admit | Fence | None = None
+    tries: int = 0
+    give_up: float = 0.0
+    pause: float = RESEND_FIRST_PAUSE_S
 
     @classmethod
     def new(cls, request_id: str, max_buffer: int = 4 << 20,
@@ -197,7 +215,59 @@ class GateMachine(Machine):
         deadline = (self.admitted.deadline_s if self.admitted is not None
                     else self.params.first_delta_s)
         until = self.admitted_mono + max(0.0, deadline - self.waited_for_previous_s)
-        return Fence(self.facts(), until - FENCE_MARGIN_S)
+        return self._send(Fence(self.facts(), until - FENCE_MARGIN_S))
+
+    def _send(self, w: W) -> W:
+        """A conditioned write's first try (its resends follow from NotConfirmed)."""
+        self.write, self.tries, self.pause = w, 1, RESEND_FIRST_PAUSE_S
+        return w
+
+    def never_started(self, live: str, no_gate_ran: Callable[[str], bool]) -> bool:
+        """The admission may take `live` over from attempt 1 as the guard admitted it when
+        no gate ever ran for it (Envoy's entry says so: its connection was refused)."""
+        first = self.start.first_admitted if self.start is not None else None
+        return first is not None and live == first and no_gate_ran(first)
+
+
+def _int(v: str | None, default: int) -> int:
+    try:
+        return int(v) if v is not None else default
+    except ValueError:
+        return default
+
+
+def request_started(hd: Mapping[str, str], replica: str | None, mint: Callable[[], str],
+                    mono: float, wall: float) -> tuple[RequestStarted, str | None] | None:
+    """An attempt's request headers as the gate's first event, with the attempt's
+    credential if it came with them; None: not a journaled request (nothing to gate)."""
+    rid = hd.get(H.REQUEST_ID)
+    if not rid:
+        return None
+    envoy_attempt = _int(hd.get(H.ENVOY_ATTEMPT_COUNT), 1)
+    first = hd.get(H.PREADMITTED) or None
+    # Attempt 1 was admitted by the guard with the request, with its credential; a later
+    # attempt never takes either: it gets its own id and, at admission, secret.
+    pre = first if envoy_attempt == 1 else None
+    try:
+        accepted_at: float | None = float(hd.get(H.ACCEPTED_AT, ""))
+    except ValueError:
+        accepted_at = None
+    return RequestStarted(
+        envoy_attempt, family_for_path(hd.get(":path", "")).name,
+        attempt_id=pre or mint(),
+        # Set by our guard only (a client's is stripped), decision 0027.
+        attempt_offset=max(0, _int(hd.get(H.ATTEMPT_OFFSET), 0)),
+        preadmitted=pre is not None, first_admitted=first, replica=replica,
+        want_fingerprint=hd.get(H.FINGERPRINT), prompt_tokens=_int(hd.get(H.PROMPT_TOKENS), 0),
+        accepted_at=accepted_at, mono=mono, wall=wall), (
+        hd.get(H.ATTEMPT_SECRET) or None if pre is not None else None)
+
+
+def response_started(hd: Mapping[str, str], end_of_stream: bool) -> ResponseHeaders:
+    """The replica's response headers as the gate reads them."""
+    return ResponseHeaders(_int(hd.get(":status", "0") or "0", 0), hd.get("content-type", ""),
+                           end_of_stream, model_revision=hd.get("x-model-revision"),
+                           retry_after=hd.get("retry-after"))
 
 
 GateFn = Callable[[GateMachine, Any], list[Action]]
@@ -263,10 +333,10 @@ def _gate_decided(m: GateMachine, ev: AdmissionDecided) -> list[Action]:
     if m.start is not None and m.start.preadmitted:
         # Admitted in the guard's intake transaction; the live key hangs on the process
         # lease (granted already, or granted now if another process admitted it).
-        return [TakeLease()]
-    return [Admit(m.journal_attempt, m.facts().admission(), ev.admitted.fence_wait_s,
-                  (m.start.attempt_offset if m.start else 0) + 1,
-                  ev.admitted.deadline_s - FENCE_MARGIN_S)]
+        return [m._send(TakeLease())]
+    return [m._send(Admit(m.journal_attempt, m.facts().admission(), ev.admitted.fence_wait_s,
+                          (m.start.attempt_offset if m.start else 0) + 1,
+                          ev.admitted.deadline_s - FENCE_MARGIN_S))]
 
 
 def _gate_admitted(m: GateMachine, ev: AdmitDecided) -> list[Action]:
@@ -293,6 +363,44 @@ def _gate_admission_down(m: GateMachine, ev: StoreDown) -> list[Action]:
         return _refuse(m, err, ev.wall)  # the lease could not be had: give attempt 1 back
     # The admission may still apply when etcd wakes: take it back once it can.
     return [UndoAdmission(m.journal_attempt), *_refuse(m, err, ev.wall)]
+
+
+# --- a conditioned write sent again while etcd does not answer (decision 0026) -----------
+
+
+def _gate_unconfirmed(m: GateMachine, ev: NotConfirmed) -> list[Action]:
+    """Sent again after a pause (each try goes to the member in use, which moves on when
+    one fails) until the resend deadline, or the attempt's own limit if that comes first:
+    an election costs a wait, not the attempt. Then the write is given up (StoreDown)."""
+    w = m.write
+    if m.tries == 1:
+        limit = ev.sent_mono + m.params.resend_deadline_s
+        if isinstance(w, Admit):
+            limit = min(limit, ev.sent_mono + w.deadline_s)
+        elif isinstance(w, Fence):
+            limit = min(limit, w.until_mono)
+        m.give_up = limit
+    if ev.mono + m.pause < m.give_up:
+        pause, m.pause = m.pause, min(m.pause * 2, RESEND_MAX_PAUSE_S)
+        return [StartTimer(TimerKind.RESEND, pause)]
+    down = StoreDown(ev.error, ev.wall)
+    if m.state is State.GATE_FENCING:
+        return _gate_fence_down(m, down)
+    return _gate_admission_down(m, down)
+
+
+def _gate_resend(m: GateMachine, ev: TimerFired) -> list[Action]:
+    """The pause is over: the same write, once more (a timer of another kind: nothing)."""
+    if ev.kind is not TimerKind.RESEND or m.write is None:
+        return _gate_fencing_timer(m, ev) if m.state is State.GATE_FENCING else []
+    m.tries += 1
+    return [m.write]
+
+
+def _gate_fencing_timer(m: GateMachine, ev: TimerFired) -> list[Action]:
+    # Fencing (etcd txn in flight): the hard limit is too late to matter (the fence is sent
+    # only until it); the soft one still notes a slow attempt.
+    return _gate_soft(m, ev)
 
 
 # --- the response: hold, fence, release --------------------------------------------------
@@ -467,6 +575,14 @@ def _gate_drop(m: GateMachine, ev: ResponseBody) -> list[Action]:
     return [DropChunk()]
 
 
+def _gate_live(m: GateMachine, ev: LiveChanged) -> list[Action]:
+    """The revocation watch: someone fenced this attempt (revoked, expired, replaced). Its
+    permission ends at once; a released attempt drops the rest at its next message."""
+    if m.leased and not m.stream_closed and ev.value != m.attempt_id:
+        return [LoseLease("revoked or replaced", ev.value)]
+    return []
+
+
 
 
 # --- the attempt's end -------------------------------------------------------------------
@@ -502,7 +618,7 @@ def _await_word_or_settle(m: GateMachine, wall: float) -> list[Action]:
         # Envoy's per-attempt access-log entry says reset (dead) vs timeout (uncertain),
         # and that Envoy has closed the attempt at all.
         m.state = State.GATE_AWAITING_WORD
-        return [AwaitCause(m.attempt_id)]
+        return [AwaitCause(m.attempt_id, m.params.access_log_wait_s)]
     return _settle(m, None, wall)
 
 
@@ -537,6 +653,11 @@ def _settle(m: GateMachine, entry: str | None, wall: float) -> list[Action]:
         end_trace=records.end_trace(f, entry, p.cancel_ack, done))]
 
 
+def word(entry: str | None, wall: float) -> CauseLearned:
+    """Envoy's per-attempt word as the gate's event: its cause, or none within the wait."""
+    return CauseLearned(entry or "unknown", None, entry is not None, wall)
+
+
 def _gate_closed_again(m: GateMachine, ev: StreamClosed) -> list[Action]:
     if m.stream_closed or m.start is None:
         return []
@@ -565,7 +686,11 @@ GATE_TABLE: Table = {
     (S.GATE_AWAITING_INTAKE, IntakeCommitted): T(_gate_intake, S.GATE_DECIDING, S.GATE_CLOSED),
     (S.GATE_DECIDING, AdmissionDecided): T(_gate_decided, S.GATE_ADMITTING, S.GATE_CLOSED),
     (S.GATE_ADMITTING, AdmitDecided): T(_gate_admitted, S.GATE_FORWARDED, S.GATE_CLOSED),
+    # A format-2 trace's: the session then resent the write itself and fed StoreDown only
+    # once it gave up. Now every unanswered try is NotConfirmed and the rows decide.
     (S.GATE_ADMITTING, StoreDown): T(_gate_admission_down, S.GATE_CLOSED),
+    (S.GATE_ADMITTING, NotConfirmed): T(_gate_unconfirmed, S.GATE_ADMITTING, S.GATE_CLOSED),
+    (S.GATE_ADMITTING, TimerFired): T(_gate_resend, S.GATE_ADMITTING),
     # --- the response
     (S.GATE_FORWARDED, ResponseHeaders): T(_gate_headers, S.GATE_PASSTHROUGH,
                                            S.GATE_HOLDING, S.GATE_FAILED),
@@ -574,6 +699,7 @@ GATE_TABLE: Table = {
     (S.GATE_FENCING, ResponseBody): T(_gate_body_fencing, S.GATE_FENCING),
     (S.GATE_FENCING, FenceDecided): T(_gate_fence, S.GATE_RELEASED, S.GATE_FAILED),
     (S.GATE_FENCING, StoreDown): T(_gate_fence_down, S.GATE_FAILED),
+    (S.GATE_FENCING, NotConfirmed): T(_gate_unconfirmed, S.GATE_FENCING, S.GATE_FAILED),
     (S.GATE_RELEASED, ResponseBody): T(_gate_pass, S.GATE_RELEASED),
     (S.GATE_PASSTHROUGH, ResponseBody): T(_gate_pass, S.GATE_PASSTHROUGH),
     (S.GATE_FAILED, ResponseBody): T(_gate_drop, S.GATE_FAILED),
@@ -584,9 +710,9 @@ GATE_TABLE: Table = {
     # --- the first-delta timers (started at admission, stopped at release or close)
     (S.GATE_HOLDING, TimerFired): T(_gate_timer, S.GATE_HOLDING, S.GATE_FAILED),
     (S.GATE_FORWARDED, TimerFired): T(_gate_timer, S.GATE_FORWARDED, S.GATE_FAILED),
-    # Fencing (etcd txn in flight), released or over: too late to matter (the soft one
-    # still notes a slow attempt while fencing).
-    (S.GATE_FENCING, TimerFired): T(_gate_soft, S.GATE_FENCING),
+    # Fencing (etcd txn in flight): the fence's resend, or too late to matter (the soft
+    # one still notes a slow attempt); released or over: too late to matter.
+    (S.GATE_FENCING, TimerFired): T(_gate_resend, S.GATE_FENCING),
     **stay(_gate_ignore, (S.GATE_RELEASED, S.GATE_PASSTHROUGH, S.GATE_FAILED, S.GATE_CLOSED,
                           *_ENDING), TimerFired),
     # --- the end
@@ -598,5 +724,7 @@ GATE_TABLE: Table = {
     (S.GATE_REVOKING, Revoked): T(_gate_revoked, S.GATE_AWAITING_WORD, S.GATE_CLOSED),
     (S.GATE_AWAITING_WORD, CauseLearned): T(_gate_word, S.GATE_CLOSED),
     **stay(_gate_closed_again, (S.GATE_CLOSED, *_ENDING), StreamClosed),
+    # The revocation watch, whenever it speaks (it is cancelled at the stream's end).
+    **stay(_gate_live, (*_OPEN, *_ENDING, S.GATE_CLOSED), LiveChanged),
 }
 GateMachine.TABLE = GATE_TABLE

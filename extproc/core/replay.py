@@ -24,6 +24,8 @@ from .events import (
     FenceDecided,
     IntakeCommitted,
     LeaseLost,
+    LiveChanged,
+    NotConfirmed,
     ProgressWritten,
     RecordWritten,
     RequestBodySeen,
@@ -89,6 +91,11 @@ def event_from_record(d: Mapping[str, Any]) -> Event:
                             float(d.get("wall", 0.0)))
     if t == "StoreDown":
         return StoreDown(str(d.get("what", "")), float(d.get("wall", 0.0)))
+    if t == "NotConfirmed":
+        return NotConfirmed(str(d.get("error", "")), float(d.get("sent_mono", 0.0)),
+                            float(d.get("mono", 0.0)), float(d.get("wall", 0.0)))
+    if t == "LiveChanged":
+        return LiveChanged(_opt(d.get("value")))
     if t == "TimerFired":
         return TimerFired(TimerKind(str(d["kind"])), float(d.get("mono", 0.0)),
                           float(d.get("wall", 0.0)))

@@ -661,6 +661,9 @@ async def test_gate_ends_a_silent_last_attempt_with_upstream_timeout() -> None:
     assert "30.0 s" in body["error"]["message"]  # the wait as the fake clock measured it
     ctx.close()
     await asyncio.wait_for(task, 3)
+    await idle()
+    # Envoy's word is awaited on the Timers port too: it never comes, the fake clock ends it.
+    assert timers.advance(0.05) == 1
     await p.drain()
     view = await store.get(RID)
     assert view is not None and not view.first_delta_sent

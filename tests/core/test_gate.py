@@ -11,6 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from extproc.core import headers as H
 from extproc.core.admission import Admitted, AttemptRequest
 from extproc.core.errors import ErrorCode, GatewayError, journal_unavailable
 from extproc.core.events import (
@@ -31,7 +32,10 @@ from extproc.core.events import (
     HoldChunk,
     IntakeCommitted,
     LeaseLost,
+    LiveChanged,
+    LoseLease,
     MarkSlow,
+    NotConfirmed,
     Overloaded,
     PassChunk,
     PassHeaders,
@@ -54,7 +58,13 @@ from extproc.core.events import (
     UndoFence,
     Watch,
 )
-from extproc.core.gate import FENCE_MARGIN_S, GateMachine, GateParams
+from extproc.core.gate import (
+    FENCE_MARGIN_S,
+    GateMachine,
+    GateParams,
+    request_started,
+    response_started,
+)
 from extproc.core.machine import ProtocolViolation
 from extproc.core.replay import record, replay
 from extproc.core.sse import DONE_EVENT, EventKind, encode_event
@@ -464,6 +474,154 @@ def test_etcd_away_at_the_fence_fails_the_attempt_and_takes_the_fence_back() -> 
     assert isinstance(fail, FailAttempt) and fail.held_chunks == 1 and fail.retry
 
 
+# --- an unconfirmed write, sent again by the rows (decision 0026) --------------------------
+
+
+@pytest.mark.parametrize("preadmitted", [True, False])
+def test_an_unconfirmed_admission_is_sent_again_after_growing_pauses_then_given_up(
+        preadmitted: bool) -> None:
+    g = started(attempt=1 if preadmitted else 2, preadmitted=preadmitted)
+    g.handle(IntakeCommitted(wall=WALL0 + 1))
+    [write] = g.handle(AdmissionDecided(ADMITTED))
+    assert isinstance(write, TakeLease if preadmitted else Admit)
+    # The first try went out at 10.0: etcd.resend_deadline_s (3 s) from then, at most.
+    t, pauses = 10.0, []
+    while True:
+        acts = g.handle(NotConfirmed("no leader", 10.0 if g.tries == 1 else t, t + 0.2,
+                                     WALL0 + t))
+        if not (len(acts) == 1 and isinstance(acts[0], StartTimer)):
+            break
+        assert acts[0].kind is TimerKind.RESEND and g.state is State.GATE_ADMITTING
+        pauses.append(acts[0].seconds)
+        t += 0.2 + acts[0].seconds
+        # The pause over: the same write, once more (its record and credential unchanged).
+        assert g.handle(TimerFired(TimerKind.RESEND, t, WALL0 + t)) == [write]
+    assert pauses == [0.05, 0.1, 0.2, 0.4, 0.4, 0.4]
+    assert names(acts) == (["GiveBack", "Refuse"] if preadmitted
+                           else ["UndoAdmission", "Refuse"])
+    assert acts[-1].error.code is ErrorCode.JOURNAL_UNAVAILABLE
+    assert g.state is State.GATE_CLOSED and g.tries == 7
+
+
+def test_an_unconfirmed_admission_confirmed_on_a_later_try_goes_upstream() -> None:
+    g = started(attempt=2)
+    g.handle(IntakeCommitted(wall=WALL0 + 1))
+    [write] = g.handle(AdmissionDecided(ADMITTED))
+    assert g.handle(NotConfirmed("no leader", 10.0, 10.5)) == [
+        StartTimer(TimerKind.RESEND, 0.05)]
+    # A first-delta timer cannot be running yet; another kind is nothing here.
+    assert g.handle(TimerFired(TimerKind.SOFT_FIRST_DELTA, 10.52)) == []
+    assert g.handle(TimerFired(TimerKind.RESEND, 10.55)) == [write]
+    assert names(g.handle(AdmitDecided(True, mono=11.0))) == [
+        "Watch", "StartTimer", "ContinueRequest"]
+    assert g.tries == 2 and g.state is State.GATE_FORWARDED
+
+
+def test_the_admissions_resend_stops_at_its_own_deadline_before_etcds() -> None:
+    g = started(attempt=2)
+    g.handle(IntakeCommitted(wall=WALL0 + 1))
+    short = Admitted(counts_as_retry=False, fence_wait_s=0.0, deadline_s=0.5, final=True)
+    g.handle(AdmissionDecided(short))
+    # 0.5 s less the margin from the first try (at 10.0): 10.25, not 13.0.
+    assert names(g.handle(NotConfirmed("away", 10.0, 10.15))) == ["StartTimer"]
+    g.handle(TimerFired(TimerKind.RESEND, 10.2))
+    assert names(g.handle(NotConfirmed("away", 10.2, 10.21))) == ["UndoAdmission", "Refuse"]
+
+
+def test_an_unconfirmed_fence_is_sent_again_until_the_attempts_limit_then_taken_back() -> None:
+    g = admitted_gate()
+    g.handle(ResponseHeaders(200, SSE))
+    _, fence = g.handle(ResponseBody(content("a"), False))
+    assert isinstance(fence, Fence)
+    sent = fence.until_mono - 0.3  # the attempt's limit comes before etcd's deadline
+    assert g.handle(NotConfirmed("frozen", sent, sent + 0.1)) == [
+        StartTimer(TimerKind.RESEND, 0.05)]
+    assert g.handle(ResponseBody(b"more", False)) == [HoldChunk()]  # held meanwhile
+    assert g.handle(TimerFired(TimerKind.SOFT_FIRST_DELTA, sent + 0.12)) == [MarkSlow()]
+    assert g.handle(TimerFired(TimerKind.RESEND, sent + 0.15)) == [fence]
+    undo, fail = g.handle(NotConfirmed("frozen", sent + 0.15, sent + 0.26))
+    assert isinstance(undo, UndoFence) and isinstance(fail, FailAttempt)
+    assert fail.held_chunks == 2 and g.state is State.GATE_FAILED
+
+
+def test_a_confirmed_fence_after_a_resend_releases() -> None:
+    g = admitted_gate()
+    g.handle(ResponseHeaders(200, SSE))
+    g.handle(ResponseBody(content("a"), False))
+    g.handle(NotConfirmed("frozen", 1.0, 1.1))
+    g.handle(TimerFired(TimerKind.RESEND, 1.2))
+    assert released(g.handle(FenceDecided(True)), held=1, hand_off=True)
+
+
+# --- the revocation watch ----------------------------------------------------------------
+
+
+def test_someone_elses_live_ends_the_permission_while_the_attempt_holds_it() -> None:
+    g = admitted_gate()
+    assert g.handle(LiveChanged("att_other")) == [LoseLease("revoked or replaced", "att_other")]
+    assert g.handle(LiveChanged(None)) == [LoseLease("revoked or replaced", None)]
+    assert g.handle(LiveChanged("att_2")) == []  # its own admission, seen late
+    assert g.state is State.GATE_FORWARDED  # the fence transaction checks `live` itself
+    g.handle(StreamClosed(1.0, WALL0 + 1))
+    assert g.handle(LiveChanged(None)) == []  # its own end
+
+
+def test_before_its_admission_an_attempt_has_no_permission_to_lose() -> None:
+    g = started(attempt=2)
+    assert g.handle(LiveChanged("att_other")) == []
+
+
+# --- the headers, read ---------------------------------------------------------------------
+
+
+def test_attempt_1s_headers_carry_its_id_and_credential_a_later_attempt_mints_its_id() -> None:
+    minted = iter(["att_new"])
+    hd = {H.REQUEST_ID: RID, H.ENVOY_ATTEMPT_COUNT: "1", H.PREADMITTED: "att_pre",
+          H.ATTEMPT_SECRET: "s3cret", H.ACCEPTED_AT: "1700000000.250000",
+          H.ATTEMPT_OFFSET: "2", H.PROMPT_TOKENS: "40", H.FINGERPRINT: "fp-a",
+          ":path": "/v1/completions"}
+    got = request_started(hd, "127.0.0.1:9001", lambda: next(minted), 3.0, WALL0 + 3)
+    assert got == (RequestStarted(
+        1, "completions", attempt_id="att_pre", attempt_offset=2, preadmitted=True,
+        first_admitted="att_pre", replica="127.0.0.1:9001", want_fingerprint="fp-a",
+        prompt_tokens=40, accepted_at=1700000000.25, mono=3.0, wall=WALL0 + 3), "s3cret")
+    # Envoy's attempt 2 of the same request: its own id, no credential of attempt 1's.
+    got = request_started({**hd, H.ENVOY_ATTEMPT_COUNT: "2"}, None, lambda: next(minted),
+                          4.0, WALL0 + 4)
+    assert got is not None
+    ev, secret = got
+    assert (ev.attempt, ev.attempt_id, ev.preadmitted, ev.first_admitted, secret) == (
+        2, "att_new", False, "att_pre", None)
+
+
+def test_headers_that_do_not_parse_read_as_their_defaults() -> None:
+    hd = {H.REQUEST_ID: RID, H.ENVOY_ATTEMPT_COUNT: "x", H.ACCEPTED_AT: "soon",
+          H.ATTEMPT_OFFSET: "-3", H.PROMPT_TOKENS: ""}
+    got = request_started(hd, None, lambda: "att_m", 0.0, WALL0)
+    assert got is not None
+    ev, _ = got
+    assert (ev.attempt, ev.accepted_at, ev.attempt_offset, ev.prompt_tokens, ev.family) == (
+        1, None, 0, 0, "chat")
+    assert request_started({":path": "/v1/models"}, None, lambda: "att_m", 0.0, WALL0) is None
+    assert response_started({":status": "oops"}, False) == ResponseHeaders(0, "", False)
+    assert response_started({":status": "429", "content-type": SSE, "retry-after": "2",
+                             "x-model-revision": "w@2"}, True) == ResponseHeaders(
+        429, SSE, True, model_revision="w@2", retry_after="2")
+
+
+@pytest.mark.parametrize(("first", "live", "no_gate", "want"), [
+    ("att_pre", "att_pre", True, True),  # attempt 1 never reached a gate: taken over
+    ("att_pre", "att_pre", False, False),  # it may still be running
+    ("att_pre", "att_other", True, False),  # another attempt holds the request
+    (None, "att_pre", True, False),
+])
+def test_the_admission_takes_live_over_only_from_an_attempt_1_no_gate_ran_for(
+        first: str | None, live: str, no_gate: bool, want: bool) -> None:
+    g = GateMachine.new(RID)
+    g.handle(RequestStarted(2, attempt_id="att_2", first_admitted=first))
+    assert g.never_started(live, lambda a: a == first and no_gate) is want
+
+
 # --- the first-delta timers --------------------------------------------------------------
 
 
@@ -564,7 +722,7 @@ def test_a_confirmed_early_end_is_revoked_then_settled_from_envoys_word() -> Non
     g = holding()
     *_, revoke = g.handle(StreamClosed(mono=7.0, wall=WALL0 + 7))
     assert isinstance(revoke, RevokeEarly) and revoke.record["ended_at"] == WALL0 + 7
-    assert g.handle(Revoked(True)) == [AwaitCause("att_1")]
+    assert g.handle(Revoked(True)) == [AwaitCause("att_1", 0.5)]
     assert g.state is State.GATE_AWAITING_WORD
     [close] = g.handle(CauseLearned("upstream", None, True, WALL0 + 7.01))
     assert isinstance(close, CloseAttempt) and close.update_only and not close.expire
@@ -585,7 +743,7 @@ def test_a_timed_out_attempt_without_envoys_word_is_fenced_until_its_lease_expir
     g = holding()
     g.handle(TimerFired(TimerKind.FIRST_DELTA, 40.0, WALL0 + 40))
     *_, wait = g.handle(StreamClosed(mono=40.1, wall=WALL0 + 40.1))
-    assert wait == AwaitCause("att_1")
+    assert wait == AwaitCause("att_1", 0.5)
     [close] = g.handle(CauseLearned("unknown", None, False, WALL0 + 41))
     assert isinstance(close, CloseAttempt) and close.expire and close.timed_out
     assert close.fence == "expiry" and close.cause == "unknown"

@@ -2,8 +2,9 @@
 
 A small executor plays the session on a fake clock: each step either answers the wait the
 machine asked for (the intake, the verdict, the lease or the admission, the fence, the early
-revoke, Envoy's word; etcd may be away), or sends Envoy's next message, or fires a timer the
-machine started, or closes the stream. Whatever the order, the machine never refuses an event
+revoke, Envoy's word; etcd may be away, or not answer a try: then the rows' resend timer
+decides), or sends Envoy's next message, or fires a timer the machine started, or lets the
+revocation watch speak, or closes the stream. Whatever the order, the machine never refuses an event
 the session can feed, never lets the request go upstream before its intake committed and its
 admission said yes, never releases before the fence committed, answers every body message
 once, ends an attempt over before release with exactly one record, and replays from its trace.
@@ -37,6 +38,9 @@ from extproc.core.events import (
     Fence,
     FenceDecided,
     IntakeCommitted,
+    LiveChanged,
+    LoseLease,
+    NotConfirmed,
     PassChunk,
     Refuse,
     Release,
@@ -54,6 +58,7 @@ from extproc.core.events import (
     TimerFired,
     TimerKind,
     UndoAdmission,
+    Watch,
 )
 from extproc.core.gate import GateMachine, GateParams
 from extproc.core.replay import record, replay
@@ -81,10 +86,22 @@ class Run:
     fence_ok: bool = False
     answered: int = 0  # body messages answered
     sent_bodies: int = 0
+    admission_given_up: bool = False
 
     def feed(self, ev: Event) -> None:
         self.fed.append(ev)
-        for a in self.m.handle(ev):  # raises ProtocolViolation if a row is missing
+        before = self.m.state
+        acts = self.m.handle(ev)  # raises ProtocolViolation if a row is missing
+        if isinstance(ev, NotConfirmed):
+            # Sent again after a pause, or given up: never both, never neither.
+            resend = [a for a in acts if isinstance(a, StartTimer)]
+            assert len(resend) == 1 or self.m.state is not before, acts
+            self.admission_given_up |= (before is State.GATE_ADMITTING and not resend)
+        if isinstance(ev, LiveChanged):
+            # Someone else's `live`: the permission ends while the attempt holds it.
+            assert (acts == [LoseLease("revoked or replaced", ev.value)]) == (
+                self.m.leased and not self.m.stream_closed and ev.value != "att_1"), acts
+        for a in acts:
             self.act(a)
 
     def act(self, a: Action) -> None:
@@ -110,8 +127,11 @@ class Run:
             self.answered += 1
 
 
-def answers(a: Action) -> list[Event]:
-    """What etcd, the admission or Envoy's access log may answer to a wait."""
+def answers(a: Action, now: float) -> list[Event]:
+    """What etcd, the admission or Envoy's access log may answer to a wait (an etcd that
+    does not answer: soon after the try, or past every deadline)."""
+    away = [NotConfirmed("no leader", now, now + 0.01, WALL0 + now),
+            NotConfirmed("no leader", now, now + 9.0, WALL0 + now + 9)]
     if isinstance(a, AwaitIntakeCommit):
         return [IntakeCommitted(None, 0, None, False, WALL0),
                 IntakeCommitted(journal_unavailable(RID), wall=WALL0)]
@@ -122,9 +142,9 @@ def answers(a: Action) -> list[Event]:
     if isinstance(a, TakeLease | Admit):
         return [AdmitDecided(True, mono=0.5, wall=WALL0 + 0.5),
                 AdmitDecided(False, "previous attempt is not fenced"),
-                StoreDown("no leader", WALL0)]
+                StoreDown("no leader", WALL0), *away]
     if isinstance(a, Fence):
-        return [FenceDecided(True), FenceDecided(False), StoreDown("frozen", WALL0)]
+        return [FenceDecided(True), FenceDecided(False), StoreDown("frozen", WALL0), *away]
     if isinstance(a, RevokeEarly):
         return [Revoked(True), Revoked(False)]
     assert isinstance(a, AwaitCause)
@@ -169,6 +189,8 @@ def test_every_interleaving_keeps_the_gates_promises(data: Any, kind: int, pread
                 choices.append("envoy")
             if r.timers and not r.closed:
                 choices.append("timer")
+            if any(isinstance(a, Watch) for a in r.acts) and not r.closed:
+                choices.append("watch")  # the revocation watch may speak at any time
         if not r.closed:
             choices.append("close")  # Envoy may reset the stream at any time
         if not choices:
@@ -177,7 +199,7 @@ def test_every_interleaving_keeps_the_gates_promises(data: Any, kind: int, pread
         if what == "answer":
             assert r.pending is not None
             wait, r.pending = r.pending, None
-            ev = data.draw(st.sampled_from(answers(wait)))
+            ev = data.draw(st.sampled_from(answers(wait, r.now)))
             if isinstance(wait, AwaitIntakeCommit):
                 r.intake_ok = isinstance(ev, IntakeCommitted) and ev.error is None
             elif isinstance(wait, TakeLease | Admit):
@@ -191,6 +213,8 @@ def test_every_interleaving_keeps_the_gates_promises(data: Any, kind: int, pread
             ev = r.envoy.pop(0)
             r.sent_bodies += isinstance(ev, ResponseBody)
             r.feed(ev)
+        elif what == "watch":
+            r.feed(LiveChanged(data.draw(st.sampled_from(["att_other", None, "att_1"]))))
         elif what == "timer":
             kind_ = data.draw(st.sampled_from(sorted(r.timers)))
             r.now = max(r.now, r.timers.pop(kind_))
@@ -222,8 +246,8 @@ def test_every_interleaving_keeps_the_gates_promises(data: Any, kind: int, pread
             isinstance(a, Release) for a in r.acts):
         assert len(closes) == 1 and m.state is State.GATE_CLOSED
     # An admission never confirmed is taken back (not a pre-admitted one: its lease only).
-    if (any(isinstance(e, StoreDown) for e in r.fed) and not preadmitted
-            and not any(isinstance(a, Fence) for a in r.acts)):
+    if ((any(isinstance(e, StoreDown) for e in r.fed) or r.admission_given_up)
+            and not preadmitted and not any(isinstance(a, Fence) for a in r.acts)):
         assert any(isinstance(a, UndoAdmission) for a in r.acts)
     # Its whole life, waits included, replays from its trace (stored as JSON).
     trace = json.loads(json.dumps(record(m, {}, 1 << 22)))

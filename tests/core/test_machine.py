@@ -17,6 +17,8 @@ from extproc.core.events import (
     FenceDecided,
     IntakeCommitted,
     LeaseLost,
+    LiveChanged,
+    NotConfirmed,
     PassHeaders,
     ProgressWritten,
     RecordWritten,
@@ -93,6 +95,8 @@ CANONICAL: dict[type, Any] = {
     RequestBodySeen: RequestBodySeen(None),
     RequestOpened: RequestOpened(True),
     StatusRead: StatusRead(None, "default"),
+    NotConfirmed: NotConfirmed("etcd away"),
+    LiveChanged: LiveChanged("att_other"),
 }
 
 
