@@ -22,10 +22,13 @@ from ..core.config import Config
 from ..core.credentials import digest
 from ..core.errors import GatewayError
 from ..core.events import (
+    AckLearned,
+    AckSettled,
     Action,
     AdmissionDecided,
     Admit,
     AdmitDecided,
+    AwaitAck,
     AwaitCause,
     AwaitIntakeCommit,
     CauseLearned,
@@ -44,6 +47,7 @@ from ..core.events import (
     Overloaded,
     PassChunk,
     PassHeaders,
+    PutCancel,
     Refuse,
     Release,
     RequestStarted,
@@ -52,6 +56,7 @@ from ..core.events import (
     RetryEnded,
     Revoked,
     RevokeEarly,
+    SourceSent,
     StartTimer,
     State,
     StopTimers,
@@ -63,7 +68,9 @@ from ..core.events import (
     UndoAdmission,
     UndoFence,
     Watch,
+    WatchSource,
 )
+from ..core.failure import FailureClass
 from ..core.families import family_for_path
 from ..core.gate import GateMachine, GateParams, clean
 from ..core.handoff import HandOff
@@ -127,6 +134,8 @@ class GatePorts(Protocol):
     def handoffs(self) -> Pending[HandedOff]: ...
     @property
     def tel(self) -> Telemetry: ...
+    @property
+    def instance_id(self) -> str: ...
 
     def mark_reached(self, rid: str) -> None: ...
     def spawn(self, coro: Awaitable[Any], name: str) -> asyncio.Task[Any]: ...
@@ -136,7 +145,8 @@ class GatePorts(Protocol):
 
 
 class GateSession(Session):
-    __slots__ = ("_timers", "_unwatch", "lease", "m", "parent_tp", "replica", "secret")
+    __slots__ = ("_ack", "_timers", "_unack", "_unsource", "_unwatch", "lease", "m",
+                 "parent_tp", "replica", "secret")
 
     def __init__(self, proc: GatePorts, ctx: Messages) -> None:
         self.detach = False
@@ -152,6 +162,11 @@ class GateSession(Session):
         self.secret: str | None = None
         self._timers: dict[TimerKind, TimerHandle] = {}
         self._unwatch: Callable[[], None] | None = None
+        # The replica's agent (decision 0034): its word that the first content left, and the
+        # acknowledgement of a cancel (heard: its evidence; None: not yet).
+        self._unsource: Callable[[], None] | None = None
+        self._unack: Callable[[], None] | None = None
+        self._ack: asyncio.Future[dict[str, Any] | None] | None = None
         self.closed = False
         self.lock = asyncio.Lock()
         self.md: dict[str, str] = {}
@@ -226,6 +241,7 @@ class GateSession(Session):
 
     async def on_closed(self) -> None:
         self._stop_timers()
+        self._stop_source()
         if self._unwatch is not None:
             self._unwatch()
         if self.m is not None:
@@ -242,6 +258,19 @@ class GateSession(Session):
                     await self.feed(TimerFired(kind, self.p.clock.monotonic(),
                                                self.p.clock.wall()))
         self.p.spawn(fire(), f"gate-timer-{kind}")
+
+    def _on_source_sent(self, at: float) -> None:
+        """The agent's word that the attempt's first content left the replica."""
+        async def fire() -> None:
+            async with self.lock:
+                if self.m is not None and not self.closed:
+                    await self.feed(SourceSent(at, self.p.clock.monotonic()))
+        self.p.spawn(fire(), "gate-source-sent")
+
+    def _stop_source(self) -> None:
+        if self._unsource is not None:
+            self._unsource()
+            self._unsource = None
 
     # --- events -> the machine -> actions ---------------------------------------------
 
@@ -276,7 +305,7 @@ class GateSession(Session):
             err = await asyncio.shield(opening) if opening is not None else None
             return IntakeCommitted(err, p.reached.get(rid, 0),
                                    p.pool.fingerprint_of(self.replica or ""), p.pool.enabled,
-                                   p.clock.wall())
+                                   p.clock.wall(), p.pool.agent_of(self.replica or ""))
         elif isinstance(a, Decide):
             verdict = decide(a.request, p.budget, p.clock.monotonic())
             if isinstance(verdict, GatewayError):
@@ -312,6 +341,15 @@ class GateSession(Session):
                              "give back a refused attempt", rid, aid), f"gate-refused-{aid}")
         elif isinstance(a, Watch):
             self._unwatch = p.journal.on_live_change(rid, self._on_live_change, aid)
+        elif isinstance(a, WatchSource):
+            self._unsource = p.journal.on_source_sent(p.instance_id, rid, aid,
+                                                      self._on_source_sent)
+        elif isinstance(a, PutCancel):
+            self._put_cancel(m)
+        elif isinstance(a, AwaitAck):
+            return await self._await_ack(a)
+        elif isinstance(a, AckSettled):
+            await self._ack_settled(a, m)
         elif isinstance(a, StartTimer):
             old = self._timers.pop(a.kind, None)
             if old is not None:
@@ -325,13 +363,16 @@ class GateSession(Session):
             # The attempt offset stays: a removal here holds for Envoy's later attempts of
             # the request too, whose gates need it (decision 0027). The attempt's own secret
             # replaces whatever an earlier attempt's request carried.
+            # A replica's agent addresses its word to this process's watch by its instance
+            # id (decision 0034); a replica without one gets no such header.
+            via = {H.PROCESSOR: p.instance_id} if m.agent else {}
             if self.secret is not None:
                 await self.write(codec.continue_request_headers(
-                    {H.ATTEMPT_ID: aid, H.ATTEMPT_SECRET: self.secret},
+                    {H.ATTEMPT_ID: aid, H.ATTEMPT_SECRET: self.secret, **via},
                     remove=(H.PREADMITTED,)))
             else:
                 await self.write(codec.continue_request_headers(
-                    {H.ATTEMPT_ID: aid}, remove=(H.PREADMITTED, H.ATTEMPT_SECRET)))
+                    {H.ATTEMPT_ID: aid, **via}, remove=(H.PREADMITTED, H.ATTEMPT_SECRET)))
         elif isinstance(a, Refuse):
             await self.write(codec.immediate(a.error, {H.REQUEST_ID: rid}))
         elif isinstance(a, Overloaded):
@@ -386,6 +427,7 @@ class GateSession(Session):
         # and writes the attempt's record with the request's outcome (one etcd txn).
         # Registered before the headers go out: the guard looks for it when they arrive.
         assert a.facts is not None
+        self._stop_source()
         ho = HandOff.from_record(a.facts.base(), self.lease.lease_id if self.lease else 0,
                                  snapshot(m))
         self.p.handoffs.put(m.attempt_id, HandedOff(self.span, ho))
@@ -401,7 +443,7 @@ class GateSession(Session):
         rid, aid, p = self.rid or "", m.attempt_id, self.p
         if a.timed_out and self.replica:
             p.health.first_delta_timed_out(self.replica, p.clock.monotonic())
-        if p.keep_trace(clean(a)):
+        if p.keep_trace(clean(a)) and not a.ack_follows:
             p.spawn(p.save_trace(rid, f"attempt-{a.attempt:03d}", m, {
                 "attempt_id": aid, "replica": self.replica, "failure_class": a.failure_class,
                 # The end plan's inputs and verdict: `extproc replay` decides it again.
@@ -417,6 +459,57 @@ class GateSession(Session):
         # keep an attempt without its end (found by the fault sweep).
         await retrying(lambda: p.journal.end_attempt(rid, n, aid, rec, a.expire),
                        "fence the ended attempt", rid, aid)
+
+    def _put_cancel(self, m: GateMachine) -> None:
+        """Listen for the agent's acknowledgement, then ask it to stop the attempt."""
+        rid, aid, p = self.rid or "", m.attempt_id, self.p
+        fut: asyncio.Future[dict[str, Any] | None] = asyncio.get_running_loop().create_future()
+        self._ack = fut
+
+        def heard(evidence: dict[str, Any]) -> None:
+            if not fut.done():
+                fut.set_result(evidence)
+        self._unack = p.journal.on_ack(rid, aid, heard)
+        rec = {"at": p.clock.wall(), "gateway_id": self.cfg.server.gateway_id,
+               "processor": p.instance_id}
+        p.spawn(retrying(lambda: p.journal.put_cancel(rid, aid, rec), "put the cancel", rid,
+                         aid, limit_s=float(self.cfg.etcd.attempt_lease_ttl_s)),
+                f"gate-cancel-{aid}")
+
+    async def _await_ack(self, a: AwaitAck) -> Event:
+        """The agent's acknowledgement, or none within `a.seconds` (a Timers timer)."""
+        fut, p = self._ack, self.p
+        evidence: dict[str, Any] | None = None
+        if fut is not None:
+            if not fut.done():
+                timer = p.timers.start(a.seconds,
+                                       lambda: None if fut.done() else fut.set_result(None))
+                try:
+                    evidence = await fut
+                finally:
+                    timer.cancel()
+            else:
+                evidence = fut.result()
+        if self._unack is not None:
+            self._unack()
+            self._unack = None
+        return AckLearned(evidence is not None, evidence, p.clock.wall())
+
+    async def _ack_settled(self, a: AckSettled, m: GateMachine) -> None:
+        rid, aid, p = self.rid or "", m.attempt_id, self.p
+        if p.keep_trace(a.failure_class == str(FailureClass.COMPLETED)):
+            p.spawn(p.save_trace(rid, f"attempt-{a.attempt:03d}", m, {
+                "attempt_id": aid, "replica": self.replica, "failure_class": a.failure_class,
+                "end": dict(a.end_trace)}), f"trace-{aid}")
+        if a.record is None:
+            return
+        n, rec = a.attempt, a.record
+        if a.revoke:
+            await retrying(lambda: p.journal.revoke_fenced(rid, n, aid, rec),
+                           "end the acknowledged attempt's fence", rid, aid)
+        else:
+            await retrying(lambda: p.journal.update_attempt(rid, n, rec),
+                           "add the engine's acknowledgement", rid, aid)
 
     async def _resent(self, what: str, call: Callable[[], Awaitable[T]],
                       within: float | None = None) -> T:

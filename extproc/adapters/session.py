@@ -198,6 +198,8 @@ class Processor:
         self.ledger = ledger
         self.clock: Clock = clock or SystemClock()
         self.ids: Ids = ids or RandomIds()
+        # This process's id toward the replicas' agents (decision 0034): fixed for its life.
+        self.instance_id: str = self.ids.instance_id()
         self.timers: Timers = timers or LoopTimers()
         self.pool = pool_from_config(cfg.pool.replicas)
         self.tokenizers = load_tokenizers(cfg.accounting)

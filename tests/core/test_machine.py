@@ -9,6 +9,7 @@ import pytest
 
 from extproc.core import records
 from extproc.core.events import (
+    AckLearned,
     AdmissionDecided,
     AdmitDecided,
     CauseLearned,
@@ -28,6 +29,7 @@ from extproc.core.events import (
     ResponseHeaders,
     Revoked,
     Send,
+    SourceSent,
     StartTimer,
     State,
     StoreDown,
@@ -91,6 +93,8 @@ CANONICAL: dict[type, Any] = {
     RequestHeadersSeen: RequestHeadersSeen("generation"),
     RequestBodySeen: RequestBodySeen(None),
     RequestOpened: RequestOpened(True),
+    SourceSent: SourceSent(1.0),
+    AckLearned: AckLearned(True, {"evidence": "engine idle"}),
 }
 
 
