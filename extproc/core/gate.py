@@ -605,15 +605,16 @@ def _settle(m: GateMachine, entry: str | None, wall: float) -> list[Action]:
     ended_at = m.ended_at if plan.revoke_now else wall
     if not plan.revoke_now:
         m.ended_at = ended_at
+    # An uncertain end of an agent-fronted replica: the agent is asked to stop it at the
+    # engine (if the gate did not ask already), and its acknowledgement awaited (0034).
+    ack = bool(m.agent) and (m.cancel_sent
+                             or done.failure_class is FailureClass.NETWORK_UNCERTAIN)
+    cancel = m.cancel() if ack else []
     record = {**records.attempt_end(m.facts().base(), f, done, ended_at, p.lease_ttl_s),
               **m.agent_facts()}
     m.state = State.GATE_CLOSED
     m.settled = f"{done.failure_class}/{done.fence}/{done.cause}"
     m.end_entry, m.end_settled = entry, done
-    # An uncertain end of an agent-fronted replica: the agent is asked to stop it at the
-    # engine, and its acknowledgement awaited (decision 0034).
-    ack = bool(m.agent) and (m.cancel_sent
-                             or done.failure_class is FailureClass.NETWORK_UNCERTAIN)
     # Confirmed end (the replica closed, answered, the client left, or Envoy closed an
     # uncertain one): `live` is deleted, so a retry may start now. Unknown
     # (policy.uncertain_source_liveness): the replica may still be decoding and may still
@@ -627,7 +628,7 @@ def _settle(m: GateMachine, entry: str | None, wall: float) -> list[Action]:
     if ack:
         m.state = State.GATE_AWAITING_ACK
         # Bounded by the fence's own lease: past it the marker is gone by itself.
-        acts += [*m.cancel(), AwaitAck(float(p.lease_ttl_s))]
+        acts += [*cancel, AwaitAck(float(p.lease_ttl_s))]
     return acts
 
 
