@@ -15,7 +15,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
+
 from extproc.core.admission import Admitted
+from extproc.core.config import ConfigError, load_config
 from extproc.core.errors import upstream_timeout, upstream_unavailable
 from extproc.core.events import (
     AckLearned,
@@ -55,6 +58,8 @@ from extproc.core.events import (
     WatchSource,
 )
 from extproc.core.gate import GateMachine, GateParams
+from extproc.core.membership import RegistrationError, parse_registration
+from extproc.core.pool import FingerprintError, pool_from_config
 from extproc.core.replay import record, replay
 from extproc.core.sse import encode_event
 
@@ -468,3 +473,39 @@ def test_every_interleaving_with_the_agent_keeps_the_gates_promises() -> None:
     # Every run of each game, once (a change of the rows that adds or drops a branch shows
     # here first): streams, silent after its role event, never answers.
     assert counts == [497, 280, 28]
+
+
+# --- the configuration and the pool's record of the agent ---------------------------------
+
+
+def test_source_grace_is_validated_below_the_first_delta_limit() -> None:
+    assert load_config({}).timeouts.source_grace_s == 0.5
+    assert load_config({"timeouts": {"source_grace_s": 0}}).timeouts.source_grace_s == 0.0
+    cfg = load_config({"timeouts": {"first_delta_s": 4, "soft_first_delta_s": 1,
+                                    "source_grace_s": 1.5}})
+    assert GateParams.from_config(cfg).source_grace_s == 1.5
+    for bad in (4, 5, -0.1, "x"):
+        with pytest.raises(ConfigError, match="source_grace_s"):
+            load_config({"timeouts": {"first_delta_s": 4, "soft_first_delta_s": 1,
+                                      "source_grace_s": bad}})
+
+
+def test_the_pool_record_says_which_replicas_an_agent_fronts() -> None:
+    fp = {"weights_revision": "w@1"}
+    pool = pool_from_config([{"address": "10.0.0.1:8000", "fingerprint": fp,
+                              "agent": {"version": 1}},
+                             {"address": "10.0.0.2:8000", "fingerprint": fp}])
+    assert (pool.agent_of("10.0.0.1:8000"), pool.agent_of("10.0.0.2:8000"),
+            pool.agent_of("10.0.0.9:8000")) == (1, 0, 0)
+    with pytest.raises(FingerprintError, match="agent"):
+        pool_from_config([{"address": "10.0.0.1:8000", "fingerprint": fp,
+                           "agent": {"version": 0}}])
+    # A registration: the agent's version, or (the name `extproc register` wrote) none.
+    rec = {"address": "10.0.0.1:8000", "fingerprint": fp, "models": []}
+    assert parse_registration("10.0.0.1:8000", json.dumps(
+        {**rec, "agent": {"version": 1}}).encode()).agent == 1
+    assert parse_registration("10.0.0.1:8000", json.dumps(
+        {**rec, "agent": "host/123"}).encode()).agent == 0
+    with pytest.raises(RegistrationError, match="agent"):
+        parse_registration("10.0.0.1:8000", json.dumps(
+            {**rec, "agent": {"version": "one"}}).encode())
