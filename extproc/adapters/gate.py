@@ -23,6 +23,7 @@ from ..core.admission import RETRY_HEADER, decide
 from ..core.budget import RetryBudget
 from ..core.credentials import digest
 from ..core.errors import GatewayError
+from ..core.failure import FailureClass
 from ..core.gate import (
     GateMachine,
     GateParams,
@@ -91,10 +92,13 @@ class GatePorts(Protocol):
     def tel(self) -> Telemetry: ...
     @property
     def work(self) -> Work: ...
+    @property
+    def instance_id(self) -> str: ...
 
 
 class GateSession(Session):
-    __slots__ = ("_timers", "_unwatch", "lease", "m", "parent_tp", "replica", "secret")
+    __slots__ = ("_ack", "_timers", "_unack", "_unsource", "_unwatch", "lease", "m",
+                 "parent_tp", "replica", "secret")
 
     def __init__(self, proc: GatePorts, ctx: Messages) -> None:
         self.detach = False
@@ -109,6 +113,11 @@ class GateSession(Session):
         self.secret: str | None = None
         self._timers: dict[E.TimerKind, TimerHandle] = {}
         self._unwatch: Callable[[], None] | None = None
+        # The replica's agent (decision 0034): its word that the first content left, and the
+        # acknowledgement of a cancel (heard: its evidence; None: not yet).
+        self._unsource: Callable[[], None] | None = None
+        self._unack: Callable[[], None] | None = None
+        self._ack: asyncio.Future[dict[str, Any] | None] | None = None
         self.closed = False
         self.lock = asyncio.Lock()
         self.md: dict[str, str] = {}
@@ -162,6 +171,7 @@ class GateSession(Session):
 
     async def on_closed(self) -> None:
         self._stop_timers()
+        self._stop_source()
         if self._unwatch is not None:
             self._unwatch()
         if self.m is not None:
@@ -209,7 +219,8 @@ class GateSession(Session):
             err = await asyncio.shield(opening) if opening is not None else None
             return E.IntakeCommitted(err, p.reached.get(rid, 0),
                                      p.pool.fingerprint_of(self.replica or ""),
-                                     p.pool.enabled, now.wall())
+                                     p.pool.enabled, now.wall(),
+                                     p.pool.agent_of(self.replica or ""))
         elif isinstance(a, E.Decide):
             verdict = decide(a.request, p.budget, now.monotonic())
             if isinstance(verdict, GatewayError):
@@ -228,6 +239,17 @@ class GateSession(Session):
         elif isinstance(a, E.Watch):
             self._unwatch = p.journal.on_live_change(
                 rid, lambda v: self.later(lambda _: E.LiveChanged(v), "watch"), aid)
+        elif isinstance(a, E.WatchSource):
+            self._unsource = p.journal.on_source_sent(
+                p.instance_id, rid, aid,
+                lambda at: self.later(lambda c: E.SourceSent(at, c.monotonic()), "source",
+                                      open_only=True))
+        elif isinstance(a, E.PutCancel):
+            self._put_cancel(m)
+        elif isinstance(a, E.AwaitAck):
+            return await self._await_ack(a)
+        elif isinstance(a, E.AckSettled):
+            await self._ack_settled(a, m)
         elif isinstance(a, E.LoseLease):
             if self.lease is not None and self.lease.lose(a.why):  # said once, by its owner
                 observer.gate_fenced(self, a.live)
@@ -243,9 +265,12 @@ class GateSession(Session):
             # The attempt offset stays: a removal here holds for Envoy's later attempts of
             # the request too, whose gates need it (decision 0027). The attempt's own secret
             # replaces whatever an earlier attempt's request carried.
+            # A replica's agent addresses its word to this process's watch by its instance
+            # id (decision 0034); a replica without one gets no such header.
+            via = {H.PROCESSOR: p.instance_id} if m.agent else {}
             await self.write(codec.continue_request_headers(
-                {H.ATTEMPT_ID: aid, H.ATTEMPT_SECRET: self.secret} if self.secret else
-                {H.ATTEMPT_ID: aid},
+                {H.ATTEMPT_ID: aid, H.ATTEMPT_SECRET: self.secret, **via} if self.secret else
+                {H.ATTEMPT_ID: aid, **via},
                 remove=(H.PREADMITTED,) if self.secret else (H.PREADMITTED, H.ATTEMPT_SECRET)))
         elif isinstance(a, E.Refuse):
             await self.write(codec.immediate(a.error, {H.REQUEST_ID: rid}))
@@ -311,6 +336,7 @@ class GateSession(Session):
         # and writes the attempt's record with the request's outcome (one etcd txn).
         # Registered before the headers go out: the guard looks for it when they arrive.
         assert a.facts is not None
+        self._stop_source()
         ho = HandOff.from_record(a.facts.base(), self.lease.lease_id if self.lease else 0,
                                  snapshot(m))
         self.p.handoffs.put(m.attempt_id, HandedOff(self.span, ho))
@@ -325,10 +351,11 @@ class GateSession(Session):
         rid, aid, p = self.rid or "", m.attempt_id, self.p
         if a.timed_out and self.replica:
             p.health.first_delta_timed_out(self.replica, p.clock.monotonic())
-        p.work.keep(rid, f"attempt-{a.attempt:03d}", m, {
-            "attempt_id": aid, "replica": self.replica, "failure_class": a.failure_class,
-            # The end plan's inputs and verdict: `extproc replay` decides it again.
-            "end": dict(a.end_trace)}, clean(a))
+        if not a.ack_follows:  # else kept once the agent's acknowledgement is settled
+            p.work.keep(rid, f"attempt-{a.attempt:03d}", m, {
+                "attempt_id": aid, "replica": self.replica, "failure_class": a.failure_class,
+                # The end plan's inputs and verdict: `extproc replay` decides it again.
+                "end": dict(a.end_trace)}, clean(a))
         if self.lease is not None:
             self.lease.lose("ended")
         n, rec = a.attempt, a.record
@@ -340,6 +367,61 @@ class GateSession(Session):
         else:
             await retrying(lambda: p.journal.end_attempt(rid, n, aid, rec, a.expire),
                            "fence the ended attempt", rid, aid)
+
+    def _put_cancel(self, m: GateMachine) -> None:
+        """Listen for the agent's acknowledgement, then ask it to stop the attempt."""
+        rid, aid, p = self.rid or "", m.attempt_id, self.p
+        fut: asyncio.Future[dict[str, Any] | None] = asyncio.get_running_loop().create_future()
+        self._ack = fut
+
+        def heard(evidence: dict[str, Any]) -> None:
+            if not fut.done():
+                fut.set_result(evidence)
+        self._unack = p.journal.on_ack(rid, aid, heard)
+        rec = {"at": p.clock.wall(), "gateway_id": m.params.gateway_id,
+               "processor": p.instance_id}
+        p.work.spawn(retrying(lambda: p.journal.put_cancel(rid, aid, rec), "put the cancel",
+                              rid, aid, limit_s=float(m.params.lease_ttl_s)),
+                     f"gate-cancel-{aid}")
+
+    async def _await_ack(self, a: E.AwaitAck) -> E.Event:
+        """The agent's acknowledgement, or none within `a.seconds` (a Timers timer)."""
+        fut, p = self._ack, self.p
+        evidence: dict[str, Any] | None = None
+        if fut is not None:
+            if not fut.done():
+                timer = p.timers.start(a.seconds,
+                                       lambda: None if fut.done() else fut.set_result(None))
+                try:
+                    evidence = await fut
+                finally:
+                    timer.cancel()
+            else:
+                evidence = fut.result()
+        if self._unack is not None:
+            self._unack()
+            self._unack = None
+        return E.AckLearned(evidence is not None, evidence, p.clock.wall())
+
+    async def _ack_settled(self, a: E.AckSettled, m: GateMachine) -> None:
+        rid, aid, p = self.rid or "", m.attempt_id, self.p
+        p.work.keep(rid, f"attempt-{a.attempt:03d}", m, {
+            "attempt_id": aid, "replica": self.replica, "failure_class": a.failure_class,
+            "end": dict(a.end_trace)}, a.failure_class == str(FailureClass.COMPLETED))
+        if a.record is None:
+            return
+        n, rec = a.attempt, a.record
+        if a.revoke:
+            await retrying(lambda: p.journal.revoke_fenced(rid, n, aid, rec),
+                           "end the acknowledged attempt's fence", rid, aid)
+        else:
+            await retrying(lambda: p.journal.update_attempt(rid, n, rec),
+                           "add the engine's acknowledgement", rid, aid)
+
+    def _stop_source(self) -> None:
+        if self._unsource is not None:
+            self._unsource()
+            self._unsource = None
 
     def _settle(self, call: Callable[[], Awaitable[Any]], what: str, name: str,
                 settle_s: float = 0.0) -> None:

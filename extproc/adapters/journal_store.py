@@ -17,6 +17,10 @@ never lapse by time). Layout (docs/architecture.md):
   <prefix>/trace/<rid>/<name>   an event trace for `extproc replay`
   <prefix>/budget/<gateway>     a gateway's retry-budget window (its session lease)
   <prefix>/tools/<key>, tools-exec/<key>   the tool ledger and its executor marker
+  <prefix>/src/<processor>/<rid>/<aid>   a replica's agent: the attempt's first content left
+                                the replica (one watch per processor; decision 0034)
+  <prefix>/cancel/<rid>/<aid>   the gateway asks the agent to stop the attempt at the engine
+  <prefix>/ack/<rid>/<aid>      the agent: the engine let go (its evidence)
 
 The two transactions that make failover honest are `admit_attempt` (a new attempt only while
 nothing was delivered and no other attempt holds a live lease) and `fence_first_delta`
@@ -65,10 +69,30 @@ log = logging.getLogger("extproc.etcd")
 
 _NOID = {"request_id": None, "attempt_id": None}
 _FENCED = b"fenced:"
+# A cancel key outlives any wait for its acknowledgement (at most a lease TTL), then goes.
+CANCEL_TTL_S = 600
 
 
 def _dumps(obj: Mapping[str, Any]) -> bytes:
     return json.dumps(obj, separators=(",", ":"), sort_keys=True).encode()
+
+
+def _at(value: bytes) -> float:
+    """The agent's wall time in its `src/` word (0.0 when it does not say)."""
+    try:
+        at = json.loads(value).get("at", 0.0)
+        return float(at) if isinstance(at, int | float) else 0.0
+    except (ValueError, AttributeError):
+        return 0.0
+
+
+def _evidence(value: bytes) -> dict[str, Any]:
+    """The agent's acknowledgement as evidence for the record (kept raw if not JSON)."""
+    try:
+        obj = json.loads(value)
+    except ValueError:
+        obj = None
+    return dict(obj) if isinstance(obj, dict) else {"raw": value.decode(errors="replace")}
 
 
 class JournalStore:
@@ -91,6 +115,11 @@ class JournalStore:
         self._waiters: set[asyncio.Event] = set()  # admissions waiting for `live` to go
         self._stop_watch: Callable[[], None] | None = None
         self.watch_connected = asyncio.Event()
+        # The replica agents' word that an attempt's first content left (decision 0034):
+        # one watch of src/<processor>/, started on first use, and who listens, by attempt.
+        self._stop_src: Callable[[], None] | None = None
+        self._src_prefix = b""
+        self._src_listeners: dict[tuple[str, str], Callable[[float], None]] = {}
 
     # --- the process: its leases (the subclass's), the watch, closing -------------------
 
@@ -143,6 +172,8 @@ class JournalStore:
         """The watch and the loops stop first, then our leases are revoked."""
         if self._stop_watch is not None:
             self._stop_watch()
+        if self._stop_src is not None:
+            self._stop_src()
         await self._stop_background()
         for lid in (self._session, self._attempts.lease_id if self._attempts else 0):
             if lid:
@@ -162,6 +193,95 @@ class JournalStore:
         """Call `cb(new_value_or_None)` when live/<rid> changes (with `mine`: only a change
         of that attempt's value, `LiveListeners`); returns an unsubscribe."""
         return self._live_listeners.subscribe(rid, cb, mine)
+
+    # --- the replica's agent: its word, the cancel and its acknowledgement (0034) -------
+
+    def _agent_key(self, kind: str, rid: str, aid: str) -> bytes:
+        return self.prefix + f"/{kind}/{rid}/{aid}".encode()
+
+    def on_source_sent(self, processor: str, rid: str, attempt_id: str,
+                       cb: Callable[[float], None]) -> Callable[[], None]:
+        """Call `cb(at)` when the attempt's agent writes `src/<processor>/<rid>/<aid>` (its
+        first content left the replica at the agent's wall time `at`); returns a stop.
+
+        One watch per processor of `src/<processor>/`, started on the first listener and
+        re-created with back-off when lost (the KV's watch); while it is down the word is
+        missed and the first-delta limit still holds."""
+        if self._stop_src is None:
+            self._src_prefix = self.prefix + f"/src/{processor}/".encode()
+            self._stop_src = self.kv.watch(self._src_prefix, self._source_changed,
+                                           None, "source watch")
+        key = (rid, attempt_id)
+        self._src_listeners[key] = cb
+
+        def off() -> None:
+            if self._src_listeners.get(key) is cb:
+                del self._src_listeners[key]
+        return off
+
+    def _source_changed(self, ev: WatchEvent) -> None:
+        if ev.value is None or not ev.key.startswith(self._src_prefix):
+            return
+        rid, _, aid = ev.key[len(self._src_prefix):].decode(errors="replace").partition("/")
+        cb = self._src_listeners.get((rid, aid))
+        if cb is not None:
+            cb(_at(ev.value))
+
+    async def put_cancel(self, rid: str, attempt_id: str, record: Mapping[str, Any]) -> None:
+        """Ask the attempt's agent to stop it at the engine (`cancel/<rid>/<aid>`)."""
+        rl = await self._retention_lease(CANCEL_TTL_S)
+        await self.kv.txn(Txn(success=[Put(self._agent_key("cancel", rid, attempt_id),
+                                           _dumps(record), rl)]))
+
+    def on_ack(self, rid: str, attempt_id: str,
+               cb: Callable[[dict[str, Any]], None]) -> Callable[[], None]:
+        """Call `cb(evidence)` once, when the agent's acknowledgement `ack/<rid>/<aid>` is
+        there (written before the watch was up: read once it is); returns a stop.
+
+        A watch of that one key: awaited only for an attempt whose cancel was put, an
+        uncertain end, so one stream for a few seconds at most."""
+        key = self._agent_key("ack", rid, attempt_id)
+        heard = False
+        reads: list[asyncio.Task[None]] = []
+
+        def found(value: bytes) -> None:
+            nonlocal heard
+            if not heard:
+                heard = True
+                cb(_evidence(value))
+
+        def changed(ev: WatchEvent) -> None:
+            if ev.key == key and ev.value is not None:
+                found(ev.value)
+
+        async def read() -> None:
+            with contextlib.suppress(StoreUnavailable):
+                res = await self.kv.txn(Txn(success=[Get(key)]))
+                if res.reads[0]:
+                    found(res.reads[0][0].value)
+
+        def up(ok: bool) -> None:
+            if ok and not heard:
+                reads.append(asyncio.ensure_future(read()))
+
+        stop = self.kv.watch(key, changed, up, "ack watch")
+
+        def off() -> None:
+            stop()
+            for t in reads:
+                t.cancel()
+        return off
+
+    async def revoke_fenced(self, rid: str, attempt: int, attempt_id: str,
+                            record: Mapping[str, Any]) -> None:
+        """The agent acknowledged the cancel of an attempt fenced until its lease expires:
+        its `fenced:` marker goes (if still its own) and its record says so, one txn."""
+        rl = await self._retention_lease()
+        live_k = self._live(rid)
+        put_record = Put(self._att(rid, attempt), _dumps(record), rl)
+        await self.kv.txn(Txn([value_is(live_k, _FENCED + attempt_id.encode())],
+                              [Delete(live_k), put_record], [put_record]))
+        self._wake_waiters()
 
     # --- keys ------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ from opentelemetry.trace import Span, SpanKind
 from ..core.errors import ErrorCode
 from ..core.events import (
     Accepted,
+    AckLearned,
     Action,
     AdmissionDecided,
     Admit,
@@ -31,8 +32,10 @@ from ..core.events import (
     IntakeFailed,
     LeaseLost,
     LoseLease,
+    MarkPathLost,
     MarkSlow,
     NotConfirmed,
+    PutCancel,
     Refuse,
     Release,
     RequestBodySeen,
@@ -135,6 +138,18 @@ def gate(s: GateSession, before: State, ev: Event, actions: list[Action]) -> Non
                  rid, aid, error=ev.what if isinstance(ev, StoreDown) else ev.error)
     elif isinstance(ev, LeaseLost) and before is State.GATE_RELEASED:
         rlog(log, logging.WARNING, "lease lost after release: dropping the rest", rid, aid)
+    elif isinstance(ev, AckLearned):
+        # The replica's agent and the cancel it was asked for (decision 0034).
+        if ev.heard:
+            ack = ev.evidence or {}
+            s.span.add_event("attempt.cancel_acknowledged")
+            rlog(log, logging.INFO, "the replica's agent acknowledged the cancel", rid, aid,
+                 attempt=m.journal_attempt, replica=s.replica, evidence=ack.get("evidence"),
+                 abort_ms=ack.get("abort_ms"), why=ack.get("why"), fence=m.settled)
+        else:
+            rlog(log, logging.WARNING, "no acknowledgement of the cancel from the replica's "
+                 "agent: the lease's expiry fences it", rid, aid, attempt=m.journal_attempt,
+                 replica=s.replica)
     for a in actions:
         if isinstance(a, Refuse) and before in _ADMISSION:
             code = str(a.error.code)
@@ -146,6 +161,16 @@ def gate(s: GateSession, before: State, ev: Event, actions: list[Action]) -> Non
             if m.attempt > 1:
                 tel.retries.add(1, {"decision": "refused", "reason": code})
             end_span(s.span, code)
+        elif isinstance(a, MarkPathLost):
+            s.span.add_event("attempt.path_lost", {"llmgw.failed": a.failed})
+            rlog(log, logging.WARNING,
+                 "path lost: the replica's agent sent the first delta and none arrived"
+                 + ("" if a.failed else " (no response headers yet: Envoy's per-try timeout "
+                    "ends it)"), rid, aid, attempt=m.journal_attempt, replica=s.replica,
+                 source_grace_s=m.params.source_grace_s, source_sent_at=m.source_sent_at)
+        elif isinstance(a, PutCancel):
+            rlog(log, logging.INFO, "asked the replica's agent to cancel the attempt", rid, aid,
+                 attempt=m.journal_attempt, replica=s.replica)
         elif isinstance(a, MarkSlow):
             rlog(log, logging.INFO,
                  "first delta slower than the soft expectation (not a failure)", rid, aid,

@@ -166,8 +166,11 @@ async def serve(cfg: Config, ready: Callable[[str], None] | None = None) -> None
         log.critical("EXTPROC_UNSAFE_RELEASE_WITHOUT_FENCE=1: the first-delta fence is OFF; "
                      "this is a test-only sabotage", extra={"request_id": None,
                                                            "attempt_id": None})
+    # `instance_id`: the replicas' agents address their word to this process by it
+    # (decision 0034).
     log.info("processor listening", extra={"listen": addr, "pid": os.getpid(),
                                            "transport": cfg.server.transport,
+                                           "instance_id": proc.instance_id,
                                            "request_id": None, "attempt_id": None})
     if ready is not None:
         ready(addr)

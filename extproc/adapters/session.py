@@ -111,10 +111,14 @@ class Messages(Protocol):
     async def write(self, message: Any) -> None: ...
 
 
-# What writing to a stream Envoy already closed raises, on either stack.
+# What writing to a stream Envoy already closed raises, on either stack. grpc.aio's own
+# "execute_batch" failure (a write racing Envoy's reset of the stream, seen after a gate's
+# 503 when Envoy retried at once) is not public API: found by name.
+_BATCH_GONE: type[Exception] = getattr(getattr(grpc, "_cython", None) and
+                                       grpc._cython.cygrpc, "ExecuteBatchError", RuntimeError)
 WRITE_GONE = (grpc.aio.AioRpcError, RuntimeError, asyncio.InvalidStateError,
               grpclib.exceptions.StreamTerminatedError, grpclib.exceptions.ProtocolError,
-              h2.exceptions.ProtocolError, ConnectionError)
+              h2.exceptions.ProtocolError, ConnectionError, _BATCH_GONE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,6 +233,8 @@ class Processor:
         self.ledger = ledger
         self.clock: Clock = clock or SystemClock()
         self.ids: Ids = ids or RandomIds()
+        # This process's id toward the replicas' agents (decision 0034): fixed for its life.
+        self.instance_id: str = self.ids.instance_id()
         self.timers: Timers = timers or LoopTimers()
         self.pool = pool_from_config(cfg.pool.replicas)
         self.tokenizers = load_tokenizers(cfg.accounting)

@@ -164,6 +164,11 @@ class TimeoutsConfig:
     # x first_delta_s). Once it has passed, the client gets `upstream_timeout` and no
     # further attempt starts (docs/failure-classes.md, "Bounds").
     first_delta_total_s: float | None = None
+    # After a replica's agent said the attempt's first content delta left the replica
+    # (decision 0034), how long the gate waits for it to arrive before it fails the attempt
+    # as path lost (0: off). Only this positive evidence fails early; a slow replica whose
+    # agent said nothing still has first_delta_s.
+    source_grace_s: float = 0.5
 
     def total_first_delta_s(self, max_attempts: int) -> float:
         if self.first_delta_total_s is not None:
@@ -599,11 +604,16 @@ def load_config(raw: Mapping[str, Any] | None) -> Config:
                                      TimeoutsConfig.progress_interval_s, 0.0, 3600.0),
         first_delta_total_s=t.opt_float("first_delta_total_s",
                                         TimeoutsConfig.first_delta_total_s, 0.5, 36000.0),
+        source_grace_s=t.float_("source_grace_s", TimeoutsConfig.source_grace_s, 0.0, 3600.0),
     )
     if (timeouts.first_delta_total_s is not None
             and timeouts.first_delta_total_s < timeouts.first_delta_s):
         raise ConfigError("timeouts.first_delta_total_s",
                           f"must be >= timeouts.first_delta_s ({timeouts.first_delta_s})")
+    if timeouts.source_grace_s >= timeouts.first_delta_s:
+        raise ConfigError("timeouts.source_grace_s",
+                          f"must be < timeouts.first_delta_s ({timeouts.first_delta_s}), or 0 "
+                          f"(off), got {timeouts.source_grace_s}")
     if timeouts.soft_first_delta_s > timeouts.first_delta_s:
         raise ConfigError("timeouts.soft_first_delta_s",
                           f"must be <= timeouts.first_delta_s ({timeouts.first_delta_s})")

@@ -55,6 +55,9 @@ class IntakeCommitted:
     replica_fingerprint: str | None = None
     pool_enabled: bool = False
     wall: float = 0.0
+    # The version of the agent that fronts the attempt's replica, as its pool record says
+    # (0: none; decision 0034).
+    agent: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +82,8 @@ class TimerKind(StrEnum):
     FIRST_DELTA = "first_delta"  # the attempt's first-delta deadline
     RESEND = "resend"  # gate: the pause before an unconfirmed write is sent again
     STALL = "stall"  # guard: no byte from upstream for this long after the first delta
+    # gate: the replica's agent said the first content left it; it has not arrived since
+    SOURCE_GRACE = "source_grace"
     CHECKPOINT = "checkpoint"  # guard: time to record the delivered count again
 
 
@@ -265,7 +270,28 @@ class CauseLearned:
     wall: float = 0.0
 
 
-Event: TypeAlias = (RequestStarted | IntakeCommitted | AdmissionDecided | StoreDown | TimerFired
+@dataclass(frozen=True, slots=True)
+class SourceSent:
+    """Gate: the replica's agent wrote that this attempt's first content delta left the
+    replica toward Envoy (`src/<processor>/<rid>/<aid>`; decision 0034). `at`: the agent's
+    wall clock then; `mono`: this process's clock when the word arrived."""
+
+    at: float = 0.0
+    mono: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class AckLearned:
+    """Gate: the replica's agent acknowledged the cancel (`ack/<rid>/<aid>`: the engine let
+    go; `evidence` is its record), or (`heard` False) no acknowledgement came in time."""
+
+    heard: bool
+    evidence: Mapping[str, Any] | None = None
+    wall: float = 0.0
+
+
+Event: TypeAlias = (SourceSent | AckLearned
+                    | RequestStarted | IntakeCommitted | AdmissionDecided | StoreDown | TimerFired
                     | Revoked | AdmitDecided | ResponseHeaders | ResponseBody | FenceDecided
                     | StreamClosed | CauseLearned | RecordWritten | ProgressWritten
                     | Fenced
@@ -386,6 +412,8 @@ class CloseAttempt:
     cause: str
     timed_out: bool
     end_trace: Mapping[str, Any]
+    # The agent's acknowledgement is awaited next (AwaitAck): the trace is kept then.
+    ack_follows: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -610,7 +638,51 @@ class StartToolCall:
     """Guard: the tool route serves this stream (its own machine, core.tool_route)."""
 
 
-Action: TypeAlias = (Admit | AwaitIntakeCommit | Decide | TakeLease | GiveBack | UndoAdmission
+@dataclass(frozen=True, slots=True)
+class WatchSource:
+    """Gate: listen for the replica's agent saying the first content left it; feed
+    SourceSent (the session stops listening at release or close)."""
+
+
+@dataclass(frozen=True, slots=True)
+class MarkPathLost:
+    """Gate: the agent's first content did not arrive within source_grace_s: the path from
+    the replica is lost. `failed`: the gate failed the attempt for it (headers had come);
+    else only noted (no headers: Envoy's per-try timeout ends it)."""
+
+    failed: bool
+
+
+@dataclass(frozen=True, slots=True)
+class PutCancel:
+    """Gate: ask the replica's agent to stop this attempt at the engine
+    (`cancel/<rid>/<aid>`), and listen for its acknowledgement from now on."""
+
+
+@dataclass(frozen=True, slots=True)
+class AwaitAck:
+    """Gate: wait, at most `seconds` on the Timers port, for the agent's acknowledgement of
+    the cancel; feed AckLearned."""
+
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class AckSettled:
+    """Gate: the wait for the agent's acknowledgement is over. `record`: the attempt's end
+    record again, with the engine's evidence (None: no acknowledgement, nothing to write);
+    `revoke`: the acknowledgement ends the attempt's `fenced:` marker, so a retry runs now.
+    The attempt's trace is kept here (its end trace with it)."""
+
+    attempt: int
+    record: Mapping[str, Any] | None
+    revoke: bool
+    failure_class: str
+    end_trace: Mapping[str, Any]
+
+
+Action: TypeAlias = (WatchSource | MarkPathLost | PutCancel | AwaitAck | AckSettled
+                     | Admit | AwaitIntakeCommit | Decide | TakeLease | GiveBack | UndoAdmission
                      | UndoFence | Watch | StartTimer | StopTimers | MarkSlow | RevokeEarly
                      | CloseAttempt | Overloaded | RetryEnded | ContinueRequest | Refuse
                      | PassHeaders | HoldChunk | PassChunk
@@ -635,6 +707,7 @@ class State(StrEnum):
     GATE_FAILED = "gate_failed"
     GATE_REVOKING = "gate_revoking"  # over before release: the early revoke in flight
     GATE_AWAITING_WORD = "gate_awaiting_word"  # over: waiting for Envoy's access-log word
+    GATE_AWAITING_ACK = "gate_awaiting_ack"  # over: waiting for the agent's cancel ack
     GATE_CLOSED = "gate_closed"
     # guard (the logical request, downstream)
     GUARD_NEW = "guard_new"  # nothing seen yet

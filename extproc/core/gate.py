@@ -29,10 +29,13 @@ from .errors import (
     upstream_unavailable,
 )
 from .events import (
+    AckLearned,
+    AckSettled,
     Action,
     AdmissionDecided,
     Admit,
     AdmitDecided,
+    AwaitAck,
     AwaitCause,
     AwaitIntakeCommit,
     CauseLearned,
@@ -49,11 +52,13 @@ from .events import (
     LeaseLost,
     LiveChanged,
     LoseLease,
+    MarkPathLost,
     MarkSlow,
     NotConfirmed,
     Overloaded,
     PassChunk,
     PassHeaders,
+    PutCancel,
     Refuse,
     Release,
     RequestStarted,
@@ -62,6 +67,7 @@ from .events import (
     RetryEnded,
     Revoked,
     RevokeEarly,
+    SourceSent,
     StartTimer,
     State,
     StopTimers,
@@ -73,6 +79,7 @@ from .events import (
     UndoAdmission,
     UndoFence,
     Watch,
+    WatchSource,
 )
 from .failure import FailureClass
 from .failure import Fence as FenceKind
@@ -109,6 +116,7 @@ class GateParams:
     cancel_ack: bool = True  # policy.uncertain_source_liveness.wait_for
     resend_deadline_s: float = 3.0  # etcd's: how long an unconfirmed write is sent again
     access_log_wait_s: float = 0.5  # how long an ended attempt waits for Envoy's word
+    source_grace_s: float = 0.5  # timeouts.source_grace_s (0: off; decision 0034)
 
     @classmethod
     def from_config(cls, cfg: Config) -> GateParams:
@@ -123,7 +131,8 @@ class GateParams:
                    cancel_ack=(pol.uncertain_source_liveness.wait_for
                                == "cancel_ack_or_lease_expiry"),
                    resend_deadline_s=cfg.etcd.resend_deadline_s,
-                   access_log_wait_s=t.access_log_wait_s)
+                   access_log_wait_s=t.access_log_wait_s,
+                   source_grace_s=t.source_grace_s)
 
 
 @dataclass(slots=True)
@@ -169,6 +178,14 @@ class GateMachine(Machine):
     tries: int = 0
     give_up: float = 0.0
     pause: float = RESEND_FIRST_PAUSE_S
+    # The replica's agent (decision 0034): its version (0: no agent, and none of this runs).
+    agent: int = 0
+    source_sent_at: float | None = None  # the agent said the first content left the replica
+    path_lost: bool = False  # failed for it: liveness uncertain, as a timed-out attempt
+    path_lost_noted: bool = False  # no headers yet when its grace ran out: only noted
+    cancel_sent: bool = False  # the agent was asked to stop the attempt at the engine
+    end_entry: str | None = None  # Envoy's word as the end was settled (for the ack's)
+    end_settled: records.Settled | None = None
 
     @classmethod
     def new(cls, request_id: str, max_buffer: int = 4 << 20,
@@ -209,6 +226,24 @@ class GateMachine(Machine):
         self.failed_on_purpose = True
         return [FailAttempt(reason=reason, error=self._unavailable(reason), held_chunks=held,
                             retry=envoy_retries(503, self.final))]
+
+    def cancel(self) -> list[Action]:
+        """Ask the replica's agent to stop the attempt at the engine (once; agent only)."""
+        if not self.agent or self.cancel_sent:
+            return []
+        self.cancel_sent = True
+        return [PutCancel()]
+
+    def agent_facts(self) -> dict[str, Any]:
+        """What the attempt's record says of the agent's word (nothing without an agent)."""
+        out: dict[str, Any] = {}
+        if self.source_sent_at is not None:
+            out["source_sent_at"] = self.source_sent_at
+        if self.path_lost or self.path_lost_noted:
+            out["path_lost"] = True
+        if self.cancel_sent:
+            out["cancel_sent"] = True
+        return out
 
     def _fence(self) -> Fence:
         # Never sent past the attempt's own first-delta limit (less the margin).
@@ -310,6 +345,7 @@ def _gate_intake(m: GateMachine, ev: IntakeCommitted) -> list[Action]:
     assert s is not None
     p = m.params
     m.replica_fingerprint = ev.replica_fingerprint
+    m.agent = ev.agent
     m.started_wall = ev.wall  # the admission's start, after the intake
     elapsed = max(0.0, ev.wall - s.accepted_at) if s.accepted_at is not None else 0.0
     m.state = State.GATE_DECIDING
@@ -349,6 +385,8 @@ def _gate_admitted(m: GateMachine, ev: AdmitDecided) -> list[Action]:
     p = m.params
     deadline = m.admitted.deadline_s if m.admitted is not None else p.first_delta_s
     acts: list[Action] = [Watch()]
+    if m.agent:
+        acts.append(WatchSource())  # registered before the request goes upstream
     if p.soft_first_delta_s > 0:
         acts.append(StartTimer(TimerKind.SOFT_FIRST_DELTA, p.soft_first_delta_s))
     acts += [StartTimer(TimerKind.FIRST_DELTA, max(0.0, deadline - ev.waited_s)),
@@ -397,12 +435,6 @@ def _gate_resend(m: GateMachine, ev: TimerFired) -> list[Action]:
     return [m.write]
 
 
-def _gate_fencing_timer(m: GateMachine, ev: TimerFired) -> list[Action]:
-    # Fencing (etcd txn in flight): the hard limit is too late to matter (the fence is sent
-    # only until it); the soft one still notes a slow attempt.
-    return _gate_soft(m, ev)
-
-
 # --- the response: hold, fence, release --------------------------------------------------
 
 
@@ -424,6 +456,10 @@ def _gate_headers(m: GateMachine, ev: ResponseHeaders) -> list[Action]:
     m.state = State.GATE_HOLDING
     if ev.end_of_stream:
         return m.fail("empty 200 response")
+    if m.path_lost_noted and m.params.source_grace_s > 0:
+        # The agent's content was already overdue before the headers came: its grace runs
+        # again from the headers (they prove the path carries something).
+        return [StartTimer(TimerKind.SOURCE_GRACE, m.params.source_grace_s)]
     return []
 
 
@@ -513,7 +549,7 @@ def _gate_first_delta_timeout(m: GateMachine, ev: TimerFired) -> list[Action]:
     m.timed_out = True
     if m.final:
         return _gate_timed_out_final(m, ev)
-    return m.fail("no first delta within the first-delta limit")
+    return m.fail("no first delta within the first-delta limit") + m.cancel()
 
 
 def _gate_timed_out_final(m: GateMachine, ev: TimerFired) -> list[Action]:
@@ -522,7 +558,7 @@ def _gate_timed_out_final(m: GateMachine, ev: TimerFired) -> list[Action]:
     m.timed_out = True
     m.held = 0
     m.state = State.GATE_FAILED
-    return [Refuse(upstream_timeout(m.request_id, _waited(m, ev), m.attempt))]
+    return [Refuse(upstream_timeout(m.request_id, _waited(m, ev), m.attempt)), *m.cancel()]
 
 
 def _gate_forwarded_timeout(m: GateMachine, ev: TimerFired) -> list[Action]:
@@ -537,6 +573,8 @@ def _gate_timer(m: GateMachine, ev: TimerFired) -> list[Action]:
     """A timer in a state where only the hard limit matters."""
     if ev.kind is TimerKind.SOFT_FIRST_DELTA:
         return _gate_soft(m, ev)
+    if ev.kind is TimerKind.SOURCE_GRACE:
+        return _gate_source_grace(m, ev)
     if m.state is State.GATE_HOLDING:
         return _gate_first_delta_timeout(m, ev)
     return _gate_forwarded_timeout(m, ev)
@@ -548,6 +586,42 @@ def _gate_soft(m: GateMachine, ev: TimerFired) -> list[Action]:
         m.slow = True
         return [MarkSlow()]
     return []
+
+
+def _gate_fencing_timer(m: GateMachine, ev: TimerFired) -> list[Action]:
+    # Content came: the agent's word is answered; only the soft limit still notes slowness.
+    if ev.kind is TimerKind.SOURCE_GRACE:
+        return []
+    return _gate_soft(m, ev)
+
+
+# --- the replica's agent: the first content left the replica (decision 0034) -------------
+
+
+def _gate_source_sent(m: GateMachine, ev: SourceSent) -> list[Action]:
+    # Positive evidence, not slowness: the replica sent its first content. If it does not
+    # arrive within the grace, the path between the replica and Envoy is lost.
+    if m.source_sent_at is not None or m.saw_content:
+        return []
+    m.source_sent_at = ev.at
+    g = m.params.source_grace_s
+    return [StartTimer(TimerKind.SOURCE_GRACE, g)] if g > 0 else []
+
+
+def _gate_source_grace(m: GateMachine, ev: TimerFired) -> list[Action]:
+    if m.saw_content:
+        return []
+    if m.state is State.GATE_FORWARDED:
+        # No response headers: the gate has nothing to answer with a 503, and a gate's
+        # ImmediateResponse is never retried by Envoy. Noted; Envoy's per-try timeout ends
+        # it (docs/failure-classes.md).
+        m.path_lost_noted = True
+        return [MarkPathLost(failed=False)]
+    # Headers came and the content the agent sent did not: fail it as the first-delta
+    # limit does (liveness uncertain: the replica may go on decoding), and cancel it there.
+    m.path_lost = True
+    return [*m.fail("the replica's agent sent the first delta and none arrived within "
+                    "source_grace_s"), MarkPathLost(failed=True), *m.cancel()]
 
 
 def _gate_ignore(m: GateMachine, ev: Any) -> list[Action]:
@@ -599,7 +673,7 @@ def _gate_closed(m: GateMachine, ev: StreamClosed) -> list[Action]:
         m.state = State.GATE_CLOSED
         return acts
     f = records.EndFacts(
-        released=False, upstream_finished=m.ended, timed_out=m.timed_out,
+        released=False, upstream_finished=m.ended, timed_out=m.timed_out or m.path_lost,
         failed_on_purpose=m.failed_on_purpose, http_status=m.http_status,
         elapsed_s=ev.mono - m.started_mono, first_delta_s=m.params.first_delta_s)
     plan = records.plan_end(f)
@@ -639,18 +713,53 @@ def _settle(m: GateMachine, entry: str | None, wall: float) -> list[Action]:
     p = m.params
     done = records.settle_end(f, plan, entry, p.cancel_ack)
     ended_at = m.ended_at if plan.revoke_now else wall
-    record = records.attempt_end(m.facts().base(), f, done, ended_at, p.lease_ttl_s)
+    if not plan.revoke_now:
+        m.ended_at = ended_at
+    # An uncertain end of an agent-fronted replica: the agent is asked to stop it at the
+    # engine (if the gate did not ask already), and its acknowledgement awaited (0034).
+    ack = bool(m.agent) and (m.cancel_sent
+                             or done.failure_class is FailureClass.NETWORK_UNCERTAIN)
+    cancel = m.cancel() if ack else []
+    record = {**records.attempt_end(m.facts().base(), f, done, ended_at, p.lease_ttl_s),
+              **m.agent_facts()}
     m.state = State.GATE_CLOSED
     m.settled = f"{done.failure_class}/{done.fence}/{done.cause}"
+    m.end_entry, m.end_settled = entry, done
     # Confirmed end (the replica closed, answered, the client left, or Envoy closed an
     # uncertain one): `live` is deleted, so a retry may start now. Unknown
     # (policy.uncertain_source_liveness): the replica may still be decoding and may still
-    # publish; fenced now, a retry is admitted only once the fence's lease expires.
-    return [CloseAttempt(
+    # publish; fenced now, a retry is admitted only once the fence's lease expires, or
+    # once the replica's agent acknowledges the cancel.
+    acts: list[Action] = [CloseAttempt(
         m.journal_attempt, record, expire=done.fence is FenceKind.EXPIRE,
         update_only=plan.revoke_now, failure_class=str(done.failure_class),
-        fence=str(done.fence), cause=done.cause, timed_out=m.timed_out,
-        end_trace=records.end_trace(f, entry, p.cancel_ack, done))]
+        fence=str(done.fence), cause=done.cause, timed_out=m.timed_out or m.path_lost,
+        end_trace=records.end_trace(f, entry, p.cancel_ack, done), ack_follows=ack)]
+    if ack:
+        m.state = State.GATE_AWAITING_ACK
+        # Bounded by the fence's own lease: past it the marker is gone by itself.
+        acts += [*cancel, AwaitAck(float(p.lease_ttl_s))]
+    return acts
+
+
+def _gate_ack(m: GateMachine, ev: AckLearned) -> list[Action]:
+    f, plan = m.end_facts, m.end_plan
+    assert f is not None and plan is not None
+    p = m.params
+    first = m.end_settled or records.settle_end(f, plan, m.end_entry, p.cancel_ack)
+    m.state = State.GATE_CLOSED
+    if not ev.heard:
+        return [AckSettled(m.journal_attempt, None, False, str(first.failure_class),
+                           records.end_trace(f, m.end_entry, p.cancel_ack, first))]
+    done = records.settle_end(f, plan, m.end_entry, p.cancel_ack, dict(ev.evidence or {}))
+    record = {**records.attempt_end(m.facts().base(), f, done, m.ended_at, p.lease_ttl_s),
+              **m.agent_facts()}
+    m.settled = f"{done.failure_class}/{done.fence}/{done.cause}"
+    # The engine let go and the agent stops a fenced attempt's bytes at the source: the
+    # `fenced:` marker may go now, and a retry run at once.
+    return [AckSettled(m.journal_attempt, record, done.fenced_by_ack,
+                       str(done.failure_class),
+                       records.end_trace(f, m.end_entry, p.cancel_ack, done))]
 
 
 def word(entry: str | None, wall: float) -> CauseLearned:
@@ -674,7 +783,7 @@ def clean(a: CloseAttempt) -> bool:
 _OPEN = (S.GATE_NEW, S.GATE_AWAITING_INTAKE, S.GATE_DECIDING, S.GATE_ADMITTING,
          S.GATE_FORWARDED, S.GATE_HOLDING, S.GATE_FENCING, S.GATE_RELEASED,
          S.GATE_PASSTHROUGH, S.GATE_FAILED)
-_ENDING = (S.GATE_REVOKING, S.GATE_AWAITING_WORD)
+_ENDING = (S.GATE_REVOKING, S.GATE_AWAITING_WORD, S.GATE_AWAITING_ACK)
 _UNLEASED = (S.GATE_NEW, S.GATE_AWAITING_INTAKE, S.GATE_DECIDING, S.GATE_ADMITTING,
              S.GATE_RELEASED)
 _LEASED = (S.GATE_FORWARDED, S.GATE_HOLDING, S.GATE_FENCING, S.GATE_PASSTHROUGH,
@@ -720,9 +829,16 @@ GATE_TABLE: Table = {
     **{(st, StreamClosed): T(_gate_closed, S.GATE_CLOSED) for st in _UNLEASED},
     # Over before release: revoked at once if the end is confirmed, else Envoy's word.
     **{(st, StreamClosed): T(_gate_closed, S.GATE_CLOSED, S.GATE_REVOKING,
-                             S.GATE_AWAITING_WORD) for st in _LEASED},
-    (S.GATE_REVOKING, Revoked): T(_gate_revoked, S.GATE_AWAITING_WORD, S.GATE_CLOSED),
-    (S.GATE_AWAITING_WORD, CauseLearned): T(_gate_word, S.GATE_CLOSED),
+                             S.GATE_AWAITING_WORD, S.GATE_AWAITING_ACK) for st in _LEASED},
+    (S.GATE_REVOKING, Revoked): T(_gate_revoked, S.GATE_AWAITING_WORD, S.GATE_CLOSED,
+                                  S.GATE_AWAITING_ACK),
+    (S.GATE_AWAITING_WORD, CauseLearned): T(_gate_word, S.GATE_CLOSED, S.GATE_AWAITING_ACK),
+    (S.GATE_AWAITING_ACK, AckLearned): T(_gate_ack, S.GATE_CLOSED),
+    # --- the replica's agent (decision 0034): its word that the first content left it
+    (S.GATE_FORWARDED, SourceSent): T(_gate_source_sent, S.GATE_FORWARDED),
+    (S.GATE_HOLDING, SourceSent): T(_gate_source_sent, S.GATE_HOLDING),
+    **stay(_gate_ignore, tuple(s for s in _OPEN + _ENDING + (S.GATE_CLOSED,)
+                               if s not in (S.GATE_FORWARDED, S.GATE_HOLDING)), SourceSent),
     **stay(_gate_closed_again, (S.GATE_CLOSED, *_ENDING), StreamClosed),
     # The revocation watch, whenever it speaks (it is cancelled at the stream's end).
     **stay(_gate_live, (*_OPEN, *_ENDING, S.GATE_CLOSED), LiveChanged),

@@ -32,8 +32,9 @@ ATTEMPT_OFFSET = "x-gateway-attempt-offset"
 # presents on its tool calls. Never in a response to a client, a log line, a span or the
 # hand-off; the guard removes it from every response toward the client.
 ATTEMPT_SECRET = "x-gateway-attempt-secret"
-# Gate -> replica agent (issue 26): the processor serving the attempt, so the agent's
-# first-content notice lands under `<prefix>/src/<processor>/` where that processor watches.
+# Gate -> replica's agent: this processor process's instance id, so the agent writes its
+# "first content left" word under `<prefix>/src/<processor>/` for this process's watch
+# (decision 0034).
 PROCESSOR = "x-gateway-processor"
 OWNED = (REQUEST_ID, ATTEMPT_ID, FINGERPRINT, PROMPT_TOKENS, PREADMITTED, HANDOFF, ACCEPTED_AT,
          TRACEPARENT, ATTEMPT_OFFSET, ATTEMPT_SECRET, PROCESSOR)

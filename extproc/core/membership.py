@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from .pool import INT_FIELDS, Fingerprint, FingerprintError, Pool, Replica
+from .pool import INT_FIELDS, Fingerprint, FingerprintError, Pool, Replica, agent_version
 
 RECORD_FIELDS = frozenset({"address", "fingerprint", "models", "agent"})
 
@@ -101,9 +101,10 @@ def parse_registration(key_address: str, raw: bytes) -> Replica:
         raise RegistrationError(f"{key_address}: models must be a list of names")
     try:
         fingerprint = Fingerprint.from_mapping(fp, f"{key_address}.fingerprint")
+        agent = agent_version(rec.get("agent"), key_address)
     except FingerprintError as e:
         raise RegistrationError(str(e)) from None
-    return Replica(canonical, fingerprint, tuple(models))
+    return Replica(canonical, fingerprint, tuple(models), agent)
 
 
 def pool_from_registrations(records: Mapping[str, bytes]) -> tuple[Pool, list[str]]:

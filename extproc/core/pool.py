@@ -78,6 +78,8 @@ class Replica:
     address: str  # host:port as Envoy reports it (upstream.address)
     fingerprint: Fingerprint
     models: tuple[str, ...] = ()
+    # The version of the agent in front of its engine (0: none; decision 0034).
+    agent: int = 0
 
     def serves(self, model: str | None) -> bool:
         return not self.models or model is None or model in self.models
@@ -98,6 +100,11 @@ class Pool:
     def fingerprint_of(self, address: str) -> str | None:
         r = self._by_addr.get(address)
         return r.fingerprint.digest if r else None
+
+    def agent_of(self, address: str) -> int:
+        """The version of the agent that fronts the replica at `address` (0: none)."""
+        r = self._by_addr.get(address)
+        return r.agent if r else 0
 
     def groups(self, model: str | None, exclude: Iterable[str] = ()) -> dict[str, list[str]]:
         """Compatible groups serving `model`: fingerprint -> addresses (declared order)."""
@@ -127,6 +134,17 @@ class Pool:
         return fp, hosts[k:] + hosts[:k]
 
 
+def agent_version(raw: Any, where: str = "agent") -> int:
+    """`agent: {version: N}` says an agent fronts the replica (decision 0034). Absent, or
+    the name string `extproc register` wrote before agents proxied: none (0)."""
+    if raw is None or isinstance(raw, str):
+        return 0
+    v = raw.get("version") if isinstance(raw, Mapping) else None
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise FingerprintError(f"{where}.agent: must be {{version: N}} with N >= 1")
+    return v
+
+
 def pool_from_config(items: Sequence[Mapping[str, Any]]) -> Pool:
     reps = []
     seen: set[str] = set()
@@ -144,9 +162,9 @@ def pool_from_config(items: Sequence[Mapping[str, Any]]) -> Pool:
         fp_raw = item.get("fingerprint")
         if not isinstance(fp_raw, Mapping):
             raise FingerprintError(f"{where}.fingerprint: required mapping")
-        unknown = sorted(set(item) - {"address", "models", "fingerprint"})
+        unknown = sorted(set(item) - {"address", "models", "fingerprint", "agent"})
         if unknown:
             raise FingerprintError(f"{where}.{unknown[0]}: unknown field")
         reps.append(Replica(addr, Fingerprint.from_mapping(fp_raw, f"{where}.fingerprint"),
-                            tuple(models)))
+                            tuple(models), agent_version(item.get("agent"), where)))
     return Pool(tuple(reps))

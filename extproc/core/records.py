@@ -150,15 +150,24 @@ class Settled:
     fence: Fence
     cause: str  # Envoy's cause, "unknown" (no entry), or "n/a" (not asked)
     envoy_closed: bool
+    # The replica's agent acknowledged the cancel (its evidence; decision 0034), and whether
+    # that acknowledgement is what fenced the attempt (else it only adds evidence).
+    engine_ack: Mapping[str, Any] | None = None
+    fenced_by_ack: bool = False
 
 
 def settle_end(f: EndFacts, plan: EndPlan, entry: str | None,
-               cancel_ack: bool = True) -> Settled:
+               cancel_ack: bool = True,
+               engine_ack: Mapping[str, Any] | None = None) -> Settled:
     """Class and fence once Envoy's per-attempt entry arrived (`entry`) or did not (None).
 
     `cancel_ack` is policy.uncertain_source_liveness.wait_for: with
     `cancel_ack_or_lease_expiry`, Envoy's confirmed close is the cancel ack (docs/fencing.md);
     with `lease_expiry`, an uncertain end always waits for the lease.
+
+    `engine_ack`: the replica's agent acknowledged the cancel (the engine let go, and the
+    agent stops a fenced attempt's bytes at the source): under `cancel_ack_or_lease_expiry`
+    an end that would wait for the lease is revoked on it (decision 0034).
     """
     cause, closed = "n/a", True
     if plan.needs_cause:
@@ -167,7 +176,10 @@ def settle_end(f: EndFacts, plan: EndPlan, entry: str | None,
                               failed_on_purpose=f.failed_on_purpose,
                               http_status=f.http_status, cause=cause, timed_out=f.timed_out))
     fence = Fence.REVOKE if plan.revoke_now else fence_for(cls, closed and cancel_ack)
-    return Settled(cls, fence, cause, closed)
+    by_ack = engine_ack is not None and cancel_ack and fence is Fence.EXPIRE
+    if by_ack:
+        fence = Fence.REVOKE
+    return Settled(cls, fence, cause, closed, engine_ack, by_ack)
 
 
 def attempt_end(base: Mapping[str, Any], f: EndFacts, s: Settled, ended_at: float,
@@ -178,6 +190,9 @@ def attempt_end(base: Mapping[str, Any], f: EndFacts, s: Settled, ended_at: floa
            "fence": str(s.fence), "envoy_closed": s.envoy_closed}
     if s.fence is Fence.EXPIRE:
         rec["lease_expires_by"] = round(ended_at + lease_ttl_s, 3)
+    if s.engine_ack is not None:
+        # `cancel_ack`: the acknowledgement fenced it; `engine_ack`: evidence only.
+        rec["cancel_ack" if s.fenced_by_ack else "engine_ack"] = dict(s.engine_ack)
     return rec
 
 
@@ -207,15 +222,20 @@ def released_end(handoff: Mapping[str, Any], *, upstream_finished: bool, cause: 
 def end_trace(f: EndFacts, entry: str | None, cancel_ack: bool,
               s: Settled) -> dict[str, Any]:
     """What an attempt's trace keeps of its end: the inputs and the verdict."""
-    return {"facts": asdict(f), "entry": entry, "cancel_ack": cancel_ack,
-            "failure_class": str(s.failure_class), "fence": str(s.fence), "cause": s.cause,
-            "envoy_closed": s.envoy_closed}
+    out = {"facts": asdict(f), "entry": entry, "cancel_ack": cancel_ack,
+           "failure_class": str(s.failure_class), "fence": str(s.fence), "cause": s.cause,
+           "envoy_closed": s.envoy_closed}
+    if s.engine_ack is not None:
+        out["engine_ack"] = dict(s.engine_ack)
+    return out
 
 
 def replay_end(rec: Mapping[str, Any]) -> str | None:
     """Decide a recorded end again; None if the core decides as it did, else what differs."""
     f = EndFacts(**rec["facts"])
-    s = settle_end(f, plan_end(f), rec.get("entry"), bool(rec.get("cancel_ack", True)))
+    ack = rec.get("engine_ack")
+    s = settle_end(f, plan_end(f), rec.get("entry"), bool(rec.get("cancel_ack", True)),
+                   ack if isinstance(ack, Mapping) else None)
     got = {"failure_class": str(s.failure_class), "fence": str(s.fence), "cause": s.cause,
            "envoy_closed": s.envoy_closed}
     want = {k: rec.get(k) for k in got}

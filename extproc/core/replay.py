@@ -16,6 +16,7 @@ from typing import Any
 from .admission import Admitted
 from .errors import ErrorCode, GatewayError
 from .events import (
+    AckLearned,
     AdmissionDecided,
     AdmitDecided,
     CauseLearned,
@@ -35,6 +36,7 @@ from .events import (
     ResponseBody,
     ResponseHeaders,
     Revoked,
+    SourceSent,
     State,
     StoreDown,
     StreamClosed,
@@ -78,7 +80,8 @@ def event_from_record(d: Mapping[str, Any]) -> Event:
     if t == "IntakeCommitted":
         return IntakeCommitted(_error(d, "journal_unavailable"), int(d.get("reached_count", 0)),
                                _opt(d.get("replica_fingerprint")),
-                               bool(d.get("pool_enabled", False)), float(d.get("wall", 0.0)))
+                               bool(d.get("pool_enabled", False)), float(d.get("wall", 0.0)),
+                               int(d.get("agent", 0)))
     if t == "AdmissionDecided":
         adm = d.get("admitted")
         return AdmissionDecided(
@@ -150,6 +153,12 @@ def event_from_record(d: Mapping[str, Any]) -> Event:
         sent = d.get("body_bytes")  # absent in traces kept before decision 0025
         return CauseLearned(str(d["cause"]), None if sent is None else int(sent),
                             bool(d.get("heard", True)), float(d.get("wall", 0.0)))
+    if t == "SourceSent":
+        return SourceSent(float(d.get("at", 0.0)), float(d.get("mono", 0.0)))
+    if t == "AckLearned":
+        ev = d.get("evidence")
+        return AckLearned(bool(d["heard"]), dict(ev) if isinstance(ev, Mapping) else None,
+                          float(d.get("wall", 0.0)))
     raise ValueError(f"unknown event type in trace: {t!r}")
 
 

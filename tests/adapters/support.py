@@ -39,6 +39,9 @@ class FixedIds:
         self.secrets += 1
         return f"secret_test_{self.secrets}_".ljust(43, "x")
 
+    def instance_id(self) -> str:
+        return "proc_test"
+
 
 
 async def idle(turns: int = 50) -> None:

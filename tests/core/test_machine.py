@@ -9,6 +9,7 @@ import pytest
 
 from extproc.core import records
 from extproc.core.events import (
+    AckLearned,
     AdmissionDecided,
     AdmitDecided,
     CauseLearned,
@@ -30,6 +31,7 @@ from extproc.core.events import (
     ResponseHeaders,
     Revoked,
     Send,
+    SourceSent,
     StartTimer,
     State,
     StatusRead,
@@ -97,6 +99,8 @@ CANONICAL: dict[type, Any] = {
     StatusRead: StatusRead(None, "default"),
     NotConfirmed: NotConfirmed("etcd away"),
     LiveChanged: LiveChanged("att_other"),
+    SourceSent: SourceSent(1.0),
+    AckLearned: AckLearned(True, {"evidence": "engine idle"}),
 }
 
 
