@@ -195,6 +195,8 @@ class GrpclibServer:
         self.health = services.health
         self._server = _Server([services])
         self.address = ""
+        # Set once `stop` closed the listener: no new connection from then on.
+        self.draining = asyncio.Event()
 
     async def start(self, listen: str) -> None:
         if listen.startswith("unix:"):
@@ -217,6 +219,7 @@ class GrpclibServer:
         listener = self._server._server
         if listener is not None:
             listener.close()
+        self.draining.set()
         for _ in range(max(1, int(grace_s / 0.05))):  # polled: the count lives in Processor
             if open_streams() == 0 and self.health.delivered():
                 break

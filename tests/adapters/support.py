@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
+from extproc.adapters.kv import KV, Lease, Txn, TxnResult, WatchEvent
 from extproc.adapters.timers import FakeClock, FakeTimers
 
 __all__ = ["RID", "SSE_CONTENT", "SSE_DONE", "SSE_ROLE", "FakeClock", "FakeTimers",
-           "FixedIds", "idle"]
+           "FixedIds", "KVTap", "idle"]
 
 RID = "req_0123456789abcdefghjkmnpqrs"
 SSE_ROLE = (b'data: {"id":"x","object":"chat.completion.chunk","choices":[{"index":0,'
@@ -49,3 +51,78 @@ async def idle(turns: int = 50) -> None:
     not happen for want of a turn of the loop."""
     for _ in range(turns):
         await asyncio.sleep(0)
+
+
+class KVTap:
+    """A `KV` whose watches and transactions a test can see and wait for, instead of
+    sleeping while a real etcd creates a watch's stream or delivers its events.
+
+    Per watched prefix: whether its stream is up (kv_etcd says so when etcd answers
+    `created`; kv_memory at once) and every event it delivered, in its stream's order (one
+    etcd stream delivers in revision order: once a later event came, an earlier one did).
+    Every transaction's answer is kept too. `until(pred)` waits, bounded, for what the tap
+    saw to satisfy `pred`, woken by each thing it sees: no polling, no sleep."""
+
+    def __init__(self, inner: KV) -> None:
+        self.inner = inner
+        self.up: dict[bytes, bool] = {}
+        self.events: dict[bytes, list[WatchEvent]] = {}
+        self.txns: list[tuple[Txn, TxnResult]] = []
+        self._moved = asyncio.Event()
+
+    def _saw(self) -> None:
+        self._moved.set()
+
+    async def until(self, pred: Callable[[], bool], what: str, s: float = 5.0) -> None:
+        async def wait() -> None:
+            while not pred():
+                self._moved.clear()
+                await self._moved.wait()
+        try:
+            await asyncio.wait_for(wait(), s)
+        except TimeoutError:
+            raise AssertionError(f"timed out waiting for {what}") from None
+
+    def delivered(self, prefix: bytes, key: bytes, value: bytes | None) -> bool:
+        """The watch of `prefix` delivered that change of `key`."""
+        return any(e.key == key and e.value == value for e in self.events.get(prefix, ()))
+
+    # --- the port, passed through ---------------------------------------------------------
+
+    async def txn(self, t: Txn) -> TxnResult:
+        res = await self.inner.txn(t)
+        self.txns.append((t, res))
+        self._saw()
+        return res
+
+    async def grant(self, ttl_s: float) -> Lease:
+        return await self.inner.grant(ttl_s)
+
+    async def keep_alive(self, lease_id: int) -> int:
+        return await self.inner.keep_alive(lease_id)
+
+    async def time_to_live(self, lease_id: int) -> int:
+        return await self.inner.time_to_live(lease_id)
+
+    async def revoke(self, lease_id: int) -> None:
+        await self.inner.revoke(lease_id)
+
+    def watch(self, prefix: bytes, on_event: Callable[[WatchEvent], None],
+              on_state: Callable[[bool], None] | None = None,
+              name: str = "watch") -> Callable[[], None]:
+        seen = self.events.setdefault(prefix, [])
+
+        def event(ev: WatchEvent) -> None:
+            seen.append(ev)
+            on_event(ev)
+            self._saw()
+
+        def state(up: bool) -> None:
+            self.up[prefix] = up
+            if on_state is not None:
+                on_state(up)
+            self._saw()
+        return self.inner.watch(prefix, event, state, name)
+
+    async def close(self) -> None:
+        await self.inner.close()

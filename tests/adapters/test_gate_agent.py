@@ -20,7 +20,7 @@ from extproc.adapters.kv import Get, Put, Txn
 from extproc.adapters.memory_store import MemoryStore
 from extproc.core import headers as H
 
-from .support import RID, SSE_CONTENT, SSE_ROLE, FakeClock, FakeTimers, idle
+from .support import RID, SSE_CONTENT, SSE_ROLE, FakeClock, FakeTimers, KVTap, idle
 from .test_journal_store import (  # noqa: F401  (env, etcd_endpoint: the fixtures, by name)
     Env,
     _open,
@@ -47,8 +47,15 @@ ACK = {"at": 1.0, "evidence": "vllm:num_requests_running=0", "abort_ms": 38.5,
 
 @pytest.fixture
 def store(env: Env) -> Env:  # noqa: F811
-    """Each store of test_journal_store's contract: the in-memory fake, a real etcd."""
+    """Each store of test_journal_store's contract: the in-memory fake, a real etcd; its
+    KV tapped, so a test waits for a watch's stream and its events, not for time."""
+    env.raw.kv = KVTap(env.raw.kv)
     return env
+
+
+def _tap(e: Env) -> KVTap:
+    assert isinstance(e.raw.kv, KVTap)
+    return e.raw.kv
 
 
 def _key(e: Env, kind: str, *parts: str) -> bytes:
@@ -63,12 +70,13 @@ async def _put(e: Env, key: bytes, value: dict[str, Any]) -> None:
 
 
 async def test_the_source_watch_tells_each_attempt_its_own_word_only(store: Env) -> None:
-    s = store.store
+    s, tap = store.store, _tap(store)
     heard: list[tuple[str, float]] = []
     off1 = s.on_source_sent("proc_a", "req_a", "att_1", lambda at: heard.append(("1", at)))
     off2 = s.on_source_sent("proc_a", "req_a", "att_2", lambda at: heard.append(("2", at)))
-    if store.kind == "etcd":
-        await asyncio.sleep(0.3)  # the watch's stream is created in the background
+    src = _key(store, "src", "proc_a") + b"/"
+    # etcd creates the watch's stream in the background: a put before it would be missed.
+    await tap.until(lambda: tap.up.get(src, False), "the source watch's stream")
     await _put(store, _key(store, "src", "proc_b", "req_a", "att_1"), {"at": 9.0})  # another's
     await _put(store, _key(store, "src", "proc_a", "req_a", "att_1"),
                {"at": 12.5, "first_content": True})
@@ -76,6 +84,7 @@ async def test_the_source_watch_tells_each_attempt_its_own_word_only(store: Env)
     off1()
     await _put(store, _key(store, "src", "proc_a", "req_a", "att_1"), {"at": 13.0})
     await _put(store, _key(store, "src", "proc_a", "req_a", "att_2"), {"first_content": True})
+    # One stream, in revision order: attempt 2's word came after attempt 1's second put.
     await _until(lambda: heard == [("1", 12.5), ("2", 0.0)], "attempt 2's word, no time")
     off2()
 
@@ -90,16 +99,19 @@ async def test_the_cancel_is_a_key_the_agent_reads(store: Env) -> None:
 
 async def test_the_acknowledgement_is_heard_once_whether_before_or_after_the_watch(
         store: Env) -> None:
-    s = store.store
+    s, tap = store.store, _tap(store)
     got: list[dict[str, Any]] = []
+    key = _key(store, "ack", "req_a", "att_1")
     off = s.on_ack("req_a", "att_1", got.append)
-    if store.kind == "etcd":
-        await asyncio.sleep(0.3)
+    # Heard by the watch, not by the read once it is up: the stream is up before the put.
+    await tap.until(lambda: tap.up.get(key, False), "the ack watch's stream")
     await _put(store, _key(store, "ack", "req_a", "att_1x"), {"other": True})  # not its key
-    await _put(store, _key(store, "ack", "req_a", "att_1"), ACK)
+    await _put(store, key, ACK)
     await _until(lambda: got == [ACK], "the acknowledgement")
-    await _put(store, _key(store, "ack", "req_a", "att_1"), {**ACK, "again": True})
-    await asyncio.sleep(0.1)
+    again = {**ACK, "again": True}
+    await _put(store, key, again)
+    await tap.until(lambda: tap.delivered(key, key, json.dumps(again).encode()),
+                    "the second put, delivered to the ack watch")
     assert got == [ACK]
     off()
     # Written before anyone listened: read once the watch is up.
@@ -112,13 +124,17 @@ async def test_the_acknowledgement_is_heard_once_whether_before_or_after_the_wat
 
 async def test_the_acknowledgement_ends_a_fenced_marker_and_a_retry_runs_at_once(
         store: Env) -> None:
-    s = store.store
+    s, tap = store.store, _tap(store)
     await _open(store)
     await s.end_attempt("req_a", 1, "att_1", _rec(1, "att_1", fence="expiry"), expire=True)
     view = await s.get("req_a")
     assert view is not None and view.live_attempt_id == "fenced:att_1"
+    live, since = store.raw.live_prefix + b"req_a", len(tap.txns)
     task = asyncio.create_task(s.admit_attempt("req_a", 2, "att_2", _rec(2, "att_2"), 6.0))
-    await asyncio.sleep(0.05)
+    # The admission looked and found the marker: from then on it waits for it to go.
+    await tap.until(lambda: any(not res.succeeded and any(
+        kv.key == live and kv.value == b"fenced:att_1" for r in res.reads for kv in r)
+        for _, res in tap.txns[since:]), "the admission's refused look")
     assert not task.done()
     await s.revoke_fenced("req_a", 1, "att_1", _rec(1, "att_1", fence="revoked",
                                                     cancel_ack=ACK))

@@ -10,7 +10,6 @@ a small echo: the point is the transport; the real handler runs in tests/e2e.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import socket
 from collections.abc import AsyncIterator, Mapping
@@ -197,7 +196,7 @@ async def test_drain_lets_open_streams_end_then_cancels_the_rest() -> None:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         stop = asyncio.ensure_future(server.stop(1.5, lambda: echo.open))
-        await asyncio.sleep(0.2)
+        await asyncio.wait_for(server.draining.wait(), 5)
         assert _refused(server.address)  # no new connection once the drain began
         r = await finishing.ask()  # an open stream is still served...
         assert r.WhichOneof("response") == "request_headers"
@@ -205,10 +204,12 @@ async def test_drain_lets_open_streams_end_then_cancels_the_rest() -> None:
         assert not stop.done()  # the other one is still open
         await asyncio.wait_for(stop, 5)
         waited = loop.time() - t0
+        # The grace is real time: the drain polls the count of open streams on the loop's
+        # clock while real clients end theirs over a socket (decision 0032 lists it).
         assert 1.4 <= waited < 3.0  # the grace, then the rest is cancelled
         assert sorted(echo.ended) == ["cancelled", "eof"] and echo.open == 0
-        with contextlib.suppress(asyncio.TimeoutError):
-            assert await asyncio.wait_for(stuck.call.code(), 5) != grpc.StatusCode.OK
+        # The stuck stream's client hears nothing more: grpclib's close cancels the handler
+        # without resetting its stream, and the connection stays until the process exits.
 
 
 async def test_drain_returns_as_soon_as_the_last_stream_ends() -> None:
@@ -221,7 +222,7 @@ async def test_drain_returns_as_soon_as_the_last_stream_ends() -> None:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         stop = asyncio.ensure_future(server.stop(5.0, lambda: echo.open))
-        await asyncio.sleep(0.1)
+        await asyncio.wait_for(server.draining.wait(), 5)  # the stream ends during the drain
         assert await s.end() == grpc.StatusCode.OK
         await asyncio.wait_for(stop, 5)
         assert loop.time() - t0 < 1.0 and echo.ended == ["eof"]

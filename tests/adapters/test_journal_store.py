@@ -32,6 +32,8 @@ from extproc.adapters.ports import Journal, Ledger
 from extproc.core.config import EtcdConfig, load_config
 from extproc.core.credentials import digest
 
+from .support import idle
+
 OWNER = "contract/1"
 TTL_S = 2  # attempt_lease_ttl_s: a `fenced:` marker lives this long (etcd's minimum)
 BOUND_S = 8.0  # no wait in this module is longer
@@ -110,15 +112,17 @@ class Env:
     raw: MemoryStore | EtcdStore
 
     async def pass_time(self, s: float) -> None:
-        """s seconds go by: slept on etcd; on the fake clock, advanced and expired."""
+        """s seconds go by: on the fake clock, advanced and expired; on etcd, real ones
+        (EtcdStore's clock is the system's and a real lease ends on etcd's own time:
+        decision 0032 lists this wait)."""
         if self.clock is None:
             await asyncio.sleep(s)
             return
         assert isinstance(self.raw, MemoryStore)
-        await asyncio.sleep(0.02)  # waiting tasks reach their wait first
+        await idle()  # waiting tasks reach their wait first (turns of the loop, no time)
         self.clock.advance(s)
         self.raw.expire_leases()
-        await asyncio.sleep(0.02)  # and see the new time
+        await idle()  # and see the new time
 
     async def revoke_session(self) -> None:
         """What etcd does to the session lease of a processor that died."""
@@ -155,7 +159,9 @@ async def _within(aw: Awaitable[T], s: float = BOUND_S) -> T:
 
 
 async def _until(pred: Callable[[], bool], what: str, s: float = 3.0) -> None:
-    """The etcd watch delivers after the transaction returns: wait for it, bounded."""
+    """The etcd watch delivers after the transaction returns: wait for it, a bounded poll
+    of a real etcd's own asynchrony (the memory store's watch is told synchronously, so
+    there `pred` holds at once)."""
     deadline = time.monotonic() + s
     while not pred():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"

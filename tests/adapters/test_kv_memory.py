@@ -38,6 +38,7 @@ from extproc.adapters.kv import (
 from extproc.adapters.kv_etcd import EtcdKV
 from extproc.adapters.kv_memory import MemoryKV
 from extproc.adapters.leases import StoreUnavailable
+from tests.adapters.support import KVTap
 from tests.adapters.test_journal_store import FakeClock, _cfg, etcd_endpoint
 
 __all__ = ["etcd_endpoint"]  # the module's etcd (a fixture of its own here)
@@ -56,6 +57,8 @@ class Env:
         return self.p + name.encode()
 
     async def pass_time(self, s: float) -> None:
+        """s seconds go by: on the fake clock, advanced; on etcd, real ones (a real lease's
+        TTL runs on etcd's own time: decision 0032 lists this wait)."""
         if self.clock is None:
             await asyncio.sleep(s)
         else:
@@ -87,7 +90,9 @@ async def env(request: pytest.FixtureRequest) -> AsyncIterator[Env]:
 
 async def _until(pred: Callable[[], Awaitable[bool]], what: str, env: Env,
                  s: float = 6.0) -> None:
-    """etcd expires leases and delivers watch events a little later: wait, bounded."""
+    """Until `pred`: on the fake clock time moves by steps; a real etcd ends a lease on its
+    own time (it checks expiries about twice a second): a bounded poll of etcd's own
+    asynchrony, used for the lease's expiry only."""
     deadline = time.monotonic() + s
     while not await pred():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
@@ -235,13 +240,11 @@ async def test_a_lease_expires_after_its_ttl_unless_kept_alive(env: Env) -> None
 
 async def test_the_watch_sees_puts_replaces_deletes_and_lease_ends(env: Env) -> None:
     kv, a, b = env.kv, env.k("w/a"), env.k("w/b")
+    tap = KVTap(kv)  # the watches' state and events, to wait for them instead of time
     seen: list[WatchEvent] = []
     ups: list[bool] = []
-    stop = kv.watch(env.k("w/"), seen.append, ups.append)
-
-    async def up() -> bool:
-        return ups[-1:] == [True]
-    await _until(up, "the watch", env)
+    stop = tap.watch(env.k("w/"), seen.append, ups.append)
+    await tap.until(lambda: ups[-1:] == [True], "the watch")
     lease = await kv.grant(60)
     await kv.txn(Txn(success=[Put(a, b"att_1", lease.id), Put(env.k("other"), b"x")]))
     await kv.txn(Txn(success=[Put(a, b"att_2", lease.id)]))
@@ -251,13 +254,13 @@ async def test_the_watch_sees_puts_replaces_deletes_and_lease_ends(env: Env) -> 
     want = [WatchEvent(a, b"att_1", None, True), WatchEvent(a, b"att_2", b"att_1", True),
             WatchEvent(a, None, b"att_2", True), WatchEvent(b, b"fenced:att_2", None, True),
             WatchEvent(b, None, b"fenced:att_2", True)]
-
-    async def all_seen() -> bool:
-        return len(seen) >= len(want)
-    await _until(all_seen, "every event", env)
+    await tap.until(lambda: len(seen) >= len(want), "every event")
     assert seen == want
     stop()
-    await asyncio.sleep(0.1)  # the stop reaches the stream
+    # Stopped: the next put reaches a watch still running (a second one, of `a`), not it.
+    stop_a = tap.watch(a, lambda ev: None)
+    await tap.until(lambda: tap.up.get(a, False), "a second watch")
     await kv.txn(Txn(success=[Put(a, b"att_3")]))
-    await asyncio.sleep(0.2)
-    assert seen == want  # stopped: no more events
+    await tap.until(lambda: tap.delivered(a, a, b"att_3"), "the put, to the second watch")
+    assert seen == want  # no more events
+    stop_a()
