@@ -3,9 +3,9 @@
 A plain executor of `core.guard.GuardMachine`: Envoy's messages become events (what
 `core.intake` read of them), each action is carried out by the method `ACTS` names for its
 type (a codec write or a port call), and a port's answer is fed back as the next event. The
-intake transaction runs in `intake_runner`, the released attempt lives in `released`, the
-tool route in `tools`, the timers in a `timers.TimerSet`; logs, spans and metrics are
-`observer.guard`'s.
+request's journal record is `request_record`'s (the intake flow's actions among them), the
+released attempt is `released`'s, the tool route `tools`'s, the timers a `timers.TimerSet`;
+logs, spans and metrics are `observer.guard`'s.
 """
 
 from __future__ import annotations
@@ -34,21 +34,15 @@ from ..core.intake import (
     body_headers,
     kind_of,
     read_headers,
+    request_id_of,
 )
 from ..core.journal import Rerun
 from ..gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from . import envoy_codec as codec
 from . import observer
+from . import request_record as R
 from .ports import GuardJournal, SentLog
 from .released import Released, ReleasePorts
-from .request_record import (
-    RecordPorts,
-    read_body,
-    read_status,
-    run_intake,
-    write_outcome,
-    write_progress,
-)
 from .session import CHUNK_TIME_SAMPLE, INVALID, Messages, Session
 from .timers import TimerSet
 from .tools import ToolCallHandler, ToolPorts
@@ -58,7 +52,7 @@ from .tools import ToolCallHandler, ToolPorts
 NEVER_TO_CLIENT = (H.HANDOFF, H.ATTEMPT_SECRET)
 
 
-class GuardPorts(RecordPorts, ReleasePorts, ToolPorts, Protocol):
+class GuardPorts(R.RecordPorts, ReleasePorts, ToolPorts, Protocol):
     """What a request's guard needs from its process: its consumers' ports (the record's,
     the released attempt's, the tool route's; one journal serves the first two), and its
     own: Envoy's word on what it sent, the retry budget and the trace budget.
@@ -120,7 +114,7 @@ class GuardSession(Session):
         which = msg.WhichOneof("request")
         if self.tool is not None and which in ("request_body", "response_headers",
                                                "response_body"):
-            await self.on_tool_message(which, msg)
+            await self.tool.on_message(which, msg)
         elif which == "response_body":
             body, r, tel = msg.response_body, self.released, self.p.tel
             ev = E.ResponseBody(body.body, body.end_of_stream,
@@ -149,23 +143,11 @@ class GuardSession(Session):
         elif which == "request_trailers":
             await self.write(codec.request_trailers_response())
 
-    async def on_tool_message(self, which: str, msg: ep.ProcessingRequest) -> None:
-        assert self.tool is not None
-        if which == "request_body":
-            await self.write(codec.continue_request_body())
-        elif which == "response_headers":
-            await self.tool.on_response_headers(codec.headers_dict(msg.response_headers.headers),
-                                                msg.response_headers.end_of_stream)
-        else:
-            await self.tool.on_response_body(msg.response_body.body,
-                                             msg.response_body.end_of_stream)
-
     async def on_request_headers(self, hd: dict[str, str], end_of_stream: bool) -> None:
         v = self.verdict = read_headers(hd, self.cfg, self.tools_listener,
                                         self.p.ids.request_id)
         kind, family, error = kind_of(v)
-        rid = v.request_id if isinstance(v, Generation | StatusLookup) else (
-            error.request_id if error is not None else None) or ""
+        rid = request_id_of(v)
         if isinstance(v, Generation):
             self.gen, self.rid = v, v.request_id
             self.envoy_request_id = None if end_of_stream else hd.get(H.ENVOY_REQUEST_ID)
@@ -181,7 +163,7 @@ class GuardSession(Session):
         if gen is None or m is None or not m.reads_body:
             await self.write(codec.continue_request_body())
             return
-        got = read_body(self.p, body, gen, self.envoy_request_id)
+        got = R.read_body(self.p, body, gen, self.envoy_request_id)
         if isinstance(got, GatewayError):
             await self.feed(E.RequestBodySeen(got))
             return
@@ -226,9 +208,10 @@ class GuardSession(Session):
             if isinstance(a, E.Finish):
                 self.p.spawn(self.record(a), f"guard-finish-{self.rid}")
         for a in actions:
-            do = ACTS.get(type(a))
-            if do is not None and (w := do(self, a)) is not None:
-                await w
+            if (w := WRITES.get(type(a))) is not None:
+                await self.write(w(self, a))
+            elif (do := ACTS.get(type(a))) is not None and (c := do(self, a)) is not None:
+                await c
 
     async def locked(self, ev: E.Event, while_open: bool = False) -> None:
         """An event from outside Envoy's message order (a port's answer, a timer)."""
@@ -247,21 +230,9 @@ class GuardSession(Session):
         if a.data or a.end_of_stream:
             await self.write(codec.streamed_response_body(a.data, a.end_of_stream))
 
-    async def answer_headers(self, a: E.AnswerHeaders) -> None:
-        await self.write(codec.continue_request_headers(
-            {H.REQUEST_ID: self.rid or ""}, remove=tuple(h for h in H.OWNED if h != H.REQUEST_ID)))
-
-    async def pass_request(self, a: E.PassRequest) -> None:
-        await self.write(codec.continue_request_headers(remove=H.OWNED))
-
     async def look_up_status(self, a: E.LookUpStatus) -> None:
         assert isinstance(self.verdict, StatusLookup)
-        await self.feed(await read_status(self.p, self.verdict))
-
-    async def answer_status(self, a: E.AnswerStatus) -> None:
-        await self.write(codec.immediate_json(
-            200, json.dumps(a.view.to_dict(), separators=(",", ":")).encode(),
-            {H.REQUEST_ID: a.view.request_id}))
+        await self.feed(await R.read_status(self.p, self.verdict))
 
     async def start_tool_call(self, a: E.StartToolCall) -> None:
         assert isinstance(self.verdict, ToolCall)
@@ -308,23 +279,8 @@ class GuardSession(Session):
         if self.released is not None:
             self.released.lease.lose(a.why)
 
-    async def pass_aside(self, a: E.PassAside) -> None:
-        await self.write(codec.continue_response_headers(remove=NEVER_TO_CLIENT))
-
-    async def pass_headers(self, a: E.PassHeaders) -> None:
-        if self.m is not None and self.m.replaced_error is not None:  # our error's shape
-            await self.write(codec.continue_response_headers(
-                {H.REQUEST_ID: self.rid or "", "content-type": "application/json"},
-                remove=("content-length", *NEVER_TO_CLIENT)))
-        else:
-            await self.write(codec.continue_response_headers({H.REQUEST_ID: self.rid or ""},
-                                                             remove=NEVER_TO_CLIENT))
-
     def write_progress(self, a: E.WriteProgress) -> None:
         self.p.spawn(self.progress(a.delivered), f"guard-progress-{self.rid}")
-
-    async def refuse(self, a: E.Refuse) -> None:
-        await self.write(codec.immediate(a.error, {H.REQUEST_ID: self.rid} if self.rid else None))
 
     async def await_cause(self, a: E.AwaitCause) -> None:
         # Why it ended, and how much of the body Envoy sent the client (decision 0025).
@@ -337,7 +293,7 @@ class GuardSession(Session):
     async def open_record(self) -> GatewayError | None:
         """The intake transaction (`intake_runner`): None when the request is new."""
         assert self.gen is not None and self.intake is not None
-        got = await run_intake(self.p, self.rid or "", self.gen, self.intake, self.cred1,
+        got = await R.run_intake(self.p, self.rid or "", self.gen, self.intake, self.cred1,
                                self.envoy_request_id)
         if got.rerun is not None:
             self.rerun = got.rerun
@@ -350,7 +306,7 @@ class GuardSession(Session):
         await self.locked(E.RequestOpened(err is None))
 
     async def progress(self, n: int) -> None:
-        await write_progress(self.p, self.rid or "", n)
+        await R.write_progress(self.p, self.rid or "", n)
         await self.locked(E.ProgressWritten())
 
     async def record(self, f: E.Finish) -> None:
@@ -359,21 +315,40 @@ class GuardSession(Session):
             return
         if r is not None:
             r.stop_watching()  # our own finish deletes `live`: no revocation to react to
-        await self.locked(E.RecordWritten(await write_outcome(self.p, rid, f, self.m, r)))
+        await self.locked(E.RecordWritten(await R.write_outcome(self.p, rid, f, self.m, r)))
 
+
+def _headers_answer(s: GuardSession, a: E.PassHeaders) -> ep.ProcessingResponse:
+    if s.m is not None and s.m.replaced_error is not None:  # our error's shape, as JSON
+        return codec.continue_response_headers(
+            {H.REQUEST_ID: s.rid or "", "content-type": "application/json"},
+            remove=("content-length", *NEVER_TO_CLIENT))
+    return codec.continue_response_headers({H.REQUEST_ID: s.rid or ""}, remove=NEVER_TO_CLIENT)
+
+
+# The actions that are one codec write: the message each one writes.
+WRITES: dict[type, Callable[[GuardSession, Any], ep.ProcessingResponse]] = {
+    E.AnswerHeaders: lambda s, a: codec.continue_request_headers(
+        {H.REQUEST_ID: s.rid or ""}, remove=tuple(h for h in H.OWNED if h != H.REQUEST_ID)),
+    E.PassRequest: lambda s, a: codec.continue_request_headers(remove=H.OWNED),
+    E.AnswerStatus: lambda s, a: codec.immediate_json(
+        200, json.dumps(a.view.to_dict(), separators=(",", ":")).encode(),
+        {H.REQUEST_ID: a.view.request_id}),
+    E.PassAside: lambda s, a: codec.continue_response_headers(remove=NEVER_TO_CLIENT),
+    E.PassHeaders: _headers_answer,
+    E.Refuse: lambda s, a: codec.immediate(a.error, {H.REQUEST_ID: s.rid} if s.rid else None),
+}
 
 _Do = Callable[[GuardSession, Any], "Awaitable[None] | None"]
-# Each action's executor. Finish is spawned first by `feed`; IntakeFailed is the
-# observer's alone (the gate gives the client its error; nothing ran).
+# The other actions' executors: a port call, whose answer (if it waits) is the next event.
+# Finish is spawned first by `feed`; IntakeFailed is the observer's alone (the gate gives
+# the client its error; nothing ran).
 ACTS: dict[type, _Do] = {
     E.Send: GuardSession.send, E.StartTimer: lambda s, a: s.timers.start(a.kind, a.seconds),
-    E.StopTimers: lambda s, a: s.timers.stop(), E.AnswerHeaders: GuardSession.answer_headers,
-    E.PassRequest: GuardSession.pass_request, E.LookUpStatus: GuardSession.look_up_status,
-    E.AnswerStatus: GuardSession.answer_status, E.StartToolCall: GuardSession.start_tool_call,
-    E.OpenIntake: GuardSession.open_intake, E.RegisterIntake: GuardSession.register_intake,
-    E.AnswerBody: GuardSession.answer_body, E.AwaitIntake: GuardSession.await_intake,
-    E.Accepted: GuardSession.accepted, E.TakeOver: GuardSession.take_over,
-    E.LoseLease: GuardSession.lose_lease, E.PassAside: GuardSession.pass_aside,
-    E.PassHeaders: GuardSession.pass_headers, E.WriteProgress: GuardSession.write_progress,
-    E.Refuse: GuardSession.refuse, E.AwaitCause: GuardSession.await_cause,
+    E.StopTimers: lambda s, a: s.timers.stop(), E.LookUpStatus: GuardSession.look_up_status,
+    E.StartToolCall: GuardSession.start_tool_call, E.OpenIntake: GuardSession.open_intake,
+    E.RegisterIntake: GuardSession.register_intake, E.AnswerBody: GuardSession.answer_body,
+    E.AwaitIntake: GuardSession.await_intake, E.Accepted: GuardSession.accepted,
+    E.TakeOver: GuardSession.take_over, E.LoseLease: GuardSession.lose_lease,
+    E.WriteProgress: GuardSession.write_progress, E.AwaitCause: GuardSession.await_cause,
 }

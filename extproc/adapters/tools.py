@@ -106,6 +106,16 @@ class ToolCallHandler:
     def aid(self) -> str | None:
         return self.m.attempt_id
 
+    async def on_message(self, which: str, msg: ep.ProcessingRequest) -> None:
+        """Envoy's messages after the tool call's headers (its body passes untouched)."""
+        if which == "request_body":
+            await self.write(codec.continue_request_body())
+        elif which == "response_headers":
+            await self.on_response_headers(codec.headers_dict(msg.response_headers.headers),
+                                           msg.response_headers.end_of_stream)
+        else:
+            await self.on_response_body(msg.response_body.body, msg.response_body.end_of_stream)
+
     async def on_request_headers(self, hd: dict[str, str]) -> None:
         await self.feed(HeadersSeen(hd))
 
