@@ -48,6 +48,7 @@ def test_a_body_that_is_not_json_is_refused_before_anything_runs() -> None:
     p, _, _ = setup()
     got = R.read_body(p, b"{nope", GEN, None)
     assert isinstance(got, GatewayError) and got.code is ErrorCode.INVALID_REQUEST_BODY
+    assert isinstance(p.ids, FixedIds) and p.ids.n == 0  # no attempt id minted
 
 
 async def test_a_new_request_is_recorded_with_attempt_1_and_its_credential() -> None:
