@@ -147,15 +147,10 @@ class GuardSession(Session):
         v = self.verdict = read_headers(hd, self.cfg, self.tools_listener,
                                         self.p.ids.request_id)
         kind, family, error = kind_of(v)
-        rid = request_id_of(v)
         if isinstance(v, Generation):
             self.gen, self.rid = v, v.request_id
             self.envoy_request_id = None if end_of_stream else hd.get(H.ENVOY_REQUEST_ID)
-        t = self.cfg.timeouts
-        m = self.m = GuardMachine.new(rid, t.stall_after_first_delta_s,
-                                      self.cfg.limits.max_buffered_response_bytes,
-                                      at_request=True, progress_every=t.progress_interval_s)
-        m.trace_budget = self.p.trace_budget()
+        self.m = GuardMachine.at_request(request_id_of(v), self.cfg, self.p.trace_budget())
         await self.feed(E.RequestHeadersSeen(kind, family, error, end_of_stream))
 
     async def on_request_body(self, body: bytes) -> None:
