@@ -3,6 +3,8 @@
 `LoopTimers` runs them on the event loop (the clock the loop keeps); `FakeTimers` runs them
 on a `FakeClock` the test advances, so a hermetic test of a session never sleeps real time.
 A timer fires by calling its callback; the session turns that into `TimerFired(kind)`.
+`TimerSet` is a session's bookkeeping of its machine's timers (one per kind), `sleep` a
+plain wait on the port.
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ import asyncio
 import heapq
 import itertools
 from collections.abc import Callable
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
+
+K = TypeVar("K")
 
 
 class TimerHandle(Protocol):
@@ -22,6 +26,10 @@ class Timers(Protocol):
     """Call `fire` after `seconds`, unless the handle is cancelled first."""
 
     def start(self, seconds: float, fire: Callable[[], None]) -> TimerHandle: ...
+
+
+class _Clock(Protocol):
+    def monotonic(self) -> float: ...
 
 
 class LoopTimers:
@@ -84,3 +92,63 @@ class FakeTimers:
                 fire()
         self.clock.now = until
         return fired
+
+
+class _Due:
+    __slots__ = ("at", "handle")
+
+    def __init__(self, handle: TimerHandle, at: float) -> None:
+        self.handle = handle
+        self.at = at
+
+
+class TimerSet(Generic[K]):
+    """One session's timers, one per kind, on the `Timers` port: what a machine's
+    `StartTimer(kind, s)` / `StopTimers` asks for, `fire(kind)` called when one falls due.
+
+    A kind started again moves its deadline: later, by keeping its one timer on the port and
+    waiting the rest when it fires (the guard's stall timer moves with every chunk, and a
+    timer per chunk was a measurable share of the per-chunk cost); earlier, by starting it
+    anew. Either way exactly one `fire(kind)`, at the last deadline asked for."""
+
+    __slots__ = ("_clock", "_due", "_fire", "_timers")
+
+    def __init__(self, timers: Timers, clock: _Clock, fire: Callable[[K], None]) -> None:
+        self._timers, self._clock, self._fire = timers, clock, fire
+        self._due: dict[K, _Due] = {}
+
+    def start(self, kind: K, seconds: float) -> None:
+        at = self._clock.monotonic() + seconds
+        t = self._due.get(kind)
+        if t is not None and at >= t.at:
+            t.at = at
+            return
+        if t is not None:
+            t.handle.cancel()
+        self._due[kind] = _Due(self._timers.start(seconds, lambda: self._fell_due(kind)), at)
+
+    def _fell_due(self, kind: K) -> None:
+        t = self._due.get(kind)
+        if t is None:
+            return
+        left = t.at - self._clock.monotonic()
+        if left > 0:  # moved later since it was started: wait the rest
+            t.handle = self._timers.start(left, lambda: self._fell_due(kind))
+            return
+        del self._due[kind]
+        self._fire(kind)
+
+    def stop(self) -> None:
+        for t in self._due.values():
+            t.handle.cancel()
+        self._due.clear()
+
+    def __contains__(self, kind: object) -> bool:
+        return kind in self._due
+
+
+async def sleep(timers: Timers, seconds: float) -> None:
+    """Wait `seconds` on the Timers port (the injected clock's time, not the loop's)."""
+    fired: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    timers.start(seconds, lambda: None if fired.done() else fired.set_result(None))
+    await fired

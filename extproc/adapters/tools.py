@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from ..core.config import Config
 from ..core.headers import ATTEMPT_ID
@@ -53,9 +53,27 @@ from . import envoy_codec as codec
 from .leases import UNDO_SETTLE_S, StoreUnavailable
 from .logs import rlog
 from .ports import Clock, Ledger, SystemClock
-from .timers import LoopTimers, Timers
+from .session import retrying
+from .timers import LoopTimers, Timers, sleep
 
 log = logging.getLogger("extproc.tools")
+
+
+class ToolPorts(Protocol):
+    """What the tool route needs from its process, declared here by its consumer: the
+    configuration, the ledger, the clock and the Timers port of its bounded wait, and
+    background work for the writes that outlive the stream."""
+
+    @property
+    def cfg(self) -> Config: ...
+    @property
+    def ledger(self) -> Ledger: ...
+    @property
+    def clock(self) -> Clock: ...
+    @property
+    def timers(self) -> Timers: ...
+
+    def spawn(self, coro: Awaitable[Any], name: str) -> asyncio.Task[Any]: ...
 
 
 class ToolCallHandler:
@@ -74,6 +92,12 @@ class ToolCallHandler:
         # The timers of the bounded wait, on the injected clock's time.
         self.timers: Timers = timers or LoopTimers()
 
+    @classmethod
+    def over(cls, p: ToolPorts, write: Callable[[ep.ProcessingResponse], Awaitable[None]]
+             ) -> ToolCallHandler:
+        """A tool call's handler on its process's ports (the tool listener's guard)."""
+        return cls(p.cfg, p.ledger, write, p.spawn, retrying, p.clock, p.timers)
+
     @property
     def rid(self) -> str | None:
         return self.m.request_id
@@ -81,6 +105,16 @@ class ToolCallHandler:
     @property
     def aid(self) -> str | None:
         return self.m.attempt_id
+
+    async def on_message(self, which: str, msg: ep.ProcessingRequest) -> None:
+        """Envoy's messages after the tool call's headers (its body passes untouched)."""
+        if which == "request_body":
+            await self.write(codec.continue_request_body())
+        elif which == "response_headers":
+            await self.on_response_headers(codec.headers_dict(msg.response_headers.headers),
+                                           msg.response_headers.end_of_stream)
+        else:
+            await self.on_response_body(msg.response_body.body, msg.response_body.end_of_stream)
 
     async def on_request_headers(self, hd: dict[str, str]) -> None:
         await self.feed(HeadersSeen(hd))
@@ -125,10 +159,7 @@ class ToolCallHandler:
         except StoreUnavailable as e:
             return StoreDown(str(e))
         if isinstance(a, StartTimer):
-            fired: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self.timers.start(a.seconds,
-                              lambda: None if fired.done() else fired.set_result(None))
-            await fired
+            await sleep(self.timers, a.seconds)
             return TimerFired(a.kind)
         if isinstance(a, Record):
             key, entry = a.key, a.entry

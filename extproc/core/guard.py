@@ -15,6 +15,7 @@ from enum import StrEnum
 from typing import Any, TypeAlias
 
 from . import records
+from .config import Config
 from .errors import (
     GatewayError,
     body_required,
@@ -132,6 +133,16 @@ class GuardMachine(Machine):
         return cls(request_id=request_id, state=state, role="guard", initial_state=state,
                    stall_after_first_delta_s=stall_after_first_delta_s, max_buffer=max_buffer,
                    progress_every=progress_every)
+
+    @classmethod
+    def at_request(cls, request_id: str, cfg: Config, trace_budget: int) -> GuardMachine:
+        """A request's machine, at its headers, with the limits its configuration sets."""
+        t = cfg.timeouts
+        m = cls.new(request_id, t.stall_after_first_delta_s,
+                    cfg.limits.max_buffered_response_bytes, at_request=True,
+                    progress_every=t.progress_interval_s)
+        m.trace_budget = trace_budget
+        return m
 
     @property
     def reads_body(self) -> bool:

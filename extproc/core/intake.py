@@ -105,6 +105,14 @@ def kind_of(v: Verdict) -> tuple[str, str, GatewayError | None]:
             ToolCall: "tool"}[type(v)], "chat", None
 
 
+def request_id_of(v: Verdict) -> str:
+    """The request id a verdict's machine runs under: a generation's or a status lookup's,
+    a refusal's own, else none ("")."""
+    if isinstance(v, Generation | StatusLookup):
+        return v.request_id
+    return (v.error.request_id if isinstance(v, Misrouted | Rejected) else None) or ""
+
+
 def _valid_key(key: str, max_len: int) -> bool:
     return 0 < len(key) <= max_len and all(0x21 <= ord(c) <= 0x7E for c in key)
 

@@ -9,15 +9,18 @@ import pytest
 
 from extproc.adapters.ports import RandomIds
 from extproc.core.config import Config, load_config
-from extproc.core.errors import ErrorCode, GatewayError
+from extproc.core.errors import ErrorCode, GatewayError, bad_request, tool_route_not_here
 from extproc.core.intake import (
     Generation,
+    Misrouted,
     PassThrough,
     Rejected,
     RequestMeta,
     StatusLookup,
+    ToolCall,
     classify_request,
     parse_body,
+    request_id_of,
 )
 from extproc.core.journal import REQUEST_ID_RE, request_id_for_key
 
@@ -222,3 +225,13 @@ def test_the_digest_ignores_spelling_and_sees_every_value() -> None:
                    {"stream": False}):
         assert _digest({**_BODY, **change}) != d, change
     assert _digest(_BODY, "/v1/completions") != d  # another endpoint, another request
+
+
+def test_the_request_id_a_verdict_runs_under() -> None:
+    rid = "req_0123456789abcdefghjkmnpqrs"
+    assert request_id_of(Generation(rid, "t", None, "/v1/chat/completions")) == rid
+    assert request_id_of(StatusLookup(rid, "t")) == rid
+    assert request_id_of(Rejected(bad_request(ErrorCode.INVALID_HEADER, "x", rid))) == rid
+    assert request_id_of(Rejected(bad_request(ErrorCode.INVALID_HEADER, "x"))) == ""
+    assert request_id_of(Misrouted(tool_route_not_here("/tools/x", False), "/tools/x")) == ""
+    assert request_id_of(PassThrough()) == "" and request_id_of(ToolCall({})) == ""

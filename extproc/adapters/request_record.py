@@ -1,0 +1,190 @@
+"""A request's journal record, as its guard's actions ask for it: read, opened, ended.
+
+`core.intake.prepare_intake` reads the body (pure); `read_body` gives it what it needs from
+the process (the pool's view, the hosts' order, a fresh attempt id, the wall clock) and the
+model's tokenizer. `run_intake` executes `core.guard.IntakeFlow`'s actions (the intake
+written, sent again after a pause on the Timers port, a repeat's record settled and read, a
+re-run re-opened, what never got its answer taken back later) and feeds each answer back,
+until the flow answers; its log lines are `observer.guard_intake`'s. `read_status`,
+`write_progress` and `write_outcome` are the status lookup, the progress checkpoint and the
+terminal record (with the released attempt's end). What they need from the process is
+`RecordPorts`, declared here by its consumer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from typing import Any, Protocol
+
+from ..core import events as E
+from ..core import guard as G
+from ..core import records
+from ..core.config import Config
+from ..core.errors import GatewayError
+from ..core.guard import GuardMachine
+from ..core.handoff import TraceSnapshot
+from ..core.intake import Generation, Prepared, StatusLookup, prepare_intake
+from ..core.journal import JournalView, Outcome
+from ..core.pool import Pool
+from . import observer
+from .leases import UNDO_SETTLE_S, StoreUnavailable
+from .ports import Clock, Ids
+from .released import Released
+from .session import Pending, retrying
+from .timers import Timers, sleep
+
+
+class RecordJournal(Protocol):
+    """The journal calls of a request's record: its intake (or a repeat's re-open for its
+    re-run), their take-backs, a status read, the progress checkpoint, the outcome."""
+
+    async def open_request(self, rid: str, meta: Mapping[str, Any],
+                           first_attempt: tuple[str, Mapping[str, Any]] | None = None,
+                           credential: str | None = None) -> JournalView | None: ...
+    async def reopen_request(self, rid: str, ended_outcome: Mapping[str, Any],
+                             history: tuple[int, Mapping[str, Any]],
+                             first_attempt: tuple[int, str, Mapping[str, Any]],
+                             credential: str | None = None) -> JournalView | None: ...
+    async def undo_intake(self, rid: str, attempt_id: str) -> bool: ...
+    async def undo_reopen(self, rid: str, history: tuple[int, Mapping[str, Any]],
+                          first_attempt: tuple[int, str]) -> bool: ...
+    async def get(self, rid: str) -> JournalView | None: ...
+    async def progress(self, rid: str, record: Mapping[str, Any]) -> None: ...
+    async def finish(self, rid: str, outcome: Mapping[str, Any],
+                     attempt_end: tuple[int, Mapping[str, Any]] | None = None) -> bool: ...
+
+
+class RecordPorts(Protocol):
+    """The body's reading (the pool's view and the hosts' order, ids, the clock, the
+    tokenizers), the record's journal calls and the Timers port of the intake's pause, the
+    intakes in flight that gates wait on, the count of attempts that reached a replica
+    (which a re-run starts again), background work and the traces kept."""
+
+    @property
+    def cfg(self) -> Config: ...
+    @property
+    def clock(self) -> Clock: ...
+    @property
+    def ids(self) -> Ids: ...
+    @property
+    def timers(self) -> Timers: ...
+    @property
+    def journal(self) -> RecordJournal: ...
+    @property
+    def pool(self) -> Pool: ...
+    @property
+    def tokenizers(self) -> Mapping[str, Callable[[str], int]]: ...
+    @property
+    def reached(self) -> MutableMapping[str, int]: ...
+    @property
+    def intakes(self) -> Pending[asyncio.Future[GatewayError | None]]: ...
+
+    def host_order(self, hosts: list[str]) -> list[str]: ...
+    def spawn(self, coro: Awaitable[Any], name: str) -> asyncio.Task[Any]: ...
+    async def settled(self, view: JournalView | None) -> JournalView | None: ...
+    def keep_trace(self, clean: bool) -> bool: ...
+    async def save_trace(self, rid: str, name: str, m: GuardMachine | TraceSnapshot,
+                         meta: dict[str, Any]) -> None: ...
+
+
+def read_body(p: RecordPorts, body: bytes, gen: Generation, envoy_request_id: str | None
+              ) -> tuple[Prepared, Callable[[str], int] | None] | GatewayError:
+    """The body prepared for its intake, and the tokenizer that counts a stream's text
+    (None: the replica's usage counts it); or what to refuse it with."""
+    prep = prepare_intake(body, p.cfg, gen, pool=p.pool, order_hosts=p.host_order,
+                          new_attempt_id=p.ids.attempt_id, wall=p.clock.wall(),
+                          envoy_request_id=envoy_request_id)
+    if isinstance(prep, GatewayError):
+        return prep
+    return prep, (p.tokenizers.get(prep.meta.model or "") if prep.meta.stream else None)
+
+
+async def run_intake(p: RecordPorts, rid: str, gen: Generation, prep: Prepared,
+                     credential: str | None, envoy_request_id: str | None) -> G.IntakeAnswer:
+    """The intake transaction, to its answer (error None: recorded, or re-opened to run
+    again with `rerun`)."""
+    journal, clock, first = p.journal, p.clock, prep.first
+    flow = G.IntakeFlow(rid, str(first["attempt_id"]), prep.meta.request_digest,
+                        gen.idempotency_key, p.cfg.etcd.resend_deadline_s,
+                        p.cfg.server.gateway_id, envoy_request_id)
+    pending: list[G.IntakeEvent] = [G.IntakeStart(clock.monotonic())]
+    while pending:
+        ev = pending.pop()
+        acts = flow.handle(ev)
+        observer.guard_intake(flow, ev, acts)
+        for a in acts:
+            try:
+                if isinstance(a, G.WriteIntake):
+                    pending.append(G.IntakeWritten(await journal.open_request(
+                        rid, prep.record, (flow.attempt_id, first), credential=credential)))
+                elif isinstance(a, G.SettleView):
+                    pending.append(G.ViewSettled(await p.settled(a.view), clock.wall()))
+                elif isinstance(a, G.Reopen):
+                    pending.append(G.ReopenAnswered(await journal.reopen_request(
+                        rid, a.outcome, a.history, a.first, credential=credential)))
+            except StoreUnavailable as e:
+                pending.append(G.IntakeDown(str(e), clock.monotonic()))
+            if isinstance(a, G.PauseIntake):
+                await sleep(p.timers, a.seconds)
+                pending.append(G.IntakePauseOver())
+            elif isinstance(a, G.TakeBackIntake | G.UndoReopenLater):
+                take_back(p, rid, a)
+            elif isinstance(a, G.IntakeAnswer):
+                if a.error is None:
+                    # Recorded: a gate that comes from now on need not wait.
+                    p.intakes.take(rid)
+                if a.rerun is not None:
+                    # Envoy counts this request's attempts from 1 again, and so does the
+                    # count of attempts that reached a replica (max_attempts is per run).
+                    p.reached.pop(rid, None)
+                return a
+    raise AssertionError("the intake ended without an answer")
+
+
+def take_back(p: RecordPorts, rid: str, a: G.TakeBackIntake | G.UndoReopenLater) -> None:
+    """An intake (or a re-open) whose answer never came may still apply: taken back once
+    etcd answers (nothing ran for it: the client is told journal_unavailable)."""
+    journal = p.journal
+    if isinstance(a, G.TakeBackIntake):
+        what, aid = "intake", a.attempt_id
+        undo: Callable[[], Awaitable[Any]] = lambda: journal.undo_intake(rid, aid)  # noqa: E731
+    else:
+        what, (history, (n, aid)) = "reopen", (a.history, a.first)
+        undo = lambda: journal.undo_reopen(rid, history, (n, aid))  # noqa: E731
+    p.spawn(retrying(undo, "take back an unconfirmed " + what.replace("reo", "re-o"),
+                     rid, aid, settle_s=UNDO_SETTLE_S), f"guard-undo-{what}-{rid}")
+
+
+async def read_status(p: RecordPorts, q: StatusLookup) -> E.StatusRead:
+    """The record a status lookup asks for (a dead processor's settled first)."""
+    try:
+        return E.StatusRead(await p.settled(await p.journal.get(q.request_id)), q.tenant)
+    except StoreUnavailable as e:
+        return E.StatusRead(None, q.tenant, str(e))
+
+
+async def write_progress(p: RecordPorts, rid: str, n: int) -> None:
+    """The delivered count's checkpoint; a missed one only weakens the bound it gives."""
+    with contextlib.suppress(StoreUnavailable):
+        await p.journal.progress(rid, {"delivered_output_tokens": n, "at": p.clock.wall()})
+
+
+async def write_outcome(p: RecordPorts, rid: str, f: E.Finish, m: GuardMachine | None,
+                        released: Released | None) -> bool:
+    """The terminal record, with the released attempt's end in the same transaction; the
+    guard's trace kept. False: etcd never answered within the bounded retry."""
+    wall, gw = p.clock.wall(), p.cfg.server.gateway_id
+    body = records.outcome(outcome=str(f.outcome),
+                           delivered_output_tokens=f.delivered_output_tokens, cause=f.cause,
+                           finished_at=wall, gateway_id=gw, exact=f.exact, source=f.source,
+                           bound=f.bound)
+    if m is not None and p.keep_trace(f.outcome is Outcome.COMPLETED):
+        p.spawn(p.save_trace(rid, "guard", m, {"outcome": str(f.outcome), "gateway_id": gw}),
+                f"trace-{rid}")
+    end = released.end(f.upstream_finished, f.cause, wall) if released is not None else None
+    # etcd may be briefly away (frozen, electing a leader): keep trying for a bounded time.
+    # Until it lands, the record shows no outcome rather than a wrong one.
+    return await retrying(lambda: p.journal.finish(rid, body, end), "record the outcome",
+                          rid, None)
