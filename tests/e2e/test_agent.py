@@ -110,9 +110,13 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
 def ensure_engine(rig: Rig) -> None:
     """A test that killed the engine starts it again (same port)."""
     p = rig.procs["e1"]
+    health = f"http://127.0.0.1:{rig.engine_port}/health"
+    if p.alive() and not _http_ok(health):
+        # Killed by the last fault but not gone yet (it settles before its SIGKILL).
+        wait_until(lambda: not p.alive(), 10, "the killed engine's exit")
     if not p.alive():
         p.start()
-    wait_until(lambda: _http_ok(f"http://127.0.0.1:{rig.engine_port}/health"), 20, "engine")
+    wait_until(lambda: _http_ok(health), 20, "engine")
     wait_until(lambda: _http_ok(f"http://127.0.0.1:{rig.agent_port}/healthz"), 20,
                "agent healthy again")
 
