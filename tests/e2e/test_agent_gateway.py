@@ -64,17 +64,11 @@ def _without_upstream_log(node: Any) -> Any:
 
 
 class AgentStack(Stack):
-    """Partition proxies on ports chosen before the processor starts, so its static pool
-    can name them (Envoy dials the proxies: `upstream.address` is a proxy's); with
-    `no_word`, Envoy sends no per-attempt access-log entry."""
+    """Partition proxies on ports chosen before the processor starts (`proxy_ports`), so
+    its static pool can name them (Envoy dials the proxies: `upstream.address` is a
+    proxy's); with `no_word`, Envoy sends no per-attempt access-log entry."""
 
-    preset: list[int]
     no_word: bool = False
-
-    def _start_proxies(self) -> None:
-        ports = iter(self.preset)
-        with mock.patch.object(devstack, "free_port", lambda: next(ports)):
-            super()._start_proxies()
 
     def _start_envoy(self) -> None:
         if not self.no_word:
@@ -92,7 +86,8 @@ def _stack(wd: Path, timeouts: dict[str, Any], no_word: bool = False) -> AgentSt
            "pool": {"replicas": [{"address": f"127.0.0.1:{p}", "fingerprint": FP,
                                   "agent": {"version": 1}} for p in preset]}}
     st = AgentStack(workdir=wd, config=cfg, replicas=2, partition_proxies=True)
-    st.preset, st.no_word = preset, no_word
+    # Reserved before the start: the devstack keeps ports it is given.
+    st.proxy_ports, st.no_word = preset, no_word
     return st.start()  # type: ignore[return-value]
 
 
