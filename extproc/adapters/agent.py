@@ -30,6 +30,7 @@ import logging
 import socket
 import struct
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,6 +66,7 @@ _HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-autho
                   "content-length"})
 _TICK_S = 0.02  # deadline and downstream checks, and lease refreshes, at most this late
 _POLL_S = 0.025  # the engine's metrics while confirming an abort
+_FINISHED_KEPT = 4096  # attempts whose response ended whole, for a cancel that comes late
 _ACK_TTL_S = 300  # ack keys live at least half of this
 _SRC_TTL_S = 60  # first-content notices likewise
 _MAX_BODY = 64 * 1024 * 1024
@@ -205,6 +207,9 @@ class ReplicaAgent:
         self._ticker: asyncio.Task[None] | None = None
         self.session: aiohttp.ClientSession | None = None
         self.watch_up = asyncio.Event()
+        # Attempts whose engine response ended whole, newest last (bounded): a cancel that
+        # comes for one later is answered with that evidence (the engine let go already).
+        self._finished: OrderedDict[tuple[str, str], float] = OrderedDict()
 
     # --- keys ----------------------------------------------------------------------------
 
@@ -300,6 +305,11 @@ class ReplicaAgent:
     def _live_event(self, ev: WatchEvent) -> None:
         rid = ev.key[len(self.prefix) + len(b"/live/"):].decode("utf-8", "replace")
         for t in list(self._by_rid.get(rid, ())):
+            if ev.prev_known and ev.prev != t.fence.attempt_id.encode():
+                # A change of another attempt's value: the previous attempt's end, heard
+                # after this one was admitted and read (the watch lags the read). Not this
+                # attempt's fence; a change whose previous value is unknown is told to all.
+                continue
             self._execute(t, t.fence.live_changed(ev.value, self.clock()))
 
     def _cancel_event(self, ev: WatchEvent) -> None:
@@ -307,6 +317,14 @@ class ReplicaAgent:
             return
         rest = ev.key[len(self.prefix) + len(b"/cancel/"):].decode("utf-8", "replace")
         rid, _, aid = rest.rpartition("/")
+        ended = self._finished.pop((rid, aid), None)
+        if ended is not None:
+            # Its engine response had ended whole before the cancel came (e.g. a short
+            # answer sent into a partition): the engine let go then.
+            ack = {"at": round(self.wall(), 6), "evidence": "engine_finished: its response "
+                   "had ended", "abort_ms": 0.0, "why": "cancel"}
+            self._spawn(self._put_ack(rid, aid, ack, {"request_id": rid, "attempt_id": aid}))
+            return
         for t in list(self._by_rid.get(rid, ())):
             if t.fence.attempt_id == aid:
                 self._execute(t, t.fence.step(Input.CANCEL, self.clock()))
@@ -429,18 +447,31 @@ class ReplicaAgent:
         self._untrack(t)
         if ack is None:
             return
+        if await self._put_ack(f.request_id, f.attempt_id, ack, t.ids) \
+                and f.stopped_at is not None:
+            self.metrics.ack_latency(self.clock() - f.stopped_at)
+
+    async def _put_ack(self, rid: str, aid: str, ack: dict[str, Any],
+                       ids: dict[str, Any]) -> bool:
+        why = str(ack.get("why", ""))
         try:
             lease = await self._own_lease("ack", _ACK_TTL_S)
-            await self.kv.txn(Txn(success=[Put(self._ack(f.request_id, f.attempt_id),
-                                               json.dumps(ack).encode(), lease)]))
+            await self.kv.txn(Txn(success=[Put(self._ack(rid, aid), json.dumps(ack).encode(),
+                                               lease)]))
         except StoreUnavailable as e:
             self.metrics.inc("ack_write_failures", why)
-            log.warning("ack not written: etcd unavailable", extra={**t.ids, "error": str(e)})
-            return
-        if f.stopped_at is not None:
-            self.metrics.ack_latency(self.clock() - f.stopped_at)
+            log.warning("ack not written: etcd unavailable", extra={**ids, "error": str(e)})
+            return False
         self.metrics.inc("acks", why)
-        log.info("engine let go; ack written", extra={**t.ids, **ack})
+        log.info("engine let go; ack written", extra={**ids, **ack})
+        return True
+
+    def _remember_finished(self, t: Tracked) -> None:
+        key = (t.fence.request_id, t.fence.attempt_id)
+        self._finished[key] = self.clock()
+        self._finished.move_to_end(key)
+        while len(self._finished) > _FINISHED_KEPT:
+            self._finished.popitem(last=False)
 
     async def _engine_let_go(self) -> str | None:
         """The engine's metrics: what it still holds <= what the agent still forwards
@@ -527,6 +558,7 @@ class ReplicaAgent:
                 self._execute(t, t.fence.step(Input.DOWNSTREAM_GONE, self.clock()))
             elif t.fence.phase is Phase.ENDED:
                 self._untrack(t)
+                self._remember_finished(t)
 
     async def _admit(self, t: Tracked) -> web.Response | None:
         """The attempt must be the live one, uncancelled; its lease's deadline known."""

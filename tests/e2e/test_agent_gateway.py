@@ -283,3 +283,78 @@ def test_with_no_word_and_no_acknowledgement_the_retry_waits_for_the_lease(
     assert a2["waited_for_previous_s"] >= TTL * 2 / 3 - 0.5
     print(f"\nno word, no acknowledgement: TTFT {ttft:.3f} s, attempt 2 waited "
           f"{a2['waited_for_previous_s']:.3f} s")
+
+
+# --- the real agent: its word, the gate's grace, its acknowledgement --------------------------
+
+
+@pytest.fixture(scope="module")
+def real_agw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    # `extproc agent` in front of each demo replica, a partition proxy between Envoy and
+    # each agent; the agents register their replicas (with `agent: {version: 1}`), so the
+    # gate knows them as agent-fronted and sends them its instance id.
+    st = Stack(workdir=tmp_path_factory.mktemp("agent-real"), config=CONFIG, replicas=2,
+               partition_proxies=True, agents=True, registry=True).start()
+    g = Gateway(st)
+    try:
+        yield g
+    finally:
+        g.client.close()
+        st.stop()
+
+
+def test_the_real_agents_word_fails_a_lost_path_in_the_grace_and_it_acknowledges(
+        real_agw: Gateway) -> None:
+    g = real_agw
+    g.stack.wait_replicas_healthy()
+    etcd = FakeAgent(g.stack)  # only its etcdctl reads here: the agent is real
+    proc = etcd.processor()
+    reference = _ref(g)
+    since = time.time()
+    res, ttft = _post_timed(g, CUT)
+    assert res.status == 200 and res.normalized() == reference.normalized()
+    rid = _rid_of_cut_attempt(g, since)
+    assert rid == res.request_id
+    j = g.journal(res.request_id)
+    a1, a2 = j["attempts"]
+    aid = a1["attempt_id"]
+    # The agent's own word reached this processor's watch, and the gate failed the attempt
+    # within the grace, not the first-delta limit.
+    note = json.loads(_until(lambda: etcd.get(f"/src/{proc}/{rid}/{aid}"), "the word", 3.0))
+    assert note["first_content"] is True
+    assert (a1["path_lost"], a1["cancel_sent"], a1["failure_class"]) == (
+        True, True, "network_uncertain")
+    assert a2["replica"] != a1["replica"]
+    assert (j["outcome"], j["attempt"], j["delivered_output_tokens"]) == ("completed", 2, MAX)
+    assert ttft < 1.0 + GRACE_S, ttft
+    # The agent stopped attempt 1 at its engine and said so, with the engine's evidence.
+    ack = json.loads(_until(lambda: etcd.get(f"/ack/{rid}/{aid}"), "the agent's ack", 10.0))
+    assert ack["why"] in ("cancel", "fenced") and ack["evidence"], ack
+    print(f"\nTTFT with the real agent: {ttft:.3f} s; ack {ack}")
+
+
+def test_the_real_agent_aborts_an_engine_still_busy_with_a_lost_attempt(
+        real_agw: Gateway) -> None:
+    g = real_agw
+    g.stack.wait_replicas_healthy()
+    etcd = FakeAgent(g.stack)
+    reference = _ref(g)
+    # Attempt 1's engine sends two deltas into the cut, then keeps the request open: the
+    # agent must stop it at the engine once the gateway moved on, and say so.
+    busy = {"x-partition": "after-deltas:0", "x-partition-attempt": "1",
+            "x-replica-fault": "stall-after-deltas:2", "x-replica-fault-attempt": "1"}
+    res, ttft = _post_timed(g, busy)
+    assert res.status == 200 and res.normalized() == reference.normalized()
+    j = g.journal(res.request_id)
+    a1, a2 = j["attempts"]
+    rid, aid = res.request_id, a1["attempt_id"]
+    assert (a1["path_lost"], a2["replica"] != a1["replica"], j["outcome"]) == (
+        True, True, "completed")
+    assert ttft < 1.0 + GRACE_S, ttft
+    ack = json.loads(_until(lambda: etcd.get(f"/ack/{rid}/{aid}"), "the agent's ack", 10.0))
+    # The demo engine's own gauge: it holds no more than the agent still forwards.
+    assert ack["why"] in ("cancel", "fenced") and "demo_requests_running" in ack["evidence"]
+    rows = [r for r in g.stack.all_replica_logs() if r["request_id"] == rid
+            and r["attempt"] == 1]
+    assert [r["outcome"] for r in rows] == ["stalled_peer_closed"], rows
+    print(f"\nbusy engine: TTFT {ttft:.3f} s; ack {ack}")
