@@ -23,7 +23,6 @@ from ..core.admission import RETRY_HEADER, decide
 from ..core.budget import RetryBudget
 from ..core.credentials import digest
 from ..core.errors import GatewayError
-from ..core.failure import FailureClass
 from ..core.gate import (
     GateMachine,
     GateParams,
@@ -39,11 +38,12 @@ from ..core.replay import snapshot
 from ..gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from . import envoy_codec as codec
 from . import observer
+from .agent_link import AgentLink
 from .leases import UNDO_SETTLE_S, AttemptLease, StoreUnavailable
 from .ports import Clock, EntryLog, GateJournal, Ids
 from .session import INVALID, HandedOff, Messages, Pending, Reached, Session, retrying
 from .telemetry import TRACEPARENT_HEADER, Telemetry
-from .timers import TimerHandle, Timers
+from .timers import Timers, TimerSet
 
 # Test-only: proves the fault sweep can fail (docs/sweep.md). Logged loudly at start-up.
 UNSAFE_RELEASE_WITHOUT_FENCE = os.environ.get("EXTPROC_UNSAFE_RELEASE_WITHOUT_FENCE") == "1"
@@ -97,8 +97,8 @@ class GatePorts(Protocol):
 
 
 class GateSession(Session):
-    __slots__ = ("_ack", "_timers", "_unack", "_unsource", "_unwatch", "lease", "m",
-                 "parent_tp", "replica", "secret")
+    __slots__ = ("_unwatch", "agent", "lease", "m", "parent_tp", "replica", "secret",
+                 "timers")
 
     def __init__(self, proc: GatePorts, ctx: Messages) -> None:
         self.detach = False
@@ -111,13 +111,9 @@ class GateSession(Session):
         # This attempt's credential (decision 0028): attempt 1's from the guard, any other's
         # minted at its admission. Sent upstream only; never logged, traced or handed off.
         self.secret: str | None = None
-        self._timers: dict[E.TimerKind, TimerHandle] = {}
+        self.timers = TimerSet(proc.timers, proc.clock, self._fired)
         self._unwatch: Callable[[], None] | None = None
-        # The replica's agent (decision 0034): its word that the first content left, and the
-        # acknowledgement of a cancel (heard: its evidence; None: not yet).
-        self._unsource: Callable[[], None] | None = None
-        self._unack: Callable[[], None] | None = None
-        self._ack: asyncio.Future[dict[str, Any] | None] | None = None
+        self.agent: AgentLink | None = None  # an agent-fronted replica's (decision 0034)
         self.closed = False
         self.lock = asyncio.Lock()
         self.md: dict[str, str] = {}
@@ -170,8 +166,9 @@ class GateSession(Session):
             await self.write(codec.request_trailers_response())
 
     async def on_closed(self) -> None:
-        self._stop_timers()
-        self._stop_source()
+        self.timers.stop()
+        if self.agent is not None:
+            self.agent.stop()
         if self._unwatch is not None:
             self._unwatch()
         if self.m is not None:
@@ -240,26 +237,22 @@ class GateSession(Session):
             self._unwatch = p.journal.on_live_change(
                 rid, lambda v: self.later(lambda _: E.LiveChanged(v), "watch"), aid)
         elif isinstance(a, E.WatchSource):
-            self._unsource = p.journal.on_source_sent(
-                p.instance_id, rid, aid,
-                lambda at: self.later(lambda c: E.SourceSent(at, c.monotonic()), "source",
-                                      open_only=True))
+            self.agent = AgentLink(p, rid, aid)
+            self.agent.listen(lambda at: self.later(
+                lambda c: E.SourceSent(at, c.monotonic()), "source", open_only=True))
         elif isinstance(a, E.PutCancel):
-            self._put_cancel(m)
+            self._link().put_cancel(m.params.gateway_id, float(m.params.lease_ttl_s))
         elif isinstance(a, E.AwaitAck):
-            return await self._await_ack(a)
+            return await self._link().await_ack(a)
         elif isinstance(a, E.AckSettled):
-            await self._ack_settled(a, m)
+            await self._link().settled(a, m, self.replica)
         elif isinstance(a, E.LoseLease):
             if self.lease is not None and self.lease.lose(a.why):  # said once, by its owner
                 observer.gate_fenced(self, a.live)
         elif isinstance(a, E.StartTimer):
-            old, kind = self._timers.pop(a.kind, None), a.kind
-            if old is not None:
-                old.cancel()
-            self._timers[kind] = p.timers.start(a.seconds, lambda: self._fired(kind))
+            self.timers.start(a.kind, a.seconds)
         elif isinstance(a, E.StopTimers):
-            self._stop_timers()
+            self.timers.stop()
         elif isinstance(a, E.ContinueRequest):
             p.reached.mark(rid)
             # The attempt offset stays: a removal here holds for Envoy's later attempts of
@@ -336,7 +329,8 @@ class GateSession(Session):
         # and writes the attempt's record with the request's outcome (one etcd txn).
         # Registered before the headers go out: the guard looks for it when they arrive.
         assert a.facts is not None
-        self._stop_source()
+        if self.agent is not None:
+            self.agent.stop()
         ho = HandOff.from_record(a.facts.base(), self.lease.lease_id if self.lease else 0,
                                  snapshot(m))
         self.p.handoffs.put(m.attempt_id, HandedOff(self.span, ho))
@@ -368,60 +362,11 @@ class GateSession(Session):
             await retrying(lambda: p.journal.end_attempt(rid, n, aid, rec, a.expire),
                            "fence the ended attempt", rid, aid)
 
-    def _put_cancel(self, m: GateMachine) -> None:
-        """Listen for the agent's acknowledgement, then ask it to stop the attempt."""
-        rid, aid, p = self.rid or "", m.attempt_id, self.p
-        fut: asyncio.Future[dict[str, Any] | None] = asyncio.get_running_loop().create_future()
-        self._ack = fut
-
-        def heard(evidence: dict[str, Any]) -> None:
-            if not fut.done():
-                fut.set_result(evidence)
-        self._unack = p.journal.on_ack(rid, aid, heard)
-        rec = {"at": p.clock.wall(), "gateway_id": m.params.gateway_id,
-               "processor": p.instance_id}
-        p.work.spawn(retrying(lambda: p.journal.put_cancel(rid, aid, rec), "put the cancel",
-                              rid, aid, limit_s=float(m.params.lease_ttl_s)),
-                     f"gate-cancel-{aid}")
-
-    async def _await_ack(self, a: E.AwaitAck) -> E.Event:
-        """The agent's acknowledgement, or none within `a.seconds` (a Timers timer)."""
-        fut, p = self._ack, self.p
-        evidence: dict[str, Any] | None = None
-        if fut is not None:
-            if not fut.done():
-                timer = p.timers.start(a.seconds,
-                                       lambda: None if fut.done() else fut.set_result(None))
-                try:
-                    evidence = await fut
-                finally:
-                    timer.cancel()
-            else:
-                evidence = fut.result()
-        if self._unack is not None:
-            self._unack()
-            self._unack = None
-        return E.AckLearned(evidence is not None, evidence, p.clock.wall())
-
-    async def _ack_settled(self, a: E.AckSettled, m: GateMachine) -> None:
-        rid, aid, p = self.rid or "", m.attempt_id, self.p
-        p.work.keep(rid, f"attempt-{a.attempt:03d}", m, {
-            "attempt_id": aid, "replica": self.replica, "failure_class": a.failure_class,
-            "end": dict(a.end_trace)}, a.failure_class == str(FailureClass.COMPLETED))
-        if a.record is None:
-            return
-        n, rec = a.attempt, a.record
-        if a.revoke:
-            await retrying(lambda: p.journal.revoke_fenced(rid, n, aid, rec),
-                           "end the acknowledged attempt's fence", rid, aid)
-        else:
-            await retrying(lambda: p.journal.update_attempt(rid, n, rec),
-                           "add the engine's acknowledgement", rid, aid)
-
-    def _stop_source(self) -> None:
-        if self._unsource is not None:
-            self._unsource()
-            self._unsource = None
+    def _link(self) -> AgentLink:
+        if self.agent is None:  # a cancel for an attempt that never listened (its admission)
+            assert self.m is not None
+            self.agent = AgentLink(self.p, self.rid or "", self.m.attempt_id)
+        return self.agent
 
     def _settle(self, call: Callable[[], Awaitable[Any]], what: str, name: str,
                 settle_s: float = 0.0) -> None:
@@ -431,14 +376,8 @@ class GateSession(Session):
                           f"gate-{name}-{aid}")
 
     def _fired(self, kind: E.TimerKind) -> None:
-        self._timers.pop(kind, None)
         self.later(lambda c: E.TimerFired(kind, c.monotonic(), c.wall()), f"timer-{kind}",
                    open_only=True)
-
-    def _stop_timers(self) -> None:
-        for h in self._timers.values():
-            h.cancel()
-        self._timers.clear()
 
 
 __all__ = ["GatePorts", "GateSession"]
