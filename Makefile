@@ -14,7 +14,7 @@ include chaos.mk
 include image.mk
 
 .PHONY: help install run test lint typecheck unit e2e bench bench-quick bench-pool profile \
-	bench-floors bench-cells bench-transports bench-timeline envoy-config mesh-config clean
+	bench-floors bench-cells bench-transports bench-timeline bench-agent envoy-config mesh-config clean
 
 help:
 	@echo "make run        etcd + processor + Envoy (:10000) + demo replicas on loopback"
@@ -26,6 +26,7 @@ help:
 	@echo "make bench-transports  the real processor on grpc.aio and on grpclib vs plain Envoy"
 	@echo "make bench-timeline  where a request's time to first delta goes, step by step"
 	@echo "make bench-cells   saturation with 1 and 2 cells (an Envoy and a processor each), ours and plain"
+	@echo "make bench-agent   the replica agent's own cost per chunk: through it vs straight to the replica"
 	@echo "make profile    where the processor's time goes under load (py-spy)"
 	@echo "make sweep      the full fault sweep (docs/sweep.md)"
 	@echo "make soak       chaos: traffic while replicas, processor, etcd members fail (DURATION=180 SEED=1, docs/chaos.md)"
@@ -74,6 +75,11 @@ bench-quick: install
 ## Null processors on grpc.aio, grpc.aio tuned and grpclib behind the same Envoy config vs plain.
 bench-floors: install
 	$(PY) -m bench.floors
+
+## The replica agent's cost (issue 26): chunks/s, per-chunk latency and its CPU per chunk,
+## through `extproc agent` vs straight to the replica, alternated rounds (about 70 s).
+bench-agent: install
+	$(PY) -m bench.agent_cost
 
 ## Cells (decision 0019): saturation with 1 and 2 cells (Envoy + processor each), ours and plain.
 bench-cells: install

@@ -19,6 +19,11 @@ gateway's request and attempt ids it executes what `core.source.SourceFence` dec
 
 The first content event also leaves a notice under `<prefix>/src/<processor>/<rid>/<aid>`,
 written off the forwarding path. Requests without the ids are proxied plainly.
+
+Each tracked attempt is one `llm.agent.attempt` span in the request's trace (its parent: the
+gateway's request span from `x-gateway-traceparent`, else the request's `traceparent`), with
+events for the first content, the stop at the source, the engine abort and the ack;
+exported with the processor's OTel settings (telemetry.*, OTEL_*; docs/telemetry.md).
 """
 
 from __future__ import annotations
@@ -37,12 +42,14 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from opentelemetry.trace import Span, SpanKind
 
 from ..core import headers as H
 from ..core.families import family_for_path
 from ..core.source import Do, Input, LeaseView, Phase, SourceFence
 from .kv import KV, Get, KeyValue, Put, Txn, WatchEvent
 from .leases import StoreUnavailable
+from .telemetry import Telemetry, end_span
 
 __all__ = ["DEFAULT_METRICS", "AgentMetrics", "EngineSpec", "ReplicaAgent"]
 
@@ -142,6 +149,11 @@ class Tracked:
     admitted: bool = False  # before: a stop is only noted (the answer is then a 409)
     engine_output: bool = False  # the engine's body had sent bytes before the stop
     pending: asyncio.Task[aiohttp.ClientResponse] | None = None  # awaiting its headers
+    span: Span | None = None  # its `llm.agent.attempt` span until ended
+
+    def event(self, name: str, **attrs: Any) -> None:
+        if self.span is not None:
+            self.span.add_event(name, {k: v for k, v in attrs.items() if v is not None})
 
     @property
     def ids(self) -> dict[str, Any]:
@@ -186,8 +198,10 @@ class ReplicaAgent:
     def __init__(self, kv: KV, prefix: str, lease_ttl_s: float, engine: EngineSpec, *,
                  ack_timeout_s: float = 5.0,
                  clock: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], float] = time.time) -> None:
+                 wall: Callable[[], float] = time.time,
+                 telemetry: Telemetry | None = None) -> None:
         self.kv = kv
+        self.tel = telemetry
         self.prefix = prefix.encode()
         self.ttl_s = lease_ttl_s
         self.engine = engine
@@ -382,16 +396,20 @@ class ReplicaAgent:
             self.metrics.inc("aborts", why)
             log.info("attempt stopped at the source; aborting at the engine",
                      extra={**t.ids, "why": why, "content_events": f.content_events})
+            t.event("source.fenced", **{"llmgw.why": why,
+                                        "llmgw.content_events": f.content_events})
             if do is Do.ABORT and not t.downstream_reset:
                 t.downstream_reset = True
                 _reset(t.request)
             self._uncount(t)
             if t.engine is not None:
                 t.engine.close()  # the engine sees its client leave: its own abort
+                t.event("engine.aborted", **{"llmgw.abort": "connection_closed"})
             elif t.pending is not None:
                 # Stopped before the engine's headers (vLLM sends them after its prefill):
                 # the pending request is cancelled, which closes its connection.
                 t.pending.cancel()
+                t.event("engine.aborted", **{"llmgw.abort": "pending_request_cancelled"})
             self._spawn(self._confirm(t))
         elif do is Do.END_DOWNSTREAM:
             self._uncount(t)
@@ -399,8 +417,10 @@ class ReplicaAgent:
         elif do is Do.FINISH:
             self._untrack(t)
 
-    def _untrack(self, t: Tracked) -> None:
+    def _untrack(self, t: Tracked, keep_span: bool = False) -> None:
         self._uncount(t)
+        if not keep_span:
+            self._end_span(t)
         if t.fence.bytes_stopped:
             self.metrics.inc("bytes_stopped", "", t.fence.bytes_stopped)
             t.fence.bytes_stopped = 0
@@ -427,6 +447,7 @@ class ReplicaAgent:
             log.warning("stopped before the engine's first output: its gauges cannot show "
                         "the abort; no ack", extra={**t.ids, "why": why,
                                                     "engine_kind": self.engine.kind})
+            t.event("ack.none", **{"llmgw.reason": "stopped before the engine's first output"})
             self._untrack(t)
             return
         else:
@@ -441,15 +462,23 @@ class ReplicaAgent:
             self.metrics.inc("no_evidence", why)
             log.warning("no evidence that the engine let go within the bound: no ack",
                         extra={**t.ids, "why": why, "bound_s": self.ack_timeout_s})
+            t.event("ack.none", **{"llmgw.reason": "no evidence within the bound"})
             self._untrack(t)
             return
         ack = f.ack(now, evidence, self.wall())
-        self._untrack(t)
+        self._untrack(t, keep_span=True)
         if ack is None:
+            self._end_span(t)
             return
-        if await self._put_ack(f.request_id, f.attempt_id, ack, t.ids) \
-                and f.stopped_at is not None:
-            self.metrics.ack_latency(self.clock() - f.stopped_at)
+        if await self._put_ack(f.request_id, f.attempt_id, ack, t.ids):
+            if f.stopped_at is not None:
+                self.metrics.ack_latency(self.clock() - f.stopped_at)
+            t.event("ack.written", **{"llmgw.evidence": evidence,
+                                      "llmgw.abort_ms": ack["abort_ms"]})
+            self._end_span(t)
+        else:
+            t.event("ack.write_failed", **{"llmgw.evidence": evidence})
+            self._end_span(t, "ack_not_written")
 
     async def _put_ack(self, rid: str, aid: str, ack: dict[str, Any],
                        ids: dict[str, Any]) -> bool:
@@ -534,6 +563,37 @@ class ReplicaAgent:
         cancel = res.reads[1][0] if len(res.reads) > 1 and res.reads[1] else None
         return live, cancel
 
+    # --- spans ---------------------------------------------------------------------------
+
+    def _start_span(self, t: Tracked) -> None:
+        """One span per tracked attempt, a child of the gateway's request span (the guard's
+        `x-gateway-traceparent`, which reaches the replica with every attempt)."""
+        if self.tel is None or not self.tel.tracing:
+            return
+        hd = t.request.headers
+        tp = hd.get(H.TRACEPARENT) or hd.get("traceparent")
+        host, _, port = self.engine.address.rpartition(":")
+        t.span = self.tel.start(
+            "llm.agent.attempt", self.tel.parent_from({"traceparent": tp}) if tp else None,
+            SpanKind.SERVER, {"llmgw.request_id": t.fence.request_id,
+                              "llmgw.attempt_id": t.fence.attempt_id,
+                              "llmgw.processor": t.processor or None,
+                              "llmgw.engine_kind": self.engine.kind,
+                              "server.address": host, "server.port": int(port),
+                              "http.request.method": t.request.method,
+                              "url.path": t.request.path})
+
+    def _end_span(self, t: Tracked, error: str | None = None, **attrs: Any) -> None:
+        span, t.span = t.span, None
+        if span is None:
+            return
+        f = t.fence
+        end_span(span, error, **{"llmgw.phase": f.phase.value,
+                                 "llmgw.why": f.why.value if f.why else None,
+                                 "llmgw.content_events": f.content_events,
+                                 "llmgw.bytes_forwarded": f.bytes_forwarded,
+                                 "llmgw.bytes_stopped": f.bytes_stopped or None, **attrs})
+
     # --- the proxy -----------------------------------------------------------------------
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
@@ -544,9 +604,13 @@ class ReplicaAgent:
         body = await request.read()
         if rid and aid:
             self.metrics.inc("requests_tracked")
+            self._start_span(t)
             refused = await self._admit(t)
             if refused is not None:
-                self._untrack(t)
+                reason = "attempt_fenced" if refused.status == 409 else "attempt_unverified"
+                t.event("attempt.refused", **{"llmgw.reason": reason})
+                self._untrack(t, keep_span=True)
+                self._end_span(t, reason, **{"http.response.status_code": refused.status})
                 return refused
         else:
             self.metrics.inc("requests_untracked")
@@ -618,6 +682,8 @@ class ReplicaAgent:
         if f.phase is not Phase.FORWARDING:  # fenced while the engine answered
             engine.close()
             return web.Response(status=499)
+        if t.span is not None:
+            t.span.set_attribute("http.response.status_code", engine.status)
         ctype = engine.headers.get("Content-Type", "")
         f.response(engine.status == 200 and ctype.startswith("text/event-stream"),
                    family_for_path(request.path))
@@ -640,8 +706,10 @@ class ReplicaAgent:
                 c = f.chunk(data, self.clock())
                 if c.out:
                     await resp.write(c.out)
-                if c.first_content and f.attempt_id and t.processor:
-                    self._spawn(self._notice(t))
+                if c.first_content:
+                    t.event("first_content.sent")
+                    if f.attempt_id and t.processor:
+                        self._spawn(self._notice(t))
                 if c.stop is not None:
                     self._execute(t, c.stop)
                 if f.phase is not Phase.FORWARDING:
@@ -667,9 +735,12 @@ class ReplicaAgent:
         """The engine's connection broke (or never opened) while forwarding."""
         f = t.fence
         end, do = f.engine_died(self.clock())
+        in_band = end is not None and resp is not None
         log.warning("engine connection broke", extra={
             **t.ids, "error": repr(err), "content_events": f.content_events,
-            "in_band": end is not None and resp is not None})
+            "in_band": in_band})
+        t.event("engine.died", **{"llmgw.in_band": in_band,
+                                  "llmgw.content_events": f.content_events})
         if end is not None and resp is not None:
             self.metrics.inc("engine_deaths_in_band")
             with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionResetError):
@@ -703,8 +774,10 @@ async def run(cfg: Any, record: Mapping[str, Any], listen: str, engine: EngineSp
             loop.add_signal_handler(sig, stop.set)
     kv = EtcdKV(cfg.etcd)
     kv.open()
+    # The processor's OTel settings (telemetry.*, OTEL_*); the agent's id as the instance.
+    tel = Telemetry(cfg.telemetry, str((record.get("agent") or {}).get("id") or "agent"))
     agent = ReplicaAgent(kv, cfg.etcd.prefix, cfg.etcd.attempt_lease_ttl_s, engine,
-                         ack_timeout_s=ack_timeout_s)
+                         ack_timeout_s=ack_timeout_s, telemetry=tel)
     await agent.start()
     runners = []
     for app, addr in ((agent.app(), listen), (agent.ops_app(), ops)):
@@ -731,3 +804,4 @@ async def run(cfg: Any, record: Mapping[str, Any], listen: str, engine: EngineSp
             await runner.cleanup()
         await agent.close()
         await kv.close()
+        tel.shutdown()  # flushes the spans still batched

@@ -13,6 +13,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -68,6 +69,20 @@ class Rig:
                 total += float(line.rsplit(" ", 1)[1])
         return total
 
+    def spans(self, rid: str, timeout_s: float = 10.0) -> list[dict[str, Any]]:
+        """The agent's spans of one request, once exported (batched every 200 ms)."""
+        path = self.workdir / "spans.jsonl"
+        got: list[dict[str, Any]] = []
+
+        def found() -> bool:
+            got[:] = [x for x in (json.loads(line) for line in (
+                path.read_text().splitlines() if path.exists() else []))
+                if x["attrs"].get("llmgw.request_id") == rid]
+            return bool(got)
+
+        wait_until(found, timeout_s, f"spans of {rid}", 0.1)
+        return got
+
     def replica_log(self) -> list[dict[str, object]]:
         path = self.workdir / "replica-e1.jsonl"
         if not path.exists():
@@ -80,10 +95,12 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
     wd = tmp_path_factory.mktemp("agent")
     etcd = Stack(wd)
     etcd._start_etcd()
-    engine_port, agent_port, ops_port = free_ports(3)
+    engine_port, agent_port, ops_port, otlp_port = free_ports(4)
+    # The agent's spans go to the devkit's OTLP printer (one JSON line per span).
     cfg = {"etcd": {"endpoints": [etcd.etcd_endpoint], "attempt_lease_ttl_s": 3},
            "pool": {"discovery": "registry", "registration_ttl_s": 5,
-                    "health_check": {"interval_s": 0.2}}}
+                    "health_check": {"interval_s": 0.2}},
+           "telemetry": {"otlp_endpoint": f"127.0.0.1:{otlp_port}"}}
     (wd / "agent.yaml").write_text(yaml.safe_dump(cfg))
     procs = dict(etcd.procs)
     replica = Proc("e1", [sys.executable, "-m", "devkit.demo.replica", "--port",
@@ -94,16 +111,19 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
                            "--engine", f"127.0.0.1:{engine_port}", "--engine-kind", "demo",
                            "--ops", f"127.0.0.1:{ops_port}", "--ack-timeout-s", "3",
                            "--fingerprint", "weights_revision=demo-1"], wd / "agent.log")
-    procs.update(e1=replica, agent=agent)
+    otlp = Proc("otlp", [sys.executable, "-m", "devkit.demo.otlp_printer", "--port",
+                         str(otlp_port), "--out", str(wd / "spans.jsonl")], wd / "otlp.log")
+    procs.update(e1=replica, agent=agent, otlp=otlp)
     r = Rig(wd, etcd.etcd_endpoint, engine_port, agent_port, ops_port, procs)
     try:
+        otlp.start()
         replica.start()
         agent.start()
         wait_until(lambda: _http_ok(f"http://127.0.0.1:{agent_port}/healthz"), 20,
                    "agent healthy")
         yield r
     finally:
-        for name in ("agent", "e1", "etcd"):
+        for name in ("agent", "e1", "etcd", "otlp"):
             procs[name].stop()
 
 
@@ -444,7 +464,7 @@ def test_step_gauge_kinds_do_not_ack_a_stop_before_the_engines_first_output(rig:
 def agents_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     from .conftest import E2E_CONFIG
     st = Stack(workdir=tmp_path_factory.mktemp("agents-stack"), config=E2E_CONFIG,
-               replicas=2, agents=True).start()
+               replicas=2, agents=True, span_printer=True).start()
     try:
         yield st
     finally:
@@ -461,6 +481,24 @@ def test_through_envoy_a_stream_completes_and_an_engine_death_ends_in_band(
         assert ref.status == 200 and ref.transport_error is None
         assert len(ref.contents) == 8 and ref.events[-1] == "[DONE]"
         assert gw.journal(ref.request_id)["outcome"] == "completed"
+        # The agent's span joins the request's trace, a child of the processor's request
+        # span (the guard's x-gateway-traceparent reached the replica through the gate).
+        spans: dict[str, dict[str, Any]] = {}
+
+        def both() -> bool:
+            path = agents_stack.workdir / "spans.jsonl"
+            for line in path.read_text().splitlines() if path.exists() else []:
+                x = json.loads(line)
+                if x["attrs"].get("llmgw.request_id") == ref.request_id:
+                    spans[x["span"]] = x
+            return {"llm.request", "llm.attempt", "llm.agent.attempt"} <= spans.keys()
+
+        wait_until(both, 10, "the request's and the agent's spans", 0.1)
+        req, ag = spans["llm.request"], spans["llm.agent.attempt"]
+        assert (ag["trace_id"], ag["parent"]) == (req["trace_id"], req["span_id"])
+        assert ag["attrs"]["llmgw.attempt_id"] == spans["llm.attempt"]["attrs"][
+            "llmgw.attempt_id"]
+        assert ag["events"] == ["first_content.sent"]
         # The engine (the demo replica process) killed after 2 deltas; its agent lives.
         res = gw.post(gw.body(max_tokens=8), headers={"x-replica-fault":
                                                       "kill-after-deltas:2"})
@@ -572,3 +610,62 @@ def test_a_partition_before_the_agent_still_stops_the_engine(
         assert len(rows) == 1 and rows[0]["tokens_written"] < 60, rows
     finally:
         gw.client.close()
+
+
+TRACE, PARENT = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+
+
+def test_each_tracked_attempt_is_one_span_in_the_requests_trace(rig: Rig) -> None:
+    """A child of the gateway's request span (`x-gateway-traceparent`, as the guard sets it
+    and the gate lets it through to the replica): a normal end, a cancel mid-stream (the
+    fence, the abort, the ack as events), a refusal; none for an untracked request."""
+    ensure_engine(rig)
+    tp = {"x-gateway-traceparent": f"00-{TRACE}-{PARENT}-01",
+          "traceparent": "00-11111111111111111111111111111111-2222222222222222-01"}
+    rid, aid = ids()
+    rig.put(f"/live/{rid}", aid, rig.grant(30))
+    read = read_response(raw_post(rig.agent_port, {**tracked(rid, aid), **tp,
+                                                   "x-gateway-processor": "proc-1"}, body(4)))
+    assert read.complete
+    (span,) = rig.spans(rid)
+    assert (span["span"], span["trace_id"], span["parent"]) == (
+        "llm.agent.attempt", TRACE, PARENT)
+    assert {k: span["attrs"][k] for k in ("llmgw.request_id", "llmgw.attempt_id",
+                                          "llmgw.processor", "llmgw.engine_kind",
+                                          "llmgw.phase", "llmgw.content_events",
+                                          "http.response.status_code", "server.port")} == {
+        "llmgw.request_id": rid, "llmgw.attempt_id": aid, "llmgw.processor": "proc-1",
+        "llmgw.engine_kind": "demo", "llmgw.phase": "ended", "llmgw.content_events": 4,
+        "http.response.status_code": 200, "server.port": rig.engine_port}
+    assert span["events"] == ["first_content.sent"]
+
+    # Cancelled mid-stream: one span, its events in order, ended once the ack is written.
+    _, rid2, aid2, _ = stop_mid_stream(rig, "cancel")
+    ack = json.loads(wait_value(rig, f"/ack/{rid2}/{aid2}"))
+    (span2,) = rig.spans(rid2)
+    assert span2["parent"] == ""  # no trace context sent: a root span
+    assert span2["events"] == ["first_content.sent", "source.fenced", "engine.aborted",
+                               "ack.written"]
+    assert (span2["attrs"]["llmgw.phase"], span2["attrs"]["llmgw.why"]) == ("acked", ack["why"])
+
+    # Refused at admission (not the live attempt): the engine never called.
+    rid3, aid3 = ids()
+    rig.put(f"/live/{rid3}", "att_someoneelse")
+    r = httpx.post(f"http://127.0.0.1:{rig.agent_port}/v1/chat/completions", content=body(),
+                   headers={**tracked(rid3, aid3), "traceparent": tp["traceparent"]},
+                   timeout=10)
+    assert r.status_code == 409
+    (span3,) = rig.spans(rid3)
+    assert span3["trace_id"] == "1" * 32  # Envoy's traceparent, when the gateway's is absent
+    assert span3["events"] == ["attempt.refused"]
+    assert (span3["attrs"]["error.type"], span3["attrs"]["http.response.status_code"]) == (
+        "attempt_fenced", 409)
+
+    # An untracked request (no attempt ids) has no span.
+    plain_rid = f"req_{uuid.uuid4().hex[:12]}"
+    read4 = read_response(raw_post(rig.agent_port, {"x-gateway-request-id": plain_rid, **tp},
+                                   body(2)))
+    assert read4.complete
+    time.sleep(0.5)
+    assert all(json.loads(line)["attrs"].get("llmgw.request_id") != plain_rid
+               for line in (rig.workdir / "spans.jsonl").read_text().splitlines())

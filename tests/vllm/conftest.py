@@ -591,11 +591,16 @@ def vllm_stack(wd: Path, agents: bool = False, config: dict[str, Any] | None = N
     """Two vLLM replicas behind etcd + the processor + Envoy, a partition proxy in front of
     each. `agents`: an `extproc agent --engine-kind vllm` in front of each vLLM (vLLM on its
     own loopback port, the agent on the one the proxy dials: Envoy -> proxy -> agent -> vLLM),
-    stopped by PID with the stack; killing `rN` kills vLLM's process group alone."""
+    stopped by PID with the stack; killing `rN` kills vLLM's process group alone. With
+    agents the pool is the registry (`pool.discovery: registry`): the gateway learns from
+    each agent's registration (`agent: {version: 1}`) that an agent fronts the replica, and
+    only then sends it `x-gateway-processor`, reads its first-content word and cancels
+    through it (decision 0034); a static pool without `agent` would leave all that off."""
     return Stack(workdir=wd, config=config or CONFIG, replicas=2, partition_proxies=True,
                  replica_factory=replica_factory, health_path="/health",
                  replica_start_timeout_s=120, supervise_replicas=False,
-                 agents=agents, agent_engine_kind="vllm", agent_ack_timeout_s=5.0)
+                 agents=agents, registry=agents, agent_engine_kind="vllm",
+                 agent_ack_timeout_s=5.0)
 
 
 def start_measured(st: Stack, into: dict[str, Any]) -> None:

@@ -9,7 +9,6 @@ figures land in MEASURED["agent"][case] = {"with_agent": ..., "without_agent": .
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import re
@@ -28,6 +27,7 @@ from extproc.adapters.agent import DEFAULT_METRICS, metric_sum
 from extproc.core.config import TimeoutsConfig
 
 from .conftest import (
+    CONFIG,
     MEASURED,
     Client,
     Engines,
@@ -41,6 +41,7 @@ from .conftest import (
 
 VLLM_HELD = DEFAULT_METRICS["vllm"]  # what the agent sums as "still held by the engine"
 CONTENT = re.compile(rb'"content":"[^"]')
+CONFIG_FIRST_DELTA_S = float(CONFIG["timeouts"]["first_delta_s"])
 
 
 def figure(case: str, side: str, value: dict[str, Any]) -> None:
@@ -384,44 +385,84 @@ def test_client_disconnect_mid_prefill(request: pytest.FixtureRequest, agent: bo
 
 # --- d) a partition between Envoy and the agent before the first delta -----------------
 
-GATE_SIDE = "source_grace_s" in {f.name for f in dataclasses.fields(TimeoutsConfig)}
+GRACE_S = TimeoutsConfig.source_grace_s  # conftest's CONFIG keeps the default (0.5 s)
 
 
-@pytest.mark.skipif(not GATE_SIDE, reason="needs the gateway's side of the agent protocol "
-                    "(timeouts.source_grace_s: the gate reads the agent's first-content notice, "
-                    "cancels and waits for the ack), not merged yet")
+def journal_with_ack(c: Client, request_id: str, bound_s: float = 8.0) -> dict[str, Any]:
+    """The record once attempt 1's acknowledgement is settled into it (the gate writes it
+    after the attempt's end: `cancel_ack` if it lifted the fence, `engine_ack` if Envoy's
+    word had already lifted it)."""
+    deadline = time.monotonic() + bound_s
+    while True:
+        j = c.journal(request_id)
+        a1 = j["attempts"][0]
+        if "cancel_ack" in a1 or "engine_ack" in a1:
+            return j
+        assert time.monotonic() < deadline, a1
+        time.sleep(0.05)
+
+
 @pytest.mark.parametrize("agent", [True, False], ids=["with_agent", "without_agent"])
 def test_partition_before_first_delta(request: pytest.FixtureRequest, agent: bool) -> None:
-    """Attempt 1 cut by the proxy after vLLM's headers and role event: with the agent, the
-    gate learns content left (the agent's notice), cancels, and the agent aborts vLLM's
-    request and acknowledges; without, the retry waits for the old lease."""
+    """Attempt 1 cut by the proxy (between Envoy and the agent) after vLLM's headers and role
+    event. With the agent: it writes `src/<processor>/<rid>/<aid>` as vLLM's first content
+    leaves into the cut, the gate fails the attempt `source_grace_s` later (not
+    `first_delta_s`) and puts the cancel, the agent aborts vLLM's request and acknowledges on
+    vLLM's gauges. Without it: the first-delta limit, and vLLM decodes on into the void."""
     st: Stack = request.getfixturevalue("astack" if agent else "vstack")
     e: Engines = request.getfixturevalue("aengines" if agent else "engines")
     c: Client = request.getfixturevalue("agw" if agent else "gw")
     acked = acks(st) if agent else {}
     ref = c.post(Client.body(max_tokens=16))
+    assert ref.status == 200 and ref.transport_error is None and ref.ttft_s is not None
+    notices = {n: agent_counter(st, n, "extproc_agent_src_notices_total")
+               for n in e.names} if agent else {}
     res = c.post(Client.body(max_tokens=16),
                  headers={"x-partition": "after-deltas:0", "x-partition-attempt": "1"})
     assert res.status == 200 and res.transport_error is None
     assert_same_stream(res, ref)
-    j = c.journal(res.request_id)
+    j = journal_with_ack(c, res.request_id) if agent else c.journal(res.request_id)
     assert j["outcome"] == "completed" and len(j["attempts"]) == 2, j
     a1, a2 = j["attempts"]
     cut, other = replica_of(st, a1), replica_of(st, a2)
     assert cut != other and a2["admitted_at"] >= a1["ended_at"]
-    fig: dict[str, Any] = {"ttft_s": round(res.ttft_s or 0, 2),
+    assert a1["failure_class"] == "network_uncertain", a1
+    assert e.received(cut, res.xrid) and e.received(other, res.xrid)
+    ttft = res.ttft_s or 0.0
+    fig: dict[str, Any] = {"ttft_s": round(ttft, 3), "fault_free_ttft_s": round(ref.ttft_s, 3),
                            "retry_waited_for_previous_s": a2.get("waited_for_previous_s")}
     if agent:
+        # The agent's word reached the gate, which failed the attempt within the grace.
+        assert (a1["path_lost"], a1["cancel_sent"]) == (True, True), a1
+        grace_to_fail = a1["ended_at"] - a1["source_sent_at"]
+        assert GRACE_S <= grace_to_fail < GRACE_S + 1.0, a1
+        # Both agents wrote a first-content notice (the cut attempt's and the retry's).
+        assert sum(agent_counter(st, n, "extproc_agent_src_notices_total") - notices[n]
+                   for n in e.names) == 2
         # vLLM's own evidence: the first attempt's request aborted, nothing held.
         deadline = time.monotonic() + 5
         while not e.aborted(cut, res.xrid):
             assert time.monotonic() < deadline, e.lines(cut, res.xrid)
             time.sleep(0.01)
         assert e.held(cut) == 0
-        acks_now = {k: v for k, v in acks(st).items() if k not in acked}
-        ack = acks_now[f"{res.request_id}/{a1['attempt_id']}"]
+        ack = {k: v for k, v in acks(st).items() if k not in acked}[
+            f"{res.request_id}/{a1['attempt_id']}"]
         assert ack["why"] in ("cancel", "fenced"), ack
-        fig.update(vllm_aborted_first_attempt=True, ack=ack)
+        assert ack["evidence"].startswith(
+            "vllm:num_requests_running+vllm:num_requests_waiting=0 <= "), ack
+        settled = a1.get("cancel_ack") or a1["engine_ack"]
+        assert settled["evidence"] == ack["evidence"], a1
+        # The client's first token no longer waits for first_delta_s (8 s here): the cut
+        # attempt's first output, the grace, and the retry's own time to first token.
+        assert ttft < 3 * ref.ttft_s + GRACE_S + 1.0, (ttft, ref.ttft_s)
+        fig.update(vllm_aborted_first_attempt=True,
+                   source_sent_to_attempt_failed_s=round(grace_to_fail, 3),
+                   attempt_failed_to_ack_written_s=round(ack["at"] - a1["ended_at"], 3),
+                   ack_why=ack["why"], ack_abort_ms=ack["abort_ms"],
+                   ack_evidence=ack["evidence"],
+                   settled_as="cancel_ack" if "cancel_ack" in a1 else "engine_ack")
     else:
+        assert "path_lost" not in a1 and "cancel_sent" not in a1
+        assert ttft >= CONFIG_FIRST_DELTA_S, ttft  # the first-delta limit failed it over
         assert not e.aborted(cut, res.xrid)  # decoded on into the void
     figure("partition_before_first_delta", "with_agent" if agent else "without_agent", fig)
