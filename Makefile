@@ -14,7 +14,7 @@ include chaos.mk
 include image.mk
 
 .PHONY: help install run test lint typecheck unit e2e bench bench-quick bench-pool profile \
-	bench-floors bench-cells bench-transports bench-timeline bench-agent envoy-config mesh-config clean
+	bench-floors bench-cells bench-transports bench-timeline bench-agent bench-abandoned envoy-config mesh-config clean
 
 help:
 	@echo "make run        etcd + processor + Envoy (:10000) + demo replicas on loopback"
@@ -27,6 +27,7 @@ help:
 	@echo "make bench-timeline  where a request's time to first delta goes, step by step"
 	@echo "make bench-cells   saturation with 1 and 2 cells (an Envoy and a processor each), ours and plain"
 	@echo "make bench-agent   the replica agent's own cost per chunk: through it vs straight to the replica"
+	@echo "make bench-abandoned  engine-seconds spent on abandoned attempts per 100 faults, with and without the replica agent"
 	@echo "make profile    where the processor's time goes under load (py-spy)"
 	@echo "make sweep      the full fault sweep (docs/sweep.md)"
 	@echo "make soak       chaos: traffic while replicas, processor, etcd members fail (DURATION=180 SEED=1, docs/chaos.md)"
@@ -96,6 +97,10 @@ bench-transports: install
 ## Pool availability alone: plain Envoy vs ours with one replica of three dead, then frozen.
 bench-pool: install
 	$(PY) -m bench.pool
+
+## Engine-seconds on abandoned attempts per 100 faults, with and without the agent (issue 26).
+bench-abandoned: install
+	$(PY) -m bench.abandoned
 
 ## Where the processor's time goes under load (py-spy; docs/benchmarks.md, "Profile").
 profile: install
