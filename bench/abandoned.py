@@ -61,7 +61,7 @@ if __package__ in (None, ""):  # `python bench/abandoned.py`
 
 from bench.measure import RESULTS, machine_info
 from devkit.demo.tokens import chat_prompt, generate_tokens
-from devkit.devstack import Proc, Stack, _tcp_open, wait_until
+from devkit.devstack import Stack
 from extproc.core.sse import EventKind, SseDecoder
 
 TOKEN_DELAY_MS = 20.0  # 64 tokens: ~1.3 s
@@ -91,58 +91,6 @@ SETTLE_S = 15.0  # replica lines and journal outcomes awaited at most this long 
 
 def _deadline_hit(signum: int, frame: Any) -> None:
     raise TimeoutError(f"signal {signum}: stopping")
-
-
-class _HeldProxy:
-    """devkit.demo.partition_proxy with its connection handlers held by a strong reference.
-
-    On Python 3.11 asyncio's StreamReaderProtocol drops its handler task when the
-    downstream (Envoy's) connection is lost; a cut connection's handler then lives only in
-    a reference cycle, the garbage collector takes it, and StreamWriter.__del__ closes the
-    replica's side: a close the partition was not to propagate, at a random later moment
-    (seen here: 8 of 100 cut attempts' replicas saw their peer gone 0.6-1.2 s in, and the
-    proxy logged none of those cuts). Run as `python -m bench.abandoned --proxy ...`.
-    """
-
-    @staticmethod
-    def main(argv: list[str]) -> None:
-        import asyncio
-
-        from devkit.demo import partition_proxy as pp
-
-        held: set[asyncio.Task[Any]] = set()
-        handle = pp.Proxy.handle
-
-        async def held_handle(self: pp.Proxy, d_reader: asyncio.StreamReader,
-                              d_writer: asyncio.StreamWriter) -> None:
-            task = asyncio.current_task()
-            assert task is not None
-            held.add(task)
-            try:
-                await handle(self, d_reader, d_writer)
-            finally:
-                held.discard(task)
-
-        pp.Proxy.handle = held_handle  # type: ignore[method-assign]
-        pp.main(argv)
-
-
-class _Stack(Stack):
-    """The devstack, its partition proxies run through _HeldProxy."""
-
-    def _start_proxies(self) -> None:
-        behind = self.agent_ports if self.agents else self.replica_ports
-        self._reserve_front_ports()
-        for i, rport in enumerate(behind):
-            port, name = self.proxy_ports[i], f"proxy-r{i + 1}"
-            p = Proc(name, [sys.executable, "-m", "bench.abandoned", "--proxy",
-                            "--listen", f"127.0.0.1:{port}", "--upstream", f"127.0.0.1:{rport}",
-                            "--log-file", str(self.workdir / f"{name}.jsonl")],
-                     self.workdir / f"{name}.log")
-            p.start()
-            self.procs[name] = p
-        for port in self.proxy_ports:
-            wait_until(lambda port=port: _tcp_open("127.0.0.1", port), 20, "partition proxy")
 
 
 def plan(n: int, seed: int) -> list[dict[str, Any]]:
@@ -252,7 +200,7 @@ def engine_rows(st: Stack) -> dict[tuple[str, int], dict[str, Any]]:
 
 def measure_side(side: str, faults: list[dict[str, Any]], conc: int, work: Path,
                  log: Any) -> dict[str, Any]:
-    st = _Stack(workdir=work / side, config=CONFIG, replicas=2, partition_proxies=True,
+    st = Stack(workdir=work / side, config=CONFIG, replicas=2, partition_proxies=True,
                registry=True, agents=side == "with", token_delay_ms=TOKEN_DELAY_MS)
     started = time.monotonic()
     st.start()
@@ -376,9 +324,6 @@ def render(summary: list[dict[str, Any]], meta: dict[str, Any], n: int, conc: in
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if args[:1] == ["--proxy"]:
-        _HeldProxy.main(args[1:])
-        return 0
     ap = argparse.ArgumentParser(prog="python -m bench.abandoned", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--faults", type=int, default=50, help="faults per kind per side (50)")
