@@ -212,6 +212,9 @@ class ReplicaAgent:
         self.engine_healthy = False
         self.engine_open = 0  # engine generation requests still forwarding (not aborting)
         self._by_rid: dict[str, set[Tracked]] = {}
+        # One watch of `live/<rid>` per request with an attempt in flight here, stopped
+        # with its last one: an agent hears its own attempts' fences, not the fleet's.
+        self._live_watches: dict[str, Callable[[], None]] = {}
         self._leases: dict[int, LeaseView] = {}
         self._refreshing: set[int] = set()
         self._own_leases: dict[str, tuple[int, float]] = {}  # ack|src -> (id, granted)
@@ -247,15 +250,15 @@ class ReplicaAgent:
             connector=aiohttp.TCPConnector(limit=1024, enable_cleanup_closed=True),
             auto_decompress=False, skip_auto_headers=("Accept-Encoding", "User-Agent"),
             timeout=aiohttp.ClientTimeout(total=None, connect=5.0, sock_connect=5.0))
-        self._stops.append(self.kv.watch(self.prefix + b"/live/", self._live_event,
-                                         self._watch_state, "agent live watch"))
+        # Cancels are few (only uncertain ends): one watch of them all.
         self._stops.append(self.kv.watch(self.prefix + b"/cancel/", self._cancel_event,
                                          self._watch_state, "agent cancel watch"))
         self._ticker = asyncio.ensure_future(self._tick())
 
     async def close(self) -> None:
-        for stop in self._stops:
+        for stop in [*self._stops, *self._live_watches.values()]:
             stop()
+        self._live_watches.clear()
         if self._ticker is not None:
             self._ticker.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -306,6 +309,19 @@ class ReplicaAgent:
                 for t in list(ts):
                     self._spawn(self._recheck(rid, t))
 
+    def _watch_live(self, rid: str) -> None:
+        if rid in self._live_watches:
+            return
+
+        def state(up: bool) -> None:
+            # Created (or created again): what changed before it is read once more, so a
+            # fence between the admission's read and the watch is not missed.
+            if up:
+                for t in list(self._by_rid.get(rid, ())):
+                    self._spawn(self._recheck(rid, t))
+        self._live_watches[rid] = self.kv.watch(self._live(rid), self._live_event, state,
+                                                "agent live watch")
+
     async def _recheck(self, rid: str, t: Tracked) -> None:
         try:
             live, cancel = await self._read(rid, t.fence.attempt_id)
@@ -318,6 +334,8 @@ class ReplicaAgent:
 
     def _live_event(self, ev: WatchEvent) -> None:
         rid = ev.key[len(self.prefix) + len(b"/live/"):].decode("utf-8", "replace")
+        if ev.key != self._live(rid) or rid not in self._live_watches:
+            return  # a longer key under the watched one, or a watch being stopped
         for t in list(self._by_rid.get(rid, ())):
             if ev.prev_known and ev.prev != t.fence.attempt_id.encode():
                 # A change of another attempt's value: the previous attempt's end, heard
@@ -429,6 +447,9 @@ class ReplicaAgent:
             ts.discard(t)
             if not ts:
                 del self._by_rid[t.fence.request_id]
+                stop = self._live_watches.pop(t.fence.request_id, None)
+                if stop is not None:
+                    stop()
 
     async def _confirm(self, t: Tracked) -> None:
         """Wait (bounded) for the engine's own evidence that it let go, then ack."""
@@ -628,6 +649,7 @@ class ReplicaAgent:
         """The attempt must be the live one, uncancelled; its lease's deadline known."""
         f = t.fence
         self._by_rid.setdefault(f.request_id, set()).add(t)  # hear changes from now on
+        self._watch_live(f.request_id)
         try:
             live, cancel = await self._read(f.request_id, f.attempt_id)
             lv: LeaseView | None = None

@@ -5,10 +5,12 @@ as subprocesses on loopback, no Envoy: the test plays the gateway's part in etcd
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
 import time
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -397,6 +399,35 @@ def test_first_content_notice_once_not_on_the_role_event(rig: Rig) -> None:
     assert note["first_content"] is True
     time.sleep(0.2)
     assert rig.agent_metric("src_notices") == notices + 1
+
+
+def etcd_watchers(rig: Rig) -> float:
+    """etcd's own count of watchers (its /metrics on the client port)."""
+    with urllib.request.urlopen(f"http://{rig.etcd}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    m = re.search(r"^etcd_debugging_mvcc_watcher_total (\S+)$", text, re.M)
+    assert m is not None, "etcd reports no watcher count"
+    return float(m.group(1))
+
+
+def test_the_agent_watches_only_its_own_attempts_fences(rig: Rig) -> None:
+    ensure_engine(rig)
+    base = etcd_watchers(rig)
+    # Other requests' attempts, fleet-wide: this agent does not watch them.
+    for i in range(20):
+        rig.put(f"/live/req_elsewhere{i:02d}", f"att_elsewhere{i:02d}", rig.grant(30))
+    assert etcd_watchers(rig) == base
+    rid, aid = ids()
+    rig.put(f"/live/{rid}", aid, rig.grant(30))
+    s = raw_post(rig.agent_port, {**tracked(rid, aid),
+                                  "x-replica-fault": "stall-after-deltas:1"}, body(8))
+    # One watch of this request's live key while its attempt is in flight here ...
+    wait_until(lambda: etcd_watchers(rig) == base + 1, 5, "the attempt's own live watch")
+    rig.put(f"/live/{rid}", "att_someone_else", rig.grant(30))
+    read = read_response(s)  # ... which fences it: the agent stops its bytes
+    assert not read.complete
+    # ... and none once it is over.
+    wait_until(lambda: etcd_watchers(rig) == base, 10, "its watch stopped with it")
 
 
 def test_downstream_gone_aborts_the_engine_request(rig: Rig) -> None:
