@@ -134,11 +134,7 @@ def main(argv: list[str] | None = None) -> int:
                 "tenancy is off: every client shares one namespace of request ids and may "
                 "read any record by its id; set tenancy.api_key_header or tenancy.header",
                 extra={"request_id": None, "attempt_id": None})
-        try:
-            import uvloop
-            uvloop.install()
-        except ImportError:
-            pass
+        _fast_loop()
         try:
             asyncio.run(serve(cfg))
         except ConfigError as e:  # an etcd.tls / etcd.auth file unreadable at start-up
@@ -236,6 +232,7 @@ def _register(args: argparse.Namespace) -> int:
                 raise SystemExit(f"agent: {e}") from e
             # The gateway learns from the record that an agent fronts this replica.
             record["agent"] = {"version": 1, "id": record["agent"]}
+            _fast_loop()  # every chunk crosses it, as it crosses the processor
             return asyncio.run(run(cfg, record, args.listen, engine, args.ops,
                                    args.ack_timeout_s))
         return asyncio.run(run_agent(cfg, record, args.probe or record["address"]))
@@ -301,6 +298,15 @@ def _plain(o: Any) -> Any:
     if isinstance(o, list | tuple):
         return [_plain(v) for v in o]
     return o
+
+
+def _fast_loop() -> None:
+    """uvloop where it is installed (a dependency off Windows), else asyncio's own loop."""
+    try:
+        import uvloop
+        uvloop.install()
+    except ImportError:
+        pass
 
 
 if __name__ == "__main__":
