@@ -182,10 +182,14 @@ class Stack:
     registry: bool = False
     # A replica agent (`extproc agent`, issue 26) in front of every replica: the replica
     # (the "engine") on its own loopback port, the agent (`agent-rN`) on the port Envoy
-    # and the pool use; with `registry` the agent also registers it. Killing `rN` kills
-    # the engine alone, the agent lives.
+    # and the pool use (with `partition_proxies`, the proxy sits between Envoy and the
+    # agent); with `registry` the agent also registers it. Killing `rN` kills the engine
+    # alone, the agent lives. Each agent serves its metrics on `agent_ops_ports[i]`.
     agents: bool = False
     agent_ports: list[int] = field(default_factory=list)
+    agent_ops_ports: list[int] = field(default_factory=list)
+    agent_engine_kind: str = "demo"  # `--engine-kind`: vllm for real vLLM replicas
+    agent_ack_timeout_s: float = 5.0
     # Extra environment for the processor (e.g. the sweep's test-only sabotage switch).
     processor_env: dict[str, str] | None = None
     # Start a span-printing OTLP receiver and send both Envoy's and our traces to it.
@@ -251,12 +255,13 @@ class Stack:
         if self.tool_server:
             self._start_tool_server()
         self._start_replicas()
-        if self.partition_proxies:
-            self._start_proxies()
+        self._reserve_front_ports()
         if self.agents and not self.plain:
             self._start_replica_agents()
         elif self.registry and not self.plain:
             self._start_agents()
+        if self.partition_proxies:
+            self._start_proxies()
         self._start_envoy()
         self._sup = threading.Thread(target=self._supervise, name="replica-supervisor",
                                      daemon=True)
@@ -607,27 +612,68 @@ class Stack:
         return self.proxy_ports or self.agent_ports or self.replica_ports
 
     def replica_agent_proc(self, i: int) -> Proc:
-        """`extproc agent` in front of replica i (kind `demo`: its running gauge)."""
+        """`extproc agent` in front of replica i (`agent_engine_kind`; `demo`: the demo
+        replica's running gauge). It registers the port Envoy dials: its own, or the
+        partition proxy's in front of it."""
         name = f"r{i + 1}"
         fp = self.workdir / f"fingerprint-{name}.yaml"
         fp.write_text(yaml.safe_dump(self.fingerprint_of(i)))
         return Proc(f"agent-{name}", [
             sys.executable, "-m", "extproc", "agent", "--config",
             str(self.workdir / "extproc.yaml"), "--listen", f"127.0.0.1:{self.agent_ports[i]}",
-            "--engine", f"127.0.0.1:{self.replica_ports[i]}", "--engine-kind", "demo",
+            "--address", f"127.0.0.1:{self.front_ports()[i]}",
+            "--engine", f"127.0.0.1:{self.replica_ports[i]}",
+            "--engine-kind", self.agent_engine_kind,
+            "--ops", f"127.0.0.1:{self.agent_ops_ports[i]}",
+            "--ack-timeout-s", f"{self.agent_ack_timeout_s:g}",
             "--fingerprint-file", str(fp)], self.workdir / f"agent-{name}.log")
 
+    def _reserve_front_ports(self) -> None:
+        """The partition proxies' and the agents' ports, in one go (so no two are the same),
+        before any starts: an agent registers the address Envoy dials, the proxy's."""
+        n = len(self.replica_ports)
+        agents = self.agents and not self.plain
+        want = {"proxy": n if self.partition_proxies and len(self.proxy_ports) < n else 0,
+                "agent": n if agents and len(self.agent_ports) < n else 0,
+                "ops": n if agents and len(self.agent_ops_ports) < n else 0}
+        ports = free_ports(sum(want.values()))
+        if want["proxy"]:
+            self.proxy_ports, ports = ports[:n], ports[n:]
+        if want["agent"]:
+            self.agent_ports, ports = ports[:n], ports[n:]
+        if want["ops"]:
+            self.agent_ops_ports = ports[:n]
+
     def _start_replica_agents(self) -> None:
-        if self.partition_proxies:
-            raise ValueError("agents with partition_proxies is not supported yet")
-        self.agent_ports = self.agent_ports or free_ports(len(self.replica_ports))
-        for i in range(len(self.replica_ports)):
-            p = self.replica_agent_proc(i)
-            p.start()
-            self.procs[p.name] = p
-        for i, port in enumerate(self.agent_ports):
-            wait_until(lambda port=port: _http_ok(f"http://127.0.0.1:{port}/healthz"),
-                       self.replica_start_timeout_s, f"agent of r{i + 1}")
+        n = len(self.replica_ports)
+        self._reserve_front_ports()
+        for i in range(n):
+            self._start_replica_agent(i)
+        for i in range(n):
+            self._wait_replica_agent(i)
+
+    def _start_replica_agent(self, i: int) -> None:
+        p = self.replica_agent_proc(i)
+        p.start()
+        self.procs[p.name] = p
+
+    def _wait_replica_agent(self, i: int) -> None:
+        """Its /healthz follows the engine's health as its registration loop probes it."""
+        port = self.agent_ports[i]
+        wait_until(lambda: _http_ok(f"http://127.0.0.1:{port}/healthz"),
+                   self.replica_start_timeout_s, f"agent of r{i + 1}")
+
+    def agent_metrics(self, name: str) -> dict[str, float]:
+        """Agent `agent-rN`'s own Prometheus samples (`--ops`), by full sample name."""
+        port = self.agent_ops_ports[int(name.rpartition("r")[2]) - 1]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                key, _, val = line.rpartition(" ")
+                out[key] = float(val)
+        return out
 
     def _start_agents(self) -> None:
         for i in range(len(self.replica_ports)):
@@ -636,8 +682,12 @@ class Stack:
             self.procs[p.name] = p
 
     def add_replica(self) -> str:
-        """A new replica joins while the stack runs (and, with `registry`, its agent)."""
+        """A new replica joins while the stack runs: with `agents`, its replica agent in
+        front of it (which registers it, with `registry`); with `registry` alone, its
+        `extproc register`. A running Envoy with a static pool does not learn of it."""
         i = len(self.replica_ports)
+        if self.agents and self.partition_proxies and not self.plain:
+            raise ValueError("add_replica with agents and partition_proxies is not supported")
         self.replica_ports.append(free_port())
         self.replicas = len(self.replica_ports)
         p = self.replica_proc(i, self.replica_ports[i])
@@ -646,16 +696,24 @@ class Stack:
         wait_until(lambda: _http_ok(f"http://127.0.0.1:{self.replica_ports[i]}"
                                     f"{self.health_path}"), self.replica_start_timeout_s,
                    f"replica {p.name}")
-        if self.registry:
+        if self.agents and not self.plain:
+            agent, ops = free_ports(2)
+            self.agent_ports.append(agent)
+            self.agent_ops_ports.append(ops)
+            self._start_replica_agent(i)
+            self._wait_replica_agent(i)
+        elif self.registry:
             a = self.agent_proc(i)
             a.start()
             self.procs[a.name] = a
         return p.name
 
     def _start_proxies(self) -> None:
-        for i, rport in enumerate(self.replica_ports):
-            port = free_port()
-            self.proxy_ports.append(port)
+        """One partition proxy per replica, in front of its agent when it has one."""
+        behind = self.agent_ports if self.agents and not self.plain else self.replica_ports
+        self._reserve_front_ports()
+        for i, rport in enumerate(behind):
+            port = self.proxy_ports[i]
             name = f"proxy-r{i + 1}"
             p = Proc(name, [sys.executable, "-m", "devkit.demo.partition_proxy",
                             "--listen", f"127.0.0.1:{port}", "--upstream", f"127.0.0.1:{rport}",

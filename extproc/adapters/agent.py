@@ -54,6 +54,12 @@ DEFAULT_METRICS: Mapping[str, tuple[str, ...]] = {
     "demo": ("demo_requests_running",),
     "openai": (),
 }
+# Engines whose gauges move only when an engine step ends: a request stopped before the
+# engine's first output (in its prefill step) is counted nowhere yet, so a gauge reading 0
+# proves nothing: vLLM 0.32 was seen computing an aborted ~2,000-token prefill for 4.3 s
+# while its running + waiting gauges read 0 throughout (tests/vllm/test_04_agent.py).
+# The demo replica counts a request from its arrival. SGLang: assumed like vLLM (unverified).
+STEP_GAUGES = frozenset({"vllm", "sglang"})
 _HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization",
                   "te", "trailer", "trailers", "transfer-encoding", "upgrade", "host",
                   "content-length"})
@@ -132,6 +138,8 @@ class Tracked:
     open_counted: bool = False  # counted in the agent's still-forwarding engine requests
     downstream_reset: bool = False
     admitted: bool = False  # before: a stop is only noted (the answer is then a 409)
+    engine_output: bool = False  # the engine's body had sent bytes before the stop
+    pending: asyncio.Task[aiohttp.ClientResponse] | None = None  # awaiting its headers
 
     @property
     def ids(self) -> dict[str, Any]:
@@ -362,6 +370,10 @@ class ReplicaAgent:
             self._uncount(t)
             if t.engine is not None:
                 t.engine.close()  # the engine sees its client leave: its own abort
+            elif t.pending is not None:
+                # Stopped before the engine's headers (vLLM sends them after its prefill):
+                # the pending request is cancelled, which closes its connection.
+                t.pending.cancel()
             self._spawn(self._confirm(t))
         elif do is Do.END_DOWNSTREAM:
             self._uncount(t)
@@ -389,6 +401,16 @@ class ReplicaAgent:
             await self._sglang_abort(t)
         if not self.engine.metrics:
             evidence = "engine_connection_closed"
+        elif self.engine.kind in STEP_GAUGES and not t.engine_output:
+            # Stopped in the prefill: the gauges would read "let go" while the engine still
+            # computes the step. No evidence to wait for: no ack, the lease rule holds.
+            f.step(Input.NO_EVIDENCE, self.clock())
+            self.metrics.inc("no_evidence", why)
+            log.warning("stopped before the engine's first output: its gauges cannot show "
+                        "the abort; no ack", extra={**t.ids, "why": why,
+                                                    "engine_kind": self.engine.kind})
+            self._untrack(t)
+            return
         else:
             end = self.clock() + self.ack_timeout_s
             while evidence is None and self.clock() < end:
@@ -546,12 +568,20 @@ class ReplicaAgent:
         if request.method == "POST":
             t.open_counted = True
             self.engine_open += 1
+        t.pending = asyncio.ensure_future(self.session.request(
+            request.method, url, headers=hdrs, data=body if body else None,
+            allow_redirects=False))
         try:
-            engine = await self.session.request(request.method, url, headers=hdrs,
-                                                data=body if body else None,
-                                                allow_redirects=False)
+            engine = await t.pending
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if t.pending.cancelled() and not (task is not None and task.cancelling()):
+                return web.Response(status=499)  # stopped at the source before the headers
+            raise
         except (aiohttp.ClientError, OSError) as e:
             return await self._engine_gone(t, None, e)
+        finally:
+            t.pending = None
         t.engine = engine
         if f.phase is not Phase.FORWARDING:  # fenced while the engine answered
             engine.close()
@@ -574,6 +604,7 @@ class ReplicaAgent:
                     return resp
                 if not data:
                     break
+                t.engine_output = True
                 c = f.chunk(data, self.clock())
                 if c.out:
                     await resp.write(c.out)

@@ -390,6 +390,49 @@ def test_downstream_gone_aborts_the_engine_request(rig: Rig) -> None:
     assert rig.gauge() == 0
 
 
+def test_step_gauge_kinds_do_not_ack_a_stop_before_the_engines_first_output(rig: Rig) -> None:
+    """vLLM's gauges move at engine-step ends: stopped in its prefill (no byte of output yet),
+    a gauge of 0 proves nothing (tests/vllm/test_04_agent.py saw 4.3 s of compute behind a
+    0). An agent of kind `vllm` (here reading the demo's gauge) then writes no ack and counts
+    no_evidence; the demo kind, whose gauge counts from arrival, acks the same stop."""
+    port, ops = free_ports(2)
+    vllm_agent = Proc("agent-vllm", [
+        sys.executable, "-m", "extproc", "agent", "--config", str(rig.workdir / "agent.yaml"),
+        "--listen", f"127.0.0.1:{port}", "--engine", f"127.0.0.1:{rig.engine_port}",
+        "--engine-kind", "vllm", "--engine-metrics", "demo_requests_running",
+        "--ops", f"127.0.0.1:{ops}", "--ack-timeout-s", "3",
+        "--fingerprint", "weights_revision=demo-1"], rig.workdir / "agent-vllm.log")
+    ensure_engine(rig)
+    vllm_agent.start()
+    try:
+        wait_until(lambda: _http_ok(f"http://127.0.0.1:{port}/healthz"), 20, "agent healthy")
+        for agent_port, acked in ((port, False), (rig.agent_port, True)):
+            rid, aid = ids()
+            rig.put(f"/live/{rid}", aid, rig.grant(30))
+            s = raw_post(agent_port, tracked(rid, aid,
+                                             **{"x-replica-fault": "silent-before-headers"}),
+                         body(8))
+            try:
+                wait_until(lambda: rig.gauge() == 1, 5, "the engine holding the request")
+                rig.put(f"/cancel/{rid}/{aid}", "1")
+                if acked:
+                    ack = json.loads(wait_value(rig, f"/ack/{rid}/{aid}"))
+                    assert ack["why"] == "cancel"
+                    assert ack["evidence"].startswith("demo_requests_running=0 <= 0")
+                else:
+                    def no_evidence() -> bool:
+                        text = httpx.get(f"http://127.0.0.1:{ops}/metrics", timeout=5).text
+                        return 'extproc_agent_no_evidence_total{why="cancel"} 1' in text
+                    wait_until(no_evidence, 8, "no_evidence counted")
+                    wait_until(lambda: rig.gauge() == 0, 5, "the engine letting go")
+                    time.sleep(0.3)  # an ack would be written at once: none comes
+                    assert rig.get(f"/ack/{rid}/{aid}") is None
+            finally:
+                s.close()
+    finally:
+        vllm_agent.stop()
+
+
 # --- the whole stack: Envoy + the processor + agents in front of the demo replicas --------
 
 
@@ -433,5 +476,95 @@ def test_through_envoy_a_stream_completes_and_an_engine_death_ends_in_band(
             (1, "killed", 2)]
         assert any(p.name.startswith("agent-") and p.alive()
                    for p in agents_stack.procs.values())
+    finally:
+        gw.client.close()
+
+
+def test_add_replica_starts_its_agent(agents_stack: Stack) -> None:
+    """A replica added to a stack with agents gets `agent-rN` in front of it: healthy, its
+    ops metrics served, a plain request proxied to the new engine, the agent's port
+    registered (with the agent named in the record)."""
+    name = agents_stack.add_replica()
+    assert name == "r3" and agents_stack.procs["agent-r3"].alive()
+    port, engine = agents_stack.agent_ports[2], agents_stack.replica_ports[2]
+    assert port != engine and len(agents_stack.agent_ops_ports) == 3
+    r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", content=body(4),
+                   headers={"content-type": "application/json"}, timeout=10)
+    assert r.status_code == 200 and r.text.count('"content":" ') == 4 \
+        and r.text.endswith("data: [DONE]\n\n")
+    assert agents_stack.agent_metrics("agent-r3")[
+        "extproc_agent_requests_untracked_total"] == 1.0
+    key = f"{P}/pool/127.0.0.1:{port}"
+
+    def record() -> dict[str, object] | None:
+        out = subprocess.run([_bin("etcdctl"), "--endpoints", agents_stack.etcd_endpoint,
+                              "get", key, "--print-value-only"], capture_output=True,
+                             text=True, timeout=10, check=True).stdout
+        return json.loads(out) if out.strip() else None
+
+    wait_until(lambda: record() is not None, 10, "the new agent's registration")
+    rec = record()
+    assert rec is not None and rec["address"] == f"127.0.0.1:{port}"
+    agent = rec["agent"]
+    assert isinstance(agent, dict) and agent["version"] == 1
+
+
+# --- agents behind partition proxies: Envoy -> proxy -> agent -> engine ----------------
+
+
+@pytest.fixture(scope="module")
+def partitioned_agents(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    from .conftest import E2E_CONFIG
+    st = Stack(workdir=tmp_path_factory.mktemp("agents-proxies"), config=E2E_CONFIG,
+               replicas=2, agents=True, partition_proxies=True, token_delay_ms=20).start()
+    try:
+        yield st
+    finally:
+        st.stop()
+
+
+def acks_of(st: Stack, rid: str) -> dict[str, dict[str, object]]:
+    out = subprocess.run([_bin("etcdctl"), "--endpoints", st.etcd_endpoint, "get", "--prefix",
+                          f"{P}/ack/{rid}/"], capture_output=True, text=True, timeout=10,
+                         check=True).stdout.splitlines()
+    return {k.rpartition("/")[2]: json.loads(v) for k, v in zip(out[::2], out[1::2],
+                                                                 strict=True)}
+
+
+def test_a_partition_before_the_agent_still_stops_the_engine(
+        partitioned_agents: Stack) -> None:
+    """Envoy dials the proxies, each proxy an agent, each agent its engine. The connection
+    cut after 2 deltas (no close crosses the cut): the client gets the 2 deltas and the
+    stall's terminal event; the gateway's release of live/<rid> reaches the agent over etcd,
+    which stops the engine's request and acknowledges it on the engine's own gauge."""
+    from .conftest import Gateway
+    st = partitioned_agents
+    assert st.front_ports() == st.proxy_ports
+    assert set(st.proxy_ports).isdisjoint(st.agent_ports + st.replica_ports)
+    st.wait_replicas_healthy()
+    gw = Gateway(st)
+    try:
+        ref = gw.post(gw.body(max_tokens=8))
+        assert ref.status == 200 and len(ref.contents) == 8 and ref.events[-1] == "[DONE]"
+        res = gw.post(gw.body(max_tokens=60), headers={"x-partition": "after-deltas:2"})
+        assert res.status == 200 and res.transport_error is None
+        assert res.contents == ref.contents[:2]
+        assert res.error is not None and res.error["code"] == "upstream_decode_interrupted"
+        j = gw.journal(res.request_id)
+        assert (j["outcome"], j["cause"]) == ("upstream_decode_interrupted", "stall")
+        (a1,) = j["attempts"]
+        cut = st.proxy_ports.index(int(a1["replica"].rpartition(":")[2]))
+        wait_until(lambda: a1["attempt_id"] in acks_of(st, res.request_id), 10,
+                   "the agent's acknowledgement")
+        ack = acks_of(st, res.request_id)[a1["attempt_id"]]
+        assert ack["why"] == "fenced"
+        assert str(ack["evidence"]).startswith("demo_requests_running=0 <= 0")
+        cuts = [c for c in st.proxy_log() if c["request_id"] == res.request_id]
+        assert len(cuts) == 1 and cuts[0]["forwarded_deltas"] == 2
+        m = st.agent_metrics(f"agent-r{cut + 1}")
+        assert m['extproc_agent_acks_total{why="fenced"}'] >= 1
+        # The engine stopped long before its 60 tokens (20 ms each): the agent's abort.
+        rows = [r for r in st.all_replica_logs() if r.get("request_id") == res.request_id]
+        assert len(rows) == 1 and rows[0]["tokens_written"] < 60, rows
     finally:
         gw.client.close()

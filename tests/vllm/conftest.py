@@ -100,11 +100,12 @@ def replica_env(index: int) -> dict[str, str]:
     return env
 
 
-STARTED: dict[int, float] = {}  # replica index -> monotonic time of its (last) start
+# (stack workdir, replica index) -> monotonic time of its (last) start
+STARTED: dict[tuple[str, int], float] = {}
 
 
 def replica_factory(index: int, port: int, workdir: Path) -> Proc:
-    STARTED[index] = time.monotonic()
+    STARTED[(str(workdir), index)] = time.monotonic()
     return Proc(name=f"r{index + 1}", argv=vllm_argv(port, index),
                 log_path=workdir / f"replica-r{index + 1}.log", env=replica_env(index))
 
@@ -301,18 +302,36 @@ class Engines:
                    and not group_pids(pg), timeout_s, f"{name} to exit")
 
     def healthy(self, name: str) -> bool:
-        return self.proc(name).alive() and http_ok(self.url(name) + "/health")
+        """The engine answers /health; with an agent in front, the agent's /healthz (which
+        follows the engine's as its probes see it) says so too."""
+        if not (self.proc(name).alive() and http_ok(self.url(name) + "/health")):
+            return False
+        if self.stack.agents:
+            port = self.stack.agent_ports[int(name[1:]) - 1]
+            return http_ok(f"http://127.0.0.1:{port}/healthz")
+        return True
+
+    def held(self, name: str) -> float:
+        """vLLM's own count of the requests it holds: running + waiting (its /metrics)."""
+        with urllib.request.urlopen(self.url(name) + "/metrics", timeout=5) as r:
+            text = r.read().decode()
+        total = 0.0
+        for m in re.finditer(r"^vllm:num_requests_(?:running|waiting)\{[^}]*\} ([0-9.e+]+)$",
+                             text, re.M):
+            total += float(m.group(1))
+        return total
 
     def ensure_all_healthy(self, timeout_s: float = 180.0) -> None:
         """Restart any replica a previous test stopped (same port), then wait for all."""
         restarted = []
         before = shm_names()
+        wd = str(self.stack.workdir)
         for name in self.names:
             p = self.proc(name)
             if not p.alive():
                 p.stop()  # reaps the leader and SIGKILLs anything left in its group
                 reap_leaked_shm()
-                STARTED[int(name[1:]) - 1] = time.monotonic()
+                STARTED[(wd, int(name[1:]) - 1)] = time.monotonic()
                 p.restarts += 1
                 p.start()
                 restarted.append(name)
@@ -320,7 +339,7 @@ class Engines:
             wait_until(lambda name=name: self.healthy(name), timeout_s, f"{name} healthy",
                        interval_s=0.25)
             if name in restarted:
-                t0 = STARTED[int(name[1:]) - 1]
+                t0 = STARTED[(wd, int(name[1:]) - 1)]
                 MEASURED.setdefault("restart_to_health_s", []).append(
                     round(time.monotonic() - t0, 1))
         if restarted:
@@ -568,28 +587,31 @@ def long_prompt(words: int = 1000) -> str:
 # --- fixtures ------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="session")
-def vstack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    if not VLLM_PYTHON.exists():
-        pytest.fail(f"{VLLM_PYTHON} missing: run `make test-vllm` (it installs the vLLM venv)")
-    if not (MODEL_DIR / "config.json").exists():
-        pytest.fail(f"{MODEL_DIR} missing: run `make test-vllm` (it builds the model)")
-    wd: Path = tmp_path_factory.mktemp("vllm-stack")
-    st = Stack(workdir=wd, config=CONFIG, replicas=2, partition_proxies=True,
-               replica_factory=replica_factory, health_path="/health",
-               replica_start_timeout_s=120, supervise_replicas=False)
-    # Per-replica time to /health, watched while the stack starts them together.
+def vllm_stack(wd: Path, agents: bool = False, config: dict[str, Any] | None = None) -> Stack:
+    """Two vLLM replicas behind etcd + the processor + Envoy, a partition proxy in front of
+    each. `agents`: an `extproc agent --engine-kind vllm` in front of each vLLM (vLLM on its
+    own loopback port, the agent on the one the proxy dials: Envoy -> proxy -> agent -> vLLM),
+    stopped by PID with the stack; killing `rN` kills vLLM's process group alone."""
+    return Stack(workdir=wd, config=config or CONFIG, replicas=2, partition_proxies=True,
+                 replica_factory=replica_factory, health_path="/health",
+                 replica_start_timeout_s=120, supervise_replicas=False,
+                 agents=agents, agent_engine_kind="vllm", agent_ack_timeout_s=5.0)
+
+
+def start_measured(st: Stack, into: dict[str, Any]) -> None:
+    """Start a stack, measuring each replica's time to /health while they start together."""
     ready: dict[str, float] = {}
     stop = threading.Event()
+    wd = str(st.workdir)
 
     def watch() -> None:
         deadline = time.monotonic() + 180
         while not stop.is_set() and time.monotonic() < deadline and len(ready) < 2:
             for i, port in enumerate(list(st.replica_ports)):
                 name = f"r{i + 1}"
-                if name not in ready and i in STARTED and http_ok(
+                if name not in ready and (wd, i) in STARTED and http_ok(
                         f"http://127.0.0.1:{port}/health", 0.3):
-                    ready[name] = round(time.monotonic() - STARTED[i], 1)
+                    ready[name] = round(time.monotonic() - STARTED[(wd, i)], 1)
             time.sleep(0.25)
 
     watcher = threading.Thread(target=watch, daemon=True)
@@ -603,11 +625,30 @@ def vstack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         stop.set()
         watcher.join(2)
     OWNED_SHM.update(shm_names() - shm_before)
-    MEASURED["stack_start_s"] = round(time.monotonic() - t0, 1)
-    MEASURED["replica_start_to_health_s"] = ready
-    MEASURED["machine_used_gib_before_after_start"] = [used_before, machine_used_gib()]
+    into["stack_start_s"] = round(time.monotonic() - t0, 1)
+    into["replica_start_to_health_s"] = ready
+    into["machine_used_gib_before_after_start"] = [used_before, machine_used_gib()]
+    into["workdir"] = str(st.workdir)
+
+
+def write_results() -> None:
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(MEASURED, indent=1, sort_keys=True) + "\n")
+
+
+def check_vllm_ready() -> None:
+    if not VLLM_PYTHON.exists():
+        pytest.fail(f"{VLLM_PYTHON} missing: run `make test-vllm` (it installs the vLLM venv)")
+    if not (MODEL_DIR / "config.json").exists():
+        pytest.fail(f"{MODEL_DIR} missing: run `make test-vllm` (it builds the model)")
+
+
+@pytest.fixture(scope="session")
+def vstack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    check_vllm_ready()
+    st = vllm_stack(tmp_path_factory.mktemp("vllm-stack"))
+    start_measured(st, MEASURED)
     MEASURED["model_dir"] = str(MODEL_DIR)
-    MEASURED["workdir"] = str(wd)
     try:
         yield st
     finally:
@@ -617,8 +658,26 @@ def vstack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             st.stop()
             time.sleep(0.5)
             reap_leaked_shm(final=True)
-            RESULTS.parent.mkdir(parents=True, exist_ok=True)
-            RESULTS.write_text(json.dumps(MEASURED, indent=1, sort_keys=True) + "\n")
+            write_results()
+
+
+@pytest.fixture(scope="session")
+def astack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """The same stack with a replica agent in front of each vLLM (tests/vllm/test_04)."""
+    check_vllm_ready()
+    st = vllm_stack(tmp_path_factory.mktemp("vllm-agent-stack"), agents=True)
+    into: dict[str, Any] = MEASURED.setdefault("agent_stack", {})
+    start_measured(st, into)
+    try:
+        yield st
+    finally:
+        try:
+            into["memory_at_end"] = Engines(st).memory()
+        finally:
+            st.stop()
+            time.sleep(0.5)
+            reap_leaked_shm(final=True)
+            write_results()
 
 
 @pytest.fixture
@@ -631,6 +690,21 @@ def engines(vstack: Stack) -> Engines:
 @pytest.fixture
 def gw(vstack: Stack, engines: Engines) -> Iterator[Client]:
     c = Client(vstack.base_url)
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def aengines(astack: Stack) -> Engines:
+    e = Engines(astack)
+    e.ensure_all_healthy()
+    return e
+
+
+@pytest.fixture
+def agw(astack: Stack, aengines: Engines) -> Iterator[Client]:
+    """Through Envoy to the replicas' agents."""
+    c = Client(astack.base_url)
     yield c
     c.close()
 
