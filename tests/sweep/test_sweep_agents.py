@@ -27,6 +27,7 @@ from devkit.sweep.harness import (
     SweepEnv,
     Unsupported,
     check,
+    known_issue,
     parse_sse,
     reference_tokens,
 )
@@ -48,6 +49,8 @@ def test_fault_behind_agent(sweep_env: SweepEnv, case: Case) -> None:
         res = sweep_env.run(case)
     except Unsupported as e:
         pytest.skip(str(e))
+    if (known := known_issue(res)) is not None:
+        pytest.xfail(f"known product issue: {known}\n{res.report()}")
     assert not res.violations, res.report()
 
 
