@@ -31,7 +31,7 @@ from typing import Any
 import httpx
 
 from devkit.demo.tokens import chat_prompt, generate_tokens
-from devkit.devstack import Stack
+from devkit.devstack import Stack, free_ports
 from extproc.core.journal import request_id_for_key
 
 # ----- the reference answer -------------------------------------------------------------
@@ -54,6 +54,7 @@ CONFIG: dict[str, Any] = {
     # its own (tests/e2e/test_pool.py) and set out of the way here.
     "policy": {"retry_budget": {"min_retry_concurrency": 1000000}},
 }
+SOURCE_GRACE_S = 0.5  # with agents: a lost path fails this long after the agent's word
 UNSAFE_ENV = {"EXTPROC_UNSAFE_RELEASE_WITHOUT_FENCE": "1"}
 
 TOKEN_DELAY_MS = "40"  # for faults the client times itself (disconnect, etcd, processor)
@@ -82,6 +83,9 @@ class Case:
     index: int
     stream: bool
     seed: int = DEFAULT_SEED
+    # The replicas sit behind `extproc agent` (issue 26, decisions 0033/0034): the fault
+    # kills the engine, the agent lives, and the gateway hears the agent's word.
+    agents: bool = False
 
     @property
     def mode(self) -> str:
@@ -89,7 +93,8 @@ class Case:
 
     @property
     def case_id(self) -> str:
-        return f"{self.kind}@{self.index}/{self.mode}/seed{self.seed}"
+        return (f"{self.kind}@{self.index}/{self.mode}/seed{self.seed}"
+                + ("/agents" if self.agents else ""))
 
     @property
     def slug(self) -> str:
@@ -97,18 +102,23 @@ class Case:
 
     def repro(self) -> str:
         return ("python -m devkit.sweep --case "
-                + shlex.quote(f"{self.kind}@{self.index}/{self.mode}") + f" --seed {self.seed}")
+                + shlex.quote(f"{self.kind}@{self.index}/{self.mode}") + f" --seed {self.seed}"
+                + (" --agents" if self.agents else ""))
 
     def __str__(self) -> str:
-        return f"{self.kind}@{self.index}/{self.mode}"
+        return f"{self.kind}@{self.index}/{self.mode}" + ("+agents" if self.agents else "")
 
     @staticmethod
-    def parse(text: str, seed: int = DEFAULT_SEED) -> Case:
+    def parse(text: str, seed: int = DEFAULT_SEED, agents: bool = False) -> Case:
         m = re.fullmatch(r"([a-z-]+)@(\d+)/(stream|unary)", text.strip())
         if not m or m.group(1) not in KINDS:
             raise ValueError(f"expected KIND@INDEX/stream|unary with KIND one of "
                              f"{', '.join(KINDS)}; got {text!r}")
-        return Case(m.group(1), int(m.group(2)), m.group(3) == "stream", seed)
+        kind = KINDS[m.group(1)]
+        if kind.agents is not None and kind.agents != agents:
+            raise ValueError(f"{kind.name} runs only " + ("with" if kind.agents else "without")
+                             + " --agents")
+        return Case(m.group(1), int(m.group(2)), m.group(3) == "stream", seed, agents)
 
 
 @dataclass
@@ -142,6 +152,9 @@ class Kind:
     interrupted: frozenset[str]  # the journal outcome after a partial delivery
     build: Callable[[SweepEnv, Stack, Case], Plan]
     journal_settle_s: float = 6.0
+    # None: in both sweeps; True: only with the replica agents; False: only without them
+    # (with agents, `kill-after-deltas` is `engine-dies`: the same fault, a new expectation).
+    agents: bool | None = None
 
 
 def _fault(spec: Callable[[int], str]) -> Callable[[SweepEnv, Stack, Case], Plan]:
@@ -284,7 +297,11 @@ KINDS: dict[str, Kind] = {k.name: k for k in [
     Kind("kill-after-compute", "SIGKILL (FIN) after computing i tokens, none written", "main",
          ALL, ALL, QUICK, QUICK_UNARY, True, UDI, _fault(lambda i: f"kill-after-compute:{i}")),
     Kind("kill-after-deltas", "SIGKILL (FIN) after writing i deltas", "main",
-         ALL, ALL, QUICK, QUICK_UNARY, True, UDI, _fault(lambda i: f"kill-after-deltas:{i}")),
+         ALL, ALL, QUICK, QUICK_UNARY, True, UDI, _fault(lambda i: f"kill-after-deltas:{i}"),
+         agents=False),
+    Kind("engine-dies", "the engine (demo replica) SIGKILLed after writing i deltas, its "
+         "agent alive", "main", ALL, ALL, QUICK, QUICK_UNARY, True, UDI,
+         _fault(lambda i: f"kill-after-deltas:{i}"), agents=True),
     Kind("reset-after-deltas", "RST (SO_LINGER 0) + SIGKILL after writing i deltas", "main",
          ALL, ALL, QUICK, QUICK_UNARY, True, UDI, _fault(lambda i: f"reset-after-deltas:{i}")),
     Kind("error-after-deltas", "in-band error event (500 unary) after i deltas", "main",
@@ -317,8 +334,10 @@ STACK_ORDER = ("main", "partition", "unsafe")
 
 def plan_cases(quick: bool, seed: int = DEFAULT_SEED, kinds: Iterable[str] | None = None,
                indices: Iterable[int] | None = None, modes: Iterable[str] = ("stream", "unary"),
-               ) -> list[Case]:
-    """The deterministic case list, grouped by stack so each stack starts once."""
+               agents: bool = False) -> list[Case]:
+    """The deterministic case list, grouped by stack so each stack starts once; with
+    `agents`, the kinds of the sweep behind replica agents (`engine-dies` in place of
+    `kill-after-deltas`)."""
     want = set(kinds) if kinds is not None else set(KINDS)
     unknown = want - set(KINDS)
     if unknown:
@@ -329,12 +348,14 @@ def plan_cases(quick: bool, seed: int = DEFAULT_SEED, kinds: Iterable[str] | Non
         for k in KINDS.values():
             if k.name not in want or k.stack != stack:
                 continue
+            if k.agents is not None and k.agents != agents:
+                continue
             full = not quick or only is not None  # explicit indices pick from every index
             for stream, idx in ((True, k.streaming if full else k.quick_streaming),
                                 (False, k.unary if full else k.quick_unary)):
                 if ("stream" if stream else "unary") not in modes:
                     continue
-                out += [Case(k.name, i, stream, seed) for i in idx
+                out += [Case(k.name, i, stream, seed, agents) for i in idx
                         if only is None or i in only]
     return out
 
@@ -762,6 +783,9 @@ def check(ev: Evidence) -> tuple[list[Violation], str, int]:
                     bad("I4", f"attempt {b['attempt']} admitted {b0 - a1:.2f} s after attempt "
                         f"{a['attempt']} ended, before its lease could expire (TTL {TTL} s)")
 
+    if case.agents:
+        check_agents(ev, atts, k, complete, err_event, bad)
+
     # I5: every tool key executed at most once.
     keys: dict[str, int] = {}
     for t in ev.tools:
@@ -778,6 +802,77 @@ def check(ev: Evidence) -> tuple[list[Violation], str, int]:
 
     category = "violation" if out else ("complete" if complete else "clean_error")
     return out, category, k
+
+
+# With agents: faults that kill the engine (or reset its connection) while its agent lives.
+ENGINE_DEATH = frozenset({"engine-dies", "reset-after-deltas", "tool-kill-deltas"})
+# With agents: faults before the first delta that the retry must recover on the other
+# replica (the engine's death before content is a reset towards Envoy: decision 0033).
+RERUN_BEFORE_DELTA = frozenset({"kill-before-headers", "kill-after-headers",
+                                "kill-after-compute", "engine-dies", "reset-after-deltas",
+                                "error-after-deltas", "tool-kill-compute", "tool-kill-deltas"})
+
+
+def check_agents(ev: Evidence, atts: list[dict[str, Any]], k: int, complete: bool,
+                 err_event: dict[str, Any] | None, bad: Callable[[str, str], None]) -> None:
+    """What the replica agents add to the invariants (issue 26, decisions 0033/0034)."""
+    case, v = ev.case, ev.view
+    # The engine died after a delivered delta and the agent lives: the client gets the
+    # exact prefix (I1 above) and the in-band terminal event, never a transport cut.
+    if case.kind in ENGINE_DEATH and case.stream and k >= 1 and not complete:
+        if v.transport_error is not None:
+            bad("I2", f"the engine died after {k} delivered deltas with its agent alive, but "
+                f"the client's stream was cut ({v.transport_error}), not ended in-band")
+        if err_event is None:
+            bad("I2", "the engine died after a delivered delta with its agent alive, but the "
+                "client got no upstream_decode_interrupted event")
+    # Killed before the first delta: one re-run on the other replica, 2 attempts in all.
+    if case.kind in RERUN_BEFORE_DELTA and k == 0:
+        runs = {int(r.get("attempt", 0)): r.get("replica") for r in ev.rows}
+        if len(atts) != 2:
+            bad("I3", f"a fault before the first delta behind an agent: expected exactly 2 "
+                f"attempts (the re-run), the journal has {len(atts)}")
+        elif runs.get(1) is not None and runs.get(1) == runs.get(2):
+            bad("I3", f"the re-run ran on the same replica {runs.get(1)} as the failed attempt")
+    # The agent's word about a lost path, the cancel and its acknowledgement: an uncertain
+    # end of an agent-fronted attempt before release asks its agent to stop it at the engine
+    # (0034). A released attempt's end deletes its `live` key with the request: the agent's
+    # own watch stops it (0033), no cancel is written.
+    for a in atts:
+        if (a.get("failure_class") == "network_uncertain" and not a.get("released")
+                and not a.get("cancel_sent")):
+            bad("I4", f"attempt {a.get('attempt')} ended network_uncertain behind an agent, "
+                "but the gateway sent the agent no cancel")
+        if a.get("cancel_ack") is not None and a.get("fence") != "revoked":
+            bad("I4", f"attempt {a.get('attempt')} has a cancel_ack but fence "
+                f"{a.get('fence')!r} (an acknowledged cancel revokes the fence)")
+    if case.kind == "partition" and atts:
+        check_partition_agents(ev, atts, k, bad)
+
+
+def check_partition_agents(ev: Evidence, atts: list[dict[str, Any]], k: int,
+                           bad: Callable[[str, str], None]) -> None:
+    """A partition behind an agent: the agent's `src/` word fails the attempt within
+    `source_grace_s` of it (not `first_delta_s`) once the response headers came, and the
+    gateway asks the agent to cancel. Time bounds only as bounds."""
+    first = atts[0]
+    fd = float(CONFIG["timeouts"]["first_delta_s"])
+    if ev.case.stream and ev.case.index == 0:
+        if not first.get("path_lost"):
+            bad("I3", "partition after the role event behind an agent: attempt 1 is not "
+                "recorded path_lost")
+        sent = first.get("source_sent_at")
+        if sent is None:
+            bad("I3", "partition behind an agent: attempt 1 has no source_sent_at (the "
+                "agent's word that its first content left)")
+        elif len(atts) >= 2:
+            ended = float(first.get("ended_at") or 0)
+            if not SOURCE_GRACE_S - 0.05 <= ended - float(sent) < fd:
+                bad("I3", f"attempt 1 ended {ended - float(sent):.2f} s after the agent's "
+                    f"word; expected within [{SOURCE_GRACE_S}, {fd}) s (source_grace_s, not "
+                    "first_delta_s)")
+    if first.get("path_lost") and not first.get("cancel_sent"):
+        bad("I4", "attempt 1 lost its path but the gateway sent its agent no cancel")
 
 
 # Kinds whose replica is confirmed gone or answering: its attempt should be revoked, not
@@ -808,7 +903,13 @@ def observe(ev: Evidence) -> list[str]:
 # the quick subset in `make test` xfails it instead of failing. Remove an entry once fixed.
 # Product defects the sweep found and that are not fixed yet: (kind, message patterns, what).
 # Empty: the last one (an outcome lost after an in-band error) was fixed in the guard.
-KNOWN_ISSUES: list[tuple[str, tuple[str, ...], str]] = []
+KNOWN_ISSUES: list[tuple[str, tuple[str, ...], str]] = [
+    # Behind agents (docs/sweep.md): the agent applies a live/<rid> watch event without
+    # comparing its revision with its admission read, so the stale DELETE of attempt 1's
+    # live key fences attempt 2 just admitted: a 409 attempt_fenced reaches the client.
+    (kind, (r"status 409, error attempt_fenced",),
+     "agent: a stale live/ watch event fences the re-run (409 attempt_fenced)")
+    for kind in sorted(RERUN_BEFORE_DELTA)]
 
 
 def known_issue(res: CaseResult) -> str | None:
@@ -824,6 +925,29 @@ def known_issue(res: CaseResult) -> str | None:
 
 # ----- running cases --------------------------------------------------------------------
 
+class Unsupported(Exception):
+    """The devstack cannot build the stack this case needs (e.g. agents behind partition
+    proxies before devkit.devstack supports it): the case is skipped, with this reason."""
+
+
+def agents_config(partition: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The processor config and Stack arguments for a stack whose replicas sit behind
+    agents: the ports Envoy dials are chosen now, so the static pool can name them with
+    `agent: {version: 1}` (decision 0034: only then does the gateway send its processor id,
+    hear `src/` and put cancels)."""
+    n = 2
+    ports = free_ports(2 * n if partition else n)
+    front = ports[:n]
+    extra: dict[str, Any] = ({"proxy_ports": front, "agent_ports": ports[n:]} if partition
+                             else {"agent_ports": front})
+    fp = {"weights_revision": "demo-1"}  # the devstack's default fingerprint
+    config = {**CONFIG,
+              "timeouts": {**CONFIG["timeouts"], "source_grace_s": SOURCE_GRACE_S},
+              "pool": {"replicas": [{"address": f"127.0.0.1:{p}", "fingerprint": fp,
+                                     "agent": {"version": 1}} for p in front]}}
+    return config, extra
+
+
 class SweepEnv:
     """Owns at most one Stack at a time (main, partition, unsafe) and runs cases on it."""
 
@@ -836,24 +960,40 @@ class SweepEnv:
         self.stack: Stack | None = None
         self.flavour: str | None = None
         self.refs: dict[tuple[str, bool, int], Any] = {}
+        self.unsupported: dict[str, str] = {}  # stack key -> why it cannot be built
+        self.skipped: list[tuple[Case, str]] = []
         self.results: list[CaseResult] = []
         (out_dir / "failures").mkdir(parents=True, exist_ok=True)
         self.results_path = out_dir / "results.jsonl"
 
     # --- stacks -----------------------------------------------------------------------
 
-    def get(self, flavour: str) -> Stack:
-        if self.flavour == flavour and self.stack is not None:
+    def get(self, flavour: str, agents: bool = False) -> Stack:
+        """The stack of this flavour (`main`, `partition`, `unsafe`), with a replica agent
+        in front of every demo replica when `agents`; raises Unsupported when the devstack
+        cannot build that combination."""
+        key = flavour + ("+agents" if agents else "")
+        if self.flavour == key and self.stack is not None:
             return self.stack
+        if key in self.unsupported:
+            raise Unsupported(self.unsupported[key])
         self.close()
         wd = self.workdir / f"stack-{flavour}-{uuid.uuid4().hex[:6]}"
         t0 = time.monotonic()
-        st = Stack(workdir=wd, config=CONFIG, replicas=2,
+        config, extra = CONFIG, dict[str, Any]()
+        if agents:
+            config, extra = agents_config(partition=flavour == "partition")
+        st = Stack(workdir=wd, config=config, replicas=2,
                    tool_server=flavour == "main",
                    partition_proxies=flavour == "partition",
-                   processor_env=UNSAFE_ENV if flavour == "unsafe" else None)
-        st.start()
-        self.stack, self.flavour = st, flavour
+                   processor_env=UNSAFE_ENV if flavour == "unsafe" else None,
+                   agents=agents, **extra)
+        try:
+            st.start()
+        except ValueError as e:  # the devstack says it cannot combine these (yet)
+            self.unsupported[key] = f"Stack({flavour}, agents=True): {e}"
+            raise Unsupported(self.unsupported[key]) from e
+        self.stack, self.flavour = st, key
         self.wait_gateway(st, 20.0)
         self.log(f"# stack {flavour} up in {time.monotonic() - t0:.1f}s (logs: {wd})")
         return st
@@ -912,7 +1052,7 @@ class SweepEnv:
 
     def run(self, case: Case, flavour: str | None = None) -> CaseResult:
         kind = KINDS[case.kind]
-        stack = self.get(flavour or kind.stack)
+        stack = self.get(flavour or kind.stack, case.agents)
         t0 = time.monotonic()
         stack.wait_replicas_healthy(20.0)
         ref = self.reference(stack, case.stream, case.seed)
@@ -945,7 +1085,11 @@ class SweepEnv:
                                 "attempts": [
                                     {x: a.get(x) for x in ("attempt", "failure_class", "fence",
                                                            "envoy_cause", "released",
-                                                           "waited_for_previous_s")}
+                                                           "waited_for_previous_s",
+                                                           "path_lost", "cancel_sent",
+                                                           "cancel_ack", "engine_ack",
+                                                           "source_sent_at")
+                                     if x in a}
                                     for a in (ev.journal or {}).get("attempts") or []],
                                 "violations": [str(x) for x in violations],
                                 "observations": res.observations,
@@ -1140,7 +1284,12 @@ def run_cases(env: SweepEnv, cases: list[Case], budget_s: float | None = None,
             env.log(f"# time budget of {budget_s:.0f}s used up: {len(cases) - n + 1} cases "
                     "not run")
             return
-        res = env.run(case, flavour)
+        try:
+            res = env.run(case, flavour)
+        except Unsupported as e:
+            env.skipped.append((case, str(e)))
+            env.log(f"[{n:>3}/{len(cases)}] {case!s:<32} skipped: {e}")
+            continue
         env.log(f"[{n:>3}/{len(cases)}] {case!s:<32} {res.category:<11} "
                 f"{res.duration_s:5.1f}s  {res.summary}")
         for v in res.violations:
