@@ -30,6 +30,7 @@ help:
 	@echo "make bench-abandoned  engine-seconds spent on abandoned attempts per 100 faults, with and without the replica agent"
 	@echo "make profile    where the processor's time goes under load (py-spy)"
 	@echo "make sweep      the full fault sweep (docs/sweep.md)"
+	@echo "make sweep-agents  the full fault sweep with a replica agent in front of each replica (docs/sweep.md)"
 	@echo "make soak       chaos: traffic while replicas, processor, etcd members fail (DURATION=180 SEED=1, docs/chaos.md)"
 	@echo "make test-vllm  the scenarios against real vLLM replicas (docs/real-engine.md)"
 
