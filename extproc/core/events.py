@@ -15,6 +15,7 @@ from typing import Any, Literal, TypeAlias
 
 from .admission import Admitted, AttemptRequest
 from .errors import GatewayError
+from .handoff import HandOff
 from .journal import Outcome
 from .records import AttemptFacts
 from .usage import UsageMode
@@ -150,6 +151,12 @@ class StatusRead:
     view: Any = None  # core.journal.JournalView | None
     tenant: str = ""
     down: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestBody:
+    """Guard: a request body came; the rows say whether it is read (`ReadBody`: a
+    generation's, awaited) or passes (`PassBody`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,7 +303,7 @@ Event: TypeAlias = (SourceSent | AckLearned
                     | StreamClosed | CauseLearned | RecordWritten | ProgressWritten
                     | Fenced
                     | LeaseLost | RequestHeadersSeen | RequestBodySeen | RequestOpened
-                    | StatusRead | NotConfirmed | LiveChanged)
+                    | StatusRead | NotConfirmed | LiveChanged | RequestBody)
 
 # --- actions --------------------------------------------------------------------------
 
@@ -434,6 +441,8 @@ class PassHeaders:
     Envoy retries a non-2xx; decision 0024)."""
 
     retry: bool = False
+    # The guard's: our error's shape (JSON) replaces Envoy's or the replica's 5xx body.
+    as_json: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -598,10 +607,21 @@ class IntakeFailed:
 
 @dataclass(frozen=True, slots=True)
 class TakeOver:
-    """Guard: own the released attempt the gate handed over (`handoff`, its header form):
-    its end, its record and its fence."""
+    """Guard: own the released attempt the gate handed over (`handoff`, read from its
+    header; None: unreadable): its end, its record and its fence."""
 
-    handoff: str
+    handoff: HandOff | None
+
+
+@dataclass(frozen=True, slots=True)
+class ReadBody:
+    """Guard: read the generation's body (core.intake, through the record's ports); feed
+    RequestBodySeen."""
+
+
+@dataclass(frozen=True, slots=True)
+class PassBody:
+    """Guard: a body that is not read (not a generation's, or not awaited) goes on."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -690,7 +710,8 @@ Action: TypeAlias = (WatchSource | MarkPathLost | PutCancel | AwaitAck | AckSett
                      | AwaitCause | EndAttempt | Finish | OpenIntake
                      | RegisterIntake | AnswerBody | AwaitIntake | Accepted | IntakeFailed
                      | TakeOver | PassAside | WriteProgress | AnswerHeaders | PassRequest
-                     | LookUpStatus | AnswerStatus | StartToolCall | LoseLease)
+                     | LookUpStatus | AnswerStatus | StartToolCall | LoseLease | ReadBody
+                     | PassBody)
 
 
 class State(StrEnum):
