@@ -23,7 +23,6 @@ from ..core.budget import RetryBudget
 from ..core.credentials import digest
 from ..core.errors import GatewayError
 from ..core.guard import GuardMachine
-from ..core.handoff import HandOff
 from ..core.intake import (
     Generation,
     Prepared,
@@ -100,10 +99,6 @@ class GuardSession(Session):
         self.cred1: str | None = None
         self.released: Released | None = None  # the attempt the gate handed over
         self.body = b""  # the request body until a row reads it (ReadBody)
-
-    @property
-    def attempt(self) -> HandOff | None:
-        return self.released.handoff if self.released is not None else None
 
     @property
     def aid1(self) -> str:
