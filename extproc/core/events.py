@@ -213,8 +213,9 @@ class ResponseHeaders:
 class ResponseBody:
     data: bytes
     end_of_stream: bool
-    # Guard: the released attempt's lease, as its port answers with this chunk, has run out
-    # locally (its deadline moves with the process lease's keep-alives; trace format 3).
+    # The attempt's lease, as its port answers with this chunk, has run out or was lost
+    # (the guard's released attempt, trace format 3; the gate's, too, since issue 25's
+    # last pass): its deadline moves with the process lease's keep-alives.
     lease_expired: bool = False
 
 
@@ -244,7 +245,8 @@ class Fenced:
 @dataclass(frozen=True, slots=True)
 class LeaseLost:
     """Gate: after release, its attempt's lease is gone (lapsed locally, or revoked): the
-    rest of what the replica sends may not be published."""
+    rest of what the replica sends may not be published. Read from traces kept before the
+    chunk carried the lease's answer (`ResponseBody.lease_expired`); no longer fed."""
 
 
 @dataclass(frozen=True, slots=True)
