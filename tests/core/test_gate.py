@@ -357,6 +357,32 @@ def test_a_lost_lease_after_release_drops_the_rest() -> None:
     assert [e["type"] for e in m.trace][-3:] == ["LeaseLost", "ResponseBody", "ResponseBody"]
 
 
+def test_the_chunk_that_finds_the_lease_run_out_ends_it_once_after_release() -> None:
+    # The session's lease check is the chunk's own field: the row ends the permission
+    # (LoseLease) and drops the rest; said once, then only drops.
+    m = GateMachine.new(RID)
+    admit(m)
+    m.handle(ResponseHeaders(200, SSE))
+    m.handle(ResponseBody(b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n', False))
+    m.handle(FenceDecided(True))
+    assert m.handle(ResponseBody(b"x", False, lease_expired=True)) == [
+        LoseLease("expired locally"), DropChunk()]
+    assert m.handle(ResponseBody(b"", True, lease_expired=True)) == [DropChunk()]
+    assert m.trace[-2]["lease_expired"] is True
+
+
+def test_a_lease_run_out_before_release_is_ended_and_the_chunk_handled_as_ever() -> None:
+    # Before the release the fence itself checks the lease; the permission ends at once.
+    m = admitted_gate()
+    m.handle(ResponseHeaders(200, SSE))
+    assert m.handle(ResponseBody(ROLE, False, lease_expired=True)) == [
+        LoseLease("expired locally"), HoldChunk()]
+    p = admitted_gate()
+    p.handle(ResponseHeaders(400, "application/json"))
+    assert p.handle(ResponseBody(b"{}", True, lease_expired=True)) == [
+        LoseLease("expired locally"), PassChunk()]
+
+
 
 
 # --- the admission: every wait a row -----------------------------------------------------
