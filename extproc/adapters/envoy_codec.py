@@ -14,6 +14,7 @@ from google.protobuf.duration_pb2 import Duration
 
 from ..core import headers as H
 from ..core.errors import GatewayError
+from ..core.events import ResponseHeaders
 from ..gen.envoy.config.core.v3 import base_pb2 as core
 from ..gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from ..gen.envoy.type.v3 import http_status_pb2 as hs
@@ -30,6 +31,25 @@ def headers_dict(hm: core.HeaderMap) -> dict[str, str]:
     for h in hm.headers:
         out[h.key] = h.raw_value.decode("latin-1") if h.raw_value else h.value
     return out
+
+
+def _int(v: str | None) -> int:
+    try:
+        return int(v or 0)
+    except ValueError:
+        return 0
+
+
+def response_headers(msg: ep.ProcessingRequest) -> ResponseHeaders:
+    """Envoy's response headers as the event both roles read (`:status` parsed here only;
+    0 when absent or unreadable)."""
+    rh = msg.response_headers
+    hd = headers_dict(rh.headers)
+    return ResponseHeaders(_int(hd.get(":status")), hd.get("content-type", ""),
+                           rh.end_of_stream, envoy_reply=H.ENVOY_REPLY in hd,
+                           ours=H.GATEWAY_ERROR in hd, handoff=hd.get(H.HANDOFF),
+                           model_revision=hd.get("x-model-revision"),
+                           retry_after=hd.get("retry-after"))
 
 
 def attributes(req: ep.ProcessingRequest) -> dict[str, Any]:

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
-
-from opentelemetry.trace import Span
 
 from ..core import events as E
 from ..core import headers as H
@@ -23,14 +21,7 @@ from ..core.admission import RETRY_HEADER, decide
 from ..core.budget import RetryBudget
 from ..core.credentials import digest
 from ..core.errors import GatewayError
-from ..core.gate import (
-    GateMachine,
-    GateParams,
-    clean,
-    request_started,
-    response_started,
-    word,
-)
+from ..core.gate import GateMachine, GateParams, clean, request_started, word
 from ..core.handoff import HandOff
 from ..core.health import HostHealth
 from ..core.pool import Pool
@@ -101,12 +92,12 @@ class GateSession(Session):
                  "timers")
 
     def __init__(self, proc: GatePorts, ctx: Messages) -> None:
-        self.detach = False
-        self.p: GatePorts = proc
-        self.ctx = ctx
+        self.detach, self.closed, self.p, self.ctx = False, False, proc, ctx
+        self.lock, self.md, self.span = asyncio.Lock(), {}, INVALID
         self.m: GateMachine | None = None
         self.rid: str | None = None
         self.replica: str | None = None
+        self.parent_tp: str | None = None
         self.lease: AttemptLease | None = None
         # This attempt's credential (decision 0028): attempt 1's from the guard, any other's
         # minted at its admission. Sent upstream only; never logged, traced or handed off.
@@ -114,56 +105,32 @@ class GateSession(Session):
         self.timers = TimerSet(proc.timers, proc.clock, self._fired)
         self._unwatch: Callable[[], None] | None = None
         self.agent: AgentLink | None = None  # an agent-fronted replica's (decision 0034)
-        self.closed = False
-        self.lock = asyncio.Lock()
-        self.md: dict[str, str] = {}
-        self.span: Span = INVALID
-        self.parent_tp: str | None = None
 
     # --- Envoy's messages -> events ---------------------------------------------------
 
-    async def on_message(self, msg: ep.ProcessingRequest) -> None:
-        which = msg.WhichOneof("request")
+    async def on_message(self, which: str, msg: ep.ProcessingRequest) -> None:
         if which == "request_headers":
-            hd = codec.headers_dict(msg.request_headers.headers)
-            self.replica = str(codec.attributes(msg).get("upstream.address") or "") or None
-            self.parent_tp = hd.get(TRACEPARENT_HEADER)
-            clock = self.p.clock
-            got = request_started(hd, self.replica, self.p.ids.attempt_id, clock.monotonic(),
-                                  clock.wall())
-            if got is None:  # not a journaled request (e.g. /v1/models): nothing to gate
-                await self.write(codec.continue_request_headers())
-                return
-            ev, self.secret = got
-            self.rid = hd[H.REQUEST_ID]
-            self.m = GateMachine.new(self.rid, params=self.p.gate_params)
-            await self.feed(ev)
-        elif which == "response_headers":
-            if self.m is not None and UNSAFE_RELEASE_WITHOUT_FENCE:
-                # Test-only sabotage (docs/sweep.md): release at once, no hold, no fence.
-                # The fault sweep must catch what this breaks; never set it in production.
-                self.m = None
-            if self.m is None:
-                await self.write(codec.continue_response_headers(remove=(H.HANDOFF,)))
-                return
-            await self.feed(response_started(codec.headers_dict(msg.response_headers.headers),
-                                             msg.response_headers.end_of_stream))
-        elif which == "response_body":
-            if self.m is None:
-                await self.write(codec.continue_response_body())
-                return
-            lease = self.lease
-            if lease is not None and not lease.valid() and not self.m.lease_lost:
-                lease.lose("expired locally")  # the port's answer: its local expiry
-                await self.feed(E.LeaseLost())
-            await self.feed(E.ResponseBody(msg.response_body.body,
-                                           msg.response_body.end_of_stream))
-        elif which == "request_body":
-            await self.write(codec.continue_request_body())
-        elif which == "response_trailers":
-            await self.write(codec.trailers_response())
-        elif which == "request_trailers":
-            await self.write(codec.request_trailers_response())
+            return await self.started(msg)
+        if which == "response_headers" and UNSAFE_RELEASE_WITHOUT_FENCE:
+            # Test-only sabotage (docs/sweep.md): release at once, no hold, no fence.
+            # The fault sweep must catch what this breaks; never set it in production.
+            self.m = None
+        read = _EVENTS.get(which)
+        if self.m is None or read is None:  # not gated (e.g. /v1/models), or not an event
+            return await self.write(_PASS[which]())
+        await self.feed(read(self, msg))
+
+    async def started(self, msg: ep.ProcessingRequest) -> None:
+        hd, clock = codec.headers_dict(msg.request_headers.headers), self.p.clock
+        self.replica = str(codec.attributes(msg).get("upstream.address") or "") or None
+        self.parent_tp = hd.get(TRACEPARENT_HEADER)
+        got = request_started(hd, self.replica, self.p.ids.attempt_id, clock.monotonic(),
+                              clock.wall())
+        if got is None:  # not a journaled request (e.g. /v1/models): nothing to gate
+            return await self.write(codec.continue_request_headers())
+        (ev, self.secret), self.rid = got, hd[H.REQUEST_ID]
+        self.m = GateMachine.new(self.rid, params=self.p.gate_params)
+        await self.feed(ev)
 
     async def on_closed(self) -> None:
         self.timers.stop()
@@ -183,11 +150,21 @@ class GateSession(Session):
             async with self.lock:
                 if self.m is not None and not (open_only and self.closed):
                     await self.feed(event(self.p.clock))
-        self.p.work.spawn(fire(), f"gate-{what}-{self.m.attempt_id if self.m else ''}")
+        self.p.work.spawn(fire(), f"gate-{what}-{self.aid}")
+
+    def _fired(self, kind: E.TimerKind) -> None:
+        self.later(lambda c: E.TimerFired(kind, c.monotonic(), c.wall()), f"timer-{kind}",
+                   open_only=True)
+
+    @property
+    def aid(self) -> str:
+        return self.m.attempt_id if self.m is not None else ""
 
     # --- events -> the machine -> actions ---------------------------------------------
 
     async def feed(self, ev: E.Event) -> None:
+        """Each action is a codec write (`WRITES`) or a port call (`ACTS`) whose answer, if
+        it has one, is the next event."""
         m = self.m
         assert m is not None
         queue = [ev]
@@ -197,187 +174,224 @@ class GateSession(Session):
             actions = m.handle(e)
             observer.gate(self, before, e, actions)
             for a in actions:
-                nxt = await self.act(a, m)
-                if nxt is not None:
+                if (w := WRITES.get(type(a))) is not None:
+                    await self.write(w(self, a))
+                elif ((do := ACTS.get(type(a))) is not None and (c := do(self, a)) is not None
+                      and (nxt := await c) is not None):
                     queue.append(nxt)
 
-    async def act(self, a: E.Action, m: GateMachine) -> E.Event | None:
-        rid, aid, p, now = self.rid or "", m.attempt_id, self.p, self.p.clock
-        if isinstance(a, E.PassChunk):
-            await self.write(codec.continue_response_body())
-        elif isinstance(a, E.DropChunk):
-            await self.write(codec.replace_response_body(b""))
-        elif isinstance(a, E.PassHeaders):
-            # Only the gate may say which attempt the guard owns, never the replica.
-            await self.write(codec.continue_response_headers(
-                {RETRY_HEADER: "1"} if a.retry else {}, remove=(H.HANDOFF,)))
-        elif isinstance(a, E.AwaitIntakeCommit):
-            opening = p.intakes.get(rid)
-            err = await asyncio.shield(opening) if opening is not None else None
-            return E.IntakeCommitted(err, p.reached.get(rid, 0),
-                                     p.pool.fingerprint_of(self.replica or ""),
-                                     p.pool.enabled, now.wall(),
-                                     p.pool.agent_of(self.replica or ""))
-        elif isinstance(a, E.Decide):
-            verdict = decide(a.request, p.budget, now.monotonic())
-            if isinstance(verdict, GatewayError):
-                return E.AdmissionDecided(error=verdict)
-            return E.AdmissionDecided(admitted=verdict)
-        elif isinstance(a, E.TakeLease | E.Admit | E.Fence):
-            return await self._write(a, m)
-        elif isinstance(a, E.UndoAdmission):
-            n = a.attempt
-            self._settle(lambda: p.journal.undo_admission(rid, n, aid),
-                         "undo an unconfirmed admission", "undo-admit", UNDO_SETTLE_S)
-        elif isinstance(a, E.GiveBack):
-            n, rec = a.attempt, a.record
-            self._settle(lambda: p.journal.end_attempt(rid, n, aid, rec, False),
-                         "give back a refused attempt", "refused")
-        elif isinstance(a, E.Watch):
-            self._unwatch = p.journal.on_live_change(
-                rid, lambda v: self.later(lambda _: E.LiveChanged(v), "watch"), aid)
-        elif isinstance(a, E.WatchSource):
-            self.agent = AgentLink(p, rid, aid)
-            self.agent.listen(lambda at: self.later(
-                lambda c: E.SourceSent(at, c.monotonic()), "source", open_only=True))
-        elif isinstance(a, E.PutCancel):
-            self._link().put_cancel(m.params.gateway_id, float(m.params.lease_ttl_s))
-        elif isinstance(a, E.AwaitAck):
-            return await self._link().await_ack(a)
-        elif isinstance(a, E.AckSettled):
-            await self._link().settled(a, m, self.replica)
-        elif isinstance(a, E.LoseLease):
-            if self.lease is not None and self.lease.lose(a.why):  # said once, by its owner
-                observer.gate_fenced(self, a.live)
-        elif isinstance(a, E.StartTimer):
-            self.timers.start(a.kind, a.seconds)
-        elif isinstance(a, E.StopTimers):
-            self.timers.stop()
-        elif isinstance(a, E.ContinueRequest):
-            p.reached.mark(rid)
-            # The attempt offset stays: a removal here holds for Envoy's later attempts of
-            # the request too, whose gates need it (decision 0027). The attempt's own secret
-            # replaces whatever an earlier attempt's request carried.
-            # A replica's agent addresses its word to this process's watch by its instance
-            # id (decision 0034); a replica without one gets no such header.
-            via = {H.PROCESSOR: p.instance_id} if m.agent else {}
-            await self.write(codec.continue_request_headers(
-                {H.ATTEMPT_ID: aid, H.ATTEMPT_SECRET: self.secret, **via} if self.secret else
-                {H.ATTEMPT_ID: aid, **via},
-                remove=(H.PREADMITTED,) if self.secret else (H.PREADMITTED, H.ATTEMPT_SECRET)))
-        elif isinstance(a, E.Refuse):
-            await self.write(codec.immediate(a.error, {H.REQUEST_ID: rid}))
-        elif isinstance(a, E.Overloaded):  # only of an attempt with a replica
-            p.health.overloaded(self.replica or "", now.monotonic() + a.seconds)
-        elif isinstance(a, E.UndoFence):
-            rec = a.facts.fence(now.wall())
-            self._settle(lambda: p.journal.undo_fence(rid, rec), "undo an unconfirmed fence",
-                         "undo-fence", UNDO_SETTLE_S)
-        elif isinstance(a, E.Release):
-            await self._release(a, m)
-        elif isinstance(a, E.FailAttempt):
-            await self.write(codec.fail_attempt_headers(
-                rid, {RETRY_HEADER: "1"} if a.retry else {}, str(a.error.code)))
-            for i in range(a.held_chunks):
-                await self.write(codec.replace_response_body(
-                    m.family.error_json(a.error) if i == 0 else b""))
-        elif isinstance(a, E.RetryEnded):
-            p.budget.retry_ended(aid)
-        elif isinstance(a, E.RevokeEarly):
-            if self.lease is not None:
-                self.lease.lose("ended")
-            n, rec = a.attempt, a.record
-            return E.Revoked(await retrying(
-                lambda: p.journal.end_attempt(rid, n, aid, rec, False),
-                "fence the ended attempt", rid, aid))
-        elif isinstance(a, E.AwaitCause):
-            p.causes.expect(a.attempt_id or aid, a.timeout_s or 0.0,
-                            lambda entry: self.later(lambda c: word(entry, c.wall()), "word"))
-        elif isinstance(a, E.CloseAttempt):
-            await self._close(a, m)
-        return None  # HoldChunk, MarkSlow: nothing to carry out
+    # --- actions -> port calls --------------------------------------------------------
 
-    # --- the port calls that take more than a line ------------------------------------
+    async def intake_committed(self, a: E.AwaitIntakeCommit) -> E.Event:
+        p, rid, replica = self.p, self.rid or "", self.replica or ""
+        opening = p.intakes.get(rid)
+        err = await asyncio.shield(opening) if opening is not None else None
+        return E.IntakeCommitted(err, p.reached.get(rid, 0), p.pool.fingerprint_of(replica),
+                                 p.pool.enabled, p.clock.wall(), p.pool.agent_of(replica))
 
-    async def _write(self, a: E.TakeLease | E.Admit | E.Fence, m: GateMachine) -> E.Event:
+    async def decide(self, a: E.Decide) -> E.Event:
+        verdict = decide(a.request, self.p.budget, self.p.clock.monotonic())
+        if isinstance(verdict, GatewayError):
+            return E.AdmissionDecided(error=verdict)
+        return E.AdmissionDecided(admitted=verdict)
+
+    async def confirmed(self, write: Awaitable[E.Event]) -> E.Event:
         """One try of a conditioned write; not answered: NotConfirmed (the rows decide)."""
-        rid, aid, p, sent = self.rid or "", m.attempt_id, self.p, self.p.clock.monotonic()
+        clock = self.p.clock
+        sent = clock.monotonic()
         try:
-            if isinstance(a, E.TakeLease):
-                self.lease = await p.journal.attempt_lease()
-                return E.AdmitDecided(True, mono=p.clock.monotonic(), wall=p.clock.wall())
-            if isinstance(a, E.Admit):
-                # The admission makes it live with its own credential (decision 0028), the
-                # same on every try: a try that applied unseen is found as this attempt's.
-                self.secret = self.secret or p.ids.attempt_secret()
-                res = await p.journal.admit_attempt(
-                    rid, a.attempt, aid, a.record, a.fence_wait_s,
-                    lambda live: m.never_started(live, p.causes.no_gate_ran),
-                    first_attempt=a.first_attempt, credential=digest(self.secret))
-                self.lease = res.lease
-                return E.AdmitDecided(res.admitted, res.reason, res.waited_s,
-                                      p.clock.monotonic(), p.clock.wall())
-            if self.lease is None or not self.lease.valid() or a.facts is None:
-                return E.FenceDecided(False)  # the lease's answer: no permission to fence
-            return E.FenceDecided(await p.journal.fence_first_delta(
-                rid, aid, a.facts.fence(p.clock.wall())))
+            return await write
         except StoreUnavailable as e:
-            return E.NotConfirmed(str(e), sent, p.clock.monotonic(), p.clock.wall())
+            return E.NotConfirmed(str(e), sent, clock.monotonic(), clock.wall())
 
-    async def _release(self, a: E.Release, m: GateMachine) -> None:
+    async def take_lease(self, a: E.TakeLease) -> E.Event:
+        self.lease = await self.p.journal.attempt_lease()
+        return E.AdmitDecided(True, mono=self.p.clock.monotonic(), wall=self.p.clock.wall())
+
+    async def admit(self, a: E.Admit) -> E.Event:
+        # The admission makes it live with its own credential (decision 0028), the same on
+        # every try: a try that applied unseen is found as this attempt's.
+        p, m = self.p, self.m
+        assert m is not None
+        self.secret = self.secret or p.ids.attempt_secret()
+        res = await p.journal.admit_attempt(
+            self.rid or "", a.attempt, self.aid, a.record, a.fence_wait_s,
+            lambda live: m.never_started(live, p.causes.no_gate_ran),
+            first_attempt=a.first_attempt, credential=digest(self.secret))
+        self.lease = res.lease
+        return E.AdmitDecided(res.admitted, res.reason, res.waited_s, p.clock.monotonic(),
+                              p.clock.wall())
+
+    async def fence(self, a: E.Fence) -> E.Event:
+        if self.lease is None or not self.lease.valid() or a.facts is None:
+            return E.FenceDecided(False)  # the lease's answer: no permission to fence
+        return E.FenceDecided(await self.p.journal.fence_first_delta(
+            self.rid or "", self.aid, a.facts.fence(self.p.clock.wall())))
+
+    async def go_upstream(self, a: E.ContinueRequest) -> None:
+        p, aid = self.p, self.aid
+        p.reached.mark(self.rid or "")
+        # The attempt offset stays: a removal here holds for Envoy's later attempts of the
+        # request too, whose gates need it (decision 0027). The attempt's own secret
+        # replaces whatever an earlier attempt's request carried. A replica's agent
+        # addresses its word to this process's watch by its instance id (decision 0034).
+        via = {H.PROCESSOR: p.instance_id} if self.m and self.m.agent else {}
+        await self.write(codec.continue_request_headers(
+            {H.ATTEMPT_ID: aid, H.ATTEMPT_SECRET: self.secret, **via} if self.secret else
+            {H.ATTEMPT_ID: aid, **via},
+            remove=(H.PREADMITTED,) if self.secret else (H.PREADMITTED, H.ATTEMPT_SECRET)))
+
+    def watch(self, a: E.Watch) -> None:
+        self._unwatch = self.p.journal.on_live_change(
+            self.rid or "", lambda v: self.later(lambda _: E.LiveChanged(v), "watch"), self.aid)
+
+    def watch_source(self, a: E.WatchSource) -> None:
+        self.agent = AgentLink(self.p, self.rid or "", self.aid)
+        self.agent.listen(lambda at: self.later(
+            lambda c: E.SourceSent(at, c.monotonic()), "source", open_only=True))
+
+    def link(self) -> tuple[AgentLink, GateMachine]:
+        assert self.m is not None
+        if self.agent is None:  # a cancel for an attempt that never listened (its admission)
+            self.agent = AgentLink(self.p, self.rid or "", self.aid)
+        return self.agent, self.m
+
+    def put_cancel(self, a: E.PutCancel) -> None:
+        link, m = self.link()
+        link.put_cancel(m.params.gateway_id, float(m.params.lease_ttl_s))
+
+    async def ack_settled(self, a: E.AckSettled) -> None:
+        link, m = self.link()
+        await link.settled(a, m, self.replica)
+
+    def lose(self, why: str) -> None:
+        if self.lease is not None:  # said once, by its owner (the observer says a fence)
+            self.lease.lose(why)
+
+    async def fail(self, a: E.FailAttempt) -> None:
+        await self.write(codec.fail_attempt_headers(
+            self.rid or "", {RETRY_HEADER: "1"} if a.retry else {}, str(a.error.code)))
+        for i in range(a.held_chunks):
+            await self.write(codec.replace_response_body(
+                self.m.family.error_json(a.error) if i == 0 and self.m else b""))
+
+    async def release(self, a: E.Release) -> None:
         # From here the guard owns the attempt: it sees the rest of the response, its end,
         # and writes the attempt's record with the request's outcome (one etcd txn).
         # Registered before the headers go out: the guard looks for it when they arrive.
-        assert a.facts is not None
+        assert a.facts is not None and self.m is not None
         if self.agent is not None:
             self.agent.stop()
         ho = HandOff.from_record(a.facts.base(), self.lease.lease_id if self.lease else 0,
-                                 snapshot(m))
-        self.p.handoffs.put(m.attempt_id, HandedOff(self.span, ho))
+                                 snapshot(self.m))
+        self.p.handoffs.put(self.aid, HandedOff(self.span, ho))
         self.span = INVALID
         await self.write(codec.continue_response_headers(
-            {H.ATTEMPT_ID: m.attempt_id, H.HANDOFF: ho.header()}))
+            {H.ATTEMPT_ID: self.aid, H.HANDOFF: ho.header()}))
         for _ in range(a.held_chunks):
             await self.write(codec.continue_response_body())
         self.detach = a.hand_off
 
-    async def _close(self, a: E.CloseAttempt, m: GateMachine) -> None:
-        rid, aid, p = self.rid or "", m.attempt_id, self.p
+    async def revoke_early(self, a: E.RevokeEarly) -> E.Event:
+        self.lose("ended")
+        return E.Revoked(await self.ended(a.attempt, a.record, False))
+
+    def await_cause(self, a: E.AwaitCause) -> None:
+        self.p.causes.expect(a.attempt_id or self.aid, a.timeout_s or 0.0, lambda entry:
+                             self.later(lambda c: word(entry, c.wall()), "word"))
+
+    async def close(self, a: E.CloseAttempt) -> None:
+        p, rid, m = self.p, self.rid or "", self.m
+        assert m is not None
         if a.timed_out and self.replica:
             p.health.first_delta_timed_out(self.replica, p.clock.monotonic())
         if not a.ack_follows:  # else kept once the agent's acknowledgement is settled
             p.work.keep(rid, f"attempt-{a.attempt:03d}", m, {
-                "attempt_id": aid, "replica": self.replica, "failure_class": a.failure_class,
+                "attempt_id": self.aid, "replica": self.replica,
+                "failure_class": a.failure_class,
                 # The end plan's inputs and verdict: `extproc replay` decides it again.
                 "end": dict(a.end_trace)}, clean(a))
-        if self.lease is not None:
-            self.lease.lose("ended")
-        n, rec = a.attempt, a.record
+        self.lose("ended")
         # etcd may be briefly away: retried for a bounded time, so the record does not
         # keep an attempt without its end (found by the fault sweep).
         if a.update_only:
-            await retrying(lambda: p.journal.update_attempt(rid, n, rec),
-                           "close the attempt record", rid, aid)
+            await retrying(lambda: p.journal.update_attempt(rid, a.attempt, a.record),
+                           "close the attempt record", rid, self.aid)
         else:
-            await retrying(lambda: p.journal.end_attempt(rid, n, aid, rec, a.expire),
-                           "fence the ended attempt", rid, aid)
+            await self.ended(a.attempt, a.record, a.expire)
 
-    def _link(self) -> AgentLink:
-        if self.agent is None:  # a cancel for an attempt that never listened (its admission)
-            assert self.m is not None
-            self.agent = AgentLink(self.p, self.rid or "", self.m.attempt_id)
-        return self.agent
+    async def ended(self, n: int, rec: Mapping[str, Any], expire: bool) -> bool:
+        rid, aid, journal = self.rid or "", self.aid, self.p.journal
+        return await retrying(lambda: journal.end_attempt(rid, n, aid, rec, expire),
+                              "fence the ended attempt", rid, aid)
 
-    def _settle(self, call: Callable[[], Awaitable[Any]], what: str, name: str,
-                settle_s: float = 0.0) -> None:
+    def settle(self, call: Callable[[GateJournal, str, str], Awaitable[Any]], what: str,
+               name: str, settle_s: float = 0.0) -> None:
         """A take-back or give-back, retried in the background while etcd is away."""
-        aid = self.m.attempt_id if self.m else None
-        self.p.work.spawn(retrying(call, what, self.rid, aid, settle_s=settle_s),
-                          f"gate-{name}-{aid}")
+        p, rid, aid = self.p, self.rid or "", self.aid
+        p.work.spawn(retrying(lambda: call(p.journal, rid, aid), what, rid, aid,
+                              settle_s=settle_s), f"gate-{name}-{aid}")
 
-    def _fired(self, kind: E.TimerKind) -> None:
-        self.later(lambda c: E.TimerFired(kind, c.monotonic(), c.wall()), f"timer-{kind}",
-                   open_only=True)
+
+_Event = Callable[[GateSession, ep.ProcessingRequest], E.Event]
+# Envoy's messages that are events of a gated attempt; any other message passes.
+_EVENTS: dict[str, _Event] = {
+    "response_headers": lambda s, msg: codec.response_headers(msg),
+    # With each chunk, the lease port's answer: still valid here (its deadline moves with
+    # keep-alives, which are not events).
+    "response_body": lambda s, msg: E.ResponseBody(
+        msg.response_body.body, msg.response_body.end_of_stream,
+        s.lease is not None and not s.lease.valid()),
+}
+_PASS: dict[str, Callable[[], ep.ProcessingResponse]] = {
+    "request_body": codec.continue_request_body,
+    "response_headers": lambda: codec.continue_response_headers(remove=(H.HANDOFF,)),
+    "response_body": codec.continue_response_body,
+    "response_trailers": codec.trailers_response,
+    "request_trailers": codec.request_trailers_response,
+}
+
+# The actions that are one codec write: the message each one writes.
+WRITES: dict[type, Callable[[GateSession, Any], ep.ProcessingResponse]] = {
+    E.PassChunk: lambda s, a: codec.continue_response_body(),
+    E.DropChunk: lambda s, a: codec.replace_response_body(b""),
+    # Only the gate may say which attempt the guard owns, never the replica.
+    E.PassHeaders: lambda s, a: codec.continue_response_headers(
+        {RETRY_HEADER: "1"} if a.retry else {}, remove=(H.HANDOFF,)),
+    E.Refuse: lambda s, a: codec.immediate(a.error, {H.REQUEST_ID: s.rid or ""}),
+}
+
+_Do = Callable[[GateSession, Any], "Awaitable[E.Event | None] | None"]
+# The other actions' executors: a port call, whose answer (if it waits) is the next event.
+# HoldChunk and MarkSlow have none (the observer says the latter).
+ACTS: dict[type, _Do] = {
+    E.AwaitIntakeCommit: GateSession.intake_committed, E.Decide: GateSession.decide,
+    E.TakeLease: lambda s, a: s.confirmed(s.take_lease(a)),
+    E.Admit: lambda s, a: s.confirmed(s.admit(a)),
+    E.Fence: lambda s, a: s.confirmed(s.fence(a)),
+    E.ContinueRequest: GateSession.go_upstream,
+    E.UndoAdmission: lambda s, a: s.settle(
+        lambda j, rid, aid: j.undo_admission(rid, a.attempt, aid),
+        "undo an unconfirmed admission", "undo-admit", UNDO_SETTLE_S),
+    E.GiveBack: lambda s, a: s.settle(
+        lambda j, rid, aid: j.end_attempt(rid, a.attempt, aid, a.record, False),
+        "give back a refused attempt", "refused"),
+    E.UndoFence: lambda s, a: s.settle(
+        lambda j, rid, aid: j.undo_fence(rid, a.facts.fence(s.p.clock.wall())),
+        "undo an unconfirmed fence", "undo-fence", UNDO_SETTLE_S),
+    E.Watch: GateSession.watch, E.WatchSource: GateSession.watch_source,
+    E.PutCancel: GateSession.put_cancel, E.AwaitAck: lambda s, a: s.link()[0].await_ack(a),
+    E.AckSettled: GateSession.ack_settled,
+    E.LoseLease: lambda s, a: s.lose(a.why),
+    E.StartTimer: lambda s, a: s.timers.start(a.kind, a.seconds),
+    E.StopTimers: lambda s, a: s.timers.stop(),
+    E.Overloaded: lambda s, a: s.p.health.overloaded(
+        s.replica or "", s.p.clock.monotonic() + a.seconds),
+    E.Release: GateSession.release, E.FailAttempt: GateSession.fail,
+    E.RetryEnded: lambda s, a: s.p.budget.retry_ended(s.aid),
+    E.RevokeEarly: GateSession.revoke_early, E.AwaitCause: GateSession.await_cause,
+    E.CloseAttempt: GateSession.close,
+}
 
 
 __all__ = ["GatePorts", "GateSession"]

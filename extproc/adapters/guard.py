@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
@@ -24,7 +23,6 @@ from ..core.budget import RetryBudget
 from ..core.credentials import digest
 from ..core.errors import GatewayError
 from ..core.guard import GuardMachine
-from ..core.handoff import HandOff
 from ..core.intake import (
     Generation,
     Prepared,
@@ -43,7 +41,7 @@ from . import observer
 from . import request_record as R
 from .ports import GuardJournal, SentLog
 from .released import Released, ReleasePorts
-from .session import CHUNK_TIME_SAMPLE, INVALID, Messages, Session
+from .session import INVALID, Messages, Session
 from .timers import TimerSet
 from .tools import ToolCallHandler, ToolPorts
 
@@ -69,7 +67,8 @@ class GuardPorts(R.RecordPorts, ReleasePorts, ToolPorts, Protocol):
 
 
 class GuardSession(Session):
-    __slots__ = ("cred1", "envoy_request_id", "first_delta_evented", "gen", "intake", "m",
+    TIMED = "response_body"
+    __slots__ = ("body", "cred1", "envoy_request_id", "first_delta_evented", "gen", "intake", "m",
                  "opening", "released", "rerun", "secret1", "timers", "tool",
                  "tools_listener", "verdict")
 
@@ -99,10 +98,7 @@ class GuardSession(Session):
         self.secret1: str | None = None
         self.cred1: str | None = None
         self.released: Released | None = None  # the attempt the gate handed over
-
-    @property
-    def attempt(self) -> HandOff | None:
-        return self.released.handoff if self.released is not None else None
+        self.body = b""  # the request body until a row reads it (ReadBody)
 
     @property
     def aid1(self) -> str:
@@ -110,66 +106,27 @@ class GuardSession(Session):
 
     # --- Envoy's messages -> events ---------------------------------------------------
 
-    async def on_message(self, msg: ep.ProcessingRequest) -> None:
-        which = msg.WhichOneof("request")
-        if self.tool is not None and which in ("request_body", "response_headers",
-                                               "response_body"):
-            await self.tool.on_message(which, msg)
-        elif which == "response_body":
-            body, r, tel = msg.response_body, self.released, self.p.tel
-            ev = E.ResponseBody(body.body, body.end_of_stream,
-                                r is not None and not r.lease.valid())
-            if tel.enabled:  # nothing per chunk unless metrics are exported
-                tel.chunks_seen += 1
-                if tel.chunks_seen % CHUNK_TIME_SAMPLE == 0:
-                    t0 = time.perf_counter()
-                    await self.feed(ev)
-                    tel.chunk_time.record((time.perf_counter() - t0) * 1000)
-                    return
-            await self.feed(ev)
-        elif which == "response_headers":
-            hd = codec.headers_dict(msg.response_headers.headers)
-            await self.feed(E.ResponseHeaders(
-                status=int(hd.get(":status", "0") or 0), content_type=hd.get("content-type", ""),
-                end_of_stream=msg.response_headers.end_of_stream, envoy_reply=H.ENVOY_REPLY in hd,
-                ours=H.GATEWAY_ERROR in hd, handoff=hd.get(H.HANDOFF)))
-        elif which == "request_headers":
-            await self.on_request_headers(codec.headers_dict(msg.request_headers.headers),
-                                          msg.request_headers.end_of_stream)
-        elif which == "request_body":
-            await self.on_request_body(msg.request_body.body)
-        elif which == "response_trailers":
-            await self.write(codec.trailers_response())
-        elif which == "request_trailers":
-            await self.write(codec.request_trailers_response())
+    async def on_message(self, which: str, msg: ep.ProcessingRequest) -> None:
+        if self.tool is not None and which in TOOL_MESSAGES:
+            return await self.tool.on_message(which, msg)
+        if which == "response_body":  # the hot path, read here: one call less per chunk
+            # With the chunk, the released attempt's lease port's answer: still valid (its
+            # deadline moves with keep-alives, which are not events).
+            body, r = msg.response_body, self.released
+            return await self.feed(E.ResponseBody(body.body, body.end_of_stream,
+                                                  r is not None and not r.lease.valid()))
+        await _READS[which](self, msg)
 
-    async def on_request_headers(self, hd: dict[str, str], end_of_stream: bool) -> None:
+    async def on_request_headers(self, msg: ep.ProcessingRequest) -> None:
+        hd, eos = codec.headers_dict(msg.request_headers.headers), msg.request_headers.end_of_stream
         v = self.verdict = read_headers(hd, self.cfg, self.tools_listener,
                                         self.p.ids.request_id)
         kind, family, error = kind_of(v)
         if isinstance(v, Generation):
             self.gen, self.rid = v, v.request_id
-            self.envoy_request_id = None if end_of_stream else hd.get(H.ENVOY_REQUEST_ID)
+            self.envoy_request_id = None if eos else hd.get(H.ENVOY_REQUEST_ID)
         self.m = GuardMachine.at_request(request_id_of(v), self.cfg, self.p.trace_budget())
-        await self.feed(E.RequestHeadersSeen(kind, family, error, end_of_stream))
-
-    async def on_request_body(self, body: bytes) -> None:
-        gen, m = self.gen, self.m
-        if gen is None or m is None or not m.reads_body:
-            await self.write(codec.continue_request_body())
-            return
-        got = R.read_body(self.p, body, gen, self.envoy_request_id)
-        if isinstance(got, GatewayError):
-            await self.feed(E.RequestBodySeen(got))
-            return
-        self.intake, m.count_text = got
-        # Attempt 1's credential (decision 0028): its digest is recorded with it, the
-        # secret goes to its gate (and on to its replica) in the body answer.
-        self.secret1 = self.p.ids.attempt_secret()
-        self.cred1 = digest(self.secret1)
-        # The intake's order (open, register, answer the body, wait) is the machine's rows.
-        await self.feed(E.RequestBodySeen(None, got[0].meta.usage_mode,
-                                          keyed=gen.idempotency_key is not None))
+        await self.feed(E.RequestHeadersSeen(kind, family, error, eos))
 
     async def on_closed(self) -> None:
         self.timers.stop()
@@ -225,6 +182,22 @@ class GuardSession(Session):
         if a.data or a.end_of_stream:
             await self.write(codec.streamed_response_body(a.data, a.end_of_stream))
 
+    async def read_body(self, a: E.ReadBody) -> None:
+        gen, m, body = self.gen, self.m, self.body
+        self.body = b""
+        assert gen is not None and m is not None
+        got = R.read_body(self.p, body, gen, self.envoy_request_id)
+        if isinstance(got, GatewayError):
+            return await self.feed(E.RequestBodySeen(got))
+        self.intake, m.count_text = got
+        # Attempt 1's credential (decision 0028): its digest is recorded with it, the
+        # secret goes to its gate (and on to its replica) in the body answer.
+        self.secret1 = self.p.ids.attempt_secret()
+        self.cred1 = digest(self.secret1)
+        # The intake's order (open, register, answer the body, wait) is the machine's rows.
+        await self.feed(E.RequestBodySeen(None, got[0].meta.usage_mode,
+                                          keyed=gen.idempotency_key is not None))
+
     async def look_up_status(self, a: E.LookUpStatus) -> None:
         assert isinstance(self.verdict, StatusLookup)
         await self.feed(await R.read_status(self.p, self.verdict))
@@ -261,9 +234,8 @@ class GuardSession(Session):
         self.p.budget.request_started(self.rid or "", self.p.clock.monotonic(), self.aid1)
 
     def take_over(self, a: E.TakeOver) -> None:
-        self.released = Released.take_over(self.p, self.rid or "", a.handoff, self.fenced)
-        if self.released is None:
-            observer.guard_handoff_unreadable(self)
+        if a.handoff is not None:  # unreadable: the observer says so, nothing to own
+            self.released = Released.take_over(self.p, self.rid or "", a.handoff, self.fenced)
 
     def fenced(self) -> None:
         """The released attempt's `live` key was revoked or replaced: the machine says it."""
@@ -314,15 +286,32 @@ class GuardSession(Session):
 
 
 def _headers_answer(s: GuardSession, a: E.PassHeaders) -> ep.ProcessingResponse:
-    if s.m is not None and s.m.replaced_error is not None:  # our error's shape, as JSON
+    if a.as_json:  # our error's shape, as JSON
         return codec.continue_response_headers(
             {H.REQUEST_ID: s.rid or "", "content-type": "application/json"},
             remove=("content-length", *NEVER_TO_CLIENT))
     return codec.continue_response_headers({H.REQUEST_ID: s.rid or ""}, remove=NEVER_TO_CLIENT)
 
 
+def _body(s: GuardSession, msg: ep.ProcessingRequest) -> Awaitable[None]:
+    s.body = msg.request_body.body  # read only if a row says ReadBody
+    return s.feed(E.RequestBody())
+
+
+# What the tool route's handler reads once it runs; Envoy's other messages -> events, or
+# a write.
+TOOL_MESSAGES = ("request_body", "response_headers", "response_body")
+_READS: dict[str, Callable[[GuardSession, ep.ProcessingRequest], Awaitable[None]]] = {
+    "response_headers": lambda s, msg: s.feed(codec.response_headers(msg)),
+    "request_headers": GuardSession.on_request_headers,
+    "request_body": _body,
+    "response_trailers": lambda s, msg: s.write(codec.trailers_response()),
+    "request_trailers": lambda s, msg: s.write(codec.request_trailers_response()),
+}
+
 # The actions that are one codec write: the message each one writes.
 WRITES: dict[type, Callable[[GuardSession, Any], ep.ProcessingResponse]] = {
+    E.PassBody: lambda s, a: codec.continue_request_body(),
     E.AnswerHeaders: lambda s, a: codec.continue_request_headers(
         {H.REQUEST_ID: s.rid or ""}, remove=tuple(h for h in H.OWNED if h != H.REQUEST_ID)),
     E.PassRequest: lambda s, a: codec.continue_request_headers(remove=H.OWNED),
@@ -346,4 +335,5 @@ ACTS: dict[type, _Do] = {
     E.AwaitIntake: GuardSession.await_intake, E.Accepted: GuardSession.accepted,
     E.TakeOver: GuardSession.take_over, E.LoseLease: GuardSession.lose_lease,
     E.WriteProgress: GuardSession.write_progress, E.AwaitCause: GuardSession.await_cause,
+    E.ReadBody: GuardSession.read_body,
 }

@@ -31,6 +31,7 @@ from ..core.events import (
     Finish,
     IntakeFailed,
     LeaseLost,
+    LiveChanged,
     LoseLease,
     MarkPathLost,
     MarkSlow,
@@ -41,12 +42,14 @@ from ..core.events import (
     RequestBodySeen,
     RequestHeadersSeen,
     RequestStarted,
+    ResponseBody,
     Send,
     StartTimer,
     State,
     StatusRead,
     StoreDown,
     TakeLease,
+    TakeOver,
     TimerFired,
 )
 from ..core.failure import FailureClass
@@ -136,7 +139,9 @@ def gate(s: GateSession, before: State, ev: Event, actions: list[Action]) -> Non
             rlog(log, logging.WARNING, f"journal unavailable at {where}"
                  + (": not releasing" if before is State.GATE_FENCING else ""),
                  rid, aid, error=ev.what if isinstance(ev, StoreDown) else ev.error)
-    elif isinstance(ev, LeaseLost) and before is State.GATE_RELEASED:
+    elif before is State.GATE_RELEASED and (isinstance(ev, LeaseLost) or (
+            isinstance(ev, ResponseBody) and ev.lease_expired and actions
+            and isinstance(actions[0], LoseLease))):
         rlog(log, logging.WARNING, "lease lost after release: dropping the rest", rid, aid)
     elif isinstance(ev, AckLearned):
         # The replica's agent and the cancel it was asked for (decision 0034).
@@ -168,6 +173,12 @@ def gate(s: GateSession, before: State, ev: Event, actions: list[Action]) -> Non
                  + ("" if a.failed else " (no response headers yet: Envoy's per-try timeout "
                     "ends it)"), rid, aid, attempt=m.journal_attempt, replica=s.replica,
                  source_grace_s=m.params.source_grace_s, source_sent_at=m.source_sent_at)
+        elif isinstance(a, LoseLease) and isinstance(ev, LiveChanged):
+            # The revocation watch: someone fenced the attempt (revoked, expired, replaced);
+            # said by the call that ends the permission, as its owner will take it.
+            if s.lease is not None and not s.lease.revoked:
+                rlog(log, logging.WARNING, "attempt fenced: its lease was revoked or replaced",
+                     rid, aid, live=a.live)
         elif isinstance(a, PutCancel):
             rlog(log, logging.INFO, "asked the replica's agent to cancel the attempt", rid, aid,
                  attempt=m.journal_attempt, replica=s.replica)
@@ -190,12 +201,6 @@ def gate(s: GateSession, before: State, ev: Event, actions: list[Action]) -> Non
                           failure_class=a.failure_class, fence=a.fence, cause=a.cause,
                           envoy_cause=a.cause, model_revision=a.record.get("model_revision"),
                           http_status=m.http_status)
-
-
-def gate_fenced(s: GateSession, live: str | None) -> None:
-    """The revocation watch: someone fenced the attempt (revoked, expired, replaced)."""
-    rlog(log, logging.WARNING, "attempt fenced: its lease was revoked or replaced", s.rid,
-         s.m.attempt_id if s.m else None, live=live)
 
 
 def _start_span(s: GateSession, ev: RequestStarted) -> None:
@@ -242,7 +247,9 @@ def guard(s: GuardSession, ev: Event, actions: list[Action]) -> None:
             _guard_finished(s, a)
         elif isinstance(a, LoseLease):
             rlog(log, logging.WARNING, "attempt fenced: its lease was revoked or replaced",
-                 s.rid, s.attempt.attempt_id if s.attempt else None)
+                 s.rid, m.released_id)
+        elif isinstance(a, TakeOver) and a.handoff is None:
+            rlog(log, logging.ERROR, "unreadable attempt hand-off", s.rid, None)
         elif isinstance(a, Refuse):
             _guard_refused(s, ev, a)
 
@@ -295,8 +302,7 @@ def _guard_finished(s: GuardSession, f: Finish) -> None:
     if m.withheld:
         # Forwarded by us, never written by Envoy: the stream was gone first.
         rlog(log, logging.WARNING, "content the guard forwarded never reached the client",
-             s.rid, s.attempt.attempt_id if s.attempt else None,
-             withheld_content_events=m.withheld, handed_bytes=m.sent)
+             s.rid, m.released_id, withheld_content_events=m.withheld, handed_bytes=m.sent)
     rlog(log, logging.INFO, "request finished", s.rid, None, outcome=str(f.outcome),
          delivered_output_tokens=f.delivered_output_tokens, cause=f.cause,
          delivered_output_tokens_source=f.source, delivered_output_tokens_bound=f.bound)
@@ -315,10 +321,6 @@ def _guard_finished(s: GuardSession, f: Finish) -> None:
                 "llmgw.delivered_output_tokens_bound": f.bound,
                 "llmgw.first_delta_sent": m.delivered > 0,
                 "http.response.status_code": m.status})
-
-
-def guard_handoff_unreadable(s: GuardSession) -> None:
-    rlog(log, logging.ERROR, "unreadable attempt hand-off", s.rid, None)
 
 
 def guard_intake(flow: IntakeFlow, ev: IntakeEvent, acts: list[IntakeAction]) -> None:

@@ -64,13 +64,10 @@ class Released:
         self.unwatch: Callable[[], None] | None = None
 
     @classmethod
-    def take_over(cls, p: ReleasePorts, rid: str, handoff: str,
-                  fenced: Callable[[], None]) -> Released | None:
+    def take_over(cls, p: ReleasePorts, rid: str, ho: HandOff,
+                  fenced: Callable[[], None]) -> Released:
         """The gate released its attempt to us: own its end, its record and its fence
-        (`fenced` when its `live` key is revoked or replaced). None: unreadable."""
-        ho = HandOff.from_header(handoff)
-        if ho is None:
-            return None
+        (`fenced` when its `live` key is revoked or replaced)."""
         aid = ho.attempt_id
         got = p.handoffs.take(aid)
         # In-process, the same record with the gate's trace and its open span.

@@ -13,10 +13,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 import grpc
 import grpclib.exceptions
@@ -344,6 +345,7 @@ class Session:
     detach: bool
     md: dict[str, str]
     span: Span
+    p: Any  # the role's ports (GatePorts, GuardPorts), each session's own type
 
     async def write(self, resp: ep.ProcessingResponse) -> None:
         if self.closed:
@@ -353,20 +355,33 @@ class Session:
         except WRITE_GONE:
             self.closed = True
 
+    # The message whose handling the process's chunk-time histogram samples ("": none).
+    TIMED: ClassVar[str] = ""
+
     async def run(self) -> None:
-        read, lock, eof = self.ctx.read, self.lock, grpc.aio.EOF
+        read, lock, eof, tel, timed = self.ctx.read, self.lock, grpc.aio.EOF, self.p.tel, self.TIMED
         try:
             while not self.detach:
                 msg = await read()
                 if msg is eof or msg is None:
                     break
+                which = msg.WhichOneof("request") or ""
                 async with lock:
-                    await self.on_message(msg)
+                    # Nothing per message unless metrics are exported; then one in
+                    # CHUNK_TIME_SAMPLE of the timed kind is measured.
+                    if which == timed and tel.enabled:
+                        tel.chunks_seen += 1
+                        if tel.chunks_seen % CHUNK_TIME_SAMPLE == 0:
+                            t0 = time.perf_counter()
+                            await self.on_message(which, msg)
+                            tel.chunk_time.record((time.perf_counter() - t0) * 1000)
+                            continue
+                    await self.on_message(which, msg)
         finally:
             self.closed = True
             await self.on_closed()
 
-    async def on_message(self, msg: ep.ProcessingRequest) -> None:
+    async def on_message(self, which: str, msg: ep.ProcessingRequest) -> None:
         raise NotImplementedError
 
     async def on_closed(self) -> None:

@@ -15,6 +15,7 @@ from typing import Any, Literal, TypeAlias
 
 from .admission import Admitted, AttemptRequest
 from .errors import GatewayError
+from .handoff import HandOff
 from .journal import Outcome
 from .records import AttemptFacts
 from .usage import UsageMode
@@ -153,6 +154,12 @@ class StatusRead:
 
 
 @dataclass(frozen=True, slots=True)
+class RequestBody:
+    """Guard: a request body came; the rows say whether it is read (`ReadBody`: a
+    generation's, awaited) or passes (`PassBody`)."""
+
+
+@dataclass(frozen=True, slots=True)
 class RequestBodySeen:
     """Guard: the request body, parsed; `error` if it cannot be run. `usage`: what the
     intake asked the engine for, so what the guard strips from its chunks (core.usage)."""
@@ -206,8 +213,9 @@ class ResponseHeaders:
 class ResponseBody:
     data: bytes
     end_of_stream: bool
-    # Guard: the released attempt's lease, as its port answers with this chunk, has run out
-    # locally (its deadline moves with the process lease's keep-alives; trace format 3).
+    # The attempt's lease, as its port answers with this chunk, has run out or was lost
+    # (the guard's released attempt, trace format 3; the gate's, too, since issue 25's
+    # last pass): its deadline moves with the process lease's keep-alives.
     lease_expired: bool = False
 
 
@@ -237,7 +245,8 @@ class Fenced:
 @dataclass(frozen=True, slots=True)
 class LeaseLost:
     """Gate: after release, its attempt's lease is gone (lapsed locally, or revoked): the
-    rest of what the replica sends may not be published."""
+    rest of what the replica sends may not be published. Read from traces kept before the
+    chunk carried the lease's answer (`ResponseBody.lease_expired`); no longer fed."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,7 +305,7 @@ Event: TypeAlias = (SourceSent | AckLearned
                     | StreamClosed | CauseLearned | RecordWritten | ProgressWritten
                     | Fenced
                     | LeaseLost | RequestHeadersSeen | RequestBodySeen | RequestOpened
-                    | StatusRead | NotConfirmed | LiveChanged)
+                    | StatusRead | NotConfirmed | LiveChanged | RequestBody)
 
 # --- actions --------------------------------------------------------------------------
 
@@ -434,6 +443,8 @@ class PassHeaders:
     Envoy retries a non-2xx; decision 0024)."""
 
     retry: bool = False
+    # The guard's: our error's shape (JSON) replaces Envoy's or the replica's 5xx body.
+    as_json: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -598,10 +609,21 @@ class IntakeFailed:
 
 @dataclass(frozen=True, slots=True)
 class TakeOver:
-    """Guard: own the released attempt the gate handed over (`handoff`, its header form):
-    its end, its record and its fence."""
+    """Guard: own the released attempt the gate handed over (`handoff`, read from its
+    header; None: unreadable): its end, its record and its fence."""
 
-    handoff: str
+    handoff: HandOff | None
+
+
+@dataclass(frozen=True, slots=True)
+class ReadBody:
+    """Guard: read the generation's body (core.intake, through the record's ports); feed
+    RequestBodySeen."""
+
+
+@dataclass(frozen=True, slots=True)
+class PassBody:
+    """Guard: a body that is not read (not a generation's, or not awaited) goes on."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -690,7 +712,8 @@ Action: TypeAlias = (WatchSource | MarkPathLost | PutCancel | AwaitAck | AckSett
                      | AwaitCause | EndAttempt | Finish | OpenIntake
                      | RegisterIntake | AnswerBody | AwaitIntake | Accepted | IntakeFailed
                      | TakeOver | PassAside | WriteProgress | AnswerHeaders | PassRequest
-                     | LookUpStatus | AnswerStatus | StartToolCall | LoseLease)
+                     | LookUpStatus | AnswerStatus | StartToolCall | LoseLease | ReadBody
+                     | PassBody)
 
 
 class State(StrEnum):

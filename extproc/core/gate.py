@@ -298,13 +298,6 @@ def request_started(hd: Mapping[str, str], replica: str | None, mint: Callable[[
         hd.get(H.ATTEMPT_SECRET) or None if pre is not None else None)
 
 
-def response_started(hd: Mapping[str, str], end_of_stream: bool) -> ResponseHeaders:
-    """The replica's response headers as the gate reads them."""
-    return ResponseHeaders(_int(hd.get(":status", "0") or "0", 0), hd.get("content-type", ""),
-                           end_of_stream, model_revision=hd.get("x-model-revision"),
-                           retry_after=hd.get("retry-after"))
-
-
 GateFn = Callable[[GateMachine, Any], list[Action]]
 
 
@@ -639,8 +632,22 @@ def _gate_pass(m: GateMachine, ev: ResponseBody) -> list[Action]:
 
 
 def _gate_lease_lost(m: GateMachine, ev: LeaseLost) -> list[Action]:
+    # A trace kept before the chunk carried the lease's answer (`lease_expired`).
     m.lease_lost = True
     return []
+
+
+def _expiring(row: GateFn) -> GateFn:
+    """A body row that first hears the lease port's answer with the chunk: a lease run
+    out locally ends the permission (`LoseLease`, idempotent at its owner); after the
+    release the rest of the response is dropped, said once."""
+    def expiring(m: GateMachine, ev: ResponseBody) -> list[Action]:
+        if not ev.lease_expired or m.lease_lost:
+            return row(m, ev)
+        if m.state is State.GATE_RELEASED:
+            m.lease_lost = True
+        return [LoseLease("expired locally"), *row(m, ev)]
+    return expiring
 
 
 def _gate_drop(m: GateMachine, ev: ResponseBody) -> list[Action]:
@@ -803,15 +810,15 @@ GATE_TABLE: Table = {
     # --- the response
     (S.GATE_FORWARDED, ResponseHeaders): T(_gate_headers, S.GATE_PASSTHROUGH,
                                            S.GATE_HOLDING, S.GATE_FAILED),
-    (S.GATE_HOLDING, ResponseBody): T(_gate_body_holding, S.GATE_HOLDING, S.GATE_FENCING,
+    (S.GATE_HOLDING, ResponseBody): T(_expiring(_gate_body_holding), S.GATE_HOLDING, S.GATE_FENCING,
                                       S.GATE_FAILED),
-    (S.GATE_FENCING, ResponseBody): T(_gate_body_fencing, S.GATE_FENCING),
+    (S.GATE_FENCING, ResponseBody): T(_expiring(_gate_body_fencing), S.GATE_FENCING),
     (S.GATE_FENCING, FenceDecided): T(_gate_fence, S.GATE_RELEASED, S.GATE_FAILED),
     (S.GATE_FENCING, StoreDown): T(_gate_fence_down, S.GATE_FAILED),
     (S.GATE_FENCING, NotConfirmed): T(_gate_unconfirmed, S.GATE_FENCING, S.GATE_FAILED),
-    (S.GATE_RELEASED, ResponseBody): T(_gate_pass, S.GATE_RELEASED),
-    (S.GATE_PASSTHROUGH, ResponseBody): T(_gate_pass, S.GATE_PASSTHROUGH),
-    (S.GATE_FAILED, ResponseBody): T(_gate_drop, S.GATE_FAILED),
+    (S.GATE_RELEASED, ResponseBody): T(_expiring(_gate_pass), S.GATE_RELEASED),
+    (S.GATE_PASSTHROUGH, ResponseBody): T(_expiring(_gate_pass), S.GATE_PASSTHROUGH),
+    (S.GATE_FAILED, ResponseBody): T(_expiring(_gate_drop), S.GATE_FAILED),
     (S.GATE_RELEASED, LeaseLost): T(_gate_lease_lost, S.GATE_RELEASED),
     # Before release the fence transaction itself checks the lease; after the end, moot.
     **stay(_gate_ignore, tuple(s for s in _OPEN + _ENDING + (S.GATE_CLOSED,)

@@ -41,12 +41,15 @@ from .events import (
     LoseLease,
     OpenIntake,
     PassAside,
+    PassBody,
     PassHeaders,
     PassRequest,
     ProgressWritten,
+    ReadBody,
     RecordWritten,
     Refuse,
     RegisterIntake,
+    RequestBody,
     RequestBodySeen,
     RequestHeadersSeen,
     RequestOpened,
@@ -65,6 +68,7 @@ from .events import (
     WriteProgress,
 )
 from .families import CHAT, Family, family_named
+from .handoff import HandOff
 from .intake import own_intake
 from .journal import JournalView, Outcome, Rerun, answer_repeat, tenant_digest
 from .machine import Machine, ProtocolViolation, T, Table, counting_decoder, stay
@@ -122,6 +126,7 @@ class GuardMachine(Machine):
     bound: str | None = None  # "upper": Envoy did not say what it sent (see Finish)
     withheld: int = 0  # content units the guard forwarded that Envoy never sent
     lease_lost: bool = False  # the released attempt's permission ended (LoseLease, once)
+    released_id: str | None = None  # the attempt the gate handed over (TakeOver)
 
     @classmethod
     def new(cls, request_id: str, stall_after_first_delta_s: float,
@@ -143,11 +148,6 @@ class GuardMachine(Machine):
                     progress_every=t.progress_interval_s)
         m.trace_budget = trace_budget
         return m
-
-    @property
-    def reads_body(self) -> bool:
-        """A generation's body is the next thing it reads (any other body passes)."""
-        return self.state is State.GUARD_AWAITING_BODY
 
     @property
     def accepted(self) -> bool:
@@ -245,10 +245,13 @@ def _guard_headers(m: GuardMachine, ev: ResponseHeaders) -> list[Action]:
             m.request_id, f"{who} status {ev.status}", ev.status))
     if ev.end_of_stream:
         m.state = State.GUARD_COMPLETE
+    answer = PassHeaders(as_json=m.replaced_error is not None)
     if ev.status == 200 and ev.handoff:
         # The gate released its attempt to us: its end, record and fence are ours now.
-        return [TakeOver(ev.handoff), PassHeaders()]
-    return [PassHeaders()]
+        ho = HandOff.from_header(ev.handoff)
+        m.released_id = ho.attempt_id if ho is not None else None
+        return [TakeOver(ho), answer]
+    return [answer]
 
 
 def _sse_forward(m: GuardMachine, events: list[SseEvent], end: bool) -> list[Action]:
@@ -504,6 +507,14 @@ def _guard_status(m: GuardMachine, ev: StatusRead) -> list[Action]:
     return [AnswerStatus(view)]
 
 
+def _guard_read_body(m: GuardMachine, ev: RequestBody) -> list[Action]:
+    return [ReadBody()]  # a generation's body: read, then answered as RequestBodySeen
+
+
+def _guard_pass_body(m: GuardMachine, ev: RequestBody) -> list[Action]:
+    return [PassBody()]  # any other body goes on unread
+
+
 def _guard_request_body(m: GuardMachine, ev: RequestBodySeen) -> list[Action]:
     if ev.error is not None:
         m.state = State.GUARD_ASIDE
@@ -571,6 +582,9 @@ _ASIDE_STATES = (S.GUARD_NEW, S.GUARD_AWAITING_BODY, S.GUARD_OPENING, S.GUARD_AS
 GUARD_TABLE: Table = {
     (S.GUARD_NEW, RequestHeadersSeen): T(_guard_request_headers, S.GUARD_AWAITING_BODY,
                                               S.GUARD_ASIDE),
+    (S.GUARD_AWAITING_BODY, RequestBody): T(_guard_read_body, S.GUARD_AWAITING_BODY),
+    **stay(_guard_pass_body, tuple(st for st in S if st.startswith("guard_")
+                                   and st is not S.GUARD_AWAITING_BODY), RequestBody),
     (S.GUARD_AWAITING_BODY, RequestBodySeen): T(_guard_request_body, S.GUARD_OPENING,
                                                      S.GUARD_ASIDE),
     (S.GUARD_OPENING, RequestOpened): T(_guard_opened, S.GUARD_WAITING, S.GUARD_ASIDE),

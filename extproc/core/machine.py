@@ -23,6 +23,7 @@ from .events import (
     FenceDecided,
     IntakeCommitted,
     LeaseLost,
+    RequestBody,
     RequestBodySeen,
     RequestHeadersSeen,
     RequestOpened,
@@ -65,7 +66,7 @@ TRACE_RECORD_COST = 320
 # Records of events that repeat across requests (no request-specific data in them) are one
 # shared, never mutated dict each: an open stream holds references, not copies.
 _SHARED_RECORD_TYPES = (ResponseHeaders, FenceDecided, Fenced, LeaseLost,
-                        RequestHeadersSeen, RequestOpened)
+                        RequestHeadersSeen, RequestOpened, RequestBody)
 _SHARED_RECORDS: dict[Event, dict[str, Any]] = {}
 
 

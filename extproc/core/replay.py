@@ -29,6 +29,7 @@ from .events import (
     NotConfirmed,
     ProgressWritten,
     RecordWritten,
+    RequestBody,
     RequestBodySeen,
     RequestHeadersSeen,
     RequestOpened,
@@ -121,6 +122,8 @@ def event_from_record(d: Mapping[str, Any]) -> Event:
         return RequestHeadersSeen(str(d["kind"]), str(d.get("family", "chat")),
                                   _error(d, "invalid_header"),
                                   bool(d.get("end_of_stream", False)))
+    if t == "RequestBody":
+        return RequestBody()
     if t == "RequestBodySeen":
         body = d.get("error")
         if not isinstance(body, Mapping):

@@ -21,6 +21,8 @@ RID = "req_0123456789abcdefghjkmnpqrs"
 HEADER = json.dumps({"attempt": 2, "attempt_id": AID, "replica": "127.0.0.1:8001",
                      "lease_id": 7, "gateway_id": "gw-1", "started_at": 1.0,
                      "admitted_at": 1.5})
+HO = HandOff.from_header(HEADER)
+assert HO is not None
 
 
 class Journal:
@@ -62,16 +64,10 @@ class Ports:
         self.saved.append((rid, name, meta))
 
 
-async def test_an_unreadable_hand_off_is_not_taken_over() -> None:
-    p = Ports()
-    assert Released.take_over(p, RID, "{not json", lambda: None) is None
-    assert p.journal.watches == []
-
-
 async def test_the_live_watch_fences_only_on_another_value_and_stops_once() -> None:
     p, fenced = Ports(ProcessLease(9, 0, float("inf"))), []
-    r = Released.take_over(p, RID, HEADER, lambda: fenced.append(1))
-    assert r is not None and r.handoff.attempt == 2 and r.span is None and r.trace is None
+    r = Released.take_over(p, RID, HO, lambda: fenced.append(1))
+    assert r.handoff.attempt == 2 and r.span is None and r.trace is None
     # Another process's lease (7 is not ours, 9): no local deadline bounds it.
     assert r.lease.valid() and r.lease.process.lease_id == 0
     (cb,) = p.journal.watches
@@ -89,18 +85,15 @@ async def test_the_same_process_hand_off_brings_its_span_and_trace_and_our_lease
     lease = ProcessLease(7, 0, 123.0)
     p = Ports(lease)
     trace = TraceSnapshot("gate", RID, {}, (), (), {})
-    ho = HandOff.from_header(HEADER)
-    assert ho is not None
-    p.handoffs.put(AID, HandedOff(INVALID, replace(ho, trace=trace)))
-    r = Released.take_over(p, RID, HEADER, lambda: None)
-    assert r is not None and r.span is INVALID and r.trace is trace
+    p.handoffs.put(AID, HandedOff(INVALID, replace(HO, trace=trace)))
+    r = Released.take_over(p, RID, HO, lambda: None)
+    assert r.span is INVALID and r.trace is trace
     assert r.lease.process is lease and p.handoffs.take(AID) is None
 
 
 async def test_its_end_is_the_record_said_once_and_the_gate_trace_kept() -> None:
     p = Ports()
-    r = Released.take_over(p, RID, HEADER, lambda: None)
-    assert r is not None
+    r = Released.take_over(p, RID, HO, lambda: None)
     r.trace = TraceSnapshot("gate", RID, {}, (), (), {})
     n, rec = r.end(upstream_finished=True, cause="client", wall=50.0)
     await asyncio.sleep(0)

@@ -1010,3 +1010,25 @@ async def test_a_repeat_of_a_running_tool_call_waits_on_timers_then_gets_the_res
     assert replayed.get("x-tool-replayed") == "true"
     # The first call's caller got its last chunk after the record.
     assert first_out[-1].WhichOneof("response") == "response_body"
+
+
+async def test_an_unreadable_hand_off_is_said_once_and_nothing_taken_over(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # The row reads the header (TakeOver(None)); the observer says it, the session owns
+    # nothing, and the headers go on as any accepted request's.
+    caplog.set_level(logging.INFO, logger="extproc")
+    p, _ = proc()
+    ctx, s, task = start(GuardSession, p)
+    ctx.send(req_headers(DOWN))
+    ctx.send(req_body(CHAT))
+    await ctx.wait_for(2)
+    ctx.send(resp_headers({":status": "200", "content-type": "text/event-stream",
+                           H.HANDOFF: "{not json"}))
+    r = (await ctx.wait_for(3))[2]
+    assert set_headers(r, "response_headers") == {H.REQUEST_ID: s.rid}
+    assert s.released is None and s.m.released_id is None
+    assert [rec.getMessage() for rec in caplog.records
+            if "hand-off" in rec.getMessage()] == ["unreadable attempt hand-off"]
+    ctx.close()
+    await asyncio.wait_for(task, 3)
+    await p.drain()

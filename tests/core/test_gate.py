@@ -63,7 +63,6 @@ from extproc.core.gate import (
     GateMachine,
     GateParams,
     request_started,
-    response_started,
 )
 from extproc.core.machine import ProtocolViolation
 from extproc.core.replay import record, replay
@@ -358,6 +357,32 @@ def test_a_lost_lease_after_release_drops_the_rest() -> None:
     assert [e["type"] for e in m.trace][-3:] == ["LeaseLost", "ResponseBody", "ResponseBody"]
 
 
+def test_the_chunk_that_finds_the_lease_run_out_ends_it_once_after_release() -> None:
+    # The session's lease check is the chunk's own field: the row ends the permission
+    # (LoseLease) and drops the rest; said once, then only drops.
+    m = GateMachine.new(RID)
+    admit(m)
+    m.handle(ResponseHeaders(200, SSE))
+    m.handle(ResponseBody(b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n', False))
+    m.handle(FenceDecided(True))
+    assert m.handle(ResponseBody(b"x", False, lease_expired=True)) == [
+        LoseLease("expired locally"), DropChunk()]
+    assert m.handle(ResponseBody(b"", True, lease_expired=True)) == [DropChunk()]
+    assert m.trace[-2]["lease_expired"] is True
+
+
+def test_a_lease_run_out_before_release_is_ended_and_the_chunk_handled_as_ever() -> None:
+    # Before the release the fence itself checks the lease; the permission ends at once.
+    m = admitted_gate()
+    m.handle(ResponseHeaders(200, SSE))
+    assert m.handle(ResponseBody(ROLE, False, lease_expired=True)) == [
+        LoseLease("expired locally"), HoldChunk()]
+    p = admitted_gate()
+    p.handle(ResponseHeaders(400, "application/json"))
+    assert p.handle(ResponseBody(b"{}", True, lease_expired=True)) == [
+        LoseLease("expired locally"), PassChunk()]
+
+
 
 
 # --- the admission: every wait a row -----------------------------------------------------
@@ -603,10 +628,6 @@ def test_headers_that_do_not_parse_read_as_their_defaults() -> None:
     assert (ev.attempt, ev.accepted_at, ev.attempt_offset, ev.prompt_tokens, ev.family) == (
         1, None, 0, 0, "chat")
     assert request_started({":path": "/v1/models"}, None, lambda: "att_m", 0.0, WALL0) is None
-    assert response_started({":status": "oops"}, False) == ResponseHeaders(0, "", False)
-    assert response_started({":status": "429", "content-type": SSE, "retry-after": "2",
-                             "x-model-revision": "w@2"}, True) == ResponseHeaders(
-        429, SSE, True, model_revision="w@2", retry_after="2")
 
 
 @pytest.mark.parametrize(("first", "live", "no_gate", "want"), [

@@ -44,12 +44,15 @@ from extproc.core.events import (
     LoseLease,
     OpenIntake,
     PassAside,
+    PassBody,
     PassHeaders,
     PassRequest,
     ProgressWritten,
+    ReadBody,
     RecordWritten,
     Refuse,
     RegisterIntake,
+    RequestBody,
     RequestBodySeen,
     RequestHeadersSeen,
     RequestOpened,
@@ -87,6 +90,7 @@ from extproc.core.guard import (
     ViewSettled,
     WriteIntake,
 )
+from extproc.core.handoff import HandOff
 from extproc.core.journal import JournalView, Outcome, tenant_digest
 from extproc.core.machine import ProtocolViolation
 from extproc.core.replay import event_from_record, record, replay
@@ -142,8 +146,36 @@ def test_a_key_less_intake_that_fails_is_answered_by_its_gate() -> None:
 def test_the_released_attempt_is_taken_over_before_its_headers_go_on() -> None:
     m, _ = body_seen(keyed=False)
     m.handle(RequestOpened(True))
-    assert m.handle(ResponseHeaders(200, SSE, handoff=HANDOFF)) == [TakeOver(HANDOFF),
-                                                                     PassHeaders()]
+    assert m.handle(ResponseHeaders(200, SSE, handoff=HANDOFF)) == [
+        TakeOver(HandOff.from_header(HANDOFF)), PassHeaders()]
+    assert m.released_id == "att_x"
+
+
+def test_an_unreadable_hand_off_is_taken_over_as_nothing() -> None:
+    # The row reads the header once: the session owns nothing, the observer says why.
+    m, _ = body_seen(keyed=False)
+    m.handle(RequestOpened(True))
+    assert m.handle(ResponseHeaders(200, SSE, handoff="{not json")) == [
+        TakeOver(None), PassHeaders()]
+    assert m.released_id is None
+
+
+def test_a_body_is_read_only_where_a_generation_awaits_it() -> None:
+    m = GuardMachine.new(RID, 15.0, at_request=True)
+    assert m.handle(RequestHeadersSeen("generation", "chat", None, False)) == [AnswerHeaders()]
+    assert m.handle(RequestBody()) == [ReadBody()]
+    aside = GuardMachine.new(RID, 15.0, at_request=True)
+    aside.handle(RequestHeadersSeen("passthrough", "chat", None, False))
+    assert aside.handle(RequestBody()) == [PassBody()]
+
+
+def test_envoys_own_5xx_is_answered_as_our_json_error() -> None:
+    m, _ = body_seen(keyed=False)
+    m.handle(RequestOpened(True))
+    assert m.handle(ResponseHeaders(503, "text/plain", envoy_reply=True)) == [
+        PassHeaders(as_json=True)]
+    (send,) = m.handle(ResponseBody(b"no healthy upstream", True))
+    assert isinstance(send, Send) and b'"error"' in send.data
 
 
 @pytest.mark.parametrize("status,handoff", [(200, None), (503, HANDOFF), (429, None)])
@@ -361,7 +393,8 @@ def test_only_an_accepted_request_takes_over_and_stamps_its_headers() -> None:
                     assert accepted and isinstance(ev, ResponseHeaders), r.choices
             if isinstance(ev, ResponseHeaders):
                 assert acts in ([PassAside()], [PassHeaders()],
-                                [TakeOver(HANDOFF), PassHeaders()]), r.choices
+                                [TakeOver(HandOff.from_header(HANDOFF)), PassHeaders()]), \
+                    r.choices
         if any(isinstance(a, TakeOver) for a in actions(r)):
             # The attempt taken over ends with the request: its record is settled.
             assert [a.outcome for a in actions(r) if isinstance(a, Finish)] in (
@@ -842,7 +875,7 @@ def test_guard_puts_a_replicas_own_5xx_in_our_shape_and_leaves_ours() -> None:
     # The last attempt's replica answered 500 with the engine's own JSON: the client gets
     # our error with the request id (docs/errors.md), status kept.
     m = GuardMachine.new(RID, STALL)
-    assert m.handle(ResponseHeaders(500, "application/json")) == [PassHeaders()]
+    assert m.handle(ResponseHeaders(500, "application/json")) == [PassHeaders(as_json=True)]
     (sent,) = m.handle(ResponseBody(b'{"object":"error","message":"boom","code":500}', True))
     assert isinstance(sent, Send) and sent.end_of_stream
     err = json.loads(sent.data)["error"]
@@ -971,7 +1004,8 @@ def test_headers_that_are_not_a_generation_are_answered_by_their_row(
     m = GuardMachine.new(RID, STALL, at_request=True)
     acts = m.handle(RequestHeadersSeen(kind, error=error))
     assert acts == ([Refuse(error)] if want == "refuse" else want)
-    assert m.state is State.GUARD_ASIDE and m.trace_budget == 0 and not m.reads_body
+    assert m.state is State.GUARD_ASIDE and m.trace_budget == 0
+    assert m.handle(RequestBody()) == [PassBody()]  # its body, if any, is not read
 
 
 def test_a_generation_whose_headers_end_it_is_refused_body_required() -> None:

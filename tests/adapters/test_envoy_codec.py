@@ -1,0 +1,30 @@
+"""Envoy's messages read as the events both roles see: one parse of the response headers."""
+
+from __future__ import annotations
+
+from extproc.adapters import envoy_codec as codec
+from extproc.core import headers as H
+from extproc.core.events import ResponseHeaders
+from extproc.gen.envoy.config.core.v3 import base_pb2 as core
+from extproc.gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+
+SSE = "text/event-stream"
+
+
+def response(h: dict[str, str], eos: bool = False) -> ep.ProcessingRequest:
+    hm = core.HeaderMap(headers=[core.HeaderValue(key=k, raw_value=v.encode())
+                                 for k, v in h.items()])
+    return ep.ProcessingRequest(response_headers=ep.HttpHeaders(headers=hm,
+                                                                end_of_stream=eos))
+
+
+def test_response_headers_read_once_for_both_roles() -> None:
+    assert codec.response_headers(response({":status": "oops"})) == ResponseHeaders(0, "")
+    assert codec.response_headers(response({})) == ResponseHeaders(0, "")
+    assert codec.response_headers(response(
+        {":status": "429", "content-type": SSE, "retry-after": "2", "x-model-revision": "w@2"},
+        eos=True)) == ResponseHeaders(429, SSE, True, model_revision="w@2", retry_after="2")
+    # What the guard reads besides: Envoy's own reply, our error, the gate's hand-off.
+    assert codec.response_headers(response(
+        {":status": "503", H.ENVOY_REPLY: "1", H.GATEWAY_ERROR: "x", H.HANDOFF: "{}"})
+    ) == ResponseHeaders(503, "", envoy_reply=True, ours=True, handoff="{}")
