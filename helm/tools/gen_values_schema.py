@@ -90,6 +90,9 @@ proc_config = obj({
         "fence_wait_s": num(0.0, 600.0),
         "soft_first_delta_s": num(0.0, 3600.0),
         "progress_interval_s": num(0.0, 3600.0),
+        "source_grace_s": num(0.0, 3600.0, "a replica agent's first-content word with nothing "
+                                           "arrived this long after: path lost (0: off; "
+                                           "< first_delta_s; decision 0034)"),
         "first_delta_total_s": {
             "type": ["number", "null"], "minimum": 0.5, "maximum": 36000.0,
             "description": "whole-request wait for the first delta, all attempts; "

