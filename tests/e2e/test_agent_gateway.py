@@ -17,6 +17,7 @@ the `ack/<rid>/<aid>` key once the gateway put the cancel (the real agent comes 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -166,18 +167,25 @@ def _ref(g: Gateway) -> Result:
     return r
 
 
-# --- path lost: the agent's word and the grace ----------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def agw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    st = _stack(tmp_path_factory.mktemp("agent-gw"), {})
+@contextlib.contextmanager
+def _serving(st: Stack) -> Iterator[Gateway]:
+    """A started stack's client, both closed and stopped after the module."""
     g = Gateway(st)
     try:
         yield g
     finally:
         g.client.close()
         st.stop()
+
+
+# --- path lost: the agent's word and the grace ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def agw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    st = _stack(tmp_path_factory.mktemp("agent-gw"), {})
+    with _serving(st) as g:
+        yield g
 
 
 def test_a_path_lost_before_the_first_delta_costs_the_grace_not_the_first_delta_limit(
@@ -230,12 +238,8 @@ def noword_gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     # for the old lease comes out of its own first-delta time: that must outlast the lease.
     st = _stack(tmp_path_factory.mktemp("agent-noword"), {"first_delta_s": NOWORD_FIRST_S},
                 no_word=True)
-    g = Gateway(st)
-    try:
+    with _serving(st) as g:
         yield g
-    finally:
-        g.client.close()
-        st.stop()
 
 
 def test_with_no_word_the_acknowledgement_lets_the_retry_run_before_the_lease_ttl(
@@ -295,12 +299,8 @@ def real_agw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     # gate knows them as agent-fronted and sends them its instance id.
     st = Stack(workdir=tmp_path_factory.mktemp("agent-real"), config=CONFIG, replicas=2,
                partition_proxies=True, agents=True, registry=True).start()
-    g = Gateway(st)
-    try:
+    with _serving(st) as g:
         yield g
-    finally:
-        g.client.close()
-        st.stop()
 
 
 def test_the_real_agents_word_fails_a_lost_path_in_the_grace_and_it_acknowledges(
