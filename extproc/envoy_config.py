@@ -11,7 +11,8 @@ filters with ext_proc, FULL_DUPLEX_STREAMED); verified on 1.40.0.
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Sequence
+import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,7 @@ from .core.headers import (
     REQUEST_ID,
     ROLE_METADATA,
 )
+from .core.otlp import SYSTEM_CA_FILE, TraceExport, trace_export
 
 
 @dataclass(frozen=True)
@@ -241,7 +243,10 @@ def outlier_detection(cfg: Config) -> dict[str, Any] | None:
     }
 
 
-def render(cfg: Config, topo: Topology, plain: bool = False) -> dict[str, Any]:
+def render(cfg: Config, topo: Topology, plain: bool = False,
+           env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """`env`: the OTEL_* variables Envoy's tracer follows as the processor does (default:
+    this process's environment: the chart's render init container has the processor's)."""
     if not plain:
         _check_tools(topo)
     t = cfg.timeouts
@@ -331,14 +336,17 @@ def render(cfg: Config, topo: Topology, plain: bool = False) -> dict[str, Any]:
                    "route": {"cluster": "replicas", "timeout": "0s",
                              "retry_policy": retry_policy}})
 
-    otlp = cfg.telemetry.otlp_endpoint
+    export = None if plain else trace_export(cfg.telemetry,
+                                             os.environ if env is None else env)
     tracing: dict[str, Any] | None = None
-    if otlp and not plain:
-        # Envoy's own spans go to the same collector; its ext_proc calls carry their
-        # traceparent to the processor, so both sides form one trace.
+    if export is not None:
+        # Envoy's own spans go to the same collector, sampled alike (core/otlp.py); its
+        # ext_proc calls carry their traceparent to the processor: both sides form one trace.
         tracing = {"provider": {"name": "envoy.tracers.opentelemetry", "typed_config": {
             "@type": _t("envoy.config.trace.v3.OpenTelemetryConfig"),
-            "grpc_service": {"envoy_grpc": {"cluster_name": "otel"}, "timeout": "1s"},
+            "grpc_service": {"envoy_grpc": {"cluster_name": "otel",
+                                            "authority": export.target},
+                             "timeout": "1s"},
             "service_name": "llm-gateway-envoy",
             # OTEL_RESOURCE_ATTRIBUTES from Envoy's environment, as the processor's SDK reads
             # it: both sides' spans carry the same resource (e.g. k8s.pod.name).
@@ -347,7 +355,8 @@ def render(cfg: Config, topo: Topology, plain: bool = False) -> dict[str, Any]:
                 "typed_config": {"@type": _t(
                     "envoy.extensions.tracers.opentelemetry.resource_detectors.v3."
                     "EnvironmentResourceDetectorConfig")}}]}},
-            "random_sampling": {"value": 100}}
+            # Roots only: a request's sampled traceparent flag is followed either way.
+            "random_sampling": {"value": round(export.ratio * 100, 4)}}
     hcm: dict[str, Any] = {
         "@type": _t("envoy.extensions.filters.network.http_connection_manager.v3."
                     "HttpConnectionManager"),
@@ -456,12 +465,8 @@ def render(cfg: Config, topo: Topology, plain: bool = False) -> dict[str, Any]:
     else:
         replica_cluster["lb_policy"] = "ROUND_ROBIN"
     clusters: list[dict[str, Any]] = [replica_cluster]
-    if otlp and not plain:
-        oh, op = parse_hostport(otlp)
-        clusters.append({"name": "otel", "type": "STRICT_DNS", "connect_timeout": "1s",
-                         "typed_extension_protocol_options": _http2(),
-                         "load_assignment": {"cluster_name": "otel", "endpoints": [{
-                             "lb_endpoints": [{"endpoint": {"address": _addr(oh, op)}}]}]}})
+    if export is not None:
+        clusters.append(otel_cluster(export))
     if topo.tools and not plain:
         clusters.append({
             # A name (e.g. a Service) is resolved by DNS, as for the replicas.
@@ -512,6 +517,33 @@ def render(cfg: Config, topo: Topology, plain: bool = False) -> dict[str, Any]:
         # An xDS client must name itself; the processor serves every node the same pool.
         boot = {"node": {"id": "llm-gateway", "cluster": "llm-gateway"}, **boot}
     return boot
+
+
+def otel_cluster(export: TraceExport) -> dict[str, Any]:
+    """The collector Envoy's tracer exports to: plaintext, or TLS verified against the
+    configured CA (else the system bundle) and the endpoint's own name."""
+    ep = export.endpoint
+    cluster: dict[str, Any] = {
+        "name": "otel", "type": "STRICT_DNS", "connect_timeout": "1s",
+        "typed_extension_protocol_options": _http2(),
+        "load_assignment": {"cluster_name": "otel", "endpoints": [{
+            "lb_endpoints": [{"endpoint": {"address": _addr(ep.host, ep.port)}}]}]}}
+    if export.tls:
+        ip = is_ip(ep.host)
+        cluster["transport_socket"] = {
+            "name": "envoy.transport_sockets.tls",
+            "typed_config": {
+                "@type": _t("envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext"),
+                # SNI carries DNS names only (RFC 6066); the certificate is checked either way.
+                **({} if ip else {"sni": ep.host}),
+                "common_tls_context": {
+                    "alpn_protocols": ["h2"],
+                    "validation_context": {
+                        "trusted_ca": {"filename": export.ca_file or SYSTEM_CA_FILE},
+                        "match_typed_subject_alt_names": [{
+                            "san_type": "IP_ADDRESS" if ip else "DNS",
+                            "matcher": {"exact": ep.host}}]}}}}
+    return cluster
 
 
 # Envoy's own replies that mean "no replica answered": no healthy host, refused or reset

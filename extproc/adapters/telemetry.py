@@ -29,6 +29,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from ..core.config import ConfigError, TelemetryConfig
 from ..core.headers import TRACEPARENT
+from ..core.otlp import TraceExport, trace_export
 
 TRACEPARENT_HEADER = TRACEPARENT  # gateway-owned: the guard strips a client's copy
 _prop = TraceContextTextMapPropagator()
@@ -49,7 +50,8 @@ class OtlpPlan:
     traces: bool
     metrics: bool
     endpoint: str | None
-    traces_insecure: bool | None
+    # Spans: where, how and how many, decided as for Envoy's tracer (core/otlp.py).
+    trace_export: TraceExport | None
     metrics_insecure: bool | None
     service_name: str | None
     export_interval_ms: int | None
@@ -65,6 +67,7 @@ def otlp_plan(cfg: TelemetryConfig, env: Mapping[str, str]) -> OtlpPlan:
     pre = "OTEL_EXPORTER_OTLP_"
     disabled = env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true"
     ep = cfg.otlp_endpoint
+    spans = trace_export(cfg, env)
 
     def wanted(signal: str) -> bool:
         if disabled or env.get(f"OTEL_{signal}_EXPORTER", "").strip().lower() == "none":
@@ -84,11 +87,25 @@ def otlp_plan(cfg: TelemetryConfig, env: Mapping[str, str]) -> OtlpPlan:
     every_set = (cfg.metrics_interval_s != _DEFAULTS.metrics_interval_s
                  or not _set(env, "OTEL_METRIC_EXPORT_INTERVAL"))
     return OtlpPlan(
-        traces=wanted("TRACES"), metrics=wanted("METRICS"), endpoint=ep,
-        traces_insecure=insecure("TRACES"), metrics_insecure=insecure("METRICS"),
+        traces=spans is not None, metrics=wanted("METRICS"), endpoint=ep, trace_export=spans,
+        metrics_insecure=insecure("METRICS"),
         service_name=cfg.service_name if name_set else None,
         export_interval_ms=int(cfg.metrics_interval_s * 1000) if every_set else None,
         span_delay_ms=None if _set(env, "OTEL_BSP_SCHEDULE_DELAY") else 200)
+
+
+def _credentials(ca_file: str | None) -> Any:
+    """TLS trusting `ca_file`, read now so that a bad path stops the start-up; None: the
+    SDK's choice (OTEL_EXPORTER_OTLP_CERTIFICATE, else gRPC's default roots)."""
+    if ca_file is None:
+        return None
+    import grpc
+
+    try:
+        with open(ca_file, "rb") as f:
+            return grpc.ssl_channel_credentials(root_certificates=f.read())
+    except OSError as e:
+        raise ConfigError("telemetry.otlp_ca_file", f"cannot read {ca_file}: {e}") from e
 
 
 class MetricsServer:
@@ -141,10 +158,16 @@ class Telemetry:
                 )
                 from opentelemetry.sdk.trace import TracerProvider
                 from opentelemetry.sdk.trace.export import BatchSpanProcessor
+                from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 
-                tp = TracerProvider(resource=res)
+                spans = plan.trace_export
+                assert spans is not None
+                tp = TracerProvider(resource=res,
+                                    sampler=ParentBased(TraceIdRatioBased(spans.ratio)))
                 tp.add_span_processor(BatchSpanProcessor(
-                    OTLPSpanExporter(endpoint=plan.endpoint, insecure=plan.traces_insecure),
+                    OTLPSpanExporter(endpoint=spans.target, insecure=not spans.tls,
+                                     # An OTEL_ CA file is the SDK's to read, as before.
+                                     credentials=_credentials(cfg.otlp_ca_file)),
                     schedule_delay_millis=plan.span_delay_ms))
                 self._providers.append(tp)
                 self.tracer = tp.get_tracer("extproc")
@@ -156,7 +179,8 @@ class Telemetry:
                 from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 
                 readers.append(PeriodicExportingMetricReader(
-                    OTLPMetricExporter(endpoint=plan.endpoint, insecure=plan.metrics_insecure),
+                    OTLPMetricExporter(endpoint=plan.endpoint, insecure=plan.metrics_insecure,
+                                       credentials=_credentials(cfg.otlp_ca_file)),
                     export_interval_millis=plan.export_interval_ms))
             if metrics_listen is not None:
                 from opentelemetry.exporter.prometheus import PrometheusMetricReader

@@ -224,8 +224,17 @@ class AccountingConfig:
 
 @dataclass(frozen=True)
 class TelemetryConfig:
-    # OTLP/gRPC collector for traces and metrics ("host:port"); None: telemetry off.
+    # OTLP/gRPC collector for traces and metrics: "https://host:port" (TLS),
+    # "http://host:port" or a bare "host:port" (plaintext); None: OTEL_EXPORTER_OTLP_*
+    # decide, or telemetry is off (docs/telemetry.md).
     otlp_endpoint: str | None = None
+    # The CA bundle to verify an https:// collector by (Envoy and the processor);
+    # None: OTEL_EXPORTER_OTLP_CERTIFICATE, else the system's roots.
+    otlp_ca_file: str | None = None
+    # Head sampling of the traces that start at the gateway, 0..1; a client's traceparent
+    # decides for its own trace (parent-based, Envoy and the processor alike). At 1.0, the
+    # default, OTEL_TRACES_SAMPLER(_ARG) may set it instead.
+    sampling_ratio: float = 1.0
     service_name: str = "llm-failover-extproc"
     # Which event traces to keep in etcd for `extproc replay`: failures | all | none.
     record_traces: str = "failures"
@@ -655,6 +664,8 @@ def load_config(raw: Mapping[str, Any] | None) -> Config:
     te = root.section("telemetry")
     telemetry = TelemetryConfig(
         otlp_endpoint=te.opt_str("otlp_endpoint", TelemetryConfig.otlp_endpoint),
+        otlp_ca_file=te.opt_str("otlp_ca_file", TelemetryConfig.otlp_ca_file),
+        sampling_ratio=te.float_("sampling_ratio", TelemetryConfig.sampling_ratio, 0.0, 1.0),
         service_name=te.str_("service_name", TelemetryConfig.service_name),
         record_traces=te.str_("record_traces", TelemetryConfig.record_traces,
                               frozenset({"failures", "all", "none"})),
@@ -663,6 +674,16 @@ def load_config(raw: Mapping[str, Any] | None) -> Config:
         metrics_interval_s=te.float_("metrics_interval_s", TelemetryConfig.metrics_interval_s,
                                      0.5, 3600.0),
     )
+    if telemetry.otlp_endpoint is not None:
+        from .otlp import split_endpoint  # otlp imports this module
+        try:
+            otlp_ep = split_endpoint(telemetry.otlp_endpoint)
+        except ValueError as e:
+            raise ConfigError("telemetry.otlp_endpoint", str(e)) from None
+        if telemetry.otlp_ca_file is not None and otlp_ep.scheme != "https":
+            raise ConfigError("telemetry.otlp_ca_file",
+                              "needs an https:// telemetry.otlp_endpoint (or null, for "
+                              f"OTEL_EXPORTER_OTLP_ENDPOINT), got {telemetry.otlp_endpoint!r}")
     te.done()
     pl = root.section("pool")
     pl.used.add("replicas")

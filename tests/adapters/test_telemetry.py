@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import urllib.request
+from pathlib import Path
 
 import pytest
+from opentelemetry.trace import NonRecordingSpan
 from prometheus_client.parser import text_string_to_metric_families
 
 from devkit.devstack import free_port
@@ -32,7 +34,8 @@ def test_nothing_configured_exports_nothing() -> None:
 def test_the_files_bare_endpoint_stays_plaintext() -> None:
     p = otlp_plan(FILE, {})
     assert p.traces and p.metrics and p.endpoint == "collector:4317"
-    assert p.traces_insecure is True and p.metrics_insecure is True
+    assert p.trace_export is not None and not p.trace_export.tls
+    assert p.trace_export.target == "collector:4317" and p.metrics_insecure is True
     assert p.service_name == "llm-failover-extproc"
     assert p.export_interval_ms == 10_000 and p.span_delay_ms == 200
 
@@ -48,19 +51,28 @@ def test_the_files_endpoint_wins_over_the_environment() -> None:
                                  "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"])
 def test_the_environment_fills_a_null_endpoint(var: str) -> None:
     p = otlp_plan(TelemetryConfig(), {var: "http://collector:4317"})
-    # The SDK reads the variable itself (endpoint None), and decides TLS from its scheme.
-    assert p.endpoint is None and p.traces_insecure is None and p.metrics_insecure is None
+    # The metrics SDK reads the variable itself (endpoint None) and decides TLS from its
+    # scheme; spans go where Envoy's go (extproc.core.otlp), plaintext for http://.
+    assert p.endpoint is None and p.metrics_insecure is None
+    if p.traces:
+        assert p.trace_export is not None and p.trace_export.target == "collector:4317"
+        assert not p.trace_export.tls
     assert p.traces == ("METRICS" not in var)
     assert p.metrics == ("TRACES" not in var)
 
 
-def test_a_scheme_or_an_otel_tls_setting_lets_the_sdk_decide() -> None:
+def test_a_scheme_or_an_otel_tls_setting_decides_tls() -> None:
     p = otlp_plan(TelemetryConfig(otlp_endpoint="https://collector:4317"), {})
-    assert p.traces_insecure is None
+    assert p.trace_export is not None and p.trace_export.tls and p.metrics_insecure is None
     p = otlp_plan(FILE, {"OTEL_EXPORTER_OTLP_CERTIFICATE": "/etc/ca.pem"})
-    assert p.traces_insecure is None and p.metrics_insecure is None
+    assert p.trace_export is not None and not p.trace_export.tls  # bare: plaintext still
+    assert p.metrics_insecure is None
+    p = otlp_plan(FILE, {"OTEL_EXPORTER_OTLP_INSECURE": "false"})
+    assert p.trace_export is not None and p.trace_export.tls
+    assert p.trace_export.ca_file is None
     p = otlp_plan(FILE, {"OTEL_EXPORTER_OTLP_METRICS_INSECURE": "false"})
-    assert p.traces_insecure is True and p.metrics_insecure is None
+    assert p.trace_export is not None and not p.trace_export.tls
+    assert p.metrics_insecure is None
 
 
 def test_exporter_none_and_sdk_disabled() -> None:
@@ -147,3 +159,40 @@ def test_metrics_endpoint_that_cannot_bind_fails_at_start() -> None:
     finally:
         a.shutdown()
         b.shutdown()
+
+
+def test_the_processors_sampler_is_parent_based_on_the_shared_ratio() -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.sampling import Decision
+    from opentelemetry.trace import SpanContext, TraceFlags, set_span_in_context
+
+    t = Telemetry(TelemetryConfig(otlp_endpoint="127.0.0.1:1", sampling_ratio=0.0), "gw-1")
+    try:
+        tp = next(p for p in t._providers if isinstance(p, TracerProvider))
+        tid = 0x0AF7651916CD43DD8448EB211C80319C
+        # A root at ratio 0 is dropped...
+        assert tp.sampler.should_sample(None, tid, "r").decision == Decision.DROP
+        # ...a child of Envoy's sampled span is kept: Envoy's decision holds for the trace.
+        parent = set_span_in_context(NonRecordingSpan(SpanContext(
+            tid, 0xB7AD6B7169203331, is_remote=True, trace_flags=TraceFlags(1))))
+        assert tp.sampler.should_sample(parent, tid, "r").decision == \
+            Decision.RECORD_AND_SAMPLE
+    finally:
+        t.shutdown()
+
+
+def test_the_otel_sampler_variables_set_the_ratio_when_the_file_does_not() -> None:
+    env = {"OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
+           "OTEL_TRACES_SAMPLER_ARG": "0.1"}
+    p = otlp_plan(FILE, env)
+    assert p.trace_export is not None and p.trace_export.ratio == 0.1
+    p = otlp_plan(TelemetryConfig(otlp_endpoint="c:4317", sampling_ratio=0.5), env)
+    assert p.trace_export is not None and p.trace_export.ratio == 0.5
+
+
+def test_an_unreadable_ca_file_stops_the_start_naming_the_field(tmp_path: Path) -> None:
+    cfg = TelemetryConfig(otlp_endpoint="https://127.0.0.1:1",
+                          otlp_ca_file=str(tmp_path / "missing-ca.crt"))
+    with pytest.raises(ConfigError) as ei:
+        Telemetry(cfg, "gw-1")
+    assert ei.value.path == "telemetry.otlp_ca_file"
