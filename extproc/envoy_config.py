@@ -354,9 +354,11 @@ def render(cfg: Config, topo: Topology, plain: bool = False,
                 "name": "envoy.tracers.opentelemetry.resource_detectors.environment",
                 "typed_config": {"@type": _t(
                     "envoy.extensions.tracers.opentelemetry.resource_detectors.v3."
-                    "EnvironmentResourceDetectorConfig")}}]}},
-            # Roots only: a request's sampled traceparent flag is followed either way.
-            "random_sampling": {"value": round(export.ratio * 100, 4)}}
+                    "EnvironmentResourceDetectorConfig")}}],
+            "sampler": parent_based_sampler(export.ratio)}},
+            # Envoy 1.40 applies the connection manager's decision over a parent's sampled
+            # flag: it must say yes to every request, and the sampler above decides.
+            "random_sampling": {"value": 100}}
     hcm: dict[str, Any] = {
         "@type": _t("envoy.extensions.filters.network.http_connection_manager.v3."
                     "HttpConnectionManager"),
@@ -517,6 +519,20 @@ def render(cfg: Config, topo: Topology, plain: bool = False,
         # An xDS client must name itself; the processor serves every node the same pool.
         boot = {"node": {"id": "llm-gateway", "cluster": "llm-gateway"}, **boot}
     return boot
+
+
+def parent_based_sampler(ratio: float) -> dict[str, Any]:
+    """Envoy's OpenTelemetry sampler as the processor's SDK samples: a parent's sampled
+    flag decides; a root is kept at `ratio` (parts per million)."""
+    ns = "envoy.extensions.tracers.opentelemetry.samplers.v3."
+    return {"name": "envoy.tracers.opentelemetry.samplers.parent_based", "typed_config": {
+        "@type": _t(ns + "ParentBasedSamplerConfig"),
+        "wrapped_sampler": {
+            "name": "envoy.tracers.opentelemetry.samplers.trace_id_ratio_based",
+            "typed_config": {
+                "@type": _t(ns + "TraceIdRatioBasedSamplerConfig"),
+                "sampling_percentage": {"numerator": round(ratio * 1_000_000),
+                                        "denominator": "MILLION"}}}}}
 
 
 def otel_cluster(export: TraceExport) -> dict[str, Any]:

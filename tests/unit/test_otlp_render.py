@@ -47,6 +47,20 @@ def _otel(boot: dict[str, Any]) -> dict[str, Any] | None:
                 None)
 
 
+def _root_ratio_ppm(boot: dict[str, Any]) -> int:
+    """The parent-based sampler's ratio for roots; the connection manager must not veto."""
+    tracing = _hcm(boot)["tracing"]
+    assert tracing["random_sampling"] == {"value": 100}
+    sampler = tracing["provider"]["typed_config"]["sampler"]
+    assert sampler["name"] == "envoy.tracers.opentelemetry.samplers.parent_based"
+    wrapped = sampler["typed_config"]["wrapped_sampler"]
+    assert wrapped["name"] == "envoy.tracers.opentelemetry.samplers.trace_id_ratio_based"
+    pct = wrapped["typed_config"]["sampling_percentage"]
+    assert pct["denominator"] == "MILLION"
+    n: int = pct["numerator"]
+    return n
+
+
 def _address(cluster: dict[str, Any]) -> dict[str, Any]:
     sa: dict[str, Any] = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0][
         "endpoint"]["address"]["socket_address"]
@@ -104,17 +118,17 @@ def test_the_environment_alone_gives_envoy_its_tracer(monkeypatch: pytest.Monkey
     assert otel is not None and _address(otel)["address"] == "otel.observability.svc"
     vc = otel["transport_socket"]["typed_config"]["common_tls_context"]["validation_context"]
     assert vc["trusted_ca"] == {"filename": "/etc/otel-ca/ca.crt"}
-    assert _hcm(boot)["tracing"]["random_sampling"] == {"value": 5.0}
+    assert _root_ratio_ppm(boot) == 50_000
     # The SDK's switches turn Envoy's tracer off as they turn the processor's off.
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "none")
     assert _otel(_boot(None)) is None
 
 
 def test_the_sampling_ratio_reaches_envoy() -> None:
-    assert _hcm(_boot({"otlp_endpoint": "c:4317"}))["tracing"]["random_sampling"] == \
-        {"value": 100.0}
-    boot = _boot({"otlp_endpoint": "c:4317", "sampling_ratio": 0.125})
-    assert _hcm(boot)["tracing"]["random_sampling"] == {"value": 12.5}
+    assert _root_ratio_ppm(_boot({"otlp_endpoint": "c:4317"})) == 1_000_000
+    assert _root_ratio_ppm(_boot({"otlp_endpoint": "c:4317", "sampling_ratio": 0.125})) == \
+        125_000
+    assert _root_ratio_ppm(_boot({"otlp_endpoint": "c:4317", "sampling_ratio": 0})) == 0
 
 
 def test_an_explicit_environment_replaces_the_process_one(monkeypatch: pytest.MonkeyPatch
