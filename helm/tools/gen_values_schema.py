@@ -112,7 +112,13 @@ proc_config = obj({
         "wait_s": num(0.0, 600.0),
     }),
     "telemetry": obj({
-        "otlp_endpoint": nullable_str,
+        "otlp_endpoint": {**nullable_str,
+                          "description": "https://host:port (TLS), http://host:port or "
+                                         "host:port (plaintext); null: OTEL_EXPORTER_OTLP_*"},
+        "otlp_ca_file": {**nullable_str, "description": "CA bundle for an https:// collector "
+                                                        "(the chart sets it from otlpCa)"},
+        "sampling_ratio": num(0.0, 1.0, "head sampling of traces that start at the gateway, "
+                                        "parent-based (Envoy and the processor)"),
         "service_name": {"type": "string", "minLength": 1},
         "record_traces": {"enum": ["failures", "all", "none"]},
         "max_trace_bytes": integer(1024, 64 << 20),
@@ -280,6 +286,9 @@ schema = {
             "envoyPreStop": enum("sleep", "exec"),
         }),
         "terminationGracePeriodSeconds": {"type": ["integer", "null"], "minimum": 1},
+        "otlpCa": obj({"secretName": {**nullable_str, "description":
+                                      "Secret with ca.crt for an https:// OTLP collector: "
+                                      "mounted in the processor and Envoy"}}),
         "otelEnv": {"type": "object", "propertyNames": {"pattern": "^OTEL_[A-Z0-9_]+$"},
                     "additionalProperties": {"type": "string"},
                     "description": "OTEL_* environment of the processor (Envoy: "

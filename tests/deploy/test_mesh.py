@@ -557,7 +557,7 @@ def test_envoy_gateway_with_otlp_gets_envoys_tracer(tmp_path: Path) -> None:
     _validate(boot, tmp_path)
     assert hcm["tracing"] == _hcm(_full(cfg))["tracing"]
     assert hcm["tracing"]["provider"]["typed_config"]["grpc_service"]["envoy_grpc"] == {
-        "cluster_name": "otel"}
+        "cluster_name": "otel", "authority": "otel-collector.observability.svc:4317"}
     assert xds["Cluster"]["otel"]["type"] == "STRICT_DNS"
 
 

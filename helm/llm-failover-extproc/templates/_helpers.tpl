@@ -124,6 +124,9 @@ Included by the Deployment, so `helm template` fails with these messages.
 {{- end -}}
 {{- $_ := set $cfg.etcd "tls" $t -}}
 {{- end -}}
+{{- if .Values.otlpCa.secretName -}}
+{{- $_ := set $cfg.telemetry "otlp_ca_file" "/etc/extproc/otlp-ca/ca.crt" -}}
+{{- end -}}
 {{- if .Values.etcd.auth.enabled -}}
 {{- $_ := set $cfg.etcd "auth" (dict "username_file" "/etc/extproc/etcd-auth/username" "password_file" "/etc/extproc/etcd-auth/password") -}}
 {{- end -}}
@@ -245,6 +248,11 @@ reach Envoy's bootstrap exactly as they reach the processor). */}}
     {{- if $.Values.etcd.auth.enabled }}
     - name: etcd-auth
       mountPath: /etc/extproc/etcd-auth
+      readOnly: true
+    {{- end }}
+    {{- if $.Values.otlpCa.secretName }}
+    - name: otlp-ca
+      mountPath: /etc/extproc/otlp-ca
       readOnly: true
     {{- end }}
     {{- with $.Values.processor.extraVolumeMounts }}
