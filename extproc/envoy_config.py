@@ -346,7 +346,10 @@ def render(cfg: Config, topo: Topology, plain: bool = False,
             "@type": _t("envoy.config.trace.v3.OpenTelemetryConfig"),
             "grpc_service": {"envoy_grpc": {"cluster_name": "otel",
                                             "authority": export.target},
-                             "timeout": "1s"},
+                             "timeout": "1s",
+                             **({"initial_metadata": [{"key": k, "value": v}
+                                                      for k, v in export.headers]}
+                                if export.headers else {})},
             "service_name": "llm-gateway-envoy",
             # OTEL_RESOURCE_ATTRIBUTES from Envoy's environment, as the processor's SDK reads
             # it: both sides' spans carry the same resource (e.g. k8s.pod.name).

@@ -166,6 +166,7 @@ class Telemetry:
                                     sampler=ParentBased(TraceIdRatioBased(spans.ratio)))
                 tp.add_span_processor(BatchSpanProcessor(
                     OTLPSpanExporter(endpoint=spans.target, insecure=not spans.tls,
+                                     headers=dict(spans.headers) or None,
                                      # An OTEL_ CA file is the SDK's to read, as before.
                                      credentials=_credentials(cfg.otlp_ca_file)),
                     schedule_delay_millis=plan.span_delay_ms))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from .config import ConfigError, TelemetryConfig
 
@@ -65,6 +65,9 @@ class TraceExport:
     # Head sampling for a trace that starts here; a parent's decision is always followed.
     ratio: float
     source: str  # the setting the endpoint came from, for messages
+    # gRPC metadata on every export call (OTEL_EXPORTER_OTLP_(TRACES_)HEADERS), e.g. a
+    # collector's token.
+    headers: tuple[tuple[str, str], ...] = ()
 
     @property
     def target(self) -> str:
@@ -80,6 +83,24 @@ def _get(env: Mapping[str, str], *names: str) -> tuple[str, str] | None:
         if v:
             return n, v
     return None
+
+
+def export_headers(env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    """`k=v,k2=v2` (values may be %-encoded), as the SDK reads it; names lowercased.
+    An entry that is not `name=value` is a config error naming the variable."""
+    got = _get(env, _PRE + "TRACES_HEADERS", _PRE + "HEADERS")
+    if got is None:
+        return ()
+    out: dict[str, str] = {}
+    for item in got[1].split(","):
+        if not item.strip():
+            continue
+        name, sep, value = item.partition("=")
+        name = unquote(name).strip().lower()
+        if not sep or not name or any(c.isspace() or c in ':"(),/;<=>?@[]{}' for c in name):
+            raise ConfigError(got[0], f"each entry must be name=value, got {item.strip()!r}")
+        out[name] = unquote(value).strip()
+    return tuple(out.items())
 
 
 def sampling_ratio(cfg: TelemetryConfig, env: Mapping[str, str]) -> float:
@@ -153,4 +174,4 @@ def trace_export(cfg: TelemetryConfig, env: Mapping[str, str]) -> TraceExport | 
         got = _get(env, _PRE + "TRACES_CERTIFICATE", _PRE + "CERTIFICATE")
         ca = got[1] if got else None
     return TraceExport(endpoint=ep, tls=tls, ca_file=ca, ratio=sampling_ratio(cfg, env),
-                       source=source)
+                       source=source, headers=export_headers(env))

@@ -54,6 +54,19 @@ def test_the_environment_alone_gives_a_target_as_the_spec_reads_it() -> None:
     assert e is not None and e.target == "file:4317" and not e.tls
 
 
+def test_export_headers_as_the_sdk_reads_them() -> None:
+    cfg = TelemetryConfig(otlp_endpoint="c:4317")
+    e = trace_export(cfg, {"OTEL_EXPORTER_OTLP_HEADERS": "a=1,B=x%20y,,c=k=v",
+                           "OTEL_EXPORTER_OTLP_TRACES_HEADERS": ""})
+    assert e is not None and e.headers == (("a", "1"), ("b", "x y"), ("c", "k=v"))
+    e = trace_export(cfg, {"OTEL_EXPORTER_OTLP_HEADERS": "a=1",
+                           "OTEL_EXPORTER_OTLP_TRACES_HEADERS": "t=2"})
+    assert e is not None and e.headers == (("t", "2"),)
+    with pytest.raises(ConfigError) as ei:
+        trace_export(cfg, {"OTEL_EXPORTER_OTLP_HEADERS": "a=1,novalue"})
+    assert ei.value.path == "OTEL_EXPORTER_OTLP_HEADERS"
+
+
 def test_exporter_none_and_sdk_disabled_mean_no_spans_anywhere() -> None:
     cfg = TelemetryConfig(otlp_endpoint="collector:4317")
     assert trace_export(cfg, {"OTEL_TRACES_EXPORTER": "none"}) is None

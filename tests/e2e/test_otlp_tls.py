@@ -29,6 +29,8 @@ from .conftest import Gateway
 
 pytestmark = pytest.mark.e2e
 ENVOY_SERVICE = "llm-gateway-envoy"
+# In the environment of the test (so of render-envoy and the processor): a collector token.
+HEADERS = "x-collector-token=tls%20test"
 
 
 class TlsReceiver(trace_service_pb2_grpc.TraceServiceServicer):  # type: ignore[misc]
@@ -36,6 +38,8 @@ class TlsReceiver(trace_service_pb2_grpc.TraceServiceServicer):  # type: ignore[
 
     def __init__(self, pki: Pki) -> None:
         self.spans: list[dict[str, Any]] = []
+        # Per export call: the services whose spans it carried, and its token header.
+        self.calls: list[tuple[set[str], str | None]] = []
         self.lock = threading.Lock()
         cert, key = pki.issue("collector", "127.0.0.1")
         creds = grpc.ssl_server_credentials([(key.read_bytes(), cert.read_bytes())])
@@ -47,9 +51,13 @@ class TlsReceiver(trace_service_pb2_grpc.TraceServiceServicer):  # type: ignore[
 
     def Export(self, request: Any, context: Any) -> Any:
         with self.lock:
+            services: set[str] = set()
+            self.calls.append((services, dict(context.invocation_metadata()).get(
+                "x-collector-token")))
             for rs in request.resource_spans:
                 svc = next((a.value.string_value for a in rs.resource.attributes
                             if a.key == "service.name"), "")
+                services.add(svc)
                 for ss in rs.scope_spans:
                     for s in ss.spans:
                         self.spans.append({
@@ -106,9 +114,12 @@ def sampled_all(tmp_path_factory: pytest.TempPathFactory, pki: Pki, receiver: Tl
 
 @pytest.fixture(scope="module")
 def monkeymodule() -> Iterator[None]:
-    """No OTEL_* from the developer's shell may steer the renderer or the processor."""
+    """No OTEL_* from the developer's shell may steer the renderer or the processor; the
+    export header is set, as an operator's otelEnv would."""
     saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("OTEL_")}
+    os.environ["OTEL_EXPORTER_OTLP_HEADERS"] = HEADERS
     yield
+    del os.environ["OTEL_EXPORTER_OTLP_HEADERS"]
     os.environ.update(saved)
 
 
@@ -129,6 +140,12 @@ def test_envoys_and_the_processors_spans_arrive_over_tls_in_one_trace(
         attempts = [s for s in receiver.spans if s["name"] == "llm.attempt"
                     and s["attrs"].get("llmgw.request_id") == res.request_id]
     assert attempts and all(a["trace_id"] == req["trace_id"] for a in attempts)
+    # OTEL_EXPORTER_OTLP_HEADERS went with every export call, Envoy's and the processor's.
+    with receiver.lock:
+        calls = list(receiver.calls)
+    for svc in (ENVOY_SERVICE, req["service"]):
+        tokens = {tok for services, tok in calls if svc in services}
+        assert tokens == {"tls test"}, (svc, tokens)
 
 
 def test_at_ratio_zero_a_sampled_parent_still_makes_one_trace_and_roots_are_dropped(

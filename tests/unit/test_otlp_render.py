@@ -124,6 +124,17 @@ def test_the_environment_alone_gives_envoy_its_tracer(monkeypatch: pytest.Monkey
     assert _otel(_boot(None)) is None
 
 
+def test_otlp_headers_go_with_envoys_export_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", "X-Token=a%3Db, x-tenant = ci")
+    grpc = _hcm(_boot({"otlp_endpoint": "c:4317"}))["tracing"]["provider"]["typed_config"][
+        "grpc_service"]
+    assert grpc["initial_metadata"] == [{"key": "x-token", "value": "a=b"},
+                                        {"key": "x-tenant", "value": "ci"}]
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_HEADERS")
+    assert "initial_metadata" not in _hcm(_boot({"otlp_endpoint": "c:4317"}))["tracing"][
+        "provider"]["typed_config"]["grpc_service"]
+
+
 def test_the_sampling_ratio_reaches_envoy() -> None:
     assert _root_ratio_ppm(_boot({"otlp_endpoint": "c:4317"})) == 1_000_000
     assert _root_ratio_ppm(_boot({"otlp_endpoint": "c:4317", "sampling_ratio": 0.125})) == \
