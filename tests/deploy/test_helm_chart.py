@@ -725,6 +725,8 @@ def test_notes_give_the_tool_service(
      "replicas.endpoints must be empty (set it to []) with processor.config.pool.discovery: "
      "registry"),
     (["--set", "etcd.endpoints=null"], "etcd: endpoints is required"),
+    (["--set-json", "processor.config.telemetry.sampling_ratio=1.5"],
+     "processor.config.telemetry.sampling_ratio: Must be less than or equal to 1"),
     (["--set", "processor.config.timeouts.first_delta_s=null"],
      "processor.config.timeouts: first_delta_s is required"),
     (["--set", "processor.config.policy.on_upstream_failure.after_first_delta."
