@@ -66,10 +66,10 @@ def main(argv: list[str] | None = None) -> int:
                        "give a mesh's Envoy what render-envoy gives ours")
     m.add_argument("--config", required=True)
     m.add_argument("--flavor", required=True, choices=["istio", "envoy-gateway"])
-    m.add_argument("--namespace", default="llm")
     m.add_argument("--out-dir", default=None, metavar="DIR",
                    help="write one file per object group into DIR (as deploy/mesh/<flavor>/ "
                         "holds them) instead of printing one stream")
+    _mesh_name_flags(m)
     g = sub.add_parser("register", help="keep one model server registered in the live pool "
                        "while it passes its health check (pool.discovery: registry)")
     g.add_argument("--config")
@@ -174,9 +174,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.cmd == "render-mesh":
         from .mesh_config import render_files
+        cfg = read_config(args.config, env={})
         try:
-            files = render_files(read_config(args.config, env={}), args.flavor,
-                                 args.namespace, source=args.config)
+            files = render_files(cfg, args.flavor, _mesh_names(args), source=args.config)
         except ValueError as e:
             raise SystemExit(f"config error: {e}") from e
         if args.out_dir:
@@ -193,6 +193,52 @@ def main(argv: list[str] | None = None) -> int:
                       if getattr(args, "trace_file", None) else None)
         return asyncio.run(_inspect_or_replay(args, file_trace))
     return 2
+
+
+def _mesh_name_flags(m: argparse.ArgumentParser) -> None:
+    """render-mesh: every name of the user's cluster the objects refer to (docs/mesh.md)."""
+    from .mesh_config import MeshNames
+    d = MeshNames()
+    m.add_argument("--namespace", default=d.namespace, help="where the objects go")
+    m.add_argument("--name", default=d.name, help="the EnvoyFilter, DestinationRule, "
+                   "EnvoyPatchPolicy and BackendTrafficPolicy")
+    m.add_argument("--gateway", default=d.gateway, help="Istio: the gateway pods' label "
+                   "istio=<this>; Envoy Gateway: the Gateway")
+    m.add_argument("--route", default=d.route, help="Istio: the VirtualService http route "
+                   "of the replicas; Envoy Gateway: the HTTPRoute")
+    m.add_argument("--replicas", default="%s:%d" % d.replicas, metavar="HOST:PORT",
+                   help="Istio: the replicas' Service (its FQDN) and port")
+    m.add_argument("--listener-port", type=int, default=d.listener_port,
+                   help="Istio: the gateway pod's container port")
+    m.add_argument("--gateway-port", type=int, default=d.gateway_port,
+                   help="the Gateway server's (Istio) or listener's (Envoy Gateway) port")
+    m.add_argument("--listener", default=d.listener,
+                   help="Envoy Gateway: the Gateway listener's name")
+    m.add_argument("--rule", type=int, default=d.rule,
+                   help="Envoy Gateway: the HTTPRoute rule (0-based) of the replicas")
+    m.add_argument("--guard-policy", default=d.guard_policy,
+                   help="Envoy Gateway: the guard's EnvoyExtensionPolicy")
+    m.add_argument("--backend", default=d.backend,
+                   help="Envoy Gateway: the Backend of the processor's Unix socket")
+    m.add_argument("--istio-version", default="%d.%d" % d.istio_version,
+                   help="the Istio the gateway runs (before 1.27 the retry budget is "
+                        "patched, not typed: decision 0035)")
+    m.add_argument("--xds-name-scheme", default=d.xds_name_scheme, choices=["legacy", "v2"],
+                   help="Envoy Gateway: v2 if its XDSNameSchemeV2 runtime flag is on")
+
+
+def _mesh_names(args: argparse.Namespace) -> Any:
+    from .mesh_config import MeshNames, parse_istio_version, parse_replicas
+    try:
+        return MeshNames(
+            namespace=args.namespace, name=args.name, gateway=args.gateway, route=args.route,
+            replicas=parse_replicas(args.replicas), listener_port=args.listener_port,
+            gateway_port=args.gateway_port, listener=args.listener, rule=args.rule,
+            guard_policy=args.guard_policy, backend=args.backend,
+            istio_version=parse_istio_version(args.istio_version),
+            xds_name_scheme=args.xds_name_scheme)
+    except ValueError as e:
+        raise SystemExit(f"config error: {e}") from e
 
 
 def _register(args: argparse.Namespace) -> int:
