@@ -206,7 +206,7 @@ def _mesh_name_flags(m: argparse.ArgumentParser) -> None:
                    "istio=<this>; Envoy Gateway: the Gateway")
     m.add_argument("--route", default=d.route, help="Istio: the VirtualService http route "
                    "of the replicas; Envoy Gateway: the HTTPRoute")
-    m.add_argument("--replicas", default="%s:%d" % d.replicas, metavar="HOST:PORT",
+    m.add_argument("--replicas", default=f"{d.replicas[0]}:{d.replicas[1]}", metavar="HOST:PORT",
                    help="Istio: the replicas' Service (its FQDN) and port")
     m.add_argument("--listener-port", type=int, default=d.listener_port,
                    help="Istio: the gateway pod's container port")
@@ -220,7 +220,7 @@ def _mesh_name_flags(m: argparse.ArgumentParser) -> None:
                    help="Envoy Gateway: the guard's EnvoyExtensionPolicy")
     m.add_argument("--backend", default=d.backend,
                    help="Envoy Gateway: the Backend of the processor's Unix socket")
-    m.add_argument("--istio-version", default="%d.%d" % d.istio_version,
+    m.add_argument("--istio-version", default="{}.{}".format(*d.istio_version),
                    help="the Istio the gateway runs (before 1.27 the retry budget is "
                         "patched, not typed: decision 0035)")
     m.add_argument("--xds-name-scheme", default=d.xds_name_scheme, choices=["legacy", "v2"],
