@@ -185,9 +185,9 @@ def test_envoy_validates_the_ops_listener_and_dns_replicas(tmp_path: Path) -> No
 
 
 def test_render_mesh_prints_both_flavors_and_refuses_a_registry_pool(tmp_path: Path) -> None:
-    for flavor, kinds in (("istio", ["EnvoyFilter"]),
+    for flavor, kinds in (("istio", ["EnvoyFilter", "DestinationRule"]),
                           ("envoy-gateway", ["Backend", "EnvoyExtensionPolicy",
-                                             "EnvoyPatchPolicy"])):
+                                             "BackendTrafficPolicy", "EnvoyPatchPolicy"])):
         r = _cli("render-mesh", "--config", "config/processor.yaml", "--flavor", flavor,
                  "--namespace", "ai")
         assert r.returncode == 0, r.stderr
