@@ -341,10 +341,10 @@ def istio_envoyfilter(cfg: Config, names: MeshNames, source: str) -> str:
             "the processor\n# as a sidecar on /var/run/extproc/extproc.sock), its Gateway "
             f"server on port {names.gateway_port} (container\n# port {names.listener_port}), "
             f"the VirtualService route named {names.route}, replicas behind the Service\n"
-            f"# {host}:{port}. For Istio {names.istio_version[0]}.{names.istio_version[1]}"
-            + (" and later (with destinationrule.yaml)" if istio_typed_budget(names) else
-               " (older than 1.27: the retry budget is patched)")
-            + "; needs Envoy >= 1.34 in\n# the gateway (docs/mesh.md).\n"
+            f"# {host}:{port}. Needs Envoy >= 1.34 in the gateway (docs/mesh.md).\n"
+            f"# For Istio {names.istio_version[0]}.{names.istio_version[1]}"
+            + (" and later, with destinationrule.yaml.\n" if istio_typed_budget(names) else
+               " (before 1.27: the retry budget is patched, decision 0035).\n")
             + _with_list(head, "configPatches", istio_patches(cfg, names), 4))
 
 
@@ -458,18 +458,20 @@ def eg_patch_policy(cfg: Config, names: MeshNames, source: str) -> str:
             "spec": {"targetRef": {"group": "gateway.networking.k8s.io", "kind": "Gateway",
                                    "name": names.gateway},
                      "type": "JSONPatch"}}
-    scheme = ("XDSNameSchemeV2 (runtime flag on; the default from Envoy Gateway 1.10)"
+    scheme = ("XDSNameSchemeV2 (its runtime flag on; the default from 1.10)"
               if names.xds_name_scheme == "v2" else
-              "the legacy xDS names (Envoy Gateway <= 1.9's default; XDSNameSchemeV2 off)")
+              "the legacy scheme (Envoy Gateway <= 1.9's default)")
     return (GENERATED.format(src=source, flavor="envoy-gateway") + "#\n"
             "# Only what the typed Envoy Gateway APIs cannot express (the gate, the gRPC access "
             "log, the\n# attempt-count header, our retry policy, timeouts, health), as JSON "
             "patches on the xDS Envoy\n# Gateway generates for "
             f"{names.namespace}/{names.gateway} (listener \"{names.listener}\", port "
             f"{names.gateway_port}; HTTPRoute {names.route},\n# rule {names.rule} = replicas). "
-            f"Names under {scheme}:\n# listener {n['listener']}, route configuration "
-            f"{n['routes']}, cluster {n['cluster']}\n"
-            "# (render-mesh --xds-name-scheme legacy|v2 picks them).\n" + _numbers(cfg) +
+            f"xDS names under {scheme}:\n"
+            f"#   listener             {n['listener']}\n"
+            f"#   route configuration  {n['routes']}\n"
+            f"#   replica cluster      {n['cluster']}\n"
+            "# (`render-mesh --xds-name-scheme legacy|v2` picks them).\n" + _numbers(cfg) +
             "# Requires enableEnvoyPatchPolicy, Envoy Gateway >= 1.8 and Envoy >= 1.34 in the "
             "gateway\n# (docs/mesh.md).\n"
             + _with_list(head, "jsonPatches", eg_patches(cfg, names), 4))
