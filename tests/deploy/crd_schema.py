@@ -5,6 +5,9 @@ structural schema does not list. jsonschema would accept it: every object schema
 `properties` and says nothing of extra ones gets `additionalProperties: false` here, unless
 it carries `x-kubernetes-preserve-unknown-fields: true` (there Kubernetes keeps anything).
 The CRDs' CEL rules (`x-kubernetes-validations`) are not evaluated: no CEL runs here.
+
+crds/<project>-<version>/ holds one release's CRDs. By default an object is checked against
+the newest release vendored for its kind (CURRENT); `release=` picks an older one.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import jsonschema
 import yaml
 
 CRDS = Path(__file__).resolve().parent / "crds"
+# The release each kind is checked against unless a test names another.
+CURRENT = ("istio-1.30.3", "envoy-gateway-v1.9.0", "gateway-api-v1.6.1")
 
 
 def _strict(node: Any) -> Any:
@@ -33,10 +38,10 @@ def _strict(node: Any) -> Any:
 
 
 @cache
-def _schemas() -> dict[tuple[str, str], dict[str, Any]]:
+def _schemas(release: str) -> dict[tuple[str, str], dict[str, Any]]:
     """(apiVersion, kind) -> the strict openAPIV3Schema of every served version."""
     out: dict[tuple[str, str], dict[str, Any]] = {}
-    for path in sorted(CRDS.rglob("*.yaml")):
+    for path in sorted((CRDS / release).glob("*.yaml")):
         for crd in yaml.safe_load_all(path.read_text()):
             if not crd or crd.get("kind") != "CustomResourceDefinition":
                 continue
@@ -44,7 +49,7 @@ def _schemas() -> dict[tuple[str, str], dict[str, Any]]:
             for v in crd["spec"]["versions"]:
                 if v.get("served"):
                     key = (f"{group}/{v['name']}", kind)
-                    assert key not in out, f"{key} vendored twice"
+                    assert key not in out, f"{key} vendored twice in {release}"
                     schema = _strict(copy.deepcopy(v["schema"]["openAPIV3Schema"]))
                     # Every object has these, whether or not its CRD lists them (Istio's
                     # do not); metadata is ObjectMeta, checked by the API server itself.
@@ -55,17 +60,21 @@ def _schemas() -> dict[tuple[str, str], dict[str, Any]]:
     return out
 
 
-def has_crd(doc: dict[str, Any]) -> bool:
-    return (doc["apiVersion"], doc["kind"]) in _schemas()
+def _schema(doc: dict[str, Any], release: str | None) -> dict[str, Any] | None:
+    key = (doc["apiVersion"], doc["kind"])
+    for r in [release] if release else CURRENT:
+        if key in _schemas(r):
+            return _schemas(r)[key]
+    return None
 
 
-def validate(doc: dict[str, Any]) -> None:
-    """Raise jsonschema.ValidationError where the API server would refuse `doc`."""
-    schema = _schemas()[(doc["apiVersion"], doc["kind"])]
-    jsonschema.Draft4Validator(schema).validate(doc)
+def has_crd(doc: dict[str, Any], release: str | None = None) -> bool:
+    return _schema(doc, release) is not None
 
 
-def errors(doc: dict[str, Any]) -> list[str]:
-    schema = _schemas()[(doc["apiVersion"], doc["kind"])]
+def errors(doc: dict[str, Any], release: str | None = None) -> list[str]:
+    """Where the API server would refuse `doc`, one line each (empty: accepted)."""
+    schema = _schema(doc, release)
+    assert schema is not None, f"no vendored CRD for {doc['apiVersion']} {doc['kind']}"
     return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
             for e in jsonschema.Draft4Validator(schema).iter_errors(doc)]

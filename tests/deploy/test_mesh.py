@@ -171,6 +171,22 @@ def test_custom_resources_validate_strictly_against_upstream_crds(rel: str) -> N
         assert crd_schema.errors(d) == [], d["kind"]
 
 
+def test_istio_version_decides_where_the_budget_goes() -> None:
+    """Istio 1.26's own CRD refuses the DestinationRule's retryBudget (the field came with
+    1.27), and accepts what render-mesh gives for 1.26: the EnvoyFilter alone."""
+    (dr,) = _docs("istio/destinationrule.yaml")
+    assert crd_schema.errors(dr, "istio-1.30.3") == []
+    (err,) = crd_schema.errors(dr, "istio-1.26.0")
+    assert "'retryBudget' was unexpected" in err
+    del dr["spec"]["trafficPolicy"]["retryBudget"]
+    assert crd_schema.errors(dr, "istio-1.26.0") == []
+    files = mesh_config.render_files(_cfg(), "istio",
+                                     mesh_config.MeshNames(istio_version=(1, 26)))
+    assert set(files) == {"envoyfilter.yaml"}
+    (ef,) = yaml.safe_load_all(files["envoyfilter.yaml"])
+    assert crd_schema.errors(ef, "istio-1.26.0") == []
+
+
 @pytest.mark.parametrize(("rel", "kind", "path", "bad"), [
     ("istio/destinationrule.yaml", "DestinationRule", ["spec", "trafficPolicy", "retryBudget"],
      {"percentage": 20}),
