@@ -107,9 +107,11 @@ bench-abandoned: install
 profile: install
 	$(PY) -m bench.profile
 
-## Regenerate config/envoy.yaml from config/processor.yaml (a test checks they agree).
+## Regenerate config/envoy.yaml from config/processor.yaml (a test checks they agree): the
+## demo's two loopback replicas, named here (render-envoy has no default replicas).
+DEMO_REPLICAS := --replica 127.0.0.1:8001 --replica 127.0.0.1:8002
 envoy-config: install
-	$(PY) -m extproc render-envoy --config config/processor.yaml > config/envoy.yaml
+	$(PY) -m extproc render-envoy --config config/processor.yaml $(DEMO_REPLICAS) > config/envoy.yaml
 
 ## Regenerate the Istio and Envoy Gateway fragments under deploy/mesh (a test checks them).
 mesh-config: install
