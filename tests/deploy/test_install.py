@@ -266,3 +266,18 @@ def test_chart_home_sources_and_icon_are_the_projects() -> None:
     assert icon.startswith(prefix)
     svg = ROOT / icon.removeprefix(prefix)
     assert svg.is_file() and svg.read_text().lstrip().startswith("<svg")
+
+
+def test_resource_requests_are_the_measured_ones_docs_name() -> None:
+    """values.yaml's requests are the ones docs/helm.md derives from its measurement, and
+    both name the program that measured them."""
+    values_text = (CHART / "values.yaml").read_text()
+    v = yaml.safe_load(values_text)
+    docs = (ROOT / "docs/helm.md").read_text()
+    section = docs[docs.index("## Resources"):docs.index("## Pool health")]
+    assert "python -m bench.chart_resources" in section
+    assert values_text.count("python -m bench.chart_resources") == 2
+    assert (ROOT / "bench/chart_resources.py").is_file()
+    req = {c: v[c]["resources"]["requests"] for c in ("processor", "envoy")}
+    assert f"| **request** | **{req['processor']['cpu']}, {req['processor']['memory']}** | " \
+        f"**{req['envoy']['cpu']}, {req['envoy']['memory']}** |" in section
