@@ -56,9 +56,12 @@ def main(argv: list[str] | None = None) -> int:
     """The `extproc` command; a config error is one line on stderr and exit status 2."""
     try:
         return _main(argv)
-    except ConfigExit as e:
-        print(e, file=sys.stderr)
-        raise SystemExit(CONFIG_ERROR_EXIT) from None
+    except SystemExit as e:
+        # ConfigExit, or a handler's own SystemExit("config error: ...").
+        if isinstance(e.code, str) and e.code.startswith("config error: "):
+            print(e.code, file=sys.stderr)
+            raise SystemExit(CONFIG_ERROR_EXIT) from None
+        raise
 
 
 def _main(argv: list[str] | None = None) -> int:
@@ -170,7 +173,7 @@ def _main(argv: list[str] | None = None) -> int:
         try:
             asyncio.run(serve(cfg))
         except ConfigError as e:  # an etcd.tls / etcd.auth file unreadable at start-up
-            raise SystemExit(f"config error: {e}") from e
+            raise config_error(str(e)) from e
         return 0
     if args.cmd == "check-config":
         cfg = read_config(args.config)
@@ -327,7 +330,7 @@ def _register(args: argparse.Namespace) -> int:
                                    args.ack_timeout_s))
         return asyncio.run(run_agent(cfg, record, args.probe or record["address"]))
     except ConfigError as e:  # an etcd.tls / etcd.auth file unreadable at start-up
-        raise SystemExit(f"config error: {e}") from e
+        raise config_error(str(e)) from e
 
 
 async def _inspect_or_replay(args: argparse.Namespace, file_trace: Any) -> int:
@@ -345,7 +348,7 @@ async def _inspect_or_replay(args: argparse.Namespace, file_trace: Any) -> int:
         try:
             await store.connect()  # reads etcd.tls / etcd.auth files
         except ConfigError as e:
-            raise SystemExit(f"config error: {e}") from e
+            raise config_error(str(e)) from e
         try:
             view = await store.get(args.request_id)
             traces = await store.get_traces(args.request_id)

@@ -196,6 +196,10 @@ def _names(release: str, *sets: str) -> list[dict[str, Any]]:
 
 
 def _check_names(docs: list[dict[str, Any]]) -> set[tuple[str, str]]:
+    kv = pytest.importorskip("kubernetes_validate")
+    for doc in docs:
+        if not doc["apiVersion"].startswith("monitoring.coreos.com/"):  # a CRD: no schema
+            kv.validate(doc, KUBE, strict=True)
     keys = {(d["kind"], d["metadata"]["name"]) for d in docs}
     assert len(keys) == len(docs), "two objects of one kind share a name"
     for kind, name in keys:

@@ -109,3 +109,10 @@ def test_require_version_refuses_an_older_extproc() -> None:
         _cli("render-envoy", "--config", CFG, *REPS, "--require-version", newer),
         f"image llm-failover-extproc {mine} is older than the chart's appVersion {newer}; "
         "set image.processor.tag")
+
+
+def test_render_mesh_config_errors_exit_2_too(tmp_path: Path) -> None:
+    live = tmp_path / "live.yaml"
+    live.write_text(yaml.safe_dump({"pool": {"discovery": "registry"}}))
+    _one_config_error(_cli("render-mesh", "--config", str(live), "--flavor", "istio"),
+                      "pool.discovery must be static for render-mesh")
