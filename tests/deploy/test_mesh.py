@@ -334,7 +334,7 @@ def test_render_mesh_refuses_bad_names_with_a_config_error(flags: list[str], say
                         "config/processor.yaml", "--flavor", "istio", "--out-dir",
                         str(tmp_path), *flags],
                        capture_output=True, text=True, timeout=60, cwd=ROOT)
-    assert r.returncode == 1
+    assert r.returncode == 2
     assert r.stderr.startswith("config error: ") and says in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
     assert list(tmp_path.iterdir()) == []
