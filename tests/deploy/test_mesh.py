@@ -980,3 +980,15 @@ def test_mesh_processor_has_probes_prestop_and_resources(rel: str, pod_of: str) 
     assert int(re.fullmatch(r"import time; time.sleep\((\d+)\)", sleep[2]).group(1)) > drain_s
     assert proc["resources"]["requests"]["cpu"] and proc["resources"]["limits"]["memory"]
     assert {"name": "metrics", "containerPort": 9464, "protocol": "TCP"} in proc["ports"]
+
+
+def test_render_mesh_unwritable_out_dir_is_a_config_error(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    r = subprocess.run([sys.executable, "-m", "extproc", "render-mesh", "--config",
+                        "config/processor.yaml", "--flavor", "istio", "--out-dir",
+                        str(blocker / "sub")],
+                       capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert r.returncode == 2
+    assert r.stderr.startswith("config error: --out-dir: cannot write "), r.stderr
+    assert "Traceback" not in r.stderr
