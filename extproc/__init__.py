@@ -1,3 +1,3 @@
 """Envoy ext_proc sidecar for honest LLM streaming failover."""
 
-__version__ = "0.1.0"
+__version__ = "0.3.0"

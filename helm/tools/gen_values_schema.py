@@ -46,6 +46,7 @@ def enum(*vals: str, desc: str | None = None) -> Json:
 nullable_str = {"type": ["string", "null"], "minLength": 1}
 port = {"type": "integer", "minimum": 1, "maximum": 65535}
 image = obj({
+    # No minLength: the template's `required` names the value to set (a clearer message).
     "repository": {"type": "string", "description": "image repository (required, non-empty)"},
     "tag": {"type": "string", "description": "\"\" = the chart's appVersion"},
     "pullPolicy": enum("Always", "IfNotPresent", "Never"),
@@ -226,6 +227,13 @@ schema = {
     "title": "llm-failover-extproc chart values",
     **obj({
         "replicaCount": integer(1, 1000),
+        # "" or a DNS label (the chart appends -processor, -metrics, -tools).
+        "nameOverride": {"type": "string", "maxLength": 55,
+                         "pattern": "^([a-z0-9]([-a-z0-9]*[a-z0-9])?)?$",
+                         "description": "replaces the chart's name in resource names"},
+        "fullnameOverride": {"type": "string", "maxLength": 55,
+                             "pattern": "^([a-z0-9]([-a-z0-9]*[a-z0-9])?)?$",
+                             "description": "the resources' name prefix, as is"},
         "image": obj({"envoy": image, "processor": image}),
         "imagePullSecrets": k8s_list,
         "replicas": obj({"endpoints": {

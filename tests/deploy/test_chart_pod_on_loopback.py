@@ -35,7 +35,7 @@ import yaml
 
 from devkit.devstack import Proc, _bin, _http_ok, free_port, wait_until
 
-from .test_helm_chart import HELM, _container, _doc, _values
+from .test_helm_chart import CHART, HELM, _container, _doc, _values
 
 pytestmark = [pytest.mark.e2e,
               pytest.mark.skipif(HELM is None, reason="no helm binary")]
@@ -58,6 +58,10 @@ class Pod:
     values: str | None  # the ci values file rendered (None: the defaults)
 
 
+def _chart_app_version() -> str:
+    return str(yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"])
+
+
 def _init_command(sock: str, port: int, admin: int, ops: int, replica: int, cfg: Path,
                   out: Path, values: str | None = None, tool_listen: int = 0,
                   tool_server: int = 0) -> list[str]:
@@ -74,6 +78,8 @@ def _init_command(sock: str, port: int, admin: int, ops: int, replica: int, cfg:
         "--admin": (f"127.0.0.1:{v['envoy']['adminPort']}", f"127.0.0.1:{admin}"),
         "--ops": (f"0.0.0.0:{v['envoy']['opsPort']}", f"127.0.0.1:{ops}"),
         "--processor": ("unix:" + SOCKET, "unix:" + sock),
+        # The image must be at least the chart's appVersion (decision 0038): this checkout is.
+        "--require-version": (_chart_app_version(), _chart_app_version()),
         "--replica": (f"{ep['host']}:{ep['port']}", f"127.0.0.1:{replica}"),
     }
     if v["tools"]["enabled"]:

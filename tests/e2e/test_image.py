@@ -174,11 +174,13 @@ def test_render_envoy_in_the_image_matches_the_tree(runnable: None, tmp_path: Pa
     cfg.write_text(yaml.safe_dump({"server": {"listen": "127.0.0.1:50051"},
                                    "etcd": {"endpoints": ["127.0.0.1:2379"]}}))
     cfg.chmod(0o644)
-    args = ("render-envoy", "--config", "/etc/extproc/extproc.yaml")
+    reps = ("--replica", "127.0.0.1:8001", "--replica", "127.0.0.1:8002")
+    args = ("render-envoy", "--config", "/etc/extproc/extproc.yaml", *reps)
     r = run_in_image("extproc", *args, mounts=((cfg, "/etc/extproc/extproc.yaml"),))
     assert r.returncode == 0, r.stderr
     here = subprocess.run([sys.executable, "-m", "extproc", "render-envoy", "--config",
-                           str(cfg)], capture_output=True, text=True, check=True, cwd=ROOT)
+                           str(cfg), *reps], capture_output=True, text=True, check=True,
+                          cwd=ROOT)
     got = yaml.safe_load(r.stdout)
     assert got == yaml.safe_load(here.stdout)
     assert got["static_resources"]["listeners"]

