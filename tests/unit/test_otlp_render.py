@@ -160,8 +160,8 @@ def test_render_envoy_cli_follows_otel_variables(tmp_path: Path) -> None:
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     env["OTEL_EXPORTER_OTLP_ENDPOINT"] = "https://collector.example:4317"
-    r = subprocess.run([sys.executable, "-m", "extproc", "render-envoy"], capture_output=True,
-                       text=True, timeout=60, env=env)
+    r = subprocess.run([sys.executable, "-m", "extproc", "render-envoy", "--replica",
+                        "127.0.0.1:8001"], capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode == 0, r.stderr
     otel = _otel(yaml.safe_load(r.stdout))
     assert otel is not None and otel["transport_socket"]["typed_config"]["sni"] == \
@@ -180,3 +180,15 @@ def test_envoy_validates_the_tls_collector(tmp_path: Path) -> None:
     r = subprocess.run([str(ENVOY), "--mode", "validate", "-c", str(path)],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_render_envoy_names_a_bad_variable_in_a_config_error_line() -> None:
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env["OTEL_EXPORTER_OTLP_ENDPOINT"] = "https://collector.example"  # no port
+    r = subprocess.run([sys.executable, "-m", "extproc", "render-envoy", "--replica",
+                        "127.0.0.1:8001"], capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.startswith("config error: ") and "OTEL_EXPORTER_OTLP_ENDPOINT: " in r.stderr
+    assert "Traceback" not in r.stderr
