@@ -114,6 +114,9 @@ proc_config = obj({
     }),
     "telemetry": obj({
         "otlp_endpoint": {**nullable_str,
+                          # extproc/core/otlp.py's split_endpoint, as a pattern.
+                          "pattern": r"^(https?://(\[[^\]/]+\]|[^:/\[\]\s]+):[0-9]{1,5}(/.*)?"
+                                     r"|(\[[^\]/]+\]|[^:/\[\]\s]+):[0-9]{1,5})$",
                           "description": "https://host:port (TLS), http://host:port or "
                                          "host:port (plaintext); null: OTEL_EXPORTER_OTLP_*"},
         "otlp_ca_file": {**nullable_str, "description": "CA bundle for an https:// collector "

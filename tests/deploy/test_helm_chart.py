@@ -731,6 +731,8 @@ def test_notes_give_the_tool_service(
      "replicas.endpoints must be empty (set it to []) with processor.config.pool.discovery: "
      "registry"),
     (["--set", "etcd.endpoints=null"], "etcd: endpoints is required"),
+    (["--set", "processor.config.telemetry.otlp_endpoint=https://collector.example"],
+     "processor.config.telemetry.otlp_endpoint: Does not match pattern"),
     (["--set-json", "processor.config.telemetry.sampling_ratio=1.5"],
      "processor.config.telemetry.sampling_ratio: Must be less than or equal to 1"),
     (["--set", "processor.config.timeouts.first_delta_s=null"],

@@ -133,6 +133,8 @@ CROSS_FIELD = {
     "first-delta-under-soft (issue 27)": {"timeouts": {"first_delta_s": 3}},
     "first-delta-under-soft, a fraction": {"timeouts": {"first_delta_s": 2.5}},
     "tenancy-both": {"tenancy": {"header": "x-tenant"}},
+    "otlp-ca-with-a-plaintext-endpoint (decision 0036)": {"telemetry": {
+        "otlp_endpoint": "collector:4317", "otlp_ca_file": "/etc/otel/ca.crt"}},
     "max-ejection-under-base": {"pool": {"outlier_detection": {
         "base_ejection_time_s": 30, "max_ejection_time_s": 10}}},
     "registry-with-pool-replicas": {"pool": {"discovery": "registry", "replicas": [
@@ -173,6 +175,8 @@ def test_cross_field_edges_pass_both(tmp_path: Path) -> None:
             "timeouts": {"first_delta_s": 11, "soft_first_delta_s": 11,
                          "first_delta_total_s": 11, "source_grace_s": 0, "fence_wait_s": 0},
             "tenancy": {"header": "x-tenant", "api_key_header": None},
+            "telemetry": {"otlp_endpoint": "https://c.example:4317",
+                          "otlp_ca_file": "/etc/otel/ca.crt"},
             "pool": {"outlier_detection": {"base_ejection_time_s": 7,
                                            "max_ejection_time_s": 7}},
             "policy": {"on_upstream_failure": {"uncertain_source_liveness": {

@@ -38,6 +38,10 @@ them), in load_config's order, so the first one reported is the same too.
 {{- if and (not (kindIs "invalid" $c.tenancy.header)) (not (kindIs "invalid" $c.tenancy.api_key_header)) -}}
 {{- include "lfe.configFail" "tenancy.api_key_header: set either header or api_key_header" -}}
 {{- end -}}
+{{- $te := $c.telemetry -}}
+{{- if and (not (kindIs "invalid" $te.otlp_endpoint)) (or (not (kindIs "invalid" $te.otlp_ca_file)) .Values.otlpCa.secretName) (not (hasPrefix "https://" (toString $te.otlp_endpoint))) -}}
+{{- include "lfe.configFail" (printf "telemetry.otlp_ca_file: needs an https:// telemetry.otlp_endpoint (or null, for OTEL_EXPORTER_OTLP_ENDPOINT), got '%s'" $te.otlp_endpoint) -}}
+{{- end -}}
 {{- $od := $c.pool.outlier_detection -}}
 {{- if lt (float64 $od.max_ejection_time_s) (float64 $od.base_ejection_time_s) -}}
 {{- include "lfe.configFail" (printf "pool.outlier_detection.max_ejection_time_s: must be >= base_ejection_time_s (%s)" (include "lfe.pyfloat" $od.base_ejection_time_s)) -}}
