@@ -97,8 +97,11 @@ def parse_istio_version(text: str) -> tuple[int, int]:
 
 
 def fragments(cfg: Config) -> dict[str, Any]:
-    """The parts of render()'s bootstrap a mesh must carry, by name (absent: not rendered)."""
-    full = render(cfg, Topology(processor="unix:" + SOCKET))
+    """The parts of render()'s bootstrap a mesh must carry, by name (absent: not rendered).
+
+    Only the config decides them: a committed file must not follow the OTEL_* variables of
+    the shell that rendered it (the config's own otlp_endpoint still does)."""
+    full = render(cfg, Topology(processor="unix:" + SOCKET), env={})
     lis = full["static_resources"]["listeners"][0]
     hcm = lis["filter_chains"][0]["filters"][0]["typed_config"]
     clusters = {c["name"]: c for c in full["static_resources"]["clusters"]}

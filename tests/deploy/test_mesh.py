@@ -17,6 +17,7 @@ the stand-in is not checked (no control plane runs here).
 from __future__ import annotations
 
 import copy
+import os
 import re
 import subprocess
 import sys
@@ -992,3 +993,15 @@ def test_render_mesh_unwritable_out_dir_is_a_config_error(tmp_path: Path) -> Non
     assert r.returncode == 2
     assert r.stderr.startswith("config error: --out-dir: cannot write "), r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_render_mesh_ignores_the_shells_otel_variables(tmp_path: Path) -> None:
+    env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": "https://collector.example:4317",
+           "OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.1"}
+    r = subprocess.run([sys.executable, "-m", "extproc", "render-mesh", "--config",
+                        "config/processor.yaml", "--flavor", "istio", "--out-dir",
+                        str(tmp_path)], capture_output=True, text=True, timeout=60, cwd=ROOT,
+                       env=env)
+    assert r.returncode == 0, r.stderr
+    for f in tmp_path.iterdir():
+        assert f.read_text() == (ROOT / "deploy/mesh/istio" / f.name).read_text(), f.name
