@@ -13,82 +13,28 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, Protocol
+from typing import Any
 
 from ..core import events as E
 from ..core import headers as H
-from ..core.admission import RETRY_HEADER, decide
-from ..core.budget import RetryBudget
-from ..core.credentials import digest
-from ..core.errors import GatewayError
-from ..core.gate import GateMachine, GateParams, clean, request_started, word
-from ..core.handoff import HandOff
-from ..core.health import HostHealth
-from ..core.pool import Pool
-from ..core.replay import snapshot
+from ..core.admission import RETRY_HEADER, Admitted
+from ..core.gate import GateMachine, clean, request_started, word
 from ..gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from . import envoy_codec as codec
 from . import observer
 from .agent_link import AgentLink
 from .leases import UNDO_SETTLE_S, AttemptLease, StoreUnavailable
-from .ports import Clock, EntryLog, GateJournal, Ids
-from .session import INVALID, HandedOff, Messages, Pending, Reached, Session, retrying
-from .telemetry import TRACEPARENT_HEADER, Telemetry
-from .timers import Timers, TimerSet
+from .ports import Clock, GateJournal, GatePorts, credential
+from .session import INVALID, HandedOff, Messages, Session, retrying
+from .telemetry import TRACEPARENT_HEADER
+from .timers import TimerSet
 
 # Test-only: proves the fault sweep can fail (docs/sweep.md). Logged loudly at start-up.
 UNSAFE_RELEASE_WITHOUT_FENCE = os.environ.get("EXTPROC_UNSAFE_RELEASE_WITHOUT_FENCE") == "1"
 
 
-class Work(Protocol):
-    """Work that outlives the stream's handler, and the attempt's trace kept or not."""
-
-    def spawn(self, coro: Awaitable[Any], name: str) -> asyncio.Task[Any]: ...
-    def keep(self, rid: str, name: str, m: GateMachine, meta: dict[str, Any],
-             clean: bool) -> None: ...
-
-
-class GatePorts(Protocol):
-    """What one attempt's gate needs from its process, declared here by its consumer (14
-    read-only members): the rows' parameters, the clock, ids and timers, the journal calls
-    of an attempt, Envoy's entries, the pool's view, its health, the retry budget, the
-    count of attempts that reached a replica, the intake in flight and the hand-off (the
-    request's other stream), telemetry, background work. `session.Processor` provides it."""
-
-    @property
-    def gate_params(self) -> GateParams: ...
-    @property
-    def clock(self) -> Clock: ...
-    @property
-    def ids(self) -> Ids: ...
-    @property
-    def timers(self) -> Timers: ...
-    @property
-    def journal(self) -> GateJournal: ...
-    @property
-    def causes(self) -> EntryLog: ...
-    @property
-    def pool(self) -> Pool: ...
-    @property
-    def health(self) -> HostHealth: ...
-    @property
-    def budget(self) -> RetryBudget: ...
-    @property
-    def reached(self) -> Reached: ...
-    @property
-    def intakes(self) -> Pending[asyncio.Future[GatewayError | None]]: ...
-    @property
-    def handoffs(self) -> Pending[HandedOff]: ...
-    @property
-    def tel(self) -> Telemetry: ...
-    @property
-    def work(self) -> Work: ...
-    @property
-    def instance_id(self) -> str: ...
-
-
 class GateSession(Session):
-    __slots__ = ("_unwatch", "agent", "lease", "m", "parent_tp", "replica", "secret",
+    __slots__ = ("_unwatch", "agent", "cred", "lease", "m", "parent_tp", "replica", "secret",
                  "timers")
 
     def __init__(self, proc: GatePorts, ctx: Messages) -> None:
@@ -102,6 +48,7 @@ class GateSession(Session):
         # This attempt's credential (decision 0028): attempt 1's from the guard, any other's
         # minted at its admission. Sent upstream only; never logged, traced or handed off.
         self.secret: str | None = None
+        self.cred: str | None = None  # its digest, minted with it at the admission
         self.timers = TimerSet(proc.timers, proc.clock, self._fired)
         self._unwatch: Callable[[], None] | None = None
         self.agent: AgentLink | None = None  # an agent-fronted replica's (decision 0034)
@@ -186,14 +133,13 @@ class GateSession(Session):
         p, rid, replica = self.p, self.rid or "", self.replica or ""
         opening = p.intakes.get(rid)
         err = await asyncio.shield(opening) if opening is not None else None
-        return E.IntakeCommitted(err, p.reached.get(rid, 0), p.pool.fingerprint_of(replica),
+        return E.IntakeCommitted(err, p.reached.of(rid), p.pool.fingerprint_of(replica),
                                  p.pool.enabled, p.clock.wall(), p.pool.agent_of(replica))
 
     async def decide(self, a: E.Decide) -> E.Event:
-        verdict = decide(a.request, self.p.budget, self.p.clock.monotonic())
-        if isinstance(verdict, GatewayError):
-            return E.AdmissionDecided(error=verdict)
-        return E.AdmissionDecided(admitted=verdict)
+        verdict = self.p.decide(a.request, self.p.clock.monotonic())
+        return E.AdmissionDecided(*((verdict, None) if isinstance(verdict, Admitted)
+                                    else (None, verdict)))
 
     async def confirmed(self, write: Awaitable[E.Event]) -> E.Event:
         """One try of a conditioned write; not answered: NotConfirmed (the rows decide)."""
@@ -213,11 +159,12 @@ class GateSession(Session):
         # every try: a try that applied unseen is found as this attempt's.
         p, m = self.p, self.m
         assert m is not None
-        self.secret = self.secret or p.ids.attempt_secret()
+        if self.cred is None:
+            self.secret, self.cred = credential(p.ids)
         res = await p.journal.admit_attempt(
             self.rid or "", a.attempt, self.aid, a.record, a.fence_wait_s,
             lambda live: m.never_started(live, p.causes.no_gate_ran),
-            first_attempt=a.first_attempt, credential=digest(self.secret))
+            first_attempt=a.first_attempt, credential=self.cred)
         self.lease = res.lease
         return E.AdmitDecided(res.admitted, res.reason, res.waited_s, p.clock.monotonic(),
                               p.clock.wall())
@@ -226,7 +173,7 @@ class GateSession(Session):
         if self.lease is None or not self.lease.valid() or a.facts is None:
             return E.FenceDecided(False)  # the lease's answer: no permission to fence
         return E.FenceDecided(await self.p.journal.fence_first_delta(
-            self.rid or "", self.aid, a.facts.fence(self.p.clock.wall())))
+            self.rid or "", self.aid, a.record(self.p.clock.wall())))
 
     async def go_upstream(self, a: E.ContinueRequest) -> None:
         p, aid = self.p, self.aid
@@ -271,23 +218,22 @@ class GateSession(Session):
     async def fail(self, a: E.FailAttempt) -> None:
         await self.write(codec.fail_attempt_headers(
             self.rid or "", {RETRY_HEADER: "1"} if a.retry else {}, str(a.error.code)))
+        assert self.m is not None
         for i in range(a.held_chunks):
-            await self.write(codec.replace_response_body(
-                self.m.family.error_json(a.error) if i == 0 and self.m else b""))
+            await self.write(codec.replace_response_body(self.m.error_body(a, i)))
 
     async def release(self, a: E.Release) -> None:
         # From here the guard owns the attempt: it sees the rest of the response, its end,
         # and writes the attempt's record with the request's outcome (one etcd txn).
         # Registered before the headers go out: the guard looks for it when they arrive.
-        assert a.facts is not None and self.m is not None
+        assert self.m is not None
         if self.agent is not None:
             self.agent.stop()
-        ho = HandOff.from_record(a.facts.base(), self.lease.lease_id if self.lease else 0,
-                                 snapshot(self.m))
+        ho, header = self.m.hand_off(a, self.lease.lease_id if self.lease else 0)
         self.p.handoffs.put(self.aid, HandedOff(self.span, ho))
         self.span = INVALID
         await self.write(codec.continue_response_headers(
-            {H.ATTEMPT_ID: self.aid, H.HANDOFF: ho.header()}))
+            {H.ATTEMPT_ID: self.aid, H.HANDOFF: header}))
         for _ in range(a.held_chunks):
             await self.write(codec.continue_response_body())
         self.detach = a.hand_off
@@ -377,7 +323,7 @@ ACTS: dict[type, _Do] = {
         lambda j, rid, aid: j.end_attempt(rid, a.attempt, aid, a.record, False),
         "give back a refused attempt", "refused"),
     E.UndoFence: lambda s, a: s.settle(
-        lambda j, rid, aid: j.undo_fence(rid, a.facts.fence(s.p.clock.wall())),
+        lambda j, rid, aid: j.undo_fence(rid, a.record(s.p.clock.wall())),
         "undo an unconfirmed fence", "undo-fence", UNDO_SETTLE_S),
     E.Watch: GateSession.watch, E.WatchSource: GateSession.watch_source,
     E.PutCancel: GateSession.put_cancel, E.AwaitAck: lambda s, a: s.link()[0].await_ack(a),

@@ -13,57 +13,30 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Any
 
 from opentelemetry.trace import Span
 
 from ..core import events as E
+from ..core import guard as G
 from ..core import headers as H
-from ..core.budget import RetryBudget
-from ..core.credentials import digest
 from ..core.errors import GatewayError
 from ..core.guard import GuardMachine
-from ..core.intake import (
-    Generation,
-    Prepared,
-    StatusLookup,
-    ToolCall,
-    Verdict,
-    body_headers,
-    kind_of,
-    read_headers,
-    request_id_of,
-)
+from ..core.intake import Generation, Prepared, StatusLookup, ToolCall, Verdict
 from ..core.journal import Rerun
 from ..gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from . import envoy_codec as codec
 from . import observer
 from . import request_record as R
-from .ports import GuardJournal, SentLog
-from .released import Released, ReleasePorts
+from .ports import GuardPorts, credential
+from .released import Released
 from .session import INVALID, Messages, Session
 from .timers import TimerSet
-from .tools import ToolCallHandler, ToolPorts
+from .tools import ToolCallHandler
 
 # Response headers that never reach a client: the gate's hand-off, and an attempt's secret
 # (a replica could echo it back; decision 0028).
 NEVER_TO_CLIENT = (H.HANDOFF, H.ATTEMPT_SECRET)
-
-
-class GuardPorts(R.RecordPorts, ReleasePorts, ToolPorts, Protocol):
-    """What a request's guard needs from its process: its consumers' ports (the record's,
-    the released attempt's, the tool route's; one journal serves the first two), and its
-    own: Envoy's word on what it sent, the retry budget and the trace budget.
-    `session.Processor` provides it."""
-
-    @property
-    def journal(self) -> GuardJournal: ...
-    @property
-    def causes(self) -> SentLog: ...
-    @property
-    def budget(self) -> RetryBudget: ...
-
-    def trace_budget(self) -> int: ...
 
 
 class GuardSession(Session):
@@ -118,15 +91,15 @@ class GuardSession(Session):
         await _READS[which](self, msg)
 
     async def on_request_headers(self, msg: ep.ProcessingRequest) -> None:
-        hd, eos = codec.headers_dict(msg.request_headers.headers), msg.request_headers.end_of_stream
-        v = self.verdict = read_headers(hd, self.cfg, self.tools_listener,
-                                        self.p.ids.request_id)
-        kind, family, error = kind_of(v)
-        if isinstance(v, Generation):
-            self.gen, self.rid = v, v.request_id
-            self.envoy_request_id = None if eos else hd.get(H.ENVOY_REQUEST_ID)
-        self.m = GuardMachine.at_request(request_id_of(v), self.cfg, self.p.trace_budget())
-        await self.feed(E.RequestHeadersSeen(kind, family, error, eos))
+        h = msg.request_headers
+        got = G.request_started(codec.headers_dict(h.headers), h.end_of_stream, self.cfg,
+                                self.tools_listener, self.p.ids.request_id,
+                                self.p.trace_budget())
+        self.m, self.verdict, self.gen = got.machine, got.verdict, got.generation
+        self.envoy_request_id = got.envoy_request_id
+        if self.gen is not None:
+            self.rid = self.gen.request_id
+        await self.feed(got.event)
 
     async def on_closed(self) -> None:
         self.timers.stop()
@@ -183,20 +156,18 @@ class GuardSession(Session):
             await self.write(codec.streamed_response_body(a.data, a.end_of_stream))
 
     async def read_body(self, a: E.ReadBody) -> None:
-        gen, m, body = self.gen, self.m, self.body
-        self.body = b""
-        assert gen is not None and m is not None
-        got = R.read_body(self.p, body, gen, self.envoy_request_id)
-        if isinstance(got, GatewayError):
-            return await self.feed(E.RequestBodySeen(got))
-        self.intake, m.count_text = got
-        # Attempt 1's credential (decision 0028): its digest is recorded with it, the
-        # secret goes to its gate (and on to its replica) in the body answer.
-        self.secret1 = self.p.ids.attempt_secret()
-        self.cred1 = digest(self.secret1)
+        p, body, self.body = self.p, self.body, b""
+        assert self.gen is not None and self.m is not None
+        self.intake, ev = G.read_body(
+            self.m, body, self.cfg, self.gen, self.envoy_request_id, pool=p.pool,
+            order_hosts=p.host_order, new_attempt_id=p.ids.attempt_id, wall=p.clock.wall(),
+            tokenizers=p.tokenizers)
+        if self.intake is not None:
+            # Attempt 1's credential (decision 0028): its digest is recorded with it, the
+            # secret goes to its gate (and on to its replica) in the body answer.
+            self.secret1, self.cred1 = credential(p.ids)
         # The intake's order (open, register, answer the body, wait) is the machine's rows.
-        await self.feed(E.RequestBodySeen(None, got[0].meta.usage_mode,
-                                          keyed=gen.idempotency_key is not None))
+        await self.feed(ev)
 
     async def look_up_status(self, a: E.LookUpStatus) -> None:
         assert isinstance(self.verdict, StatusLookup)
@@ -218,8 +189,8 @@ class GuardSession(Session):
     async def answer_body(self, a: E.AnswerBody) -> None:
         assert self.intake is not None
         secret, self.secret1 = self.secret1, None  # kept no longer than this answer
-        set_headers, lb = body_headers(self.intake, secret=secret, rerun=self.rerun,
-                                       traceparent=self.p.tel.traceparent(self.span))
+        set_headers, lb = G.body_answer(self.intake, secret=secret, rerun=self.rerun,
+                                        traceparent=self.p.tel.traceparent(self.span))
         await self.write(codec.continue_request_body_with(set_headers, lb,
                                                           self.intake.meta.upstream_body))
 
