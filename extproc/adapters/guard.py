@@ -41,9 +41,21 @@ NEVER_TO_CLIENT = (H.HANDOFF, H.ATTEMPT_SECRET)
 
 class GuardSession(Session):
     TIMED = "response_body"
-    __slots__ = ("body", "cred1", "envoy_request_id", "first_delta_evented", "gen", "intake", "m",
-                 "opening", "released", "rerun", "secret1", "timers", "tool",
-                 "tools_listener", "verdict")
+    __slots__ = (
+        "_tx",
+        "body",
+        "envoy_request_id",
+        "first_delta_evented",
+        "gen",
+        "intake",
+        "m",
+        "released",
+        "secret1",
+        "timers",
+        "tool",
+        "tools_listener",
+        "verdict",
+    )
 
     def __init__(self, proc: GuardPorts, ctx: Messages, tools: bool = False) -> None:
         self.detach, self.closed, self.p, self.cfg, self.ctx = False, False, proc, proc.cfg, ctx
@@ -59,23 +71,28 @@ class GuardSession(Session):
         self.intake: Prepared | None = None  # the body, the route, the record, attempt 1
         self.timers = TimerSet(proc.timers, proc.clock, self.fired)
         self.tool: ToolCallHandler | None = None
-        self.rerun: Rerun | None = None  # a repeat that runs again (decision 0027)
-        # The intake transaction while this session waits for it (decision 0021).
-        self.opening: asyncio.Task[GatewayError | None] | None = None
+        self._tx: R.IntakeRun | None = None  # the intake transaction (decision 0021)
         self.md: dict[str, str] = {}
         self.span: Span = INVALID
         self.first_delta_evented = False
         self.envoy_request_id: str | None = None
-        # Attempt 1's secret until the body answer carries it to its gate (never logged),
-        # and the digest the intake (or the re-open) records for it.
+        # Attempt 1's secret until the body answer carries it to its gate (never logged).
         self.secret1: str | None = None
-        self.cred1: str | None = None
         self.released: Released | None = None  # the attempt the gate handed over
         self.body = b""  # the request body until a row reads it (ReadBody)
 
     @property
     def aid1(self) -> str:
         return str(self.intake.first["attempt_id"]) if self.intake is not None else ""
+
+    @property
+    def rerun(self) -> Rerun | None:
+        """A repeat that runs again (decision 0027), as its intake re-opened it."""
+        return self._tx.rerun if self._tx is not None else None
+
+    @property
+    def opening(self) -> asyncio.Task[GatewayError | None] | None:
+        return self._tx.opening if self._tx is not None else None
 
     # --- Envoy's messages -> events ---------------------------------------------------
 
@@ -107,17 +124,13 @@ class GuardSession(Session):
         if rid is not None and self.intake is not None and self.tool is None:
             # The request is over, and with it its re-prefills (the released one too).
             p.budget.request_ended(rid, self.aid1)
-        if rid is not None and self.opening is None:
-            # A failed intake waited here for its gates; none comes after the stream.
-            p.intakes.take(rid)
+        late = self._tx.closed() if self._tx is not None else None
         if self.released is not None:
             self.released.stop_watching()
         if self.m is not None:
             p.spawn(self.locked(E.StreamClosed()), f"guard-close-{rid}")
-        if self.opening is not None:
-            # Closed while the intake was in flight: its answer still goes to the machine.
-            p.spawn(self.opened_after_close(self.opening), f"guard-opened-{rid}")
-            self.opening = None
+        if late is not None:  # closed while the intake was in flight: its answer still counts
+            p.spawn(self.answered(late), f"guard-opened-{rid}")
         if self.tool is not None:
             p.spawn(self.tool.on_closed(), f"tool-close-{rid}")
 
@@ -137,6 +150,16 @@ class GuardSession(Session):
                 await self.write(w(self, a))
             elif (do := ACTS.get(type(a))) is not None and (c := do(self, a)) is not None:
                 await c
+
+    @property
+    def tx(self) -> R.IntakeRun:
+        """The intake in flight (every intake action has one)."""
+        assert self._tx is not None
+        return self._tx
+
+    async def feed_from(self, answer: Awaitable[E.Event]) -> None:
+        """A port's answer that the row waits for, fed as the next event."""
+        await self.feed(await answer)
 
     async def locked(self, ev: E.Event, while_open: bool = False) -> None:
         """An event from outside Envoy's message order (a port's answer, a timer)."""
@@ -165,7 +188,8 @@ class GuardSession(Session):
         if self.intake is not None:
             # Attempt 1's credential (decision 0028): its digest is recorded with it, the
             # secret goes to its gate (and on to its replica) in the body answer.
-            self.secret1, self.cred1 = credential(p.ids)
+            self.secret1, cred = credential(p.ids)
+            self._tx = R.IntakeRun(p, self.gen, self.intake, cred, self.envoy_request_id)
         # The intake's order (open, register, answer the body, wait) is the machine's rows.
         await self.feed(ev)
 
@@ -179,13 +203,6 @@ class GuardSession(Session):
         await self.tool.on_request_headers(dict(self.verdict.headers))
         self.rid = self.tool.rid
 
-    def open_intake(self, a: E.OpenIntake) -> None:
-        self.opening = self.p.spawn(self.open_record(), f"guard-intake-{self.rid}")
-
-    def register_intake(self, a: E.RegisterIntake) -> None:
-        assert self.opening is not None
-        self.p.intakes.put(self.rid or "", self.opening)
-
     async def answer_body(self, a: E.AnswerBody) -> None:
         assert self.intake is not None
         secret, self.secret1 = self.secret1, None  # kept no longer than this answer
@@ -193,12 +210,6 @@ class GuardSession(Session):
                                         traceparent=self.p.tel.traceparent(self.span))
         await self.write(codec.continue_request_body_with(set_headers, lb,
                                                           self.intake.meta.upstream_body))
-
-    async def await_intake(self, a: E.AwaitIntake) -> None:
-        assert self.opening is not None
-        err = await asyncio.shield(self.opening)
-        self.opening = None
-        await self.feed(E.RequestOpened(err is None, err))
 
     def accepted(self, a: E.Accepted) -> None:
         # In flight for the retry budget until this stream ends (on_closed).
@@ -228,20 +239,8 @@ class GuardSession(Session):
 
     # --- the work that outlives a message ---------------------------------------------
 
-    async def open_record(self) -> GatewayError | None:
-        """The intake transaction (`intake_runner`): None when the request is new."""
-        assert self.gen is not None and self.intake is not None
-        got = await R.run_intake(self.p, self.rid or "", self.gen, self.intake, self.cred1,
-                               self.envoy_request_id)
-        if got.rerun is not None:
-            self.rerun = got.rerun
-        return got.error
-
-    async def opened_after_close(self, opening: asyncio.Task[GatewayError | None]) -> None:
-        err = await opening
-        if err is not None and self.rid is not None:
-            self.p.intakes.take(self.rid)
-        await self.locked(E.RequestOpened(err is None))
+    async def answered(self, answer: Awaitable[E.Event]) -> None:
+        await self.locked(await answer)
 
     async def progress(self, n: int) -> None:
         await R.write_progress(self.p, self.rid or "", n)
@@ -301,9 +300,12 @@ _Do = Callable[[GuardSession, Any], "Awaitable[None] | None"]
 ACTS: dict[type, _Do] = {
     E.Send: GuardSession.send, E.StartTimer: lambda s, a: s.timers.start(a.kind, a.seconds),
     E.StopTimers: lambda s, a: s.timers.stop(), E.LookUpStatus: GuardSession.look_up_status,
-    E.StartToolCall: GuardSession.start_tool_call, E.OpenIntake: GuardSession.open_intake,
-    E.RegisterIntake: GuardSession.register_intake, E.AnswerBody: GuardSession.answer_body,
-    E.AwaitIntake: GuardSession.await_intake, E.Accepted: GuardSession.accepted,
+    E.StartToolCall: GuardSession.start_tool_call,
+    E.OpenIntake: lambda s, a: s.tx.open(),
+    E.RegisterIntake: lambda s, a: s.tx.register(),
+    E.AnswerBody: GuardSession.answer_body,
+    E.AwaitIntake: lambda s, a: s.feed_from(s.tx.opened()),
+    E.Accepted: GuardSession.accepted,
     E.TakeOver: GuardSession.take_over, E.LoseLease: GuardSession.lose_lease,
     E.WriteProgress: GuardSession.write_progress, E.AwaitCause: GuardSession.await_cause,
     E.ReadBody: GuardSession.read_body,

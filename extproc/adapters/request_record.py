@@ -11,6 +11,7 @@ terminal record (with the released attempt's end). What they need from the proce
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -18,15 +19,68 @@ from typing import Any
 from ..core import events as E
 from ..core import guard as G
 from ..core import records
+from ..core.errors import GatewayError
 from ..core.guard import GuardMachine
 from ..core.intake import Generation, Prepared, StatusLookup
-from ..core.journal import Outcome
+from ..core.journal import Outcome, Rerun
 from . import observer
 from .leases import UNDO_SETTLE_S, StoreUnavailable
 from .ports import RecordPorts
 from .released import Released
 from .session import retrying
 from .timers import sleep
+
+
+class IntakeRun:
+    """A generation's intake transaction in flight (decision 0021): started by the row's
+    `OpenIntake`, offered to the request's gates by `RegisterIntake` (each of them waits
+    for it), its answer the `RequestOpened` that `AwaitIntake` waits for; and the re-run a
+    repeat's re-open started (decision 0027), which the body's answer carries."""
+
+    __slots__ = ("cred", "envoy_request_id", "gen", "opening", "p", "prep", "rerun", "rid")
+
+    def __init__(self, p: RecordPorts, gen: Generation, prep: Prepared, cred: str,
+                 envoy_request_id: str | None) -> None:
+        self.p, self.rid, self.gen, self.prep, self.cred = p, gen.request_id, gen, prep, cred
+        self.envoy_request_id = envoy_request_id
+        self.opening: asyncio.Task[GatewayError | None] | None = None
+        self.rerun: Rerun | None = None
+
+    def open(self) -> None:
+        self.opening = self.p.spawn(self._run(), f"guard-intake-{self.rid}")
+
+    async def _run(self) -> GatewayError | None:
+        """The intake, to its answer: None when the request is recorded (or re-opened)."""
+        got = await run_intake(self.p, self.rid, self.gen, self.prep, self.cred,
+                               self.envoy_request_id)
+        if got.rerun is not None:
+            self.rerun = got.rerun
+        return got.error
+
+    def register(self) -> None:
+        assert self.opening is not None
+        self.p.intakes.put(self.rid, self.opening)
+
+    async def opened(self) -> E.RequestOpened:
+        assert self.opening is not None
+        err = await asyncio.shield(self.opening)
+        self.opening = None
+        return E.RequestOpened(err is None, err)
+
+    def closed(self) -> Awaitable[E.RequestOpened] | None:
+        """The stream closed. A failed intake waited for its gates, none comes after the
+        stream; one still in flight answers the machine all the same (returned)."""
+        opening, self.opening = self.opening, None
+        if opening is None:
+            self.p.intakes.take(self.rid)
+            return None
+        return self._late(opening)
+
+    async def _late(self, opening: asyncio.Task[GatewayError | None]) -> E.RequestOpened:
+        err = await opening
+        if err is not None:
+            self.p.intakes.take(self.rid)
+        return E.RequestOpened(err is None)
 
 
 async def run_intake(p: RecordPorts, rid: str, gen: Generation, prep: Prepared,
