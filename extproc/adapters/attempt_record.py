@@ -64,6 +64,11 @@ class AttemptRecord:
         return E.FenceDecided(await self.p.journal.fence_first_delta(
             self.rid, self.aid, a.record(self.p.clock.wall())))
 
+    @property
+    def lease_id(self) -> int:
+        """The lease its `live` key hangs on (0: none), which the hand-off carries."""
+        return self.lease.lease_id if self.lease is not None else 0
+
     def expired(self) -> bool:
         """The lease port's answer with each chunk: no longer valid (its deadline moves with
         keep-alives, which are not events)."""

@@ -141,13 +141,6 @@ class GateSession(Session):
 
     # --- actions -> port calls --------------------------------------------------------
 
-    async def intake_committed(self, a: E.AwaitIntakeCommit) -> E.Event:
-        p, rid, replica = self.p, self.rid or "", self.replica or ""
-        opening = p.intakes.get(rid)
-        err = await asyncio.shield(opening) if opening is not None else None
-        return E.IntakeCommitted(err, p.reached.of(rid), p.pool.fingerprint_of(replica),
-                                 p.pool.enabled, p.clock.wall(), p.pool.agent_of(replica))
-
     async def decide(self, a: E.Decide) -> E.Event:
         verdict = self.p.decide(a.request, self.p.clock.monotonic())
         return E.AdmissionDecided(*((verdict, None) if isinstance(verdict, Admitted)
@@ -189,7 +182,7 @@ class GateSession(Session):
         assert self.m is not None
         if self.agent is not None:
             self.agent.stop()
-        ho, header = self.m.hand_off(a, self.lease.lease_id if self.lease else 0)
+        ho, header = self.m.hand_off(a, self.record.lease_id)
         self.p.handoffs.put(self.aid, HandedOff(self.span, ho))
         self.span = INVALID
         await self.write(codec.continue_response_headers(
@@ -246,7 +239,8 @@ _Do = Callable[[GateSession, Any], "Awaitable[E.Event | None] | None"]
 # The other actions' executors: a port call, whose answer (if it waits) is the next event.
 # HoldChunk and MarkSlow have none (the observer says the latter).
 ACTS: dict[type, _Do] = {
-    E.AwaitIntakeCommit: GateSession.intake_committed, E.Decide: GateSession.decide,
+    E.AwaitIntakeCommit: lambda s, a: s.p.intake_committed(s.rid or "", s.replica or ""),
+    E.Decide: GateSession.decide,
     E.TakeLease: lambda s, a: s.record.confirmed(s.record.take_lease()),
     E.Admit: lambda s, a: s.record.confirmed(s.record.admit(
         a, lambda live: s.machine.never_started(live, s.p.causes.no_gate_ran))),

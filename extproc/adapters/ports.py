@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from ..core.budget import BudgetDecision
     from ..core.config import Config
     from ..core.errors import GatewayError
+    from ..core.events import IntakeCommitted
     from ..core.gate import GateMachine, GateParams
     from ..core.guard import GuardMachine
     from ..core.handoff import TraceSnapshot
@@ -273,9 +274,10 @@ class Work(Protocol):
 class GatePorts(Protocol):
     """What one attempt's gate needs from its process (read-only members): the rows'
     parameters, the clock, ids and timers, the journal calls of an attempt, Envoy's
-    entries, the pool's view, its health, the admission's verdict with the retry budget,
-    the count of attempts that reached a replica, the intake in flight and the hand-off
-    (the request's other stream), telemetry, background work."""
+    entries, the pool's view, its health, the retry budget, the count of attempts that
+    reached a replica, the intake in flight and the hand-off (the request's other stream),
+    telemetry, background work; and two answers: the intake's wait (with the pool's view
+    then) and the admission's verdict (with the retry budget, which it may charge)."""
 
     @property
     def gate_params(self) -> GateParams: ...
@@ -308,6 +310,7 @@ class GatePorts(Protocol):
     @property
     def instance_id(self) -> str: ...
 
+    async def intake_committed(self, rid: str, replica: str) -> IntakeCommitted: ...
     def decide(self, request: AttemptRequest, now: float) -> Admitted | GatewayError: ...
 
 

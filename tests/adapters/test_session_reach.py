@@ -1,30 +1,33 @@
-"""How far one Envoy message reaches through a session (issue 25: at most four files).
+"""How far one Envoy message reaches through a session (issue 25: at most four files, the
+session, the codec, the machine, a port).
 
 Each Envoy message kind is played through each session on the hermetic harness (the memory
-store, a fake clock, the sessions of `test_sessions`), one message at a time, and every
-Python frame entered while it is handled is seen by `sys.setprofile`: the session's own
-handling, and the work it spawned (a task inherits the message's context, so its frames
-count for the message that started it). What counts:
+store, a fake clock, `test_sessions`'s fake stream), one message at a time, and every frame
+of a file under extproc/ entered while it is handled is seen by `sys.setprofile`: the
+session's own handling, and the work it spawned (a task inherits the message's context, so
+its frames count for the message that started it). What counts:
 
 - *The session* is the role's file (`adapters/gate.py`, `adapters/guard.py`) and the read
   loop it inherits (`session.Session`).
-- Only what a session frame calls *directly* is counted; what a callee calls in turn is
-  its own (the machine's rows and the helpers they call are the machine's, a port's
+- Only what a session frame calls *directly* is counted: what a callee calls in turn is its
+  own (the machine's rows and the pure helpers they call are the machine's, a port's
   internals the port's).
 - *The machine* is one part: the role's rows (`core/gate.py` or `core/guard.py`), the
   dispatcher (`core/machine.py`) and the vocabulary (`core/events.py`).
 - *The codec* is `adapters/envoy_codec.py`.
-- *A port* is one adapter file the session calls to do I/O or to reach the process's shared
-  state (the journal, the timers, the clock, the intakes and hand-offs in flight, an agent's
-  link); each port file counts on its own.
+- *A port* is a file in `PORTS`, each with what it implements: an adapter that does the
+  I/O an action asks for or reaches the process's shared state, or a core class that only
+  holds such state (the retry budget's counts, the hosts' health). The ports a message
+  reaches count as the one "port" of the four; which files they are is pinned per message
+  in `REACH`, so a message that comes to reach one more fails here too.
 - *The observer* (`adapters/observer.py`) is called once per transition from the session's
-  `feed` and returns nothing the session reads: listed, and asserted entered only from
-  `feed`, but not counted among the four.
-- Any other file a session frame enters is counted too, and it is a failure if it is in
-  `core/` (a decision taken outside the machine) or is not in the allowed set below.
+  `feed` and returns nothing the session reads: asserted entered only from `feed`, not
+  counted.
+- Any other file entered from a session fails: a core file there is a decision taken
+  outside the machine.
 
-`REACH` is the allowed set per message, with its count; a message reaching a file not in
-it, or more than four counted files, fails. Shown with `-s`: each message's set.
+Not played here: the tool route (its own small machine, `adapters/tools.py`) and the
+status lookup.
 """
 
 from __future__ import annotations
@@ -212,8 +215,49 @@ async def play(seen: Seen) -> None:
     assert json.loads(ho)["attempt"] == 2
 
 
-# The allowed parts per message ("session" and "machine" always; the observer apart).
-REACH: dict[str, set[str]] = {}
+# A port: an adapter file the session calls to do I/O or to reach the process's shared
+# state (what it implements of ports.py), or a core class that only holds such state.
+PORTS = {
+    "adapters/attempt_record.py": "the gate's record: the attempt's journal calls, its lease",
+    "adapters/request_record.py": "the guard's record: the intake in flight, the outcome",
+    "adapters/released.py": "the attempt the guard took over (its watch, its end)",
+    "adapters/agent_link.py": "a replica agent's word, the cancel, its acknowledgement",
+    "adapters/leases.py": "the released attempt's lease (its validity with each chunk)",
+    "adapters/session.py": "the Processor: the intake's wait, the admission's verdict with "
+                           "the retry budget, the intakes and hand-offs in flight, the "
+                           "attempts that reached a replica, background work",
+    "adapters/timers.py": "the Timers port (a session's TimerSet), and the tests' FakeClock",
+    "adapters/ports.py": "the clock and the ids (a credential minted with its digest)",
+    "adapters/telemetry.py": "the trace context the body's answer carries to the gate",
+    "adapters/causes.py": "Envoy's access-log entries",
+    "core/budget.py": "the retry budget's counts (ports.Budget: counted, no verdict)",
+    "core/health.py": "the hosts' passive health (ports.Health)",
+}
+CODEC, OBSERVER = "adapters/envoy_codec.py", "adapters/observer.py"
+
+# Per message: the port files it reaches (with the session, the machine and the codec).
+REACH: dict[str, set[str]] = {
+    "guard.request_headers": {"adapters/session.py"},
+    "guard.request_body": {"adapters/ports.py", "adapters/request_record.py",
+                           "adapters/telemetry.py", "adapters/timers.py", "core/budget.py"},
+    "gate.request_headers(lease)": {"adapters/attempt_record.py", "adapters/session.py",
+                                    "adapters/timers.py"},
+    "gate.response_headers(fail)": set(),
+    "gate.closed": {"adapters/attempt_record.py", "adapters/session.py",
+                    "adapters/timers.py", "core/budget.py"},
+    "gate.request_headers(admit)": {"adapters/attempt_record.py", "adapters/session.py",
+                                    "adapters/timers.py"},
+    "gate.request_body": set(),  # not an event: passed by the codec alone
+    "gate.response_headers(hold)": set(),
+    "gate.response_body(held)": {"adapters/attempt_record.py"},
+    "gate.response_body(release)": {"adapters/attempt_record.py", "adapters/session.py",
+                                    "adapters/timers.py"},
+    "guard.response_headers": {"adapters/released.py"},
+    "guard.response_body": {"adapters/leases.py", "adapters/timers.py"},
+    "guard.response_body(end)": {"adapters/leases.py", "adapters/timers.py"},
+    "guard.closed": {"adapters/released.py", "adapters/request_record.py",
+                     "adapters/session.py", "adapters/timers.py", "core/budget.py"},
+}
 
 
 @pytest.fixture(scope="module")
@@ -223,8 +267,21 @@ def seen() -> Seen:
     return s
 
 
-def test_print_reach(seen: Seen) -> None:
-    for label in sorted(seen.edges):
-        parts, observed = reach(seen.edges[label])
-        counted = sorted(x for x in parts if x != "adapters/observer.py")
-        print(f"{label}: {len(counted)} {counted} observer-from={sorted(observed)}")
+def test_every_message_was_played(seen: Seen) -> None:
+    assert set(seen.edges) == set(REACH)
+
+
+@pytest.mark.parametrize("label", sorted(REACH))
+def test_a_message_reaches_the_session_codec_machine_and_ports_only(
+        seen: Seen, label: str) -> None:
+    parts, observed = reach(seen.edges[label])
+    files = parts - {"session", "machine", CODEC, OBSERVER}
+    kinds = {"session"} | ({"machine"} & parts) | ({"codec"} if CODEC in parts else set()) | (
+        {"port"} if files else set())
+    print(f"{label}: {sorted(kinds)} ports={sorted(files)}")
+    # No decision outside the machine: every other file entered is a port's.
+    assert files <= set(PORTS), sorted(files - set(PORTS))
+    assert files == REACH[label]
+    assert len(kinds) <= 4
+    # The observer is fed once per transition, by feed, and returns nothing the session reads.
+    assert observed <= {"GateSession.feed", "GuardSession.feed"}
