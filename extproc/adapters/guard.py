@@ -100,11 +100,10 @@ class GuardSession(Session):
         if self.tool is not None and which in TOOL_MESSAGES:
             return await self.tool.on_message(which, msg)
         if which == "response_body":  # the hot path, read here: one call less per chunk
-            # With the chunk, the released attempt's lease port's answer: still valid (its
-            # deadline moves with keep-alives, which are not events).
+            # With the chunk, the released attempt's lease port's answer.
             body, r = msg.response_body, self.released
             return await self.feed(E.ResponseBody(body.body, body.end_of_stream,
-                                                  r is not None and not r.lease.valid()))
+                                                  r is not None and r.expired()))
         await _READS[which](self, msg)
 
     async def on_request_headers(self, msg: ep.ProcessingRequest) -> None:
@@ -226,7 +225,7 @@ class GuardSession(Session):
 
     def lose_lease(self, a: E.LoseLease) -> None:
         if self.released is not None:
-            self.released.lease.lose(a.why)
+            self.released.lose(a.why)
 
     def write_progress(self, a: E.WriteProgress) -> None:
         self.p.spawn(self.progress(a.delivered), f"guard-progress-{self.rid}")

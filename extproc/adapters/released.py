@@ -50,6 +50,14 @@ class Released:
                                              aid)
         return r
 
+    def expired(self) -> bool:
+        """The lease port's answer with each chunk: no longer valid (its deadline moves with
+        keep-alives, which are not events)."""
+        return not self.lease.valid()
+
+    def lose(self, why: str) -> None:
+        self.lease.lose(why)
+
     def stop_watching(self) -> None:
         """Our own finish deletes `live`, and a closed stream has nothing to fence."""
         if self.unwatch is not None:

@@ -222,7 +222,6 @@ PORTS = {
     "adapters/request_record.py": "the guard's record: the intake in flight, the outcome",
     "adapters/released.py": "the attempt the guard took over (its watch, its end)",
     "adapters/agent_link.py": "a replica agent's word, the cancel, its acknowledgement",
-    "adapters/leases.py": "the released attempt's lease (its validity with each chunk)",
     "adapters/session.py": "the Processor: the intake's wait, the admission's verdict with "
                            "the retry budget, the intakes and hand-offs in flight, the "
                            "attempts that reached a replica, background work",
@@ -253,8 +252,8 @@ REACH: dict[str, set[str]] = {
     "gate.response_body(release)": {"adapters/attempt_record.py", "adapters/session.py",
                                     "adapters/timers.py"},
     "guard.response_headers": {"adapters/released.py"},
-    "guard.response_body": {"adapters/leases.py", "adapters/timers.py"},
-    "guard.response_body(end)": {"adapters/leases.py", "adapters/timers.py"},
+    "guard.response_body": {"adapters/released.py", "adapters/timers.py"},
+    "guard.response_body(end)": {"adapters/released.py", "adapters/timers.py"},
     "guard.closed": {"adapters/released.py", "adapters/request_record.py",
                      "adapters/session.py", "adapters/timers.py", "core/budget.py"},
 }
