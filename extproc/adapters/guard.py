@@ -20,7 +20,6 @@ from opentelemetry.trace import Span
 from ..core import events as E
 from ..core import guard as G
 from ..core import headers as H
-from ..core.errors import GatewayError
 from ..core.guard import GuardMachine
 from ..core.intake import Generation, Prepared, StatusLookup, ToolCall, Verdict
 from ..core.journal import Rerun
@@ -41,21 +40,8 @@ NEVER_TO_CLIENT = (H.HANDOFF, H.ATTEMPT_SECRET)
 
 class GuardSession(Session):
     TIMED = "response_body"
-    __slots__ = (
-        "_tx",
-        "body",
-        "envoy_request_id",
-        "first_delta_evented",
-        "gen",
-        "intake",
-        "m",
-        "released",
-        "secret1",
-        "timers",
-        "tool",
-        "tools_listener",
-        "verdict",
-    )
+    __slots__ = ("_tx", "body", "envoy_request_id", "first_delta_evented", "gen", "intake", "m",
+                 "released", "secret1", "timers", "tool", "tools_listener", "verdict")
 
     def __init__(self, proc: GuardPorts, ctx: Messages, tools: bool = False) -> None:
         self.detach, self.closed, self.p, self.cfg, self.ctx = False, False, proc, proc.cfg, ctx
@@ -89,10 +75,6 @@ class GuardSession(Session):
     def rerun(self) -> Rerun | None:
         """A repeat that runs again (decision 0027), as its intake re-opened it."""
         return self._tx.rerun if self._tx is not None else None
-
-    @property
-    def opening(self) -> asyncio.Task[GatewayError | None] | None:
-        return self._tx.opening if self._tx is not None else None
 
     # --- Envoy's messages -> events ---------------------------------------------------
 
