@@ -1,11 +1,12 @@
 """The guard: the downstream ext_proc stream that owns a logical request.
 
-A plain executor of `core.guard.GuardMachine`: Envoy's messages become events (what
-`core.intake` read of them), each action is carried out by the method `ACTS` names for its
-type (a codec write or a port call), and a port's answer is fed back as the next event. The
-request's journal record is `request_record`'s (the intake flow's actions among them), the
-released attempt is `released`'s, the tool route `tools`'s, the timers a `timers.TimerSet`;
-logs, spans and metrics are `observer.guard`'s.
+A plain executor of `core.guard.GuardMachine`: Envoy's messages become events (the machine
+reads the headers and the body, `core.guard.request_started` and `read_body`), each action
+is a codec write (`WRITES`) or a port call (`ACTS`), and a port's answer is fed back as the
+next event. The request's journal record is `request_record`'s (the intake in flight,
+`IntakeRun`, and the intake flow's actions), the released attempt `released`'s, the tool
+route `tools`'s, the timers a `timers.TimerSet`; logs, spans and metrics are
+`observer.guard`'s.
 """
 
 from __future__ import annotations
