@@ -9,29 +9,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 from ..core import events as E
 from ..core.failure import FailureClass
 from ..core.gate import GateMachine
-from .ports import Clock, GateJournal
+from .ports import LinkPorts
 from .session import retrying
-from .timers import Timers
-
-
-class LinkPorts(Protocol):
-    """What the link uses of its process (the gate's ports provide it)."""
-
-    @property
-    def clock(self) -> Clock: ...
-    @property
-    def timers(self) -> Timers: ...
-    @property
-    def journal(self) -> GateJournal: ...
-    @property
-    def instance_id(self) -> str: ...
-    @property
-    def work(self) -> Any: ...  # session.Work: spawn and keep
 
 
 class AgentLink:

@@ -1,95 +1,42 @@
 """The gate's session: the upstream ext_proc stream of one attempt, a plain executor.
 
 Envoy's messages become events for `core.gate.GateMachine`; the actions it answers with
-become codec writes and port calls, and what a port answers is fed back as the next event
-(at once, or later under the stream's lock: a timer, the revocation watch, Envoy's word).
-Every decision (wait for the intake, admit, send a write again, hold, fence, release, fail,
-how the attempt ends) is a row of the machine's table; logs, spans and metrics come from
-`observer.gate`.
+become codec writes (`WRITES`) and port calls (`ACTS`), and what a port answers is fed back
+as the next event (at once, or later under the stream's lock: a timer, the revocation
+watch, Envoy's word). Every decision (wait for the intake, admit, send a write again, hold,
+fence, release, fail, how the attempt ends) is a row of the machine's table; the attempt's
+journal calls are its record port's (`attempt_record`), a replica agent's its link's
+(`agent_link`); logs, spans and metrics come from `observer.gate`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from ..core import events as E
 from ..core import headers as H
-from ..core.admission import RETRY_HEADER, decide
-from ..core.budget import RetryBudget
-from ..core.credentials import digest
-from ..core.errors import GatewayError
-from ..core.gate import GateMachine, GateParams, clean, request_started, word
-from ..core.handoff import HandOff
-from ..core.health import HostHealth
-from ..core.pool import Pool
-from ..core.replay import snapshot
+from ..core.admission import RETRY_HEADER, Admitted
+from ..core.gate import GateMachine, clean, request_started, word
 from ..gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from . import envoy_codec as codec
 from . import observer
 from .agent_link import AgentLink
-from .leases import UNDO_SETTLE_S, AttemptLease, StoreUnavailable
-from .ports import Clock, EntryLog, GateJournal, Ids
-from .session import INVALID, HandedOff, Messages, Pending, Reached, Session, retrying
-from .telemetry import TRACEPARENT_HEADER, Telemetry
-from .timers import Timers, TimerSet
+from .attempt_record import AttemptRecord
+from .leases import AttemptLease
+from .ports import Clock, GatePorts
+from .session import INVALID, HandedOff, Messages, Session
+from .telemetry import TRACEPARENT_HEADER
+from .timers import TimerSet
 
 # Test-only: proves the fault sweep can fail (docs/sweep.md). Logged loudly at start-up.
 UNSAFE_RELEASE_WITHOUT_FENCE = os.environ.get("EXTPROC_UNSAFE_RELEASE_WITHOUT_FENCE") == "1"
 
 
-class Work(Protocol):
-    """Work that outlives the stream's handler, and the attempt's trace kept or not."""
-
-    def spawn(self, coro: Awaitable[Any], name: str) -> asyncio.Task[Any]: ...
-    def keep(self, rid: str, name: str, m: GateMachine, meta: dict[str, Any],
-             clean: bool) -> None: ...
-
-
-class GatePorts(Protocol):
-    """What one attempt's gate needs from its process, declared here by its consumer (14
-    read-only members): the rows' parameters, the clock, ids and timers, the journal calls
-    of an attempt, Envoy's entries, the pool's view, its health, the retry budget, the
-    count of attempts that reached a replica, the intake in flight and the hand-off (the
-    request's other stream), telemetry, background work. `session.Processor` provides it."""
-
-    @property
-    def gate_params(self) -> GateParams: ...
-    @property
-    def clock(self) -> Clock: ...
-    @property
-    def ids(self) -> Ids: ...
-    @property
-    def timers(self) -> Timers: ...
-    @property
-    def journal(self) -> GateJournal: ...
-    @property
-    def causes(self) -> EntryLog: ...
-    @property
-    def pool(self) -> Pool: ...
-    @property
-    def health(self) -> HostHealth: ...
-    @property
-    def budget(self) -> RetryBudget: ...
-    @property
-    def reached(self) -> Reached: ...
-    @property
-    def intakes(self) -> Pending[asyncio.Future[GatewayError | None]]: ...
-    @property
-    def handoffs(self) -> Pending[HandedOff]: ...
-    @property
-    def tel(self) -> Telemetry: ...
-    @property
-    def work(self) -> Work: ...
-    @property
-    def instance_id(self) -> str: ...
-
-
 class GateSession(Session):
-    __slots__ = ("_unwatch", "agent", "lease", "m", "parent_tp", "replica", "secret",
-                 "timers")
+    __slots__ = ("agent", "m", "parent_tp", "rec", "replica", "timers")
 
     def __init__(self, proc: GatePorts, ctx: Messages) -> None:
         self.detach, self.closed, self.p, self.ctx = False, False, proc, ctx
@@ -98,13 +45,28 @@ class GateSession(Session):
         self.rid: str | None = None
         self.replica: str | None = None
         self.parent_tp: str | None = None
-        self.lease: AttemptLease | None = None
-        # This attempt's credential (decision 0028): attempt 1's from the guard, any other's
-        # minted at its admission. Sent upstream only; never logged, traced or handed off.
-        self.secret: str | None = None
+        self.rec: AttemptRecord | None = None  # the attempt's journal calls, its lease
         self.timers = TimerSet(proc.timers, proc.clock, self._fired)
-        self._unwatch: Callable[[], None] | None = None
         self.agent: AgentLink | None = None  # an agent-fronted replica's (decision 0034)
+
+    @property
+    def aid(self) -> str:
+        return self.m.attempt_id if self.m is not None else ""
+
+    @property
+    def lease(self) -> AttemptLease | None:
+        return self.rec.lease if self.rec is not None else None
+
+    @property
+    def record(self) -> AttemptRecord:
+        """The record port of a gated attempt (every action has one)."""
+        assert self.rec is not None
+        return self.rec
+
+    @property
+    def machine(self) -> GateMachine:
+        assert self.m is not None
+        return self.m
 
     # --- Envoy's messages -> events ---------------------------------------------------
 
@@ -116,9 +78,9 @@ class GateSession(Session):
             # The fault sweep must catch what this breaks; never set it in production.
             self.m = None
         read = _EVENTS.get(which)
-        if self.m is None or read is None:  # not gated (e.g. /v1/models), or not an event
+        if self.m is None or self.rec is None or read is None:  # not gated, or not an event
             return await self.write(_PASS[which]())
-        await self.feed(read(self, msg))
+        await self.feed(read(self.rec, msg))
 
     async def started(self, msg: ep.ProcessingRequest) -> None:
         hd, clock = codec.headers_dict(msg.request_headers.headers), self.p.clock
@@ -128,16 +90,17 @@ class GateSession(Session):
                               clock.wall())
         if got is None:  # not a journaled request (e.g. /v1/models): nothing to gate
             return await self.write(codec.continue_request_headers())
-        (ev, self.secret), self.rid = got, hd[H.REQUEST_ID]
+        (ev, secret), self.rid = got, hd[H.REQUEST_ID]
         self.m = GateMachine.new(self.rid, params=self.p.gate_params)
+        self.rec = AttemptRecord(self.p, self.rid, ev.attempt_id, secret)
         await self.feed(ev)
 
     async def on_closed(self) -> None:
         self.timers.stop()
         if self.agent is not None:
             self.agent.stop()
-        if self._unwatch is not None:
-            self._unwatch()
+        if self.rec is not None:
+            self.rec.stop()
         if self.m is not None:
             # Its end (a revoke, Envoy's word, the record) outlives the stream's handler.
             self.later(lambda c: E.StreamClosed(c.monotonic(), c.wall()), "end")
@@ -155,10 +118,6 @@ class GateSession(Session):
     def _fired(self, kind: E.TimerKind) -> None:
         self.later(lambda c: E.TimerFired(kind, c.monotonic(), c.wall()), f"timer-{kind}",
                    open_only=True)
-
-    @property
-    def aid(self) -> str:
-        return self.m.attempt_id if self.m is not None else ""
 
     # --- events -> the machine -> actions ---------------------------------------------
 
@@ -182,54 +141,13 @@ class GateSession(Session):
 
     # --- actions -> port calls --------------------------------------------------------
 
-    async def intake_committed(self, a: E.AwaitIntakeCommit) -> E.Event:
-        p, rid, replica = self.p, self.rid or "", self.replica or ""
-        opening = p.intakes.get(rid)
-        err = await asyncio.shield(opening) if opening is not None else None
-        return E.IntakeCommitted(err, p.reached.get(rid, 0), p.pool.fingerprint_of(replica),
-                                 p.pool.enabled, p.clock.wall(), p.pool.agent_of(replica))
-
     async def decide(self, a: E.Decide) -> E.Event:
-        verdict = decide(a.request, self.p.budget, self.p.clock.monotonic())
-        if isinstance(verdict, GatewayError):
-            return E.AdmissionDecided(error=verdict)
-        return E.AdmissionDecided(admitted=verdict)
-
-    async def confirmed(self, write: Awaitable[E.Event]) -> E.Event:
-        """One try of a conditioned write; not answered: NotConfirmed (the rows decide)."""
-        clock = self.p.clock
-        sent = clock.monotonic()
-        try:
-            return await write
-        except StoreUnavailable as e:
-            return E.NotConfirmed(str(e), sent, clock.monotonic(), clock.wall())
-
-    async def take_lease(self, a: E.TakeLease) -> E.Event:
-        self.lease = await self.p.journal.attempt_lease()
-        return E.AdmitDecided(True, mono=self.p.clock.monotonic(), wall=self.p.clock.wall())
-
-    async def admit(self, a: E.Admit) -> E.Event:
-        # The admission makes it live with its own credential (decision 0028), the same on
-        # every try: a try that applied unseen is found as this attempt's.
-        p, m = self.p, self.m
-        assert m is not None
-        self.secret = self.secret or p.ids.attempt_secret()
-        res = await p.journal.admit_attempt(
-            self.rid or "", a.attempt, self.aid, a.record, a.fence_wait_s,
-            lambda live: m.never_started(live, p.causes.no_gate_ran),
-            first_attempt=a.first_attempt, credential=digest(self.secret))
-        self.lease = res.lease
-        return E.AdmitDecided(res.admitted, res.reason, res.waited_s, p.clock.monotonic(),
-                              p.clock.wall())
-
-    async def fence(self, a: E.Fence) -> E.Event:
-        if self.lease is None or not self.lease.valid() or a.facts is None:
-            return E.FenceDecided(False)  # the lease's answer: no permission to fence
-        return E.FenceDecided(await self.p.journal.fence_first_delta(
-            self.rid or "", self.aid, a.facts.fence(self.p.clock.wall())))
+        verdict = self.p.decide(a.request, self.p.clock.monotonic())
+        return E.AdmissionDecided(*((verdict, None) if isinstance(verdict, Admitted)
+                                    else (None, verdict)))
 
     async def go_upstream(self, a: E.ContinueRequest) -> None:
-        p, aid = self.p, self.aid
+        p, aid, secret = self.p, self.aid, self.rec.secret if self.rec else None
         p.reached.mark(self.rid or "")
         # The attempt offset stays: a removal here holds for Envoy's later attempts of the
         # request too, whose gates need it (decision 0027). The attempt's own secret
@@ -237,111 +155,67 @@ class GateSession(Session):
         # addresses its word to this process's watch by its instance id (decision 0034).
         via = {H.PROCESSOR: p.instance_id} if self.m and self.m.agent else {}
         await self.write(codec.continue_request_headers(
-            {H.ATTEMPT_ID: aid, H.ATTEMPT_SECRET: self.secret, **via} if self.secret else
+            {H.ATTEMPT_ID: aid, H.ATTEMPT_SECRET: secret, **via} if secret else
             {H.ATTEMPT_ID: aid, **via},
-            remove=(H.PREADMITTED,) if self.secret else (H.PREADMITTED, H.ATTEMPT_SECRET)))
+            remove=(H.PREADMITTED,) if secret else (H.PREADMITTED, H.ATTEMPT_SECRET)))
 
-    def watch(self, a: E.Watch) -> None:
-        self._unwatch = self.p.journal.on_live_change(
-            self.rid or "", lambda v: self.later(lambda _: E.LiveChanged(v), "watch"), self.aid)
-
-    def watch_source(self, a: E.WatchSource) -> None:
-        self.agent = AgentLink(self.p, self.rid or "", self.aid)
-        self.agent.listen(lambda at: self.later(
-            lambda c: E.SourceSent(at, c.monotonic()), "source", open_only=True))
-
-    def link(self) -> tuple[AgentLink, GateMachine]:
-        assert self.m is not None
+    def link(self) -> AgentLink:
         if self.agent is None:  # a cancel for an attempt that never listened (its admission)
             self.agent = AgentLink(self.p, self.rid or "", self.aid)
-        return self.agent, self.m
+        return self.agent
 
-    def put_cancel(self, a: E.PutCancel) -> None:
-        link, m = self.link()
-        link.put_cancel(m.params.gateway_id, float(m.params.lease_ttl_s))
-
-    async def ack_settled(self, a: E.AckSettled) -> None:
-        link, m = self.link()
-        await link.settled(a, m, self.replica)
-
-    def lose(self, why: str) -> None:
-        if self.lease is not None:  # said once, by its owner (the observer says a fence)
-            self.lease.lose(why)
+    def watch_source(self, a: E.WatchSource) -> None:
+        self.link().listen(lambda at: self.later(
+            lambda c: E.SourceSent(at, c.monotonic()), "source", open_only=True))
 
     async def fail(self, a: E.FailAttempt) -> None:
         await self.write(codec.fail_attempt_headers(
             self.rid or "", {RETRY_HEADER: "1"} if a.retry else {}, str(a.error.code)))
+        assert self.m is not None
         for i in range(a.held_chunks):
-            await self.write(codec.replace_response_body(
-                self.m.family.error_json(a.error) if i == 0 and self.m else b""))
+            await self.write(codec.replace_response_body(self.m.error_body(a, i)))
 
     async def release(self, a: E.Release) -> None:
         # From here the guard owns the attempt: it sees the rest of the response, its end,
         # and writes the attempt's record with the request's outcome (one etcd txn).
         # Registered before the headers go out: the guard looks for it when they arrive.
-        assert a.facts is not None and self.m is not None
+        assert self.m is not None
         if self.agent is not None:
             self.agent.stop()
-        ho = HandOff.from_record(a.facts.base(), self.lease.lease_id if self.lease else 0,
-                                 snapshot(self.m))
+        ho, header = self.m.hand_off(a, self.record.lease_id)
         self.p.handoffs.put(self.aid, HandedOff(self.span, ho))
         self.span = INVALID
         await self.write(codec.continue_response_headers(
-            {H.ATTEMPT_ID: self.aid, H.HANDOFF: ho.header()}))
+            {H.ATTEMPT_ID: self.aid, H.HANDOFF: header}))
         for _ in range(a.held_chunks):
             await self.write(codec.continue_response_body())
         self.detach = a.hand_off
-
-    async def revoke_early(self, a: E.RevokeEarly) -> E.Event:
-        self.lose("ended")
-        return E.Revoked(await self.ended(a.attempt, a.record, False))
 
     def await_cause(self, a: E.AwaitCause) -> None:
         self.p.causes.expect(a.attempt_id or self.aid, a.timeout_s or 0.0, lambda entry:
                              self.later(lambda c: word(entry, c.wall()), "word"))
 
     async def close(self, a: E.CloseAttempt) -> None:
-        p, rid, m = self.p, self.rid or "", self.m
-        assert m is not None
+        p, m, rec = self.p, self.m, self.rec
+        assert m is not None and rec is not None
         if a.timed_out and self.replica:
             p.health.first_delta_timed_out(self.replica, p.clock.monotonic())
         if not a.ack_follows:  # else kept once the agent's acknowledgement is settled
-            p.work.keep(rid, f"attempt-{a.attempt:03d}", m, {
+            p.work.keep(rec.rid, f"attempt-{a.attempt:03d}", m, {
                 "attempt_id": self.aid, "replica": self.replica,
                 "failure_class": a.failure_class,
                 # The end plan's inputs and verdict: `extproc replay` decides it again.
                 "end": dict(a.end_trace)}, clean(a))
-        self.lose("ended")
-        # etcd may be briefly away: retried for a bounded time, so the record does not
-        # keep an attempt without its end (found by the fault sweep).
-        if a.update_only:
-            await retrying(lambda: p.journal.update_attempt(rid, a.attempt, a.record),
-                           "close the attempt record", rid, self.aid)
-        else:
-            await self.ended(a.attempt, a.record, a.expire)
-
-    async def ended(self, n: int, rec: Mapping[str, Any], expire: bool) -> bool:
-        rid, aid, journal = self.rid or "", self.aid, self.p.journal
-        return await retrying(lambda: journal.end_attempt(rid, n, aid, rec, expire),
-                              "fence the ended attempt", rid, aid)
-
-    def settle(self, call: Callable[[GateJournal, str, str], Awaitable[Any]], what: str,
-               name: str, settle_s: float = 0.0) -> None:
-        """A take-back or give-back, retried in the background while etcd is away."""
-        p, rid, aid = self.p, self.rid or "", self.aid
-        p.work.spawn(retrying(lambda: call(p.journal, rid, aid), what, rid, aid,
-                              settle_s=settle_s), f"gate-{name}-{aid}")
+        await rec.close(a)
 
 
-_Event = Callable[[GateSession, ep.ProcessingRequest], E.Event]
+_Event = Callable[[AttemptRecord, ep.ProcessingRequest], E.Event]
 # Envoy's messages that are events of a gated attempt; any other message passes.
 _EVENTS: dict[str, _Event] = {
-    "response_headers": lambda s, msg: codec.response_headers(msg),
-    # With each chunk, the lease port's answer: still valid here (its deadline moves with
-    # keep-alives, which are not events).
-    "response_body": lambda s, msg: E.ResponseBody(
-        msg.response_body.body, msg.response_body.end_of_stream,
-        s.lease is not None and not s.lease.valid()),
+    "response_headers": lambda r, msg: codec.response_headers(msg),
+    # With each chunk, the lease port's answer (its deadline moves with keep-alives).
+    "response_body": lambda r, msg: E.ResponseBody(
+        msg.response_body.body, msg.response_body.end_of_stream, r.expired()),
 }
 _PASS: dict[str, Callable[[], ep.ProcessingResponse]] = {
     "request_body": codec.continue_request_body,
@@ -365,31 +239,31 @@ _Do = Callable[[GateSession, Any], "Awaitable[E.Event | None] | None"]
 # The other actions' executors: a port call, whose answer (if it waits) is the next event.
 # HoldChunk and MarkSlow have none (the observer says the latter).
 ACTS: dict[type, _Do] = {
-    E.AwaitIntakeCommit: GateSession.intake_committed, E.Decide: GateSession.decide,
-    E.TakeLease: lambda s, a: s.confirmed(s.take_lease(a)),
-    E.Admit: lambda s, a: s.confirmed(s.admit(a)),
-    E.Fence: lambda s, a: s.confirmed(s.fence(a)),
+    E.AwaitIntakeCommit: lambda s, a: s.p.intake_committed(s.rid or "", s.replica or ""),
+    E.Decide: GateSession.decide,
+    E.TakeLease: lambda s, a: s.record.confirmed(s.record.take_lease()),
+    E.Admit: lambda s, a: s.record.confirmed(s.record.admit(
+        a, lambda live: s.machine.never_started(live, s.p.causes.no_gate_ran))),
+    E.Fence: lambda s, a: s.record.confirmed(s.record.fence(a)),
     E.ContinueRequest: GateSession.go_upstream,
-    E.UndoAdmission: lambda s, a: s.settle(
-        lambda j, rid, aid: j.undo_admission(rid, a.attempt, aid),
-        "undo an unconfirmed admission", "undo-admit", UNDO_SETTLE_S),
-    E.GiveBack: lambda s, a: s.settle(
-        lambda j, rid, aid: j.end_attempt(rid, a.attempt, aid, a.record, False),
-        "give back a refused attempt", "refused"),
-    E.UndoFence: lambda s, a: s.settle(
-        lambda j, rid, aid: j.undo_fence(rid, a.facts.fence(s.p.clock.wall())),
-        "undo an unconfirmed fence", "undo-fence", UNDO_SETTLE_S),
-    E.Watch: GateSession.watch, E.WatchSource: GateSession.watch_source,
-    E.PutCancel: GateSession.put_cancel, E.AwaitAck: lambda s, a: s.link()[0].await_ack(a),
-    E.AckSettled: GateSession.ack_settled,
-    E.LoseLease: lambda s, a: s.lose(a.why),
+    E.UndoAdmission: lambda s, a: s.record.undo_admission(a),
+    E.GiveBack: lambda s, a: s.record.give_back(a),
+    E.UndoFence: lambda s, a: s.record.undo_fence(a),
+    E.Watch: lambda s, a: s.record.watch(
+        lambda v: s.later(lambda _: E.LiveChanged(v), "watch")),
+    E.WatchSource: GateSession.watch_source,
+    E.PutCancel: lambda s, a: s.link().put_cancel(s.machine.params.gateway_id,
+                                                  float(s.machine.params.lease_ttl_s)),
+    E.AwaitAck: lambda s, a: s.link().await_ack(a),
+    E.AckSettled: lambda s, a: s.link().settled(a, s.machine, s.replica),
+    E.LoseLease: lambda s, a: s.record.lose(a.why),
     E.StartTimer: lambda s, a: s.timers.start(a.kind, a.seconds),
     E.StopTimers: lambda s, a: s.timers.stop(),
     E.Overloaded: lambda s, a: s.p.health.overloaded(
         s.replica or "", s.p.clock.monotonic() + a.seconds),
     E.Release: GateSession.release, E.FailAttempt: GateSession.fail,
     E.RetryEnded: lambda s, a: s.p.budget.retry_ended(s.aid),
-    E.RevokeEarly: GateSession.revoke_early, E.AwaitCause: GateSession.await_cause,
+    E.RevokeEarly: lambda s, a: s.record.end_early(a), E.AwaitCause: GateSession.await_cause,
     E.CloseAttempt: GateSession.close,
 }
 

@@ -1,11 +1,12 @@
 """The guard: the downstream ext_proc stream that owns a logical request.
 
-A plain executor of `core.guard.GuardMachine`: Envoy's messages become events (what
-`core.intake` read of them), each action is carried out by the method `ACTS` names for its
-type (a codec write or a port call), and a port's answer is fed back as the next event. The
-request's journal record is `request_record`'s (the intake flow's actions among them), the
-released attempt is `released`'s, the tool route `tools`'s, the timers a `timers.TimerSet`;
-logs, spans and metrics are `observer.guard`'s.
+A plain executor of `core.guard.GuardMachine`: Envoy's messages become events (the machine
+reads the headers and the body, `core.guard.request_started` and `read_body`), each action
+is a codec write (`WRITES`) or a port call (`ACTS`), and a port's answer is fed back as the
+next event. The request's journal record is `request_record`'s (the intake in flight,
+`IntakeRun`, and the intake flow's actions), the released attempt `released`'s, the tool
+route `tools`'s, the timers a `timers.TimerSet`; logs, spans and metrics are
+`observer.guard`'s.
 """
 
 from __future__ import annotations
@@ -13,64 +14,35 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Any
 
 from opentelemetry.trace import Span
 
 from ..core import events as E
+from ..core import guard as G
 from ..core import headers as H
-from ..core.budget import RetryBudget
-from ..core.credentials import digest
-from ..core.errors import GatewayError
 from ..core.guard import GuardMachine
-from ..core.intake import (
-    Generation,
-    Prepared,
-    StatusLookup,
-    ToolCall,
-    Verdict,
-    body_headers,
-    kind_of,
-    read_headers,
-    request_id_of,
-)
+from ..core.intake import Generation, Prepared, StatusLookup, ToolCall, Verdict
 from ..core.journal import Rerun
 from ..gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from . import envoy_codec as codec
 from . import observer
 from . import request_record as R
-from .ports import GuardJournal, SentLog
-from .released import Released, ReleasePorts
+from .ports import GuardPorts, credential
+from .released import Released
 from .session import INVALID, Messages, Session
 from .timers import TimerSet
-from .tools import ToolCallHandler, ToolPorts
+from .tools import ToolCallHandler
 
 # Response headers that never reach a client: the gate's hand-off, and an attempt's secret
 # (a replica could echo it back; decision 0028).
 NEVER_TO_CLIENT = (H.HANDOFF, H.ATTEMPT_SECRET)
 
 
-class GuardPorts(R.RecordPorts, ReleasePorts, ToolPorts, Protocol):
-    """What a request's guard needs from its process: its consumers' ports (the record's,
-    the released attempt's, the tool route's; one journal serves the first two), and its
-    own: Envoy's word on what it sent, the retry budget and the trace budget.
-    `session.Processor` provides it."""
-
-    @property
-    def journal(self) -> GuardJournal: ...
-    @property
-    def causes(self) -> SentLog: ...
-    @property
-    def budget(self) -> RetryBudget: ...
-
-    def trace_budget(self) -> int: ...
-
-
 class GuardSession(Session):
     TIMED = "response_body"
-    __slots__ = ("body", "cred1", "envoy_request_id", "first_delta_evented", "gen", "intake", "m",
-                 "opening", "released", "rerun", "secret1", "timers", "tool",
-                 "tools_listener", "verdict")
+    __slots__ = ("_tx", "body", "envoy_request_id", "first_delta_evented", "gen", "intake", "m",
+                 "released", "secret1", "timers", "tool", "tools_listener", "verdict")
 
     def __init__(self, proc: GuardPorts, ctx: Messages, tools: bool = False) -> None:
         self.detach, self.closed, self.p, self.cfg, self.ctx = False, False, proc, proc.cfg, ctx
@@ -86,17 +58,13 @@ class GuardSession(Session):
         self.intake: Prepared | None = None  # the body, the route, the record, attempt 1
         self.timers = TimerSet(proc.timers, proc.clock, self.fired)
         self.tool: ToolCallHandler | None = None
-        self.rerun: Rerun | None = None  # a repeat that runs again (decision 0027)
-        # The intake transaction while this session waits for it (decision 0021).
-        self.opening: asyncio.Task[GatewayError | None] | None = None
+        self._tx: R.IntakeRun | None = None  # the intake transaction (decision 0021)
         self.md: dict[str, str] = {}
         self.span: Span = INVALID
         self.first_delta_evented = False
         self.envoy_request_id: str | None = None
-        # Attempt 1's secret until the body answer carries it to its gate (never logged),
-        # and the digest the intake (or the re-open) records for it.
+        # Attempt 1's secret until the body answer carries it to its gate (never logged).
         self.secret1: str | None = None
-        self.cred1: str | None = None
         self.released: Released | None = None  # the attempt the gate handed over
         self.body = b""  # the request body until a row reads it (ReadBody)
 
@@ -104,29 +72,33 @@ class GuardSession(Session):
     def aid1(self) -> str:
         return str(self.intake.first["attempt_id"]) if self.intake is not None else ""
 
+    @property
+    def rerun(self) -> Rerun | None:
+        """A repeat that runs again (decision 0027), as its intake re-opened it."""
+        return self._tx.rerun if self._tx is not None else None
+
     # --- Envoy's messages -> events ---------------------------------------------------
 
     async def on_message(self, which: str, msg: ep.ProcessingRequest) -> None:
         if self.tool is not None and which in TOOL_MESSAGES:
             return await self.tool.on_message(which, msg)
         if which == "response_body":  # the hot path, read here: one call less per chunk
-            # With the chunk, the released attempt's lease port's answer: still valid (its
-            # deadline moves with keep-alives, which are not events).
+            # With the chunk, the released attempt's lease port's answer.
             body, r = msg.response_body, self.released
             return await self.feed(E.ResponseBody(body.body, body.end_of_stream,
-                                                  r is not None and not r.lease.valid()))
+                                                  r is not None and r.expired()))
         await _READS[which](self, msg)
 
     async def on_request_headers(self, msg: ep.ProcessingRequest) -> None:
-        hd, eos = codec.headers_dict(msg.request_headers.headers), msg.request_headers.end_of_stream
-        v = self.verdict = read_headers(hd, self.cfg, self.tools_listener,
-                                        self.p.ids.request_id)
-        kind, family, error = kind_of(v)
-        if isinstance(v, Generation):
-            self.gen, self.rid = v, v.request_id
-            self.envoy_request_id = None if eos else hd.get(H.ENVOY_REQUEST_ID)
-        self.m = GuardMachine.at_request(request_id_of(v), self.cfg, self.p.trace_budget())
-        await self.feed(E.RequestHeadersSeen(kind, family, error, eos))
+        h = msg.request_headers
+        got = G.request_started(codec.headers_dict(h.headers), h.end_of_stream, self.cfg,
+                                self.tools_listener, self.p.ids.request_id,
+                                self.p.trace_budget())
+        self.m, self.verdict, self.gen = got.machine, got.verdict, got.generation
+        self.envoy_request_id = got.envoy_request_id
+        if self.gen is not None:
+            self.rid = self.gen.request_id
+        await self.feed(got.event)
 
     async def on_closed(self) -> None:
         self.timers.stop()
@@ -134,17 +106,13 @@ class GuardSession(Session):
         if rid is not None and self.intake is not None and self.tool is None:
             # The request is over, and with it its re-prefills (the released one too).
             p.budget.request_ended(rid, self.aid1)
-        if rid is not None and self.opening is None:
-            # A failed intake waited here for its gates; none comes after the stream.
-            p.intakes.take(rid)
+        late = self._tx.closed() if self._tx is not None else None
         if self.released is not None:
             self.released.stop_watching()
         if self.m is not None:
             p.spawn(self.locked(E.StreamClosed()), f"guard-close-{rid}")
-        if self.opening is not None:
-            # Closed while the intake was in flight: its answer still goes to the machine.
-            p.spawn(self.opened_after_close(self.opening), f"guard-opened-{rid}")
-            self.opening = None
+        if late is not None:  # closed while the intake was in flight: its answer still counts
+            p.spawn(self.answered(late), f"guard-opened-{rid}")
         if self.tool is not None:
             p.spawn(self.tool.on_closed(), f"tool-close-{rid}")
 
@@ -165,6 +133,16 @@ class GuardSession(Session):
             elif (do := ACTS.get(type(a))) is not None and (c := do(self, a)) is not None:
                 await c
 
+    @property
+    def tx(self) -> R.IntakeRun:
+        """The intake in flight (every intake action has one)."""
+        assert self._tx is not None
+        return self._tx
+
+    async def feed_from(self, answer: Awaitable[E.Event]) -> None:
+        """A port's answer that the row waits for, fed as the next event."""
+        await self.feed(await answer)
+
     async def locked(self, ev: E.Event, while_open: bool = False) -> None:
         """An event from outside Envoy's message order (a port's answer, a timer)."""
         async with self.lock:
@@ -183,20 +161,19 @@ class GuardSession(Session):
             await self.write(codec.streamed_response_body(a.data, a.end_of_stream))
 
     async def read_body(self, a: E.ReadBody) -> None:
-        gen, m, body = self.gen, self.m, self.body
-        self.body = b""
-        assert gen is not None and m is not None
-        got = R.read_body(self.p, body, gen, self.envoy_request_id)
-        if isinstance(got, GatewayError):
-            return await self.feed(E.RequestBodySeen(got))
-        self.intake, m.count_text = got
-        # Attempt 1's credential (decision 0028): its digest is recorded with it, the
-        # secret goes to its gate (and on to its replica) in the body answer.
-        self.secret1 = self.p.ids.attempt_secret()
-        self.cred1 = digest(self.secret1)
+        p, body, self.body = self.p, self.body, b""
+        assert self.gen is not None and self.m is not None
+        self.intake, ev = G.read_body(
+            self.m, body, self.cfg, self.gen, self.envoy_request_id, pool=p.pool,
+            order_hosts=p.host_order, new_attempt_id=p.ids.attempt_id, wall=p.clock.wall(),
+            tokenizers=p.tokenizers)
+        if self.intake is not None:
+            # Attempt 1's credential (decision 0028): its digest is recorded with it, the
+            # secret goes to its gate (and on to its replica) in the body answer.
+            self.secret1, cred = credential(p.ids)
+            self._tx = R.IntakeRun(p, self.gen, self.intake, cred, self.envoy_request_id)
         # The intake's order (open, register, answer the body, wait) is the machine's rows.
-        await self.feed(E.RequestBodySeen(None, got[0].meta.usage_mode,
-                                          keyed=gen.idempotency_key is not None))
+        await self.feed(ev)
 
     async def look_up_status(self, a: E.LookUpStatus) -> None:
         assert isinstance(self.verdict, StatusLookup)
@@ -208,26 +185,13 @@ class GuardSession(Session):
         await self.tool.on_request_headers(dict(self.verdict.headers))
         self.rid = self.tool.rid
 
-    def open_intake(self, a: E.OpenIntake) -> None:
-        self.opening = self.p.spawn(self.open_record(), f"guard-intake-{self.rid}")
-
-    def register_intake(self, a: E.RegisterIntake) -> None:
-        assert self.opening is not None
-        self.p.intakes.put(self.rid or "", self.opening)
-
     async def answer_body(self, a: E.AnswerBody) -> None:
         assert self.intake is not None
         secret, self.secret1 = self.secret1, None  # kept no longer than this answer
-        set_headers, lb = body_headers(self.intake, secret=secret, rerun=self.rerun,
-                                       traceparent=self.p.tel.traceparent(self.span))
+        set_headers, lb = G.body_answer(self.intake, secret=secret, rerun=self.rerun,
+                                        traceparent=self.p.tel.traceparent(self.span))
         await self.write(codec.continue_request_body_with(set_headers, lb,
                                                           self.intake.meta.upstream_body))
-
-    async def await_intake(self, a: E.AwaitIntake) -> None:
-        assert self.opening is not None
-        err = await asyncio.shield(self.opening)
-        self.opening = None
-        await self.feed(E.RequestOpened(err is None, err))
 
     def accepted(self, a: E.Accepted) -> None:
         # In flight for the retry budget until this stream ends (on_closed).
@@ -244,7 +208,7 @@ class GuardSession(Session):
 
     def lose_lease(self, a: E.LoseLease) -> None:
         if self.released is not None:
-            self.released.lease.lose(a.why)
+            self.released.lose(a.why)
 
     def write_progress(self, a: E.WriteProgress) -> None:
         self.p.spawn(self.progress(a.delivered), f"guard-progress-{self.rid}")
@@ -257,20 +221,8 @@ class GuardSession(Session):
 
     # --- the work that outlives a message ---------------------------------------------
 
-    async def open_record(self) -> GatewayError | None:
-        """The intake transaction (`intake_runner`): None when the request is new."""
-        assert self.gen is not None and self.intake is not None
-        got = await R.run_intake(self.p, self.rid or "", self.gen, self.intake, self.cred1,
-                               self.envoy_request_id)
-        if got.rerun is not None:
-            self.rerun = got.rerun
-        return got.error
-
-    async def opened_after_close(self, opening: asyncio.Task[GatewayError | None]) -> None:
-        err = await opening
-        if err is not None and self.rid is not None:
-            self.p.intakes.take(self.rid)
-        await self.locked(E.RequestOpened(err is None))
+    async def answered(self, answer: Awaitable[E.Event]) -> None:
+        await self.locked(await answer)
 
     async def progress(self, n: int) -> None:
         await R.write_progress(self.p, self.rid or "", n)
@@ -330,9 +282,12 @@ _Do = Callable[[GuardSession, Any], "Awaitable[None] | None"]
 ACTS: dict[type, _Do] = {
     E.Send: GuardSession.send, E.StartTimer: lambda s, a: s.timers.start(a.kind, a.seconds),
     E.StopTimers: lambda s, a: s.timers.stop(), E.LookUpStatus: GuardSession.look_up_status,
-    E.StartToolCall: GuardSession.start_tool_call, E.OpenIntake: GuardSession.open_intake,
-    E.RegisterIntake: GuardSession.register_intake, E.AnswerBody: GuardSession.answer_body,
-    E.AwaitIntake: GuardSession.await_intake, E.Accepted: GuardSession.accepted,
+    E.StartToolCall: GuardSession.start_tool_call,
+    E.OpenIntake: lambda s, a: s.tx.open(),
+    E.RegisterIntake: lambda s, a: s.tx.register(),
+    E.AnswerBody: GuardSession.answer_body,
+    E.AwaitIntake: lambda s, a: s.feed_from(s.tx.opened()),
+    E.Accepted: GuardSession.accepted,
     E.TakeOver: GuardSession.take_over, E.LoseLease: GuardSession.lose_lease,
     E.WriteProgress: GuardSession.write_progress, E.AwaitCause: GuardSession.await_cause,
     E.ReadBody: GuardSession.read_body,

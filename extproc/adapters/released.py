@@ -11,44 +11,17 @@ transaction.
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any
 
 from opentelemetry.trace import Span
 
 from ..core import records
 from ..core.failure import FailureClass
-from ..core.guard import GuardMachine
-from ..core.handoff import HandOff, TraceSnapshot
+from ..core.handoff import HandOff
 from . import observer
 from .leases import AttemptLease, ProcessLease
-from .session import HandedOff, Pending
-from .telemetry import Telemetry
-
-
-class ReleaseJournal(Protocol):
-    """The journal calls of a released attempt: the process lease, the `live` watch."""
-
-    def current_process_lease(self) -> ProcessLease | None: ...
-    def on_live_change(self, rid: str, cb: Callable[[str | None], None],
-                       mine: str | None = None) -> Callable[[], None]: ...
-
-
-class ReleasePorts(Protocol):
-    """What owning a released attempt needs from its process, declared by its consumer."""
-
-    @property
-    def journal(self) -> ReleaseJournal: ...
-    @property
-    def handoffs(self) -> Pending[HandedOff]: ...
-    @property
-    def tel(self) -> Telemetry: ...
-
-    def keep_trace(self, clean: bool) -> bool: ...
-    def spawn(self, coro: Awaitable[Any], name: str) -> asyncio.Task[Any]: ...
-    async def save_trace(self, rid: str, name: str, m: GuardMachine | TraceSnapshot,
-                         meta: dict[str, Any]) -> None: ...
+from .ports import ReleasePorts
 
 
 class Released:
@@ -76,6 +49,14 @@ class Released:
         r.unwatch = p.journal.on_live_change(rid, lambda v: None if v == aid else fenced(),
                                              aid)
         return r
+
+    def expired(self) -> bool:
+        """The lease port's answer with each chunk: no longer valid (its deadline moves with
+        keep-alives, which are not events)."""
+        return not self.lease.valid()
+
+    def lose(self, why: str) -> None:
+        self.lease.lose(why)
 
     def stop_watching(self) -> None:
         """Our own finish deletes `live`, and a closed stream has nothing to fence."""

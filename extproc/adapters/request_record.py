@@ -1,104 +1,86 @@
-"""A request's journal record, as its guard's actions ask for it: read, opened, ended.
+"""A request's journal record, as its guard's actions ask for it: opened, read, ended.
 
-`core.intake.prepare_intake` reads the body (pure); `read_body` gives it what it needs from
-the process (the pool's view, the hosts' order, a fresh attempt id, the wall clock) and the
-model's tokenizer. `run_intake` executes `core.guard.IntakeFlow`'s actions (the intake
+The guard's record port. `run_intake` executes `core.guard.IntakeFlow`'s actions (the intake
 written, sent again after a pause on the Timers port, a repeat's record settled and read, a
 re-run re-opened, what never got its answer taken back later) and feeds each answer back,
 until the flow answers; its log lines are `observer.guard_intake`'s. `read_status`,
 `write_progress` and `write_outcome` are the status lookup, the progress checkpoint and the
 terminal record (with the released attempt's end). What they need from the process is
-`RecordPorts`, declared here by its consumer.
+`ports.RecordPorts`. (The body itself is read by the machine: `core.guard.read_body`.)
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable, Mapping, MutableMapping
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from ..core import events as E
 from ..core import guard as G
 from ..core import records
-from ..core.config import Config
 from ..core.errors import GatewayError
 from ..core.guard import GuardMachine
-from ..core.handoff import TraceSnapshot
-from ..core.intake import Generation, Prepared, StatusLookup, prepare_intake
-from ..core.journal import JournalView, Outcome
-from ..core.pool import Pool
+from ..core.intake import Generation, Prepared, StatusLookup
+from ..core.journal import Outcome, Rerun
 from . import observer
 from .leases import UNDO_SETTLE_S, StoreUnavailable
-from .ports import Clock, Ids
+from .ports import RecordPorts
 from .released import Released
-from .session import Pending, retrying
-from .timers import Timers, sleep
+from .session import retrying
+from .timers import sleep
 
 
-class RecordJournal(Protocol):
-    """The journal calls of a request's record: its intake (or a repeat's re-open for its
-    re-run), their take-backs, a status read, the progress checkpoint, the outcome."""
+class IntakeRun:
+    """A generation's intake transaction in flight (decision 0021): started by the row's
+    `OpenIntake`, offered to the request's gates by `RegisterIntake` (each of them waits
+    for it), its answer the `RequestOpened` that `AwaitIntake` waits for; and the re-run a
+    repeat's re-open started (decision 0027), which the body's answer carries."""
 
-    async def open_request(self, rid: str, meta: Mapping[str, Any],
-                           first_attempt: tuple[str, Mapping[str, Any]] | None = None,
-                           credential: str | None = None) -> JournalView | None: ...
-    async def reopen_request(self, rid: str, ended_outcome: Mapping[str, Any],
-                             history: tuple[int, Mapping[str, Any]],
-                             first_attempt: tuple[int, str, Mapping[str, Any]],
-                             credential: str | None = None) -> JournalView | None: ...
-    async def undo_intake(self, rid: str, attempt_id: str) -> bool: ...
-    async def undo_reopen(self, rid: str, history: tuple[int, Mapping[str, Any]],
-                          first_attempt: tuple[int, str]) -> bool: ...
-    async def get(self, rid: str) -> JournalView | None: ...
-    async def progress(self, rid: str, record: Mapping[str, Any]) -> None: ...
-    async def finish(self, rid: str, outcome: Mapping[str, Any],
-                     attempt_end: tuple[int, Mapping[str, Any]] | None = None) -> bool: ...
+    __slots__ = ("cred", "envoy_request_id", "gen", "opening", "p", "prep", "rerun", "rid")
 
+    def __init__(self, p: RecordPorts, gen: Generation, prep: Prepared, cred: str,
+                 envoy_request_id: str | None) -> None:
+        self.p, self.rid, self.gen, self.prep, self.cred = p, gen.request_id, gen, prep, cred
+        self.envoy_request_id = envoy_request_id
+        self.opening: asyncio.Task[GatewayError | None] | None = None
+        self.rerun: Rerun | None = None
 
-class RecordPorts(Protocol):
-    """The body's reading (the pool's view and the hosts' order, ids, the clock, the
-    tokenizers), the record's journal calls and the Timers port of the intake's pause, the
-    intakes in flight that gates wait on, the count of attempts that reached a replica
-    (which a re-run starts again), background work and the traces kept."""
+    def open(self) -> None:
+        self.opening = self.p.spawn(self._run(), f"guard-intake-{self.rid}")
 
-    @property
-    def cfg(self) -> Config: ...
-    @property
-    def clock(self) -> Clock: ...
-    @property
-    def ids(self) -> Ids: ...
-    @property
-    def timers(self) -> Timers: ...
-    @property
-    def journal(self) -> RecordJournal: ...
-    @property
-    def pool(self) -> Pool: ...
-    @property
-    def tokenizers(self) -> Mapping[str, Callable[[str], int]]: ...
-    @property
-    def reached(self) -> MutableMapping[str, int]: ...
-    @property
-    def intakes(self) -> Pending[asyncio.Future[GatewayError | None]]: ...
+    async def _run(self) -> GatewayError | None:
+        """The intake, to its answer: None when the request is recorded (or re-opened)."""
+        got = await run_intake(self.p, self.rid, self.gen, self.prep, self.cred,
+                               self.envoy_request_id)
+        if got.rerun is not None:
+            self.rerun = got.rerun
+        return got.error
 
-    def host_order(self, hosts: list[str]) -> list[str]: ...
-    def spawn(self, coro: Awaitable[Any], name: str) -> asyncio.Task[Any]: ...
-    async def settled(self, view: JournalView | None) -> JournalView | None: ...
-    def keep_trace(self, clean: bool) -> bool: ...
-    async def save_trace(self, rid: str, name: str, m: GuardMachine | TraceSnapshot,
-                         meta: dict[str, Any]) -> None: ...
+    def register(self) -> None:
+        assert self.opening is not None
+        self.p.intakes.put(self.rid, self.opening)
 
+    async def opened(self) -> E.RequestOpened:
+        assert self.opening is not None
+        err = await asyncio.shield(self.opening)
+        self.opening = None
+        return E.RequestOpened(err is None, err)
 
-def read_body(p: RecordPorts, body: bytes, gen: Generation, envoy_request_id: str | None
-              ) -> tuple[Prepared, Callable[[str], int] | None] | GatewayError:
-    """The body prepared for its intake, and the tokenizer that counts a stream's text
-    (None: the replica's usage counts it); or what to refuse it with."""
-    prep = prepare_intake(body, p.cfg, gen, pool=p.pool, order_hosts=p.host_order,
-                          new_attempt_id=p.ids.attempt_id, wall=p.clock.wall(),
-                          envoy_request_id=envoy_request_id)
-    if isinstance(prep, GatewayError):
-        return prep
-    return prep, (p.tokenizers.get(prep.meta.model or "") if prep.meta.stream else None)
+    def closed(self) -> Awaitable[E.RequestOpened] | None:
+        """The stream closed. A failed intake waited for its gates, none comes after the
+        stream; one still in flight answers the machine all the same (returned)."""
+        opening, self.opening = self.opening, None
+        if opening is None:
+            self.p.intakes.take(self.rid)
+            return None
+        return self._late(opening)
+
+    async def _late(self, opening: asyncio.Task[GatewayError | None]) -> E.RequestOpened:
+        err = await opening
+        if err is not None:
+            self.p.intakes.take(self.rid)
+        return E.RequestOpened(err is None)
 
 
 async def run_intake(p: RecordPorts, rid: str, gen: Generation, prep: Prepared,

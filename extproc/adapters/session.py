@@ -24,9 +24,11 @@ import grpclib.exceptions
 import h2.exceptions
 from opentelemetry.trace import INVALID_SPAN_CONTEXT, NonRecordingSpan, Span
 
+from ..core.admission import Admitted, AttemptRequest, decide
 from ..core.budget import RetryBudget
 from ..core.config import Config
 from ..core.errors import GatewayError
+from ..core.events import IntakeCommitted
 from ..core.gate import GateMachine, GateParams
 from ..core.guard import GuardMachine
 from ..core.handoff import HandOff, TraceSnapshot
@@ -169,6 +171,9 @@ class Reached(OrderedDict[str, int]):
     upstream): a later attempt of theirs is a re-prefill, charged to the retry budget, and
     max_attempts counts only those (decision 0024). Bounded: the oldest go first."""
 
+    def of(self, rid: str) -> int:
+        return self.get(rid, 0)
+
     def mark(self, rid: str) -> None:
         self[rid] = self.get(rid, 0) + 1
         while len(self) > 20000:
@@ -258,6 +263,21 @@ class Processor:
     def set_pool(self, pool: Pool) -> None:
         """A live pool's new membership (adapters.membership); sessions read it per request."""
         self.pool = pool
+
+    async def intake_committed(self, rid: str, replica: str) -> IntakeCommitted:
+        """An attempt's wait for its request's intake (decision 0021), answered with what
+        the process knows then: how many of its attempts reached a replica, and the pool's
+        view of this replica."""
+        opening = self.intakes.get(rid)
+        err = await asyncio.shield(opening) if opening is not None else None
+        pool = self.pool
+        return IntakeCommitted(err, self.reached.of(rid), pool.fingerprint_of(replica),
+                               pool.enabled, self.clock.wall(), pool.agent_of(replica))
+
+    def decide(self, request: AttemptRequest, now: float) -> Admitted | GatewayError:
+        """core.admission's verdict on an attempt, with this process's retry budget (which
+        a re-prefill it admits is charged to)."""
+        return decide(request, self.budget, now)
 
     def mark_reached(self, rid: str) -> None:
         self.reached.mark(rid)

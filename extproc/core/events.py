@@ -363,6 +363,9 @@ class UndoFence:
 
     facts: AttemptFacts
 
+    def record(self, wall: float) -> dict[str, Any]:
+        return self.facts.fence(wall)
+
 
 @dataclass(frozen=True, slots=True)
 class Watch:
@@ -464,6 +467,11 @@ class Fence:
 
     facts: AttemptFacts | None = None
     until_mono: float = float("inf")
+
+    def record(self, wall: float) -> dict[str, Any]:
+        """The fence's record, stamped `wall` when it is sent."""
+        assert self.facts is not None
+        return self.facts.fence(wall)
 
 
 @dataclass(frozen=True, slots=True)

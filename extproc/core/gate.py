@@ -84,6 +84,7 @@ from .events import (
 from .failure import FailureClass
 from .failure import Fence as FenceKind
 from .families import CHAT, Family, family_for_path, family_named
+from .handoff import HandOff
 from .machine import Machine, T, Table, counting_decoder, stay
 from .sse import EventKind, SseDecoder
 
@@ -256,6 +257,20 @@ class GateMachine(Machine):
         """A conditioned write's first try (its resends follow from NotConfirmed)."""
         self.write, self.tries, self.pause = w, 1, RESEND_FIRST_PAUSE_S
         return w
+
+    def hand_off(self, a: Release, lease_id: int) -> tuple[HandOff, str]:
+        """The released attempt's frozen record, with a snapshot of this trace (kept in this
+        process only), and its header form."""
+        from .replay import snapshot  # replay reads this module's machine
+
+        assert a.facts is not None
+        ho = HandOff.from_record(a.facts.base(), lease_id, snapshot(self))
+        return ho, ho.header()
+
+    def error_body(self, a: FailAttempt, i: int) -> bytes:
+        """What the `i`th held body message of a failed attempt is replaced with: the
+        error's JSON in the family's shape, then nothing."""
+        return self.family.error_json(a.error) if i == 0 else b""
 
     def never_started(self, live: str, no_gate_ran: Callable[[str], bool]) -> bool:
         """The admission may take `live` over from attempt 1 as the guard admitted it when

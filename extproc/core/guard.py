@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, TypeAlias
 
+from . import headers as H
 from . import records
 from .config import Config
 from .errors import (
@@ -69,9 +70,20 @@ from .events import (
 )
 from .families import CHAT, Family, family_named
 from .handoff import HandOff
-from .intake import own_intake
+from .intake import (
+    Generation,
+    Prepared,
+    Verdict,
+    body_headers,
+    kind_of,
+    own_intake,
+    prepare_intake,
+    read_headers,
+    request_id_of,
+)
 from .journal import JournalView, Outcome, Rerun, answer_repeat, tenant_digest
 from .machine import Machine, ProtocolViolation, T, Table, counting_decoder, stay
+from .pool import Pool
 from .sse import EventKind, SseDecoder, SseEvent
 from .usage import UsageMode, take_usage
 
@@ -505,6 +517,55 @@ def _guard_status(m: GuardMachine, ev: StatusRead) -> list[Action]:
         # Another tenant's request is indistinguishable from a missing one.
         return [Refuse(request_not_found(m.request_id))]
     return [AnswerStatus(view)]
+
+
+@dataclass(frozen=True, slots=True)
+class HeadersRead:
+    """What a request's headers start: its machine, what core.intake read of them (kept by
+    the session for the rows' later actions), the machine's first event, and for a
+    generation the request and Envoy's id for it (None at the end of the stream)."""
+
+    machine: GuardMachine
+    verdict: Verdict
+    event: RequestHeadersSeen
+    generation: Generation | None
+    envoy_request_id: str | None
+
+
+def request_started(hd: Mapping[str, str], end_of_stream: bool, cfg: Config, tools: bool,
+                    mint: Callable[[], str], trace_budget: int) -> HeadersRead:
+    """The guard's request headers read (core.intake; ids come in by `mint`)."""
+    v = read_headers(hd, cfg, tools, mint)
+    kind, family, error = kind_of(v)
+    gen = v if isinstance(v, Generation) else None
+    return HeadersRead(GuardMachine.at_request(request_id_of(v), cfg, trace_budget), v,
+                       RequestHeadersSeen(kind, family, error, end_of_stream), gen,
+                       None if gen is None or end_of_stream else hd.get(H.ENVOY_REQUEST_ID))
+
+
+def read_body(m: GuardMachine, body: bytes, cfg: Config, gen: Generation,
+              envoy_request_id: str | None, *, pool: Pool,
+              order_hosts: Callable[[list[str]], list[str]], new_attempt_id: Callable[[], str],
+              wall: float, tokenizers: Mapping[str, Callable[[str], int]]
+              ) -> tuple[Prepared | None, RequestBodySeen]:
+    """A generation's body (ReadBody) prepared for its intake by core.intake, and the event
+    that says so; the machine counts the stream's text with the model's tokenizer (none:
+    the replica's usage counts it). What the process knows (the pool's view, the hosts'
+    order, an attempt id, the time, the tokenizers) comes in."""
+    prep = prepare_intake(body, cfg, gen, pool=pool, order_hosts=order_hosts,
+                          new_attempt_id=new_attempt_id, wall=wall,
+                          envoy_request_id=envoy_request_id)
+    if isinstance(prep, GatewayError):
+        return None, RequestBodySeen(prep)
+    m.count_text = tokenizers.get(prep.meta.model or "") if prep.meta.stream else None
+    return prep, RequestBodySeen(None, prep.meta.usage_mode,
+                                 keyed=gen.idempotency_key is not None)
+
+
+def body_answer(prep: Prepared, *, secret: str | None, rerun: Rerun | None,
+                traceparent: str | None) -> tuple[dict[str, str], dict[str, Any] | None]:
+    """What the body's answer (AnswerBody) sets for attempt 1's gate: core.intake's."""
+    return body_headers(prep, secret=secret, rerun=rerun, traceparent=traceparent)
 
 
 def _guard_read_body(m: GuardMachine, ev: RequestBody) -> list[Action]:

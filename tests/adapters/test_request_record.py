@@ -36,18 +36,29 @@ def setup() -> tuple[Processor, MemoryStore, FakeTimers]:
     return p, store, timers
 
 
+def read(p: Processor, body: bytes, envoy_id: str | None
+         ) -> tuple[Prepared | None, E.RequestBodySeen, G.GuardMachine]:
+    """The body as the guard's session has the machine read it (core.guard.read_body),
+    with this process's view of the world."""
+    m = G.GuardMachine.at_request(RID, p.cfg, 0)
+    prep, ev = G.read_body(m, body, p.cfg, GEN, envoy_id, pool=p.pool,
+                           order_hosts=p.host_order, new_attempt_id=p.ids.attempt_id,
+                           wall=p.clock.wall(), tokenizers=p.tokenizers)
+    return prep, ev, m
+
+
 def prepared(p: Processor) -> Prepared:
-    got = R.read_body(p, CHAT, GEN, "envoy-1")
-    assert not isinstance(got, GatewayError)
-    prep, count = got
-    assert count is None  # not a stream: the replica's usage counts it
+    prep, ev, m = read(p, CHAT, "envoy-1")
+    assert prep is not None and ev.error is None
+    assert m.count_text is None  # not a stream: the replica's usage counts it
     return prep
 
 
 def test_a_body_that_is_not_json_is_refused_before_anything_runs() -> None:
     p, _, _ = setup()
-    got = R.read_body(p, b"{nope", GEN, None)
-    assert isinstance(got, GatewayError) and got.code is ErrorCode.INVALID_REQUEST_BODY
+    prep, ev, _ = read(p, b"{nope", None)
+    assert prep is None and isinstance(ev.error, GatewayError)
+    assert ev.error.code is ErrorCode.INVALID_REQUEST_BODY
     assert isinstance(p.ids, FixedIds) and p.ids.n == 0  # no attempt id minted
 
 
