@@ -21,6 +21,7 @@ from ..core import records
 from ..core.failure import FailureClass
 from ..core.guard import GuardMachine
 from ..core.handoff import HandOff, TraceSnapshot
+from ..core.pool import Pool
 from . import observer
 from .leases import AttemptLease, ProcessLease
 from .session import HandedOff, Pending
@@ -44,6 +45,8 @@ class ReleasePorts(Protocol):
     def handoffs(self) -> Pending[HandedOff]: ...
     @property
     def tel(self) -> Telemetry: ...
+    @property
+    def pool(self) -> Pool: ...
 
     def keep_trace(self, clean: bool) -> bool: ...
     def spawn(self, coro: Awaitable[Any], name: str) -> asyncio.Task[Any]: ...
@@ -94,7 +97,8 @@ class Released:
         observer.attempt_ended(self.p.tel, span, self.rid, aid, attempt=n, released=True,
                                failure_class=str(cls), fence="ended_with_request",
                                cause=cause, envoy_cause=record["envoy_cause"],
-                               model_revision=record.get("model_revision"), http_status=200)
+                               model_revision=record.get("model_revision"), http_status=200,
+                               replica=self.handoff.replica, pool=self.p.pool)
         gm, self.trace = self.trace, None
         if gm is not None and self.p.keep_trace(cls is FailureClass.COMPLETED):
             self.p.spawn(self.p.save_trace(self.rid, f"attempt-{n:03d}", gm, {
