@@ -132,7 +132,7 @@ prometheus:
 
 ## docs/img/dashboard.png from a real fault run: the dashboard's queries, drawn by matplotlib.
 dashboard-image: install prometheus
-	DASHBOARD_PNG=docs/img/dashboard.png $(BIN)/pytest -q tests/e2e/test_prometheus.py
+	DASHBOARD_PNG=docs/img/dashboard.png DASHBOARD_ROUNDS=4 $(BIN)/pytest -q tests/e2e/test_prometheus.py
 
 clean:
 	rm -rf $(VENV) run .pytest_cache .mypy_cache .ruff_cache
