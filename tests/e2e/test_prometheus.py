@@ -241,3 +241,34 @@ def render(prom: Prometheus, start: float, end: float, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=90)
     plt.close(fig)
+
+
+HELM = next((c for c in (os.environ.get("HELM"), str(ROOT / ".venv/npm/node_modules/.bin/helm"),
+                         shutil.which("helm"))
+             if c and Path(c).is_file() and os.access(c, os.X_OK)), None)
+
+
+def _helm_docs(*args: str) -> list[dict[str, Any]]:
+    assert HELM is not None
+    r = subprocess.run([HELM, "template", "gw", str(ROOT / "helm" / "llm-failover-extproc"),
+                        "--kube-version", "1.30.0",
+                        *args], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return [d for d in yaml.safe_load_all(r.stdout) if d]
+
+
+@pytest.mark.skipif(HELM is None, reason="no helm binary (make install)")
+def test_the_chart_renders_the_dashboard_and_the_rules_only_when_asked() -> None:
+    ci = str(ROOT / "helm" / "llm-failover-extproc" / "ci" /
+             "otlp-native-sidecar-metrics-values.yaml")
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in _helm_docs("-f", ci)}
+    cm = docs[("ConfigMap", "gw-llm-failover-extproc-dashboard")]
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert cm["metadata"]["annotations"] == {"grafana_folder": "LLM"}
+    assert json.loads(cm["data"]["llm-failover-extproc.json"]) == json.loads(
+        (OBS / "dashboard.json").read_text())
+    rule = docs[("PrometheusRule", "gw-llm-failover-extproc")]
+    assert rule["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    assert rule["spec"] == yaml.safe_load((OBS / "alerts.rules.yaml").read_text())
+    plain = {(d["kind"], d["metadata"]["name"]) for d in _helm_docs()}
+    assert not any(k == "PrometheusRule" or n.endswith("-dashboard") for k, n in plain)
