@@ -361,7 +361,9 @@ def _first_delta(s: GuardSession) -> None:
     start = float(s.intake.record["created_at"])
     model, replica, semconv = _request_labels(s)
     if s.intake.meta.stream:  # the conventions: streaming calls only
-        tel.ttfc.record(max(0.0, s.p.clock.wall() - start), semconv)
+        took = max(0.0, s.p.clock.wall() - start)
+        tel.ttfc.record(took, semconv)
+        s.span.set_attribute("gen_ai.response.time_to_first_chunk", round(took, 6))
     if ho is None:
         return
     # Attempts of this run (a re-run's numbers go on from the runs before, decision 0027).

@@ -135,6 +135,7 @@ def test_clean_request_trace(og: Gateway, otel: tuple[Stack, Receiver]) -> None:
     assert req["attrs"]["llmgw.outcome"] == "completed"
     assert req["attrs"]["gen_ai.usage.output_tokens"] == 4
     assert req["attrs"]["gen_ai.request.model"] == "demo-model"
+    assert 0 < req["attrs"]["gen_ai.response.time_to_first_chunk"] < 5.0  # seconds
     assert att["attrs"]["llmgw.failure_class"] == "completed"
     assert att["attrs"]["server.address"] == "127.0.0.1"
     assert not req["error"] and not att["error"]
