@@ -218,3 +218,79 @@ def test_genai_and_failover_histograms_on_metrics() -> None:
                      replica="10.0.0.1:8000")] == 1
     finally:
         t.shutdown()
+
+
+async def test_a_guarded_request_is_counted_by_its_declared_model_and_replica() -> None:
+    """The observer's labels in a request's real flow (the guard session on the in-memory
+    store): the pool declares the model and the replica, so both keep their names; a
+    model no replica declares is refused before any upstream (replica `none`)."""
+    import asyncio
+    import json
+
+    from extproc.adapters.guard import GuardSession
+    from extproc.core import headers as H
+
+    from .support import SSE_CONTENT, SSE_DONE, SSE_ROLE
+    from .test_sessions import (
+        CHAT,
+        DOWN,
+        REPLICA,
+        immediate,
+        proc,
+        req_body,
+        req_headers,
+        resp_body,
+        resp_headers,
+        set_headers,
+        start,
+    )
+
+    addr = f"127.0.0.1:{free_port()}"
+    p, _ = proc({"server": {"metrics_listen": addr}, "pool": {"replicas": [
+        {"address": REPLICA, "fingerprint": {"weights_revision": "r1"},
+         "models": ["demo-model"]}]}})
+    assert p.tel.serve_metrics() == addr
+    try:
+        ctx, _, task = start(GuardSession, p)
+        ctx.send(req_headers(DOWN))
+        (r,) = await ctx.wait_for(1)
+        rid = set_headers(r, "request_headers")[H.REQUEST_ID]
+        ctx.send(req_body(CHAT))
+        await ctx.wait_for(2)
+        ho = json.dumps({"attempt": 1, "attempt_id": "att_test_1", "replica": REPLICA,
+                         "lease_id": 0, "started_at": p.clock.wall()})
+        ctx.send(resp_headers({":status": "200", "content-type": "text/event-stream",
+                               H.HANDOFF: ho}))
+        ctx.send(resp_body(SSE_ROLE + SSE_CONTENT + SSE_CONTENT))
+        ctx.send(resp_body(SSE_DONE, eos=True))
+        await ctx.wait_for(5)
+        ctx.close()
+        await asyncio.wait_for(task, 3)
+        await p.drain()
+        assert rid
+
+        rogue = json.dumps({"model": "rogue", "stream": True, "max_tokens": 2,
+                            "messages": [{"role": "user", "content": "hi"}]}).encode()
+        ctx, _, task = start(GuardSession, p)
+        ctx.send(req_headers({**DOWN, "idempotency-key": "k-2"}))
+        await ctx.wait_for(1)
+        ctx.send(req_body(rogue))
+        (_, refused) = await ctx.wait_for(2)
+        assert immediate(refused)[0] == 503  # no replica serves it
+        ctx.close()
+        await asyncio.wait_for(task, 3)
+        await p.drain()
+
+        m = scrape(addr)
+        sc = ("|gen_ai_operation_name=chat|gen_ai_request_model=demo-model"
+              f"|server_address={REPLICA}")
+        assert m[f"gen_ai_client_operation_time_to_first_chunk_seconds_count{sc}"] == 1
+        assert m[f"gen_ai_client_operation_duration_seconds_count{sc}"] == 1
+        out = sc.replace("|server", "|gen_ai_token_type=output|server")
+        assert m[f"gen_ai_client_token_usage_sum{out}"] == 2
+        assert m[f"llmgw_request_attempts_bucket|le=1|model=demo-model|replica={REPLICA}"] == 1
+        assert m["llmgw_requests_total|model=demo-model|outcome=completed"] == 1
+        assert m["llmgw_refusals_total|code=no_compatible_replica|replica=none"] == 1
+        assert not any("rogue" in k for k in m)
+    finally:
+        p.tel.shutdown()
