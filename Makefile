@@ -14,7 +14,8 @@ include chaos.mk
 include image.mk
 
 .PHONY: help install run test lint typecheck unit e2e bench bench-quick bench-pool profile \
-	bench-floors bench-cells bench-transports bench-timeline bench-agent bench-abandoned envoy-config mesh-config chart clean
+	bench-floors bench-cells bench-transports bench-timeline bench-agent bench-abandoned envoy-config mesh-config chart prometheus \
+	dashboard-image clean
 
 help:
 	@echo "make run        etcd + processor + Envoy (:10000) + demo replicas on loopback"
@@ -53,7 +54,7 @@ run: install
 	$(PY) -m devkit run --config config/processor.yaml --workdir run
 
 ## Lint, type-check (mypy --strict on the package) and run every test (unit + real Envoy/etcd e2e).
-test: install lint typecheck image-if-possible
+test: install lint typecheck image-if-possible prometheus
 	$(BIN)/pytest -q
 
 lint: install
@@ -130,6 +131,21 @@ mesh-config: install
 		--out-dir deploy/mesh/istio
 	$(PY) -m extproc render-mesh --config config/processor.yaml --flavor envoy-gateway \
 		--out-dir deploy/mesh/envoy-gateway
+
+## Debian's prometheus and promtool for tests/e2e/test_prometheus.py (skipped without them).
+## The package's service is never started: the test runs its own on loopback.
+prometheus:
+	@command -v prometheus >/dev/null && command -v promtool >/dev/null || \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing prometheus (Debian package)"; export DEBIAN_FRONTEND=noninteractive; \
+		apt-get install -y -q --no-install-recommends prometheus >/dev/null 2>&1 || \
+		{ apt-get update -q >/dev/null && \
+		  apt-get install -y -q --no-install-recommends prometheus >/dev/null; }; \
+	else echo "prometheus: not installed and cannot apt-get (tests/e2e/test_prometheus.py skips)"; fi
+
+## docs/img/dashboard.png from a real fault run: the dashboard's queries, drawn by matplotlib.
+dashboard-image: install prometheus
+	DASHBOARD_PNG=docs/img/dashboard.png DASHBOARD_ROUNDS=4 $(BIN)/pytest -q tests/e2e/test_prometheus.py
 
 clean:
 	rm -rf $(VENV) run .pytest_cache .mypy_cache .ruff_cache

@@ -65,9 +65,10 @@ from ..core.guard import (
 )
 from ..core.intake import Misrouted
 from ..core.journal import Outcome
+from ..core.pool import Pool
 from .logs import rlog
 from .session import INVALID
-from .telemetry import Telemetry, end_span
+from .telemetry import NONE, Telemetry, end_span
 
 if TYPE_CHECKING:
     from .gate import GateSession
@@ -81,15 +82,18 @@ log = logging.getLogger("extproc")
 def attempt_ended(tel: Telemetry, span: Span | None, rid: str | None, aid: str, *,
                   attempt: int, released: bool, failure_class: str, fence: str,
                   cause: str | None, envoy_cause: str, model_revision: Any,
-                  http_status: int | None) -> None:
-    """An attempt's end: its log line, its span's last event and end, the fence metric."""
+                  http_status: int | None, replica: str | None = None,
+                  pool: Pool | None = None) -> None:
+    """An attempt's end: its log line, its span's last event and end, the fence metric
+    (by `replica`, bounded by the `pool`)."""
     rlog(log, logging.INFO, "attempt ended", rid, aid, attempt=attempt, released=released,
          failure_class=failure_class, fence=fence, cause=cause)
     if span is None:
         return
     span.add_event("lease.fenced_until_expiry" if fence == str(FenceKind.EXPIRE)
                    else "lease.revoked")
-    tel.fences.add(1, {"kind": fence, "class": failure_class})
+    tel.fences.add(1, {"kind": fence, "class": failure_class,
+                       "replica": tel.labels.replica(replica, pool) if pool else NONE})
     end_span(span, None if failure_class == str(FailureClass.COMPLETED) else failure_class,
              **{"llmgw.failure_class": failure_class, "llmgw.released": released,
                 "llmgw.fence": fence, "llmgw.envoy_cause": envoy_cause,
@@ -126,7 +130,8 @@ def gate(s: GateSession, before: State, ev: Event, actions: list[Action]) -> Non
                                               round(ev.waited_s * 1000, 2)})
         s.span.add_event("lease.granted")
         if m.attempt > 1:
-            tel.retries.add(1, {"decision": "admitted"})
+            tel.retries.add(1, {"decision": "admitted",
+                                "replica": tel.labels.replica(s.replica, s.p.pool)})
         rlog(log, logging.INFO, "attempt admitted", rid, aid, attempt=m.journal_attempt,
              replica=s.replica, waited_ms=round(ev.waited_s * 1000, 2),
              with_request=bool(m.start and m.start.preadmitted))
@@ -163,8 +168,10 @@ def gate(s: GateSession, before: State, ev: Event, actions: list[Action]) -> Non
                      attempt=m.journal_attempt, code=code, reason=a.error.message,
                      replica=s.replica)
             s.span.add_event("attempt.refused", {"llmgw.reason": code})
+            replica = tel.labels.replica(s.replica, s.p.pool)
+            tel.refusals.add(1, {"code": code, "replica": replica})
             if m.attempt > 1:
-                tel.retries.add(1, {"decision": "refused", "reason": code})
+                tel.retries.add(1, {"decision": "refused", "reason": code, "replica": replica})
             end_span(s.span, code)
         elif isinstance(a, MarkPathLost):
             s.span.add_event("attempt.path_lost", {"llmgw.failed": a.failed})
@@ -200,7 +207,7 @@ def gate(s: GateSession, before: State, ev: Event, actions: list[Action]) -> Non
             attempt_ended(tel, s.span, rid, m.attempt_id, attempt=a.attempt, released=False,
                           failure_class=a.failure_class, fence=a.fence, cause=a.cause,
                           envoy_cause=a.cause, model_revision=a.record.get("model_revision"),
-                          http_status=m.http_status)
+                          http_status=m.http_status, replica=s.replica, pool=s.p.pool)
 
 
 def _start_span(s: GateSession, ev: RequestStarted) -> None:
@@ -231,6 +238,7 @@ def guard(s: GuardSession, ev: Event, actions: list[Action]) -> None:
             if not s.first_delta_evented and m.delivered > 0 and (a.data or a.end_of_stream):
                 s.first_delta_evented = True
                 s.span.add_event("first_delta.delivered")
+                _first_delta(s)
         elif isinstance(a, AnswerBody):
             _guard_span(s)
         elif isinstance(a, Accepted):
@@ -257,6 +265,7 @@ def guard(s: GuardSession, ev: Event, actions: list[Action]) -> None:
 def _guard_refused(s: GuardSession, ev: Event, a: Refuse) -> None:
     """The request phase's refusals, each said once, as the intake decided them."""
     code = str(a.error.code)
+    s.p.tel.refusals.add(1, {"code": code, "replica": NONE})
     if isinstance(ev, RequestHeadersSeen) and ev.kind == "misrouted":
         v = s.verdict
         rlog(log, logging.WARNING, "request refused: wrong listener for its path", None, None,
@@ -310,17 +319,59 @@ def _guard_finished(s: GuardSession, f: Finish) -> None:
         s.span.add_event("terminal_error.injected", {"llmgw.cause": f.cause})
     if f.outcome is Outcome.CLIENT_DISCONNECTED:
         s.span.add_event("client.gone")
+    model, replica, semconv = _request_labels(s)
     if f.outcome is Outcome.UPSTREAM_DECODE_INTERRUPTED:
-        tel.interruptions.add(1, {"cause": f.cause or "unknown"})
-    tel.outcomes.add(1, {"outcome": str(f.outcome)})
+        tel.interruptions.add(1, {"cause": f.cause or "unknown", "model": model,
+                                  "replica": replica})
+    tel.outcomes.add(1, {"outcome": str(f.outcome), "model": model})
+    if s.intake is not None:  # accepted: the request's figures (a refusal has none)
+        took = s.p.clock.wall() - float(s.intake.record["created_at"])
+        done = semconv if f.outcome is Outcome.COMPLETED else {
+            **semconv, "error.type": str(f.outcome)}
+        tel.duration.record(max(0.0, took), done)
+        tel.tokens.record(f.delivered_output_tokens, {**semconv, "gen_ai.token.type": "output"})
     end_span(s.span, None if f.outcome is Outcome.COMPLETED else str(f.outcome),
              **{"llmgw.outcome": str(f.outcome), "llmgw.cause": f.cause,
-                "llmgw.delivered_output_tokens": f.delivered_output_tokens,
+                "gen_ai.usage.output_tokens": f.delivered_output_tokens,
                 "llmgw.delivered_output_tokens_exact": f.exact,
                 "llmgw.delivered_output_tokens_source": f.source,
                 "llmgw.delivered_output_tokens_bound": f.bound,
                 "llmgw.first_delta_sent": m.delivered > 0,
                 "http.response.status_code": m.status})
+
+
+def _request_labels(s: GuardSession) -> tuple[str, str, dict[str, str]]:
+    """The request's bounded `model` and `replica` (the attempt that delivered; `none`
+    before one did), and the same as the GenAI conventions' attributes."""
+    tel, pool = s.p.tel, s.p.pool
+    meta = s.intake.meta if s.intake is not None else None
+    ho = s.released.handoff if s.released is not None else None
+    model = tel.labels.model(meta.model if meta else None, pool)
+    replica = tel.labels.replica(ho.replica if ho else None, pool)
+    op = family_for_path(s.gen.path).operation if s.gen is not None else NONE
+    return model, replica, {"gen_ai.operation.name": op, "gen_ai.request.model": model,
+                            "server.address": replica}
+
+
+def _first_delta(s: GuardSession) -> None:
+    """The first delta went downstream: the request's time to it, and what failover cost."""
+    if s.intake is None:
+        return
+    tel, ho = s.p.tel, s.released.handoff if s.released is not None else None
+    start = float(s.intake.record["created_at"])
+    model, replica, semconv = _request_labels(s)
+    if s.intake.meta.stream:  # the conventions: streaming calls only
+        took = max(0.0, s.p.clock.wall() - start)
+        tel.ttfc.record(took, semconv)
+        s.span.set_attribute("gen_ai.response.time_to_first_chunk", round(took, 6))
+    if ho is None:
+        return
+    # Attempts of this run (a re-run's numbers go on from the runs before, decision 0027).
+    n = ho.attempt - (s.rerun.attempt_offset if s.rerun is not None else 0)
+    labels = {"model": model, "replica": replica}
+    tel.attempts.record(max(1, n), labels)
+    if n > 1:
+        tel.added.record(max(0.0, ho.started_at - start), labels)
 
 
 def guard_intake(flow: IntakeFlow, ev: IntakeEvent, acts: list[IntakeAction]) -> None:

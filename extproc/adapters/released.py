@@ -75,7 +75,8 @@ class Released:
         observer.attempt_ended(self.p.tel, span, self.rid, aid, attempt=n, released=True,
                                failure_class=str(cls), fence="ended_with_request",
                                cause=cause, envoy_cause=record["envoy_cause"],
-                               model_revision=record.get("model_revision"), http_status=200)
+                               model_revision=record.get("model_revision"), http_status=200,
+                               replica=self.handoff.replica, pool=self.p.pool)
         gm, self.trace = self.trace, None
         if gm is not None and self.p.keep_trace(cls is FailureClass.COMPLETED):
             self.p.spawn(self.p.save_trace(self.rid, f"attempt-{n:03d}", gm, {

@@ -30,6 +30,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from ..core.config import ConfigError, TelemetryConfig
 from ..core.headers import TRACEPARENT
 from ..core.otlp import TraceExport, trace_export
+from ..core.pool import Pool
 
 TRACEPARENT_HEADER = TRACEPARENT  # gateway-owned: the guard strips a client's copy
 _prop = TraceContextTextMapPropagator()
@@ -126,6 +127,72 @@ class MetricsServer:
         self._thread.join(2)
 
 
+# The GenAI semantic conventions' advised boundaries (semconv 1.41, gen-ai-metrics.md).
+_TTFC_S_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                   2.5, 5.0, 7.5, 10.0)
+_DURATION_S_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24,
+                       20.48, 40.96, 81.92)
+_TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576)
+# Ours: attempts are few (policy.max_attempts), and the time failed attempts add before the
+# one that delivers spans a quick reset (ms) to first_delta_s timeouts (s) times attempts.
+_ATTEMPT_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10)
+_ADDED_S_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0,
+                    40.0, 80.0)
+NONE = "none"  # label value: no model / no replica known (a refusal before any upstream)
+OTHER = "other"  # label value: beyond what the pool declares (bounded cardinality)
+MAX_UNDECLARED = 32  # distinct values kept when the pool declares none, then OTHER
+
+
+class Labels:
+    """`model` and `replica` label values, bounded: a scrape's cardinality never follows
+    what clients send.
+
+    A model is its own value when the pool declares it (some replica's `models`), else
+    `other`; a replica when the pool lists its address. With no declared models (or no
+    pool), the first MAX_UNDECLARED distinct values seen keep their names, then `other`.
+    """
+
+    __slots__ = ("_models", "_pool", "_replicas", "_seen_models", "_seen_replicas")
+
+    def __init__(self) -> None:
+        self._pool: Pool | None = None
+        self._models: frozenset[str] = frozenset()
+        self._replicas: frozenset[str] = frozenset()
+        self._seen_models: set[str] = set()
+        self._seen_replicas: set[str] = set()
+
+    def _learn(self, pool: Pool) -> None:
+        if pool is not self._pool:  # a live pool is replaced whole when it changes
+            self._pool = pool
+            self._models = frozenset(m for r in pool.replicas for m in r.models)
+            self._replicas = frozenset(r.address for r in pool.replicas)
+
+    @staticmethod
+    def _first(seen: set[str], value: str) -> str:
+        if value in seen:
+            return value
+        if len(seen) < MAX_UNDECLARED:
+            seen.add(value)
+            return value
+        return OTHER
+
+    def model(self, name: str | None, pool: Pool) -> str:
+        if not name:
+            return NONE
+        self._learn(pool)
+        if self._models:
+            return name if name in self._models else OTHER
+        return self._first(self._seen_models, name)
+
+    def replica(self, address: str | None, pool: Pool) -> str:
+        if not address:
+            return NONE
+        self._learn(pool)
+        if self._replicas:
+            return address if address in self._replicas else OTHER
+        return self._first(self._seen_replicas, address)
+
+
 class Telemetry:
     def __init__(self, cfg: TelemetryConfig, gateway_id: str,
                  metrics_listen: str | None = None) -> None:
@@ -208,11 +275,38 @@ class Telemetry:
                 views = [View(instrument_name=name, aggregation=ExplicitBucketHistogramAggregation(
                     bounds)) for name, bounds in (
                         ("llmgw.retry_budget.utilization", _RATIO_BUCKETS),
-                        ("llmgw.chunk.processing_time", _CHUNK_MS_BUCKETS))]
+                        ("llmgw.chunk.processing_time", _CHUNK_MS_BUCKETS),
+                        ("gen_ai.client.operation.time_to_first_chunk", _TTFC_S_BUCKETS),
+                        ("gen_ai.client.operation.duration", _DURATION_S_BUCKETS),
+                        ("gen_ai.client.token.usage", _TOKEN_BUCKETS),
+                        ("llmgw.request.attempts", _ATTEMPT_BUCKETS),
+                        ("llmgw.retry.added_time", _ADDED_S_BUCKETS))]
                 mp = MeterProvider(resource=res, metric_readers=readers, views=views)
                 self._providers.append(mp)
                 meter = mp.get_meter("extproc")
         self._meter = meter
+        self.labels = Labels()
+        # The OpenTelemetry GenAI conventions' client metrics (the processor is the client of
+        # the replicas; a request's figures span all its attempts), with their attributes.
+        self.ttfc = meter.create_histogram(
+            "gen_ai.client.operation.time_to_first_chunk", unit="s",
+            description="from the request's intake to its first delta handed downstream")
+        self.duration = meter.create_histogram(
+            "gen_ai.client.operation.duration", unit="s",
+            description="from the request's intake to its end, every attempt included")
+        self.tokens = meter.create_histogram(
+            "gen_ai.client.token.usage", unit="{token}",
+            description="output tokens delivered to the client, per request")
+        # The gateway's own failover figures, by model and replica.
+        self.attempts = meter.create_histogram(
+            "llmgw.request.attempts", unit="{attempt}",
+            description="attempts a request took to its first delta (1: no failover)")
+        self.added = meter.create_histogram(
+            "llmgw.retry.added_time", unit="s",
+            description="time to first delta spent before the delivering attempt began "
+                        "(requests whose first attempt failed)")
+        self.refusals = meter.create_counter(
+            "llmgw.refusals", description="managed errors instead of an upstream, by code")
         self.retries = meter.create_counter(
             "llmgw.retries", description="attempts after the first, by decision and reason")
         self.interruptions = meter.create_counter(

@@ -313,6 +313,18 @@ schema = {
                 "scrapeTimeout": {"type": "string", "pattern": "^([0-9]+(ms|s|m|h))+$"},
                 "labels": {"type": "object", "additionalProperties": {"type": "string"}},
             }),
+            "dashboard": obj({
+                "enabled": {"type": "boolean",
+                            "description": "a ConfigMap with the Grafana dashboard"},
+                "labels": {"type": "object", "additionalProperties": {"type": "string"},
+                           "description": "the Grafana sidecar's label (grafana_dashboard)"},
+                "annotations": {"type": "object", "additionalProperties": {"type": "string"}},
+            }),
+            "prometheusRule": obj({
+                "enabled": {"type": "boolean",
+                            "description": "a PrometheusRule with the alert rules"},
+                "labels": {"type": "object", "additionalProperties": {"type": "string"}},
+            }),
         }),
         "tools": obj({
             "enabled": {"type": "boolean",

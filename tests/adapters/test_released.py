@@ -15,6 +15,7 @@ from extproc.adapters.telemetry import Telemetry
 from extproc.core.config import load_config
 from extproc.core.guard import GuardMachine
 from extproc.core.handoff import HandOff, TraceSnapshot
+from extproc.core.pool import Pool
 
 AID = "att_test_1"
 RID = "req_0123456789abcdefghjkmnpqrs"
@@ -50,6 +51,7 @@ class Ports:
         self.journal = Journal(lease)
         self.handoffs: Pending[HandedOff] = Pending()
         self.tel = Telemetry(cfg.telemetry, "gw-1", cfg.server.metrics_listen)
+        self.pool = Pool()  # the fence metric's replica label is bounded by it
         self.keep = keep
         self.saved: list[tuple[str, str, dict[str, Any]]] = []
 

@@ -10,8 +10,9 @@ from opentelemetry.trace import NonRecordingSpan
 from prometheus_client.parser import text_string_to_metric_families
 
 from devkit.devstack import free_port
-from extproc.adapters.telemetry import Telemetry, otlp_plan
+from extproc.adapters.telemetry import MAX_UNDECLARED, NONE, OTHER, Labels, Telemetry, otlp_plan
 from extproc.core.config import ConfigError, TelemetryConfig
+from extproc.core.pool import Fingerprint, Pool, Replica
 
 FILE = TelemetryConfig(otlp_endpoint="collector:4317")
 
@@ -181,6 +182,76 @@ def test_the_processors_sampler_is_parent_based_on_the_shared_ratio() -> None:
         t.shutdown()
 
 
+def _pool(*reps: tuple[str, tuple[str, ...]]) -> Pool:
+    fp = Fingerprint(weights_revision="r1")
+    return Pool(tuple(Replica(addr, fp, models) for addr, models in reps))
+
+
+def test_model_and_replica_labels_are_bounded_by_the_pool() -> None:
+    lab = Labels()
+    pool = _pool(("10.0.0.1:8000", ("llama",)), ("10.0.0.2:8000", ("llama", "qwen")))
+    assert lab.model("llama", pool) == "llama" and lab.model("qwen", pool) == "qwen"
+    # Whatever a client writes, a model no replica declares is one value.
+    assert {lab.model(f"x{i}", pool) for i in range(100)} == {OTHER}
+    assert lab.replica("10.0.0.2:8000", pool) == "10.0.0.2:8000"
+    assert lab.replica("10.9.9.9:1", pool) == OTHER
+    assert lab.model(None, pool) == NONE and lab.replica(None, pool) == NONE
+    # A live pool is replaced whole: the new one's members are labels, the old ones not.
+    moved = _pool(("10.0.0.3:8000", ("qwen",)))
+    assert lab.replica("10.0.0.3:8000", moved) == "10.0.0.3:8000"
+    assert lab.replica("10.0.0.1:8000", moved) == OTHER
+    assert lab.model("llama", moved) == OTHER
+
+
+def test_labels_without_declared_models_keep_the_first_few() -> None:
+    lab, pool = Labels(), Pool()
+    names = {lab.model(f"m{i}", pool) for i in range(MAX_UNDECLARED + 50)}
+    assert len(names) == MAX_UNDECLARED + 1 and OTHER in names
+    assert lab.model("m0", pool) == "m0"  # one seen early keeps its name
+
+
+def test_genai_and_failover_histograms_on_metrics() -> None:
+    """The conventions' names, units and attributes as Prometheus writes them, and buckets
+    that fit the values (seconds from ms to a minute; attempts 1 to 10)."""
+    addr = f"127.0.0.1:{free_port()}"
+    t = Telemetry(TelemetryConfig(), "gw-1", metrics_listen=addr)
+    t.serve_metrics()
+    try:
+        sc = {"gen_ai.operation.name": "chat", "gen_ai.request.model": "llama",
+              "server.address": "10.0.0.1:8000"}
+        t.ttfc.record(0.03, sc)
+        t.duration.record(1.5, {**sc, "error.type": "upstream_timeout"})
+        t.tokens.record(40, {**sc, "gen_ai.token.type": "output"})
+        t.attempts.record(2, {"model": "llama", "replica": "10.0.0.1:8000"})
+        t.added.record(0.3, {"model": "llama", "replica": "10.0.0.1:8000"})
+        t.refusals.add(1, {"code": "retry_budget_exhausted", "replica": "10.0.0.1:8000"})
+        m = scrape(addr)
+
+        def key(name: str, **labels: str) -> str:
+            return name + "".join(f"|{k}={v}" for k, v in sorted(labels.items()))
+
+        lab = {"gen_ai_operation_name": "chat", "gen_ai_request_model": "llama",
+               "server_address": "10.0.0.1:8000"}
+        ttfc = "gen_ai_client_operation_time_to_first_chunk_seconds_bucket"
+        assert m[key(ttfc, **lab, le="0.02")] == 0
+        assert m[key(ttfc, **lab, le="0.04")] == 1
+        dur = "gen_ai_client_operation_duration_seconds"
+        assert m[key(dur + "_bucket", **lab, error_type="upstream_timeout", le="1.28")] == 0
+        assert m[key(dur + "_count", **lab, error_type="upstream_timeout")] == 1
+        out = {**lab, "gen_ai_token_type": "output"}
+        assert m[key("gen_ai_client_token_usage_sum", **out)] == 40
+        assert m[key("gen_ai_client_token_usage_bucket", **out, le="64")] == 1
+        own = {"model": "llama", "replica": "10.0.0.1:8000"}
+        assert m[key("llmgw_request_attempts_bucket", **own, le="1")] == 0
+        assert m[key("llmgw_request_attempts_bucket", **own, le="2")] == 1
+        assert m[key("llmgw_retry_added_time_seconds_bucket", **own, le="0.25")] == 0
+        assert m[key("llmgw_retry_added_time_seconds_bucket", **own, le="0.5")] == 1
+        assert m[key("llmgw_refusals_total", code="retry_budget_exhausted",
+                     replica="10.0.0.1:8000")] == 1
+    finally:
+        t.shutdown()
+
+
 def test_the_otel_sampler_variables_set_the_ratio_when_the_file_does_not() -> None:
     env = {"OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
            "OTEL_TRACES_SAMPLER_ARG": "0.1"}
@@ -196,3 +267,79 @@ def test_an_unreadable_ca_file_stops_the_start_naming_the_field(tmp_path: Path) 
     with pytest.raises(ConfigError) as ei:
         Telemetry(cfg, "gw-1")
     assert ei.value.path == "telemetry.otlp_ca_file"
+
+
+async def test_a_guarded_request_is_counted_by_its_declared_model_and_replica() -> None:
+    """The observer's labels in a request's real flow (the guard session on the in-memory
+    store): the pool declares the model and the replica, so both keep their names; a
+    model no replica declares is refused before any upstream (replica `none`)."""
+    import asyncio
+    import json
+
+    from extproc.adapters.guard import GuardSession
+    from extproc.core import headers as H
+
+    from .support import SSE_CONTENT, SSE_DONE, SSE_ROLE
+    from .test_sessions import (
+        CHAT,
+        DOWN,
+        REPLICA,
+        immediate,
+        proc,
+        req_body,
+        req_headers,
+        resp_body,
+        resp_headers,
+        set_headers,
+        start,
+    )
+
+    addr = f"127.0.0.1:{free_port()}"
+    p, _ = proc({"server": {"metrics_listen": addr}, "pool": {"replicas": [
+        {"address": REPLICA, "fingerprint": {"weights_revision": "r1"},
+         "models": ["demo-model"]}]}})
+    assert p.tel.serve_metrics() == addr
+    try:
+        ctx, _, task = start(GuardSession, p)
+        ctx.send(req_headers(DOWN))
+        (r,) = await ctx.wait_for(1)
+        rid = set_headers(r, "request_headers")[H.REQUEST_ID]
+        ctx.send(req_body(CHAT))
+        await ctx.wait_for(2)
+        ho = json.dumps({"attempt": 1, "attempt_id": "att_test_1", "replica": REPLICA,
+                         "lease_id": 0, "started_at": p.clock.wall()})
+        ctx.send(resp_headers({":status": "200", "content-type": "text/event-stream",
+                               H.HANDOFF: ho}))
+        ctx.send(resp_body(SSE_ROLE + SSE_CONTENT + SSE_CONTENT))
+        ctx.send(resp_body(SSE_DONE, eos=True))
+        await ctx.wait_for(5)
+        ctx.close()
+        await asyncio.wait_for(task, 3)
+        await p.drain()
+        assert rid
+
+        rogue = json.dumps({"model": "rogue", "stream": True, "max_tokens": 2,
+                            "messages": [{"role": "user", "content": "hi"}]}).encode()
+        ctx, _, task = start(GuardSession, p)
+        ctx.send(req_headers({**DOWN, "idempotency-key": "k-2"}))
+        await ctx.wait_for(1)
+        ctx.send(req_body(rogue))
+        (_, refused) = await ctx.wait_for(2)
+        assert immediate(refused)[0] == 503  # no replica serves it
+        ctx.close()
+        await asyncio.wait_for(task, 3)
+        await p.drain()
+
+        m = scrape(addr)
+        sc = ("|gen_ai_operation_name=chat|gen_ai_request_model=demo-model"
+              f"|server_address={REPLICA}")
+        assert m[f"gen_ai_client_operation_time_to_first_chunk_seconds_count{sc}"] == 1
+        assert m[f"gen_ai_client_operation_duration_seconds_count{sc}"] == 1
+        out = sc.replace("|server", "|gen_ai_token_type=output|server")
+        assert m[f"gen_ai_client_token_usage_sum{out}"] == 2
+        assert m[f"llmgw_request_attempts_bucket|le=1|model=demo-model|replica={REPLICA}"] == 1
+        assert m["llmgw_requests_total|model=demo-model|outcome=completed"] == 1
+        assert m["llmgw_refusals_total|code=no_compatible_replica|replica=none"] == 1
+        assert not any("rogue" in k for k in m)
+    finally:
+        p.tel.shutdown()

@@ -133,8 +133,9 @@ def test_clean_request_trace(og: Gateway, otel: tuple[Stack, Receiver]) -> None:
     assert att["events"] == ["attempt.admitted", "lease.granted", "first_delta.fenced",
                              "attempt.handed_off", "lease.revoked"]
     assert req["attrs"]["llmgw.outcome"] == "completed"
-    assert req["attrs"]["llmgw.delivered_output_tokens"] == 4
+    assert req["attrs"]["gen_ai.usage.output_tokens"] == 4
     assert req["attrs"]["gen_ai.request.model"] == "demo-model"
+    assert 0 < req["attrs"]["gen_ai.response.time_to_first_chunk"] < 5.0  # seconds
     assert att["attrs"]["llmgw.failure_class"] == "completed"
     assert att["attrs"]["server.address"] == "127.0.0.1"
     assert not req["error"] and not att["error"]
@@ -158,7 +159,7 @@ def test_post_delta_interruption_trace(og: Gateway, otel: tuple[Stack, Receiver]
     req, (att,), _ = spans_for(otel[1], res.request_id, 1)
     assert "terminal_error.injected" in req["events"] and req["error"]
     assert req["attrs"]["llmgw.outcome"] == "upstream_decode_interrupted"
-    assert req["attrs"]["llmgw.delivered_output_tokens"] == 2
+    assert req["attrs"]["gen_ai.usage.output_tokens"] == 2
     # A stalled replica may be alive (uncertain); after the first delta nothing else may
     # run, so the attempt is fenced when the request ends.
     assert att["attrs"]["llmgw.failure_class"] == "network_uncertain"
