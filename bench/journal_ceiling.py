@@ -23,7 +23,7 @@ Open loop: arrivals are scheduled at the offered rate (spread evenly over `--pro
 processes, each an asyncio loop with its own `EtcdStore`, as a processor has) whether or not
 earlier requests finished; at most `--max-inflight` per process are open (an arrival past
 that is counted `shed`). Each rate runs `--step-s`, then in-flight requests get `--drain-s`
-to finish (any still open then are counted `hung`). Per rate: achieved requests/s (requests
+to finish (any still open then are counted `unfinished`). Per rate: achieved requests/s (requests
 completed within the window and drain / window), txn latency p50/p99 (every txn of the
 sequence), request p99, errors (etcd's deadline `etcd.timeout_s` = 1 s, or an unexpected
 answer), how late the generator launched arrivals (p99: when it grows, the generator, not
@@ -48,6 +48,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import logging
 import math
 import multiprocessing as mp
 import os
@@ -106,7 +107,8 @@ class Step:
     completed_in_window: int = 0
     errors: dict[str, int] = field(default_factory=dict)
     shed: int = 0
-    hung: int = 0
+    unfinished: int = 0
+    warnings: dict[str, int] = field(default_factory=dict)  # the store's own log, by message
     txn_ms: dict[str, list[float]] = field(default_factory=dict)
     request_ms: list[float] = field(default_factory=list)
     lateness_ms: list[float] = field(default_factory=list)
@@ -122,7 +124,9 @@ class Step:
         for k, v in part["errors"].items():
             self.errors[k] = self.errors.get(k, 0) + v
         self.shed += part["shed"]
-        self.hung += part["hung"]
+        self.unfinished += part["unfinished"]
+        for k, v in part["warnings"].items():
+            self.warnings[k] = self.warnings.get(k, 0) + v
         for k, v in part["txn_ms"].items():
             self.txn_ms.setdefault(k, []).extend(v)
         self.request_ms.extend(part["request_ms"])
@@ -141,7 +145,9 @@ class Step:
             "per_kind_p99_ms": {k: _r(percentile(v, 99)) for k, v in self.txn_ms.items()},
             "request_p99_ms": _r(percentile(self.request_ms, 99)),
             "errors": err, "error_kinds": dict(self.errors), "shed": self.shed,
-            "hung": self.hung, "launch_late_p99_ms": _r(percentile(self.lateness_ms, 99)),
+            "unfinished": self.unfinished,
+            "launch_late_p99_ms": _r(percentile(self.lateness_ms, 99)),
+            "store_warnings": dict(self.warnings),
             "generator_cores": round(self.gen_cpu_s / self.step_s, 2),
             "etcd_cores": round(self.etcd_cpu_s / self.step_s, 2),
             "etcd_cpu_us_per_request": (round(self.etcd_cpu_s / self.completed * 1e6, 1)
@@ -163,8 +169,8 @@ def passes(s: dict[str, Any], p99_bound_ms: float) -> tuple[bool, str]:
         why.append(f"achieved {s['achieved_rps']} < {ACHIEVED_FRACTION:.0%} of offered")
     if s["errors"]:
         why.append(f"{s['errors']} errors")
-    if s["shed"] or s["hung"]:
-        why.append(f"shed {s['shed']}, hung {s['hung']}")
+    if s["shed"] or s["unfinished"]:
+        why.append(f"shed {s['shed']}, unfinished {s['unfinished']}")
     return not why, "; ".join(why)
 
 
@@ -409,6 +415,9 @@ async def _worker_main(idx: int, nprocs: int, endpoints: list[str], conn: Connec
     store.start_background()
     loop = asyncio.get_running_loop()
     run = uuid.uuid4().hex[:8]
+    said = _Said()
+    logging.getLogger("extproc").addHandler(said)
+    logging.getLogger("extproc").propagate = False
     n = 0
 
     async def one(st: dict[str, Any], window_end: float) -> None:
@@ -486,6 +495,7 @@ async def _worker_main(idx: int, nprocs: int, endpoints: list[str], conn: Connec
             break
         _, rate, step_s, start_wall, drain_s = cmd
         st = _fresh()
+        said.counts = st["warnings"]
         offsets = arrivals(rate / nprocs, step_s, idx / nprocs)
         await asyncio.sleep(max(0.0, start_wall - time.time()))
         cpu0 = time.process_time()
@@ -507,7 +517,7 @@ async def _worker_main(idx: int, nprocs: int, endpoints: list[str], conn: Connec
         left = window_end - loop.time()
         if tasks and left > 0:
             await asyncio.wait(set(tasks), timeout=left)
-        st["hung"] = len(tasks)
+        st["unfinished"] = len(tasks)
         st["cpu_s"] = time.process_time() - cpu0
         for task in list(tasks):
             task.cancel()
@@ -517,10 +527,22 @@ async def _worker_main(idx: int, nprocs: int, endpoints: list[str], conn: Connec
     await store.close()
 
 
+class _Said(logging.Handler):
+    """Counts the store's own warnings and errors by message (a keep-alive that failed)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.counts: dict[str, int] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.getMessage()[:80]
+        self.counts[msg] = self.counts.get(msg, 0) + 1
+
+
 def _fresh() -> dict[str, Any]:
     return {"launched": 0, "completed": 0, "completed_in_window": 0, "errors": {}, "shed": 0,
-            "hung": 0, "txn_ms": {k: [] for k in KINDS}, "request_ms": [], "lateness_ms": [],
-            "cpu_s": 0.0}
+            "unfinished": 0, "txn_ms": {k: [] for k in KINDS}, "request_ms": [],
+            "lateness_ms": [], "cpu_s": 0.0, "warnings": {}}
 
 
 @dataclass
@@ -615,7 +637,7 @@ def run_cluster(members: int, a: argparse.Namespace, workdir: Path) -> dict[str,
     return out
 
 
-HEADER = ("offered  achieved  txn/s   txn p50  txn p99  req p99  err  shed hung  late p99  "
+HEADER = ("offered  achieved  txn/s   txn p50  txn p99  req p99  err  shed unfin  late p99  "
           "gen cores  etcd cores  etcd us/req  etcd txn p99<=  fsync p99<=  fsync/s")
 
 
@@ -624,12 +646,14 @@ def _line(s: dict[str, Any]) -> str:
         return ("-" if x is None else format(x, spec)).rjust(w)
     return (f"{f(s['offered_rps'], 7, '.0f')}  {f(s['achieved_rps'], 8, '.0f')}  "
             f"{f(s['txn_per_s'], 6, '.0f')}  {f(s['txn_p50_ms'], 7)}  {f(s['txn_p99_ms'], 7)}  "
-            f"{f(s['request_p99_ms'], 7)}  {s['errors']:>3}  {s['shed']:>4} {s['hung']:>4}  "
+            f"{f(s['request_p99_ms'], 7)}  {s['errors']:>3}  {s['shed']:>4} {s['unfinished']:>5}  "
             f"{f(s['launch_late_p99_ms'], 8)}  {f(s['generator_cores'], 9, '.2f')}  "
             f"{f(s['etcd_cores'], 10, '.2f')}  {f(s['etcd_cpu_us_per_request'], 11, '.0f')}  "
             f"{f(s.get('etcd_txn_p99_ms_le'), 14, 'g')}  {f(s.get('wal_fsync_p99_ms_le'), 11, 'g')}"
             f"  {f(s.get('fsyncs_per_s_per_member'), 7, '.0f')}"
-            + ("" if s.get("passes", True) else f"   FAIL: {s['why']}"))
+            + ("" if s.get("passes", True) else f"   FAIL: {s['why']}")
+            + "".join(f"\n         store said {n}x: {m}"
+                      for m, n in (s.get("store_warnings") or {}).items()))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -46,9 +46,9 @@ def test_percentile_nearest_rank() -> None:
 
 
 def _summary(offered: float, achieved: float, p99: float | None, errors: int = 0,
-             shed: int = 0, hung: int = 0) -> dict[str, Any]:
+             shed: int = 0, unfinished: int = 0) -> dict[str, Any]:
     return {"offered_rps": offered, "achieved_rps": achieved, "txn_p99_ms": p99,
-            "errors": errors, "shed": shed, "hung": hung}
+            "errors": errors, "shed": shed, "unfinished": unfinished}
 
 
 def test_a_rate_fails_on_each_rule() -> None:
@@ -57,7 +57,7 @@ def test_a_rate_fails_on_each_rule() -> None:
     assert not passes(_summary(100, 94, 10), 50)[0]  # achieved < 95 % of offered
     assert passes(_summary(100, 95, 10), 50)[0]
     assert "errors" in passes(_summary(100, 100, 10, errors=1), 50)[1]
-    assert "hung 1" in passes(_summary(100, 100, 10, hung=1), 50)[1]
+    assert "unfinished 1" in passes(_summary(100, 100, 10, unfinished=1), 50)[1]
     assert not passes(_summary(100, 100, 10, shed=3), 50)[0]
     assert not passes(_summary(100, 0, None), 50)[0]
 
@@ -75,9 +75,10 @@ def test_the_ceiling_is_the_last_rate_before_the_first_failure() -> None:
 def test_step_sums_its_generators() -> None:
     s = Step(offered=200, step_s=2.0)
     part = {"launched": 200, "completed": 199, "completed_in_window": 199,
-            "errors": {"fence: deadline": 1}, "shed": 0, "hung": 0,
+            "errors": {"fence: deadline": 1}, "shed": 0, "unfinished": 0,
             "txn_ms": {"intake": [1.0, 3.0], "fence": [2.0], "progress": [], "finish": [4.0]},
-            "request_ms": [7.0], "lateness_ms": [0.1], "cpu_s": 0.5}
+            "request_ms": [7.0], "lateness_ms": [0.1], "cpu_s": 0.5,
+            "warnings": {"attempt lease keep-alive failed": 1}}
     s.add(part)
     s.add(part)
     s.etcd_cpu_s = 0.398
@@ -87,6 +88,7 @@ def test_step_sums_its_generators() -> None:
     assert out["txn_per_s"] == 4.0 and out["txn_p99_ms"] == 4.0
     assert out["generator_cores"] == 0.5 and out["etcd_cores"] == 0.2
     assert out["etcd_cpu_us_per_request"] == 1000.0
+    assert out["store_warnings"] == {"attempt lease keep-alive failed": 2}
 
 
 def test_fleet_arithmetic() -> None:
