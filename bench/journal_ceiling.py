@@ -194,6 +194,13 @@ def fleet_need(gpus: int, rps_per_gpu: tuple[float, float], txns_per_request: fl
             "txn_low": gpus * lo * txns_per_request, "txn_high": gpus * hi * txns_per_request}
 
 
+def txns_per_request(stream_s: float, progress_interval_s: float) -> int:
+    """A clean request's journal txns: intake, fence, finish, and one progress checkpoint per
+    `progress_interval_s` of streaming (timeouts.progress_interval_s; 0: none)."""
+    extra = math.floor(stream_s / progress_interval_s) if progress_interval_s > 0 else 0
+    return 3 + extra
+
+
 def shards_needed(need_rps: float, ceiling_rps: float, headroom: float = 0.5) -> int:
     """Clusters to carry `need_rps` with each run at `headroom` of its ceiling."""
     if ceiling_rps <= 0:
@@ -656,6 +663,35 @@ def _line(s: dict[str, Any]) -> str:
                       for m, n in (s.get("store_warnings") or {}).items()))
 
 
+def fleet_report(clusters: list[dict[str, Any]], a: argparse.Namespace) -> list[dict[str, Any]]:
+    """What `--gpus` need against each measured ceiling, in txn/s (a request's txns vary
+    with its stream's length: progress checkpoints), printed and returned."""
+    lo, hi = (float(x) for x in a.rps_per_gpu.split(","))
+    rows = []
+    print(f"\nfleet: {a.gpus} GPUs at {lo:g}-{hi:g} requests/s each, streams of "
+          f"{a.fleet_stream_s:g} s")
+    for interval in (2.0, 0.0):
+        tpr = txns_per_request(a.fleet_stream_s, interval)
+        need = fleet_need(a.gpus, (lo, hi), tpr)
+        for c in clusters:
+            ce = c["ceiling"]["ceiling_rps"]
+            # The bench's own requests make 3 + --progress txns: its ceiling in txn/s.
+            cap = ce * (3 + a.progress) if ce else 0.0
+            row = {"progress_interval_s": interval, "txns_per_request": tpr,
+                   "members": c["members"], "need_txn_per_s": [need["txn_low"],
+                                                               need["txn_high"]],
+                   "ceiling_txn_per_s": cap,
+                   "shards_at_half_ceiling": ([shards_needed(need["txn_low"], cap),
+                                               shards_needed(need["txn_high"], cap)]
+                                              if cap else None)}
+            rows.append(row)
+            print(f"  progress every {interval:g} s ({tpr} txns/request): need "
+                  f"{need['txn_low']:,.0f}-{need['txn_high']:,.0f} txn/s; etcd "
+                  f"x{c['members']} carried {cap:,.0f} txn/s here -> "
+                  f"{row['shards_at_half_ceiling']} clusters at half their ceiling")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--members", default="1,3", help="cluster sizes to measure, e.g. 1,3")
@@ -675,6 +711,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--p99-bound-ms", type=float, default=50.0)
     ap.add_argument("--check-perf", default="l",
                     help="etcdctl check perf load (s|m|l|xl); empty: skip")
+    ap.add_argument("--gpus", type=int, default=1000)
+    ap.add_argument("--rps-per-gpu", default="1,5", help="low,high requests/s per GPU")
+    ap.add_argument("--fleet-stream-s", type=float, default=10.0,
+                    help="a typical stream's length, for its progress checkpoints")
     ap.add_argument("--workdir", default="/tmp/journal-ceiling")
     ap.add_argument("--out", default="bench/results/journal_ceiling.json")
     a = ap.parse_args(argv)
@@ -699,6 +739,7 @@ def main(argv: list[str] | None = None) -> int:
         ce = c["ceiling"]
         print(f"etcd x{c['members']}: ceiling {ce['ceiling_rps']} requests/s "
               f"(first failing {ce['first_failing_rps']}: {ce['why']})")
+    result["fleet"] = fleet_report(result["clusters"], a)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1, default=lambda o: asdict(o)))

@@ -23,6 +23,7 @@ from bench.journal_ceiling import (
     passes,
     percentile,
     shards_needed,
+    txns_per_request,
 )
 
 
@@ -144,3 +145,9 @@ def test_etcd_histograms_between_two_scrapes() -> None:
     side = etcd_side([METRICS_BEFORE], [METRICS_AFTER], wall_s=2.0)
     assert side == {"etcd_txn_p99_ms_le": 10.0, "wal_fsync_p99_ms_le": float("inf"),
                     "fsyncs_per_s_per_member": 20.0}
+
+
+def test_txns_per_request_counts_the_progress_checkpoints() -> None:
+    assert txns_per_request(10.0, 2.0) == 8  # intake, fence, finish + 5 checkpoints
+    assert txns_per_request(1.9, 2.0) == 3
+    assert txns_per_request(10.0, 0.0) == 3  # checkpoints off
