@@ -14,8 +14,8 @@ include chaos.mk
 include image.mk
 
 .PHONY: help install run test lint typecheck unit e2e bench bench-quick bench-pool profile \
-	bench-floors bench-cells bench-transports bench-timeline bench-agent bench-abandoned envoy-config mesh-config chart prometheus \
-	dashboard-image clean
+	bench-floors bench-cells bench-transports bench-timeline bench-agent bench-abandoned bench-journal \
+	envoy-config mesh-config chart prometheus dashboard-image clean
 
 help:
 	@echo "make run        etcd + processor + Envoy (:10000) + demo replicas on loopback"
@@ -29,6 +29,7 @@ help:
 	@echo "make bench-cells   saturation with 1 and 2 cells (an Envoy and a processor each), ours and plain"
 	@echo "make bench-agent   the replica agent's own cost per chunk: through it vs straight to the replica"
 	@echo "make bench-abandoned  engine-seconds spent on abandoned attempts per 100 faults, with and without the replica agent"
+	@echo "make bench-journal  the journal's ceiling: requests/s one etcd cluster (1 and 3 members, fsync on) carries"
 	@echo "make profile    where the processor's time goes under load (py-spy)"
 	@echo "make sweep      the full fault sweep (docs/sweep.md)"
 	@echo "make sweep-agents  the full fault sweep with a replica agent in front of each replica (docs/sweep.md)"
@@ -104,6 +105,11 @@ bench-pool: install
 ## Engine-seconds on abandoned attempts per 100 faults, with and without the agent (issue 26).
 bench-abandoned: install
 	$(PY) -m bench.abandoned
+
+## The journal's ceiling (issue 28): requests/s one etcd cluster (1 and 3 members, fsync on)
+## carries for the journal store's own per-request txns, open-loop; etcdctl check perf beside.
+bench-journal: install
+	$(PY) -m bench.journal_ceiling
 
 ## Where the processor's time goes under load (py-spy; docs/benchmarks.md, "Profile").
 profile: install
