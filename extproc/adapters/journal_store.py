@@ -560,9 +560,16 @@ class JournalStore:
 
         A deadline is not a "no": a transaction queued in a frozen etcd can still apply when
         it wakes. The gate released nothing, so the record must not claim a first delta.
+        The record is matched by its attempt id, not byte for byte: each try of the fence
+        was stamped when it was sent, and any one of them may be the one that applied.
         """
         deliv_k = self._k(rid, "delivery")
-        res = await self.kv.txn(Txn([value_is(deliv_k, _dumps(record))], [Delete(deliv_k)]))
+        found = (await self.kv.txn(Txn(success=[Get(deliv_k)]))).reads[0]
+        raw = found[0].value if found else None
+        if raw is None or not own_write(raw, str(record.get("attempt_id", ""))):
+            return False
+        # Deleted only if still that very value (nothing else wrote it since the read).
+        res = await self.kv.txn(Txn([value_is(deliv_k, raw)], [Delete(deliv_k)]))
         return res.succeeded
 
     async def undo_admission(self, rid: str, attempt: int, attempt_id: str) -> bool:

@@ -362,8 +362,11 @@ async def test_the_first_delta_fence_only_for_the_live_attempt_and_only_once(env
     assert view is not None and view.delivery == deliv and view.first_delta_sent
     assert str(view.phase) == "decode"
 
-    assert not await s.undo_fence("req_a", {**deliv, "at": 13.0})
-    assert await s.undo_fence("req_a", deliv)
+    # Another attempt's take-back never removes this one's fence.
+    assert not await s.undo_fence("req_a", {**deliv, "attempt_id": "att_other"})
+    # The take-back names the attempt, not the try: a try stamped at another time (the one
+    # whose answer came back late, or the take-back's own stamp) removes the one that applied.
+    assert await s.undo_fence("req_a", {**deliv, "at": 14.0})
     assert not await s.undo_fence("req_a", deliv)
     view = await s.get("req_a")
     assert view is not None and view.delivery is None and view.live_attempt_id == "att_1"

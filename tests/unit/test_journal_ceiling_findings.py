@@ -11,14 +11,11 @@ docs/errors.md promises the etcd refusal. The cause: the gate builds the fence r
 the wall clock of each call (`AttemptFacts.fence(clock.wall())` for every try and again for
 the take-back), and `JournalStore.undo_fence` deletes `delivery` only when its value is
 byte for byte the record it is given. This test replays exactly those calls on the
-journal's own code (the in-memory etcd); it is expected to fail until the gate's take-back
-names the record that was written (or the store compares the attempt id), and then to pass:
-strict, so the fix must remove the marker.
+journal's own code (the in-memory etcd). Fixed: `undo_fence` now matches the `delivery` by
+its attempt id (tests/adapters/test_journal_store.py has the contract on both stores).
 """
 
 from __future__ import annotations
-
-import pytest
 
 from extproc.adapters.memory_store import MemoryStore
 from extproc.adapters.timers import FakeClock
@@ -27,8 +24,6 @@ from extproc.core.config import EtcdConfig
 from extproc.core.records import AttemptFacts
 
 
-@pytest.mark.xfail(strict=True, reason="gate's UndoFence rebuilds the fence record with a "
-                   "new `at`; undo_fence compares the exact value (issue 28 part 3 report)")
 async def test_a_late_applied_fence_is_taken_back() -> None:
     clock = FakeClock()
     store = MemoryStore(EtcdConfig(), clock, owner="gw-1")
