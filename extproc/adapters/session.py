@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import time
 from collections import OrderedDict
@@ -28,7 +29,15 @@ from ..core.admission import Admitted, AttemptRequest, decide
 from ..core.budget import RetryBudget
 from ..core.config import Config
 from ..core.errors import GatewayError
-from ..core.events import IntakeCommitted
+from ..core.events import (
+    Action,
+    Event,
+    IntakeCommitted,
+    StartTimer,
+    StopTimers,
+    TimerFired,
+    TimerKind,
+)
 from ..core.gate import GateMachine, GateParams
 from ..core.guard import GuardMachine
 from ..core.handoff import HandOff, TraceSnapshot
@@ -46,7 +55,7 @@ from .logs import rlog
 from .ports import Clock, Ids, Journal, Ledger, RandomIds, SystemClock
 from .prober import probe_forever
 from .telemetry import Telemetry, end_span
-from .timers import LoopTimers, Timers
+from .timers import LoopTimers, Timers, TimerSet
 from .tokenizer import load_tokenizers
 
 log = logging.getLogger("extproc")
@@ -349,12 +358,26 @@ class Processor:
 
 
 class Session:
-    """One Envoy ext_proc stream: read messages in order, answer them, clean up at the end.
+    """One Envoy ext_proc stream, the roles' shared executor: read messages in order, feed
+    the role's machine, run each action it answers with (a codec write from `WRITES`, or a
+    port call from `ACTS` whose answer, if it waits, is an event), clean up at the end.
 
     Sessions use __slots__: one exists per open stream, and 10,000 open streams is a target.
     """
 
-    __slots__ = ("cfg", "closed", "ctx", "detach", "lock", "md", "p", "rid", "span")
+    __slots__ = (
+        "cfg",
+        "closed",
+        "ctx",
+        "detach",
+        "lock",
+        "md",
+        "p",
+        "rid",
+        "span",
+        "spawn",
+        "timers",
+    )
     ctx: Messages
     lock: asyncio.Lock
     closed: bool
@@ -366,6 +389,22 @@ class Session:
     md: dict[str, str]
     span: Span
     p: Any  # the role's ports (GatePorts, GuardPorts), each session's own type
+    m: Any  # the role's machine once the stream has one
+    timers: TimerSet[TimerKind]
+    ROLE: ClassVar[str] = ""  # in the names of the work a stream leaves behind
+    # Per role: the actions that are one codec write, and the other actions' port calls.
+    WRITES: ClassVar[dict[type, Callable[[Any, Any], ep.ProcessingResponse]]] = {}
+    ACTS: ClassVar[dict[type, Callable[[Any, Any], Awaitable[Event | None] | None]]] = {}
+    # The timers' actions, the same in every role's ACTS.
+    TIMER_ACTS: ClassVar[dict[type, Callable[[Any, Any], None]]] = {
+        StartTimer: lambda s, a: s.timers.start(a.kind, a.seconds),
+        StopTimers: lambda s, a: s.timers.stop()}
+
+    def __init__(self, proc: Any, ctx: Messages,
+                 spawn: Callable[[Awaitable[Any], str], object]) -> None:
+        self.detach, self.closed, self.p, self.ctx, self.spawn = False, False, proc, ctx, spawn
+        self.lock, self.md, self.span, self.rid = asyncio.Lock(), {}, INVALID, None
+        self.timers = TimerSet(proc.timers, proc.clock, self.fired)
 
     async def write(self, resp: ep.ProcessingResponse) -> None:
         if self.closed:
@@ -374,6 +413,33 @@ class Session:
             await self.ctx.write(resp)
         except WRITE_GONE:
             self.closed = True
+
+    async def act(self, a: Action) -> Event | None:
+        """One action: its codec write, or its port call and that call's answer, if any."""
+        if (w := self.WRITES.get(type(a))) is not None:
+            await self.write(w(self, a))
+        elif (do := self.ACTS.get(type(a))) is not None and (c := do(self, a)) is not None:
+            return await c
+        return None
+
+    async def feed(self, ev: Event) -> None:
+        raise NotImplementedError
+
+    def later(self, answer: Event | Awaitable[Event] | Callable[[Clock], Event], name: str,
+              open_only: bool = False) -> None:
+        """An answer that comes on its own (a journal write's, a timer, the watch, Envoy's
+        word, the stream's end): fed in turn, under the stream's lock, while the stream has
+        a machine (and is open, if `open_only`); a callable is given the clock then."""
+        async def fire() -> None:
+            ev = await answer if inspect.isawaitable(answer) else answer
+            async with self.lock:
+                if self.m is not None and not (open_only and self.closed):
+                    await self.feed(ev(self.p.clock) if callable(ev) else ev)
+        self.spawn(fire(), name)
+
+    def fired(self, kind: TimerKind) -> None:
+        self.later(lambda c: TimerFired(kind, c.monotonic(), c.wall()),
+                   f"{self.ROLE}-timer-{kind}-{self.rid}", open_only=True)
 
     # The message whose handling the process's chunk-time histogram samples ("": none).
     TIMED: ClassVar[str] = ""
