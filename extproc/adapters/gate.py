@@ -16,8 +16,7 @@ from collections.abc import Callable
 
 from ..core import events as E
 from ..core import headers as H
-from ..core.admission import Admitted
-from ..core.gate import GateMachine, clean, request_started, word
+from ..core.gate import GateMachine, admission_decided, attempt_trace, request_started, word
 from ..gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from . import envoy_codec as codec
 from . import observer
@@ -119,9 +118,7 @@ class GateSession(Session):
     # --- actions -> port calls --------------------------------------------------------
 
     async def decide(self, a: E.Decide) -> E.Event:
-        verdict = self.p.decide(a.request, self.p.clock.monotonic())
-        return E.AdmissionDecided(*((verdict, None) if isinstance(verdict, Admitted)
-                                    else (None, verdict)))
+        return admission_decided(self.p.decide(a.request, self.p.clock.monotonic()))
 
     async def go_upstream(self, a: E.ContinueRequest) -> None:
         self.p.reached.mark(self.rid or "")
@@ -167,11 +164,8 @@ class GateSession(Session):
         if a.timed_out and self.replica:
             p.health.first_delta_timed_out(self.replica, p.clock.monotonic())
         if not a.ack_follows:  # else kept once the agent's acknowledgement is settled
-            p.work.keep(rec.rid, f"attempt-{a.attempt:03d}", m, {
-                "attempt_id": self.aid, "replica": self.replica,
-                "failure_class": a.failure_class,
-                # The end plan's inputs and verdict: `extproc replay` decides it again.
-                "end": dict(a.end_trace)}, clean(a))
+            name, meta, completed = attempt_trace(a, self.aid, self.replica)
+            p.work.keep(rec.rid, name, m, meta, completed)
         await rec.close(a)
 
 
