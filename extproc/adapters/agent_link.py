@@ -14,7 +14,7 @@ from typing import Any
 from ..core import events as E
 from ..core.gate import GateMachine, attempt_trace
 from .ports import LinkPorts
-from .session import retrying
+from .processor import retrying
 
 
 class AgentLink:

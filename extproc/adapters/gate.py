@@ -24,7 +24,8 @@ from .agent_link import AgentLink
 from .attempt_record import AttemptRecord
 from .leases import AttemptLease
 from .ports import GatePorts
-from .session import INVALID, HandedOff, Messages, Session
+from .processor import HandedOff
+from .session import INVALID, Messages, Session
 from .telemetry import TRACEPARENT_HEADER
 
 # Test-only: proves the fault sweep can fail (docs/sweep.md). Logged loudly at start-up.
