@@ -12,10 +12,9 @@ from collections.abc import Callable
 from typing import Any
 
 from ..core import events as E
-from ..core.failure import FailureClass
-from ..core.gate import GateMachine
+from ..core.gate import GateMachine, attempt_trace
 from .ports import LinkPorts
-from .session import retrying
+from .processor import retrying
 
 
 class AgentLink:
@@ -74,9 +73,8 @@ class AgentLink:
     async def settled(self, a: E.AckSettled, m: GateMachine, replica: str | None) -> None:
         """Keep the attempt's trace, then write what the acknowledgement changed."""
         p, rid, aid = self.p, self.rid, self.aid
-        p.work.keep(rid, f"attempt-{a.attempt:03d}", m, {
-            "attempt_id": aid, "replica": replica, "failure_class": a.failure_class,
-            "end": dict(a.end_trace)}, a.failure_class == str(FailureClass.COMPLETED))
+        name, meta, completed = attempt_trace(a, aid, replica)
+        p.work.keep(rid, name, m, meta, completed)
         if a.record is None:
             return
         n, rec = a.attempt, a.record

@@ -6,7 +6,7 @@ admitted, the attempt's credential (decision 0028: the secret goes upstream, the
 keeps its digest). Each conditioned write is tried once and answered as the next event
 (`NotConfirmed` when etcd did not answer: the rows decide whether to send it again); the
 writes only this process holds (the attempt's end, the take-backs) are retried in the
-background for a bounded time (`session.retrying`). Nothing here decides.
+background for a bounded time (`processor.retrying`). Nothing here decides.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from ..core import events as E
 from ..core.credentials import digest
 from .leases import UNDO_SETTLE_S, AttemptLease, StoreUnavailable
 from .ports import GateJournal, GatePorts
-from .session import retrying
+from .processor import retrying
 
 
 class AttemptRecord:

@@ -6,6 +6,7 @@ Only this module builds the generated protobuf messages; the sessions read incom
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -13,8 +14,9 @@ from google.protobuf import struct_pb2
 from google.protobuf.duration_pb2 import Duration
 
 from ..core import headers as H
+from ..core.admission import RETRY_HEADER
 from ..core.errors import GatewayError
-from ..core.events import ResponseHeaders
+from ..core.events import ResponseBody, ResponseHeaders
 from ..gen.envoy.config.core.v3 import base_pb2 as core
 from ..gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from ..gen.envoy.type.v3 import http_status_pb2 as hs
@@ -175,3 +177,79 @@ def struct(d: Mapping[str, Any]) -> struct_pb2.Struct:
     s = struct_pb2.Struct()
     s.update(dict(d))
     return s
+
+
+# --- the sessions' messages: what an event reads, what an action writes ----------------
+
+# Response headers that never reach a client: the gate's hand-off, and an attempt's secret
+# (a replica could echo it back; decision 0028).
+NEVER_TO_CLIENT = (H.HANDOFF, H.ATTEMPT_SECRET)
+
+
+def response_body(msg: ep.ProcessingRequest, expired: bool) -> ResponseBody:
+    """A response chunk as the event both roles read, with the lease port's answer then
+    (its deadline moves with keep-alives)."""
+    body = msg.response_body
+    return ResponseBody(body.body, body.end_of_stream, expired)
+
+
+def attempt_upstream(attempt_id: str, secret: str | None,
+                     processor: str | None) -> ep.ProcessingResponse:
+    """An admitted attempt's request headers as they go upstream: its id, its own secret
+    (replacing whatever an earlier attempt's request carried) and, for a replica's agent,
+    the processor its word goes to (decision 0034). The attempt offset stays: a removal
+    here holds for Envoy's later attempts of the request too, whose gates need it
+    (decision 0027)."""
+    via = {H.PROCESSOR: processor} if processor else {}
+    if secret:
+        return continue_request_headers({H.ATTEMPT_ID: attempt_id, H.ATTEMPT_SECRET: secret,
+                                         **via}, remove=(H.PREADMITTED,))
+    return continue_request_headers({H.ATTEMPT_ID: attempt_id, **via},
+                                    remove=(H.PREADMITTED, H.ATTEMPT_SECRET))
+
+
+def attempt_headers(retry: bool) -> ep.ProcessingResponse:
+    """A gated attempt's response headers passed on (asking the router to retry, if
+    `retry`); only the gate may say which attempt the guard owns, never the replica."""
+    return continue_response_headers({RETRY_HEADER: "1"} if retry else {}, remove=(H.HANDOFF,))
+
+
+def failed_attempt(request_id: str, retry: bool, code: str) -> ep.ProcessingResponse:
+    """A failed attempt's held headers answered as a 503 (`fail_attempt_headers`)."""
+    return fail_attempt_headers(request_id, {RETRY_HEADER: "1"} if retry else {}, code)
+
+
+def released(attempt_id: str, handoff: str) -> ep.ProcessingResponse:
+    """A released attempt's headers, carrying the hand-off record to the guard."""
+    return continue_response_headers({H.ATTEMPT_ID: attempt_id, H.HANDOFF: handoff})
+
+
+def client_request_headers(request_id: str) -> ep.ProcessingResponse:
+    """A journaled request's headers: its id set, every other header we own removed."""
+    return continue_request_headers(
+        {H.REQUEST_ID: request_id}, remove=tuple(h for h in H.OWNED if h != H.REQUEST_ID))
+
+
+def passed_request_headers() -> ep.ProcessingResponse:
+    """A request we do not journal: every header we own removed."""
+    return continue_request_headers(remove=H.OWNED)
+
+
+def client_response_headers(request_id: str, as_json: bool) -> ep.ProcessingResponse:
+    """The response headers a client sees (our error's shape, as JSON, if `as_json`)."""
+    if as_json:
+        return continue_response_headers(
+            {H.REQUEST_ID: request_id, "content-type": "application/json"},
+            remove=("content-length", *NEVER_TO_CLIENT))
+    return continue_response_headers({H.REQUEST_ID: request_id}, remove=NEVER_TO_CLIENT)
+
+
+def aside_response_headers() -> ep.ProcessingResponse:
+    """Response headers passed on untouched but for what never reaches a client."""
+    return continue_response_headers(remove=NEVER_TO_CLIENT)
+
+
+def status_answer(view: Mapping[str, Any], request_id: str) -> ep.ProcessingResponse:
+    """A status lookup's answer: the record's view as compact JSON."""
+    return immediate_json(200, json.dumps(view, separators=(",", ":")).encode(),
+                          {H.REQUEST_ID: request_id})

@@ -11,42 +11,37 @@ journal calls are its record port's (`attempt_record`), a replica agent's its li
 
 from __future__ import annotations
 
-import asyncio
 import os
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Callable
 
 from ..core import events as E
 from ..core import headers as H
-from ..core.admission import RETRY_HEADER, Admitted
-from ..core.gate import GateMachine, clean, request_started, word
+from ..core.gate import GateMachine, admission_decided, attempt_trace, request_started, word
 from ..gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from . import envoy_codec as codec
 from . import observer
 from .agent_link import AgentLink
 from .attempt_record import AttemptRecord
 from .leases import AttemptLease
-from .ports import Clock, GatePorts
-from .session import INVALID, HandedOff, Messages, Session
+from .ports import GatePorts
+from .processor import HandedOff
+from .session import INVALID, Messages, Session
 from .telemetry import TRACEPARENT_HEADER
-from .timers import TimerSet
 
 # Test-only: proves the fault sweep can fail (docs/sweep.md). Logged loudly at start-up.
 UNSAFE_RELEASE_WITHOUT_FENCE = os.environ.get("EXTPROC_UNSAFE_RELEASE_WITHOUT_FENCE") == "1"
 
 
 class GateSession(Session):
-    __slots__ = ("agent", "m", "parent_tp", "rec", "replica", "timers")
+    __slots__ = ("agent", "m", "parent_tp", "rec", "replica")
+    ROLE = "gate"
 
     def __init__(self, proc: GatePorts, ctx: Messages) -> None:
-        self.detach, self.closed, self.p, self.ctx = False, False, proc, ctx
-        self.lock, self.md, self.span = asyncio.Lock(), {}, INVALID
+        super().__init__(proc, ctx, proc.work.spawn)
         self.m: GateMachine | None = None
-        self.rid: str | None = None
         self.replica: str | None = None
         self.parent_tp: str | None = None
         self.rec: AttemptRecord | None = None  # the attempt's journal calls, its lease
-        self.timers = TimerSet(proc.timers, proc.clock, self._fired)
         self.agent: AgentLink | None = None  # an agent-fronted replica's (decision 0034)
 
     @property
@@ -103,27 +98,12 @@ class GateSession(Session):
             self.rec.stop()
         if self.m is not None:
             # Its end (a revoke, Envoy's word, the record) outlives the stream's handler.
-            self.later(lambda c: E.StreamClosed(c.monotonic(), c.wall()), "end")
-
-    def later(self, event: Callable[[Clock], E.Event], what: str, open_only: bool = False
-              ) -> None:
-        """A port's answer that comes on its own (a timer, the watch, Envoy's word, the
-        stream's end): fed in turn, under the stream's lock, with the clock's times then."""
-        async def fire() -> None:
-            async with self.lock:
-                if self.m is not None and not (open_only and self.closed):
-                    await self.feed(event(self.p.clock))
-        self.p.work.spawn(fire(), f"gate-{what}-{self.aid}")
-
-    def _fired(self, kind: E.TimerKind) -> None:
-        self.later(lambda c: E.TimerFired(kind, c.monotonic(), c.wall()), f"timer-{kind}",
-                   open_only=True)
+            self.later(lambda c: E.StreamClosed(c.monotonic(), c.wall()), f"gate-end-{self.aid}")
 
     # --- events -> the machine -> actions ---------------------------------------------
 
     async def feed(self, ev: E.Event) -> None:
-        """Each action is a codec write (`WRITES`) or a port call (`ACTS`) whose answer, if
-        it has one, is the next event."""
+        """The actions' answers are fed in the order they came, after the whole batch."""
         m = self.m
         assert m is not None
         queue = [ev]
@@ -133,31 +113,19 @@ class GateSession(Session):
             actions = m.handle(e)
             observer.gate(self, before, e, actions)
             for a in actions:
-                if (w := WRITES.get(type(a))) is not None:
-                    await self.write(w(self, a))
-                elif ((do := ACTS.get(type(a))) is not None and (c := do(self, a)) is not None
-                      and (nxt := await c) is not None):
+                if (nxt := await self.act(a)) is not None:
                     queue.append(nxt)
 
     # --- actions -> port calls --------------------------------------------------------
 
     async def decide(self, a: E.Decide) -> E.Event:
-        verdict = self.p.decide(a.request, self.p.clock.monotonic())
-        return E.AdmissionDecided(*((verdict, None) if isinstance(verdict, Admitted)
-                                    else (None, verdict)))
+        return admission_decided(self.p.decide(a.request, self.p.clock.monotonic()))
 
     async def go_upstream(self, a: E.ContinueRequest) -> None:
-        p, aid, secret = self.p, self.aid, self.rec.secret if self.rec else None
-        p.reached.mark(self.rid or "")
-        # The attempt offset stays: a removal here holds for Envoy's later attempts of the
-        # request too, whose gates need it (decision 0027). The attempt's own secret
-        # replaces whatever an earlier attempt's request carried. A replica's agent
-        # addresses its word to this process's watch by its instance id (decision 0034).
-        via = {H.PROCESSOR: p.instance_id} if self.m and self.m.agent else {}
-        await self.write(codec.continue_request_headers(
-            {H.ATTEMPT_ID: aid, H.ATTEMPT_SECRET: secret, **via} if secret else
-            {H.ATTEMPT_ID: aid, **via},
-            remove=(H.PREADMITTED,) if secret else (H.PREADMITTED, H.ATTEMPT_SECRET)))
+        self.p.reached.mark(self.rid or "")
+        # A replica's agent addresses its word to this process's watch by its instance id.
+        await self.write(codec.attempt_upstream(
+            self.aid, self.record.secret, self.p.instance_id if self.machine.agent else None))
 
     def link(self) -> AgentLink:
         if self.agent is None:  # a cancel for an attempt that never listened (its admission)
@@ -166,34 +134,30 @@ class GateSession(Session):
 
     def watch_source(self, a: E.WatchSource) -> None:
         self.link().listen(lambda at: self.later(
-            lambda c: E.SourceSent(at, c.monotonic()), "source", open_only=True))
+            lambda c: E.SourceSent(at, c.monotonic()), f"gate-source-{self.aid}", open_only=True))
 
     async def fail(self, a: E.FailAttempt) -> None:
-        await self.write(codec.fail_attempt_headers(
-            self.rid or "", {RETRY_HEADER: "1"} if a.retry else {}, str(a.error.code)))
-        assert self.m is not None
+        await self.write(codec.failed_attempt(self.rid or "", a.retry, str(a.error.code)))
         for i in range(a.held_chunks):
-            await self.write(codec.replace_response_body(self.m.error_body(a, i)))
+            await self.write(codec.replace_response_body(self.machine.error_body(a, i)))
 
     async def release(self, a: E.Release) -> None:
         # From here the guard owns the attempt: it sees the rest of the response, its end,
         # and writes the attempt's record with the request's outcome (one etcd txn).
         # Registered before the headers go out: the guard looks for it when they arrive.
-        assert self.m is not None
         if self.agent is not None:
             self.agent.stop()
-        ho, header = self.m.hand_off(a, self.record.lease_id)
+        ho, header = self.machine.hand_off(a, self.record.lease_id)
         self.p.handoffs.put(self.aid, HandedOff(self.span, ho))
         self.span = INVALID
-        await self.write(codec.continue_response_headers(
-            {H.ATTEMPT_ID: self.aid, H.HANDOFF: header}))
+        await self.write(codec.released(self.aid, header))
         for _ in range(a.held_chunks):
             await self.write(codec.continue_response_body())
         self.detach = a.hand_off
 
     def await_cause(self, a: E.AwaitCause) -> None:
         self.p.causes.expect(a.attempt_id or self.aid, a.timeout_s or 0.0, lambda entry:
-                             self.later(lambda c: word(entry, c.wall()), "word"))
+                             self.later(lambda c: word(entry, c.wall()), f"gate-word-{self.aid}"))
 
     async def close(self, a: E.CloseAttempt) -> None:
         p, m, rec = self.p, self.m, self.rec
@@ -201,11 +165,8 @@ class GateSession(Session):
         if a.timed_out and self.replica:
             p.health.first_delta_timed_out(self.replica, p.clock.monotonic())
         if not a.ack_follows:  # else kept once the agent's acknowledgement is settled
-            p.work.keep(rec.rid, f"attempt-{a.attempt:03d}", m, {
-                "attempt_id": self.aid, "replica": self.replica,
-                "failure_class": a.failure_class,
-                # The end plan's inputs and verdict: `extproc replay` decides it again.
-                "end": dict(a.end_trace)}, clean(a))
+            name, meta, completed = attempt_trace(a, self.aid, self.replica)
+            p.work.keep(rec.rid, name, m, meta, completed)
         await rec.close(a)
 
 
@@ -213,32 +174,27 @@ _Event = Callable[[AttemptRecord, ep.ProcessingRequest], E.Event]
 # Envoy's messages that are events of a gated attempt; any other message passes.
 _EVENTS: dict[str, _Event] = {
     "response_headers": lambda r, msg: codec.response_headers(msg),
-    # With each chunk, the lease port's answer (its deadline moves with keep-alives).
-    "response_body": lambda r, msg: E.ResponseBody(
-        msg.response_body.body, msg.response_body.end_of_stream, r.expired()),
+    "response_body": lambda r, msg: codec.response_body(msg, r.expired()),
 }
 _PASS: dict[str, Callable[[], ep.ProcessingResponse]] = {
     "request_body": codec.continue_request_body,
-    "response_headers": lambda: codec.continue_response_headers(remove=(H.HANDOFF,)),
+    "response_headers": lambda: codec.attempt_headers(False),
     "response_body": codec.continue_response_body,
     "response_trailers": codec.trailers_response,
     "request_trailers": codec.request_trailers_response,
 }
 
 # The actions that are one codec write: the message each one writes.
-WRITES: dict[type, Callable[[GateSession, Any], ep.ProcessingResponse]] = {
+GateSession.WRITES = {
     E.PassChunk: lambda s, a: codec.continue_response_body(),
     E.DropChunk: lambda s, a: codec.replace_response_body(b""),
-    # Only the gate may say which attempt the guard owns, never the replica.
-    E.PassHeaders: lambda s, a: codec.continue_response_headers(
-        {RETRY_HEADER: "1"} if a.retry else {}, remove=(H.HANDOFF,)),
+    E.PassHeaders: lambda s, a: codec.attempt_headers(a.retry),
     E.Refuse: lambda s, a: codec.immediate(a.error, {H.REQUEST_ID: s.rid or ""}),
 }
 
-_Do = Callable[[GateSession, Any], "Awaitable[E.Event | None] | None"]
 # The other actions' executors: a port call, whose answer (if it waits) is the next event.
 # HoldChunk and MarkSlow have none (the observer says the latter).
-ACTS: dict[type, _Do] = {
+GateSession.ACTS = {
     E.AwaitIntakeCommit: lambda s, a: s.p.intake_committed(s.rid or "", s.replica or ""),
     E.Decide: GateSession.decide,
     E.TakeLease: lambda s, a: s.record.confirmed(s.record.take_lease()),
@@ -250,15 +206,14 @@ ACTS: dict[type, _Do] = {
     E.GiveBack: lambda s, a: s.record.give_back(a),
     E.UndoFence: lambda s, a: s.record.undo_fence(a),
     E.Watch: lambda s, a: s.record.watch(
-        lambda v: s.later(lambda _: E.LiveChanged(v), "watch")),
+        lambda v: s.later(E.LiveChanged(v), f"gate-watch-{s.aid}")),
     E.WatchSource: GateSession.watch_source,
     E.PutCancel: lambda s, a: s.link().put_cancel(s.machine.params.gateway_id,
                                                   float(s.machine.params.lease_ttl_s)),
     E.AwaitAck: lambda s, a: s.link().await_ack(a),
     E.AckSettled: lambda s, a: s.link().settled(a, s.machine, s.replica),
     E.LoseLease: lambda s, a: s.record.lose(a.why),
-    E.StartTimer: lambda s, a: s.timers.start(a.kind, a.seconds),
-    E.StopTimers: lambda s, a: s.timers.stop(),
+    **Session.TIMER_ACTS,
     E.Overloaded: lambda s, a: s.p.health.overloaded(
         s.replica or "", s.p.clock.monotonic() + a.seconds),
     E.Release: GateSession.release, E.FailAttempt: GateSession.fail,

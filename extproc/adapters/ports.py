@@ -1,7 +1,7 @@
 """What the guard and gate sessions need from the world, declared by them (their consumer).
 
 The sessions depend on these small Protocols only: `GatePorts` and `GuardPorts` (with the
-parts their record, released attempt and agent link use), which `session.Processor`
+parts their record, released attempt and agent link use), which `processor.Processor`
 provides; journal_store.py implements the journal and the tool ledger once, over etcd or an
 in-memory fake of it (tests, decision 0031); the access-log registry implements the cause
 log; the clock and the ids are injected so a hermetic test can drive the sessions with no
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from ..core.gate import GateMachine, GateParams
     from ..core.guard import GuardMachine
     from ..core.handoff import TraceSnapshot
-    from .session import HandedOff, Pending
+    from .processor import HandedOff, Pending
     from .telemetry import Telemetry
     from .timers import Timers
 
@@ -235,7 +235,7 @@ class PoolView(Protocol):
 
 
 class Reach(Protocol):
-    """Request id -> how many of its attempts reached a replica (`session.Reached`)."""
+    """Request id -> how many of its attempts reached a replica (`processor.Reached`)."""
 
     def of(self, rid: str) -> int: ...
     def mark(self, rid: str) -> None: ...

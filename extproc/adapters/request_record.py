@@ -26,8 +26,8 @@ from ..core.journal import Outcome, Rerun
 from . import observer
 from .leases import UNDO_SETTLE_S, StoreUnavailable
 from .ports import RecordPorts
+from .processor import retrying
 from .released import Released
-from .session import retrying
 from .timers import sleep
 
 

@@ -34,8 +34,9 @@ from .grpclib_server import GrpclibServer, HealthBoard, Services
 from .guard import GuardSession
 from .loop_lag import LoopLag
 from .membership import EndpointDiscovery, LiveMembership
+from .processor import Processor, log
 from .readiness import HealthReporter, export_gauges
-from .session import Messages, Processor, log
+from .session import Messages
 
 # --- the handlers both gRPC stacks serve -----------------------------------------------
 

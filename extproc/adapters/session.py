@@ -1,108 +1,34 @@
-"""What every ext_proc stream of one processor process shares, and how a stream is read.
+"""How an ext_proc stream is read and its machine's actions run: the roles' one executor.
 
-`Processor` holds the services the sessions use, each behind the port the sessions declare
-(`ports.py`): the journal, the tool ledger, the cause log, the clock and the ids, plus the
-pool, its health, the retry budget and telemetry. `Session` is the read loop: messages in
-order, one at a time, answered by the role's `on_message`, cleaned up by `on_closed`. It
-reads and writes through `Messages`, which both gRPC stacks' streams provide
-(`server.transport`, decision 0020).
+`Session` reads messages in order, one at a time, answered by the role's `on_message`,
+cleaned up by `on_closed`; it runs each action the role's machine answers with (`act`)
+and feeds an answer that comes on its own in turn (`later`). It reads and writes through
+`Messages`, which both gRPC stacks' streams provide (`server.transport`, decision 0020).
+What the streams of one process share is `processor.Processor`'s.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import logging
+import inspect
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import Any, ClassVar, Generic, Protocol, TypeVar
+from typing import Any, ClassVar, Protocol
 
 import grpc
 import grpclib.exceptions
 import h2.exceptions
 from opentelemetry.trace import INVALID_SPAN_CONTEXT, NonRecordingSpan, Span
 
-from ..core.admission import Admitted, AttemptRequest, decide
-from ..core.budget import RetryBudget
-from ..core.config import Config
-from ..core.errors import GatewayError
-from ..core.events import IntakeCommitted
-from ..core.gate import GateMachine, GateParams
-from ..core.guard import GuardMachine
-from ..core.handoff import HandOff, TraceSnapshot
-from ..core.health import HealthPolicy, HostHealth
-from ..core.journal import (
-    JournalView,
-    orphan_outcome,
-)
-from ..core.pool import Pool, pool_from_config
-from ..core.replay import record as trace_record
+from ..core.events import Action, Event, StartTimer, StopTimers, TimerFired, TimerKind
 from ..gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
-from .causes import CauseRegistry
-from .leases import StoreUnavailable
-from .logs import rlog
-from .ports import Clock, Ids, Journal, Ledger, RandomIds, SystemClock
-from .prober import probe_forever
-from .telemetry import Telemetry, end_span
-from .timers import LoopTimers, Timers
-from .tokenizer import load_tokenizers
+from .ports import Clock
+from .timers import TimerSet
 
-log = logging.getLogger("extproc")
 INVALID = NonRecordingSpan(INVALID_SPAN_CONTEXT)
-T = TypeVar("T")
-
-
-OUTCOME_RETRY_S = 60.0
-RETRY_MAX_DELAY_S = 0.5
 # llmgw.chunk.processing_time is recorded for one body message in this many (a histogram
 # record per message would cost more than the message's own processing).
 CHUNK_TIME_SAMPLE = 64
-
-
-
-async def retrying(fn: Callable[[], Awaitable[Any]], what: str, rid: str | None,
-                   aid: str | None, limit_s: float = OUTCOME_RETRY_S,
-                   settle_s: float = 0.0) -> bool:
-    """Retry an etcd write while etcd is briefly away (frozen, electing), for a bounded time.
-
-    With `settle_s` (take-backs, which are idempotent compare-and-deletes), the write is
-    applied again every 0.25 s for that long after its first answer (UNDO_SETTLE_S).
-    """
-    # Real waiting, on the event loop's own clock (the one asyncio.sleep uses).
-    now = asyncio.get_running_loop().time
-    delay, deadline, tries = 0.1, now() + limit_s, 0
-    while True:
-        try:
-            await fn()
-            if tries:
-                rlog(log, logging.INFO, f"done after etcd came back: {what}", rid, aid,
-                     tries=tries + 1)
-            break
-        except StoreUnavailable as e:
-            if now() + delay > deadline:
-                rlog(log, logging.ERROR, f"gave up: {what}", rid, aid, error=str(e))
-                return False
-            if tries == 0:
-                # Said once: a write only this process holds (an outcome, a take-back) is
-                # pending; if the process dies before etcd answers, it is lost.
-                rlog(log, logging.WARNING, f"pending until etcd answers: {what}", rid, aid,
-                     error=str(e))
-            tries += 1
-            await asyncio.sleep(delay)
-            # At most RETRY_MAX_DELAY_S between tries: a pending write lands within that of
-            # etcd's return (each try fails fast while etcd has no leader: decision 0026).
-            delay = min(delay * 2, RETRY_MAX_DELAY_S)
-    settled = now() + settle_s
-    while now() < settled:
-        await asyncio.sleep(0.25)
-        with contextlib.suppress(StoreUnavailable):
-            await fn()
-    return True
-
-
-
 
 
 class Messages(Protocol):
@@ -124,237 +50,16 @@ WRITE_GONE = (grpc.aio.AioRpcError, RuntimeError, asyncio.InvalidStateError,
               h2.exceptions.ProtocolError, ConnectionError, _BATCH_GONE)
 
 
-@dataclass(frozen=True, slots=True)
-class HandedOff:
-    """A gate's attempt, released and handed to the guard of the same request: the frozen
-    record (core.handoff) and the attempt's open span."""
-
-    span: Span
-    handoff: HandOff
-
-
-class Pending(Generic[T]):
-    """Id -> what one stream left for another stream of the same request to take, bounded:
-    the taker may never come (its stream died first), and must not pin items forever.
-
-    Two are kept: the gate's released attempts (`handoffs`: attempt id -> HandedOff; the
-    guard takes it when the released headers reach it, and ends the span at the attempt's
-    real end; an evicted one's span is ended here) and the guard's intakes in flight
-    (`intakes`: request id -> the intake task, which the gate of every attempt waits for
-    before the attempt goes upstream, decision 0021; a committed intake leaves at once, a
-    failed one when its guard's stream closes).
-    """
-
-    def __init__(self, keep: int = 10000,
-                 on_evict: Callable[[T], None] | None = None) -> None:
-        self._items: OrderedDict[str, T] = OrderedDict()
-        self._keep = keep
-        self._on_evict = on_evict
-
-    def put(self, key: str, item: T) -> None:
-        self._items[key] = item
-        while len(self._items) > self._keep:
-            old = self._items.popitem(last=False)[1]
-            if self._on_evict is not None:
-                self._on_evict(old)
-
-    def take(self, key: str) -> T | None:
-        return self._items.pop(key, None)
-
-    def get(self, key: str) -> T | None:
-        """The item, left in place for other takers (several attempts wait on one intake)."""
-        return self._items.get(key)
-
-
-class Reached(OrderedDict[str, int]):
-    """Request id -> how many of its attempts reached a replica (a gate let them go
-    upstream): a later attempt of theirs is a re-prefill, charged to the retry budget, and
-    max_attempts counts only those (decision 0024). Bounded: the oldest go first."""
-
-    def of(self, rid: str) -> int:
-        return self.get(rid, 0)
-
-    def mark(self, rid: str) -> None:
-        self[rid] = self.get(rid, 0) + 1
-        while len(self) > 20000:
-            self.popitem(last=False)
-
-
-class Background:
-    """Work that must outlive a stream's handler (journal writes, revokes, traces), and
-    the traces kept as telemetry.record_traces says."""
-
-    def __init__(self, journal: Journal, cfg: Config) -> None:
-        self._journal = journal
-        self._cfg = cfg
-        self._tasks: set[asyncio.Task[Any]] = set()
-
-    def spawn(self, coro: Awaitable[Any], name: str) -> asyncio.Task[Any]:
-        """Run work that must outlive a cancelled gRPC handler (journal writes, revokes)."""
-        t: asyncio.Task[Any] = asyncio.ensure_future(coro)
-        t.set_name(name)
-        self._tasks.add(t)
-        t.add_done_callback(self._done)
-        return t
-
-    def _done(self, t: asyncio.Task[Any]) -> None:
-        self._tasks.discard(t)
-        if not t.cancelled() and t.exception() is not None:
-            log.error("background task failed", exc_info=t.exception(),
-                      extra={"task": t.get_name(), "request_id": None, "attempt_id": None})
-
-    def keep_trace(self, clean: bool) -> bool:
-        mode = self._cfg.telemetry.record_traces
-        return mode == "all" or (mode == "failures" and not clean)
-
-    async def save_trace(self, rid: str, name: str, m: GateMachine | GuardMachine | TraceSnapshot,
-                         meta: dict[str, Any]) -> None:
-        try:
-            await self._journal.put_trace(rid, name, trace_record(
-                m, meta, self._cfg.telemetry.max_trace_bytes))
-        except StoreUnavailable as e:
-            rlog(log, logging.WARNING, "could not keep the event trace", rid, None,
-                 error=str(e))
-
-    def keep(self, rid: str, name: str, m: GateMachine | GuardMachine | TraceSnapshot,
-             meta: dict[str, Any], clean: bool) -> None:
-        """Store the trace in the background if the traces kept include this one."""
-        if self.keep_trace(clean):
-            self.spawn(self.save_trace(rid, name, m, meta), f"trace-{name}-{rid}")
-
-    async def drain(self, timeout_s: float = 5.0) -> None:
-        if self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=timeout_s)
-
-
-class Processor:
-    """Shared services of one processor process, each behind the port the sessions use."""
-
-    def __init__(self, cfg: Config, journal: Journal, ledger: Ledger,
-                 clock: Clock | None = None, ids: Ids | None = None,
-                 timers: Timers | None = None) -> None:
-        self.cfg = cfg
-        self.gate_params = GateParams.from_config(cfg)
-        self.journal = journal
-        self.ledger = ledger
-        self.clock: Clock = clock or SystemClock()
-        self.ids: Ids = ids or RandomIds()
-        # This process's id toward the replicas' agents (decision 0034): fixed for its life.
-        self.instance_id: str = self.ids.instance_id()
-        self.timers: Timers = timers or LoopTimers()
-        self.pool = pool_from_config(cfg.pool.replicas)
-        self.tokenizers = load_tokenizers(cfg.accounting)
-        rb = cfg.policy.retry_budget
-        self.budget = RetryBudget(rb.fraction, rb.min_retry_concurrency, rb.in_flight_expiry_s)
-        self.tel = Telemetry(cfg.telemetry, cfg.server.gateway_id, cfg.server.metrics_listen)
-        od, hc = cfg.pool.outlier_detection, cfg.pool.health_check
-        self.health = HostHealth(HealthPolicy(
-            consecutive_failures=od.consecutive_local_origin_failure if od.enabled else 1 << 30,
-            base_ejection_s=od.base_ejection_time_s, max_ejection_s=od.max_ejection_time_s,
-            unhealthy_threshold=hc.unhealthy_threshold, healthy_threshold=hc.healthy_threshold))
-        self.causes = CauseRegistry(on_attempt=self.attempt_seen, timers=self.timers)
-        self.reached = Reached()
-        self.work = Background(journal, cfg)
-        self.open_streams = 0
-        self.handoffs: Pending[HandedOff] = Pending(
-            on_evict=lambda h: end_span(h.span, None))
-        self.intakes: Pending[asyncio.Future[GatewayError | None]] = Pending()
-
-    def set_pool(self, pool: Pool) -> None:
-        """A live pool's new membership (adapters.membership); sessions read it per request."""
-        self.pool = pool
-
-    async def intake_committed(self, rid: str, replica: str) -> IntakeCommitted:
-        """An attempt's wait for its request's intake (decision 0021), answered with what
-        the process knows then: how many of its attempts reached a replica, and the pool's
-        view of this replica."""
-        opening = self.intakes.get(rid)
-        err = await asyncio.shield(opening) if opening is not None else None
-        pool = self.pool
-        return IntakeCommitted(err, self.reached.of(rid), pool.fingerprint_of(replica),
-                               pool.enabled, self.clock.wall(), pool.agent_of(replica))
-
-    def decide(self, request: AttemptRequest, now: float) -> Admitted | GatewayError:
-        """core.admission's verdict on an attempt, with this process's retry budget (which
-        a re-prefill it admits is charged to)."""
-        return decide(request, self.budget, now)
-
-    def mark_reached(self, rid: str) -> None:
-        self.reached.mark(rid)
-
-    def attempt_seen(self, replica: str, cause: str, status: int) -> None:
-        """Envoy's per-attempt access-log entry: passive health evidence, as its outlier
-        detection counts it (refused, reset or timed out: a local-origin failure)."""
-        now = self.clock.monotonic()
-        if cause in ("upstream", "timeout"):
-            # A timed-out attempt (silent past the first-delta limit) ejects at once.
-            fail = (self.health.first_delta_timed_out if cause == "timeout"
-                    else self.health.attempt_failed)
-            if fail(replica, now):
-                rlog(log, logging.WARNING, "replica ejected after failed attempts", None, None,
-                     replica=replica, cause=cause)
-        elif status == 200:
-            self.health.attempt_succeeded(replica, now)
-
-    def host_order(self, hosts: list[str]) -> list[str]:
-        return self.health.order(hosts, self.clock.monotonic())
-
-    async def probe_pool(self) -> None:
-        await probe_forever(lambda: [r.address for r in self.pool.replicas],
-                            self.cfg.pool.health_check, self.health)
-
-    def trace_budget(self) -> int:
-        t = self.cfg.telemetry
-        return 0 if t.record_traces == "none" else t.max_trace_bytes
-
-    def keep_trace(self, clean: bool) -> bool:
-        return self.work.keep_trace(clean)
-
-    async def save_trace(self, rid: str, name: str, m: GateMachine | GuardMachine | TraceSnapshot,
-                         meta: dict[str, Any]) -> None:
-        await self.work.save_trace(rid, name, m, meta)
-
-    def spawn(self, coro: Awaitable[Any], name: str) -> asyncio.Task[Any]:
-        """Run work that must outlive a cancelled gRPC handler (journal writes, revokes)."""
-        return self.work.spawn(coro, name)
-
-    async def settled(self, view: JournalView | None) -> JournalView | None:
-        """A record whose processor died is settled (gateway_interrupted) when first read."""
-        if view is None or not view.orphaned:
-            return view
-        oc = orphan_outcome(view, self.clock.wall())
-        if await self.journal.settle_orphan(view.request_id, oc):
-            rlog(log, logging.WARNING, "settled a request whose processor died",
-                 view.request_id, None, outcome=oc["outcome"],
-                 delivered_output_tokens=oc["delivered_output_tokens"])
-        return await self.journal.get(view.request_id)
-
-    async def share_budget(self) -> None:
-        """Every second: publish our retry-budget counts (requests and re-prefills in
-        flight), learn the other gateways'."""
-        while True:
-            await asyncio.sleep(1.0)
-            req, ret = self.budget.snapshot(self.clock.monotonic())
-            # On failure keep the last view of the others; our own counts stay exact.
-            with contextlib.suppress(StoreUnavailable):
-                self.budget.others = await self.journal.exchange_budget(
-                    self.cfg.server.gateway_id, req, ret)
-
-    async def drain(self, timeout_s: float = 5.0) -> None:
-        await self.work.drain(timeout_s)
-
-
-
-# --- sessions ------------------------------------------------------------------------
-
-
 class Session:
-    """One Envoy ext_proc stream: read messages in order, answer them, clean up at the end.
+    """One Envoy ext_proc stream, the roles' shared executor: read messages in order, feed
+    the role's machine, run each action it answers with (a codec write from `WRITES`, or a
+    port call from `ACTS` whose answer, if it waits, is an event), clean up at the end.
 
     Sessions use __slots__: one exists per open stream, and 10,000 open streams is a target.
     """
 
-    __slots__ = ("cfg", "closed", "ctx", "detach", "lock", "md", "p", "rid", "span")
+    __slots__ = ("cfg", "closed", "ctx", "detach", "lock", "md", "p", "rid", "span", "spawn",
+                 "timers")
     ctx: Messages
     lock: asyncio.Lock
     closed: bool
@@ -366,6 +71,22 @@ class Session:
     md: dict[str, str]
     span: Span
     p: Any  # the role's ports (GatePorts, GuardPorts), each session's own type
+    m: Any  # the role's machine once the stream has one
+    timers: TimerSet[TimerKind]
+    ROLE: ClassVar[str] = ""  # in the names of the work a stream leaves behind
+    # Per role: the actions that are one codec write, and the other actions' port calls.
+    WRITES: ClassVar[dict[type, Callable[[Any, Any], ep.ProcessingResponse]]] = {}
+    ACTS: ClassVar[dict[type, Callable[[Any, Any], Awaitable[Event | None] | None]]] = {}
+    # The timers' actions, the same in every role's ACTS.
+    TIMER_ACTS: ClassVar[dict[type, Callable[[Any, Any], None]]] = {
+        StartTimer: lambda s, a: s.timers.start(a.kind, a.seconds),
+        StopTimers: lambda s, a: s.timers.stop()}
+
+    def __init__(self, proc: Any, ctx: Messages,
+                 spawn: Callable[[Awaitable[Any], str], object]) -> None:
+        self.detach, self.closed, self.p, self.ctx, self.spawn = False, False, proc, ctx, spawn
+        self.lock, self.md, self.span, self.rid = asyncio.Lock(), {}, INVALID, None
+        self.timers = TimerSet(proc.timers, proc.clock, self.fired)
 
     async def write(self, resp: ep.ProcessingResponse) -> None:
         if self.closed:
@@ -374,6 +95,33 @@ class Session:
             await self.ctx.write(resp)
         except WRITE_GONE:
             self.closed = True
+
+    async def act(self, a: Action) -> Event | None:
+        """One action: its codec write, or its port call and that call's answer, if any."""
+        if (w := self.WRITES.get(type(a))) is not None:
+            await self.write(w(self, a))
+        elif (do := self.ACTS.get(type(a))) is not None and (c := do(self, a)) is not None:
+            return await c
+        return None
+
+    async def feed(self, ev: Event) -> None:
+        raise NotImplementedError
+
+    def later(self, answer: Event | Awaitable[Event] | Callable[[Clock], Event], name: str,
+              open_only: bool = False) -> None:
+        """An answer that comes on its own (a journal write's, a timer, the watch, Envoy's
+        word, the stream's end): fed in turn, under the stream's lock, while the stream has
+        a machine (and is open, if `open_only`); a callable is given the clock then."""
+        async def fire() -> None:
+            ev = await answer if inspect.isawaitable(answer) else answer
+            async with self.lock:
+                if self.m is not None and not (open_only and self.closed):
+                    await self.feed(ev(self.p.clock) if callable(ev) else ev)
+        self.spawn(fire(), name)
+
+    def fired(self, kind: TimerKind) -> None:
+        self.later(lambda c: TimerFired(kind, c.monotonic(), c.wall()),
+                   f"{self.ROLE}-timer-{kind}-{self.rid}", open_only=True)
 
     # The message whose handling the process's chunk-time histogram samples ("": none).
     TIMED: ClassVar[str] = ""

@@ -53,7 +53,7 @@ from . import envoy_codec as codec
 from .leases import UNDO_SETTLE_S, StoreUnavailable
 from .logs import rlog
 from .ports import Clock, Ledger, SystemClock
-from .session import retrying
+from .processor import retrying
 from .timers import LoopTimers, Timers, sleep
 
 log = logging.getLogger("extproc.tools")

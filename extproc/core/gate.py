@@ -797,9 +797,22 @@ def _gate_closed_again(m: GateMachine, ev: StreamClosed) -> list[Action]:
     return [StopTimers(), RetryEnded()]
 
 
-def clean(a: CloseAttempt) -> bool:
-    """The attempt completed (its trace is kept only if every trace is)."""
-    return a.failure_class == str(FailureClass.COMPLETED)
+def attempt_trace(a: CloseAttempt | AckSettled, attempt_id: str, replica: str | None
+                  ) -> tuple[str, dict[str, Any], bool]:
+    """An ended attempt's trace as it is kept (at its close, or once the agent's
+    acknowledgement is settled): its name, its meta, with the end plan's inputs and verdict
+    (`extproc replay` decides it again), and whether it completed (a completed attempt's
+    trace is kept only if every trace is)."""
+    return f"attempt-{a.attempt:03d}", {
+        "attempt_id": attempt_id, "replica": replica, "failure_class": a.failure_class,
+        "end": dict(a.end_trace)}, a.failure_class == str(FailureClass.COMPLETED)
+
+
+def admission_decided(verdict: Admitted | GatewayError) -> AdmissionDecided:
+    """The admission port's verdict as the event the deciding row reads."""
+    if isinstance(verdict, Admitted):
+        return AdmissionDecided(verdict, None)
+    return AdmissionDecided(None, verdict)
 
 
 _OPEN = (S.GATE_NEW, S.GATE_AWAITING_INTAKE, S.GATE_DECIDING, S.GATE_ADMITTING,

@@ -28,3 +28,59 @@ def test_response_headers_read_once_for_both_roles() -> None:
     assert codec.response_headers(response(
         {":status": "503", H.ENVOY_REPLY: "1", H.GATEWAY_ERROR: "x", H.HANDOFF: "{}"})
     ) == ResponseHeaders(503, "", envoy_reply=True, ours=True, handoff="{}")
+
+
+def mutation(resp: ep.ProcessingResponse, which: str) -> tuple[dict[str, str], list[str]]:
+    """What a headers answer sets and removes."""
+    hm = getattr(resp, which).response.header_mutation
+    return ({h.header.key: h.header.raw_value.decode() for h in hm.set_headers},
+            list(hm.remove_headers))
+
+
+def test_response_body_reads_a_chunk_with_the_lease_ports_answer() -> None:
+    msg = ep.ProcessingRequest(response_body=ep.HttpBody(body=b"data: x\n\n", end_of_stream=True))
+    ev = codec.response_body(msg, True)
+    assert (ev.data, ev.end_of_stream, ev.lease_expired) == (b"data: x\n\n", True, True)
+    assert codec.response_body(ep.ProcessingRequest(response_body=ep.HttpBody(body=b"y")),
+                               False).lease_expired is False
+
+
+def test_an_attempt_goes_upstream_with_its_own_secret_and_keeps_its_offset() -> None:
+    sets, removes = mutation(codec.attempt_upstream("att_1", "s3cret", None), "request_headers")
+    assert sets == {H.ATTEMPT_ID: "att_1", H.ATTEMPT_SECRET: "s3cret"}
+    assert removes == [H.PREADMITTED]  # the attempt offset is never removed (decision 0027)
+    # No secret of its own: whatever an earlier attempt's request carried goes.
+    sets, removes = mutation(codec.attempt_upstream("att_2", None, "proc-9"), "request_headers")
+    assert sets == {H.ATTEMPT_ID: "att_2", H.PROCESSOR: "proc-9"}
+    assert removes == [H.PREADMITTED, H.ATTEMPT_SECRET]
+
+
+def test_the_gates_headers_ask_for_a_retry_only_when_told() -> None:
+    assert mutation(codec.attempt_headers(True), "response_headers") == (
+        {"x-gateway-retry": "1"}, [H.HANDOFF])
+    assert mutation(codec.attempt_headers(False), "response_headers") == ({}, [H.HANDOFF])
+    sets, _ = mutation(codec.failed_attempt("req_1", False, "upstream_unavailable"),
+                       "response_headers")
+    assert sets[":status"] == "503" and "x-gateway-retry" not in sets
+    assert mutation(codec.released("att_1", "{}"), "response_headers") == (
+        {H.ATTEMPT_ID: "att_1", H.HANDOFF: "{}"}, [])
+
+
+def test_a_client_never_sees_the_hand_off_or_an_attempts_secret() -> None:
+    for resp in (codec.client_response_headers("req_1", False),
+                 codec.client_response_headers("req_1", True), codec.aside_response_headers()):
+        _, removes = mutation(resp, "response_headers")
+        assert {H.HANDOFF, H.ATTEMPT_SECRET} <= set(removes)
+    sets, removes = mutation(codec.client_response_headers("req_1", True), "response_headers")
+    assert sets == {H.REQUEST_ID: "req_1", "content-type": "application/json"}
+    assert "content-length" in removes
+    # A client's own copies of the headers we own go before anything reads them.
+    sets, removes = mutation(codec.client_request_headers("req_1"), "request_headers")
+    assert sets == {H.REQUEST_ID: "req_1"} and set(removes) == set(H.OWNED) - {H.REQUEST_ID}
+    assert set(mutation(codec.passed_request_headers(), "request_headers")[1]) == set(H.OWNED)
+
+
+def test_a_status_answer_is_compact_json() -> None:
+    resp = codec.status_answer({"request_id": "req_1", "state": "done"}, "req_1")
+    assert resp.immediate_response.status.code == 200
+    assert resp.immediate_response.body == b'{"request_id":"req_1","state":"done"}'

@@ -9,8 +9,9 @@ from dataclasses import replace
 from typing import Any
 
 from extproc.adapters.leases import ProcessLease
+from extproc.adapters.processor import HandedOff, Pending
 from extproc.adapters.released import Released
-from extproc.adapters.session import INVALID, HandedOff, Pending
+from extproc.adapters.session import INVALID
 from extproc.adapters.telemetry import Telemetry
 from extproc.core.config import load_config
 from extproc.core.guard import GuardMachine

@@ -11,7 +11,7 @@ import pytest
 
 from extproc.adapters import request_record as R
 from extproc.adapters.memory_store import MemoryLedger, MemoryStore
-from extproc.adapters.session import Processor
+from extproc.adapters.processor import Processor
 from extproc.core import events as E
 from extproc.core import guard as G
 from extproc.core.config import load_config

@@ -47,7 +47,7 @@ import pytest
 import extproc
 from extproc.adapters.gate import GateSession
 from extproc.adapters.guard import GuardSession
-from extproc.adapters.session import Processor
+from extproc.adapters.processor import Processor
 from extproc.core import headers as H
 
 from .support import SSE_CONTENT, SSE_DONE, SSE_ROLE, FakeClock, FakeTimers, idle
@@ -222,7 +222,7 @@ PORTS = {
     "adapters/request_record.py": "the guard's record: the intake in flight, the outcome",
     "adapters/released.py": "the attempt the guard took over (its watch, its end)",
     "adapters/agent_link.py": "a replica agent's word, the cancel, its acknowledgement",
-    "adapters/session.py": "the Processor: the intake's wait, the admission's verdict with "
+    "adapters/processor.py": "the Processor: the intake's wait, the admission's verdict with "
                            "the retry budget, the intakes and hand-offs in flight, the "
                            "attempts that reached a replica, background work",
     "adapters/timers.py": "the Timers port (a session's TimerSet), and the tests' FakeClock",
@@ -236,26 +236,26 @@ CODEC, OBSERVER = "adapters/envoy_codec.py", "adapters/observer.py"
 
 # Per message: the port files it reaches (with the session, the machine and the codec).
 REACH: dict[str, set[str]] = {
-    "guard.request_headers": {"adapters/session.py"},
+    "guard.request_headers": {"adapters/processor.py"},
     "guard.request_body": {"adapters/ports.py", "adapters/request_record.py",
                            "adapters/telemetry.py", "adapters/timers.py", "core/budget.py"},
-    "gate.request_headers(lease)": {"adapters/attempt_record.py", "adapters/session.py",
+    "gate.request_headers(lease)": {"adapters/attempt_record.py", "adapters/processor.py",
                                     "adapters/timers.py"},
     "gate.response_headers(fail)": set(),
-    "gate.closed": {"adapters/attempt_record.py", "adapters/session.py",
+    "gate.closed": {"adapters/attempt_record.py", "adapters/processor.py",
                     "adapters/timers.py", "core/budget.py"},
-    "gate.request_headers(admit)": {"adapters/attempt_record.py", "adapters/session.py",
+    "gate.request_headers(admit)": {"adapters/attempt_record.py", "adapters/processor.py",
                                     "adapters/timers.py"},
     "gate.request_body": set(),  # not an event: passed by the codec alone
     "gate.response_headers(hold)": set(),
     "gate.response_body(held)": {"adapters/attempt_record.py"},
-    "gate.response_body(release)": {"adapters/attempt_record.py", "adapters/session.py",
+    "gate.response_body(release)": {"adapters/attempt_record.py", "adapters/processor.py",
                                     "adapters/timers.py"},
     "guard.response_headers": {"adapters/released.py"},
     "guard.response_body": {"adapters/released.py", "adapters/timers.py"},
     "guard.response_body(end)": {"adapters/released.py", "adapters/timers.py"},
     "guard.closed": {"adapters/released.py", "adapters/request_record.py",
-                     "adapters/session.py", "adapters/timers.py", "core/budget.py"},
+                     "adapters/processor.py", "adapters/timers.py", "core/budget.py"},
 }
 
 

@@ -22,7 +22,7 @@ from google.protobuf import struct_pb2
 from extproc.adapters.gate import GateSession
 from extproc.adapters.guard import GuardSession
 from extproc.adapters.memory_store import MemoryLedger, MemoryStore
-from extproc.adapters.session import Processor
+from extproc.adapters.processor import Processor
 from extproc.core import headers as H
 from extproc.core.config import Config, load_config
 from extproc.core.credentials import digest
@@ -972,7 +972,7 @@ async def test_a_repeat_of_a_running_tool_call_waits_on_timers_then_gets_the_res
     """The bounded wait runs on the executor's Timers port over a fake clock (no real
     time): the second call of a key waits while the first runs, and replays its result
     once recorded."""
-    from extproc.adapters.session import retrying
+    from extproc.adapters.processor import retrying
     from extproc.adapters.tools import ToolCallHandler
     p, _ = await two_live_requests()
     timers = FakeTimers(FakeClock())

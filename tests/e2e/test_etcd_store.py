@@ -11,7 +11,7 @@ from aetcd import rpc
 from devkit.devstack import Stack
 from extproc.adapters.etcd_store import EtcdStore, ToolLedger
 from extproc.adapters.leases import UNDO_SETTLE_S
-from extproc.adapters.session import retrying
+from extproc.adapters.processor import retrying
 from extproc.core.config import EtcdConfig, load_config
 
 
