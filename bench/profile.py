@@ -37,6 +37,8 @@ BUCKETS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("protobuf build/parse", ("envoy_codec.py", "google/protobuf", "_pb2")),
     ("grpc.aio read/write", ("grpc/aio", "grpc/_cython", "_server.py", "_call.py")),
     ("our session code", ("adapters/session.py", "adapters/guard.py", "adapters/gate.py",
+                          "adapters/processor.py", "adapters/released.py",
+                          "adapters/attempt_record.py", "adapters/request_record.py",
                           "adapters/server.py")),
     ("asyncio / uvloop", ("asyncio/", "uvloop")),
 )
