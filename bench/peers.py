@@ -4,7 +4,8 @@
     .venv/bin/python -m bench.peers --quick           # 1 repeat, short windows, ~6 min
     .venv/bin/python -m bench.peers --peers smg --no-faults --no-memory
 
-Sides: plain (Envoy alone), ours (Envoy + processor + etcd), and each peer gateway from
+Sides: plain (Envoy alone), ours (Envoy + processor + etcd), ours+agent (the same with
+`extproc agent` in front of each replica: the fault figure only), and each peer gateway from
 .venv-peers (bench/peers/requirements.txt, `make peers-install`): LiteLLM proxy, the SGLang
 model gateway (smg) and vllm-router, each in front of the same two demo replicas, set up as
 its documentation recommends for streaming (PEERS below; docs/benchmarks.md, "Peers").
@@ -64,6 +65,9 @@ from devkit.devstack import Proc, Stack, free_port, wait_until
 ROOT = Path(__file__).resolve().parent.parent
 PEERS_VENV = Path(os.environ.get("PEERS_VENV", ROOT / ".venv-peers"))
 BASE_SIDES = ("plain", "ours")
+# Ours with `extproc agent` in front of each replica (issue 26): measured in the fault figure
+# only; the agent's own cost per chunk is `make bench-agent`'s figure.
+AGENT_SIDE = "ours+agent"
 
 
 # --- the peers ----------------------------------------------------------------------------
@@ -205,12 +209,13 @@ def start_side(side: str, kind: str, workdir: Path, delay_ms: float | None = Non
     `arm_file`) or "ts" (timestamping upstreams)."""
     workdir.mkdir(parents=True, exist_ok=True)
     factory = armed_factory(arm_file) if arm_file else None
-    if side in BASE_SIDES:
+    if side in (*BASE_SIDES, AGENT_SIDE):
         if kind == "ts":
             return measure.start_stack("ts", side, workdir)
-        cfg = FIGURE_CONFIG["failover"] if arm_file and side == "ours" else {}
+        cfg = FIGURE_CONFIG["failover"] if arm_file and side != "plain" else {}
         return Stack(workdir=workdir, config=cfg, replicas=2, plain=side == "plain",
-                     replica_factory=factory, token_delay_ms=token_delay_ms).start()
+                     agents=side == AGENT_SIDE, replica_factory=factory,
+                     token_delay_ms=token_delay_ms).start()
     cls: type[PeerStack] = PeerTsStack if kind == "ts" else PeerStack
     s = cls(workdir=workdir, replicas=2, plain=True, replica_factory=factory,
             token_delay_ms=token_delay_ms)
@@ -367,7 +372,7 @@ def figure_names(p: Params) -> list[str]:
 
 def measure_extras(side: str, work: Path, a: argparse.Namespace, log: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    if not a.no_memory:
+    if not a.no_memory and side != AGENT_SIDE:
         log(f"  {side}: memory per open stream ({a.streams}) ...")
         stack = start_side(side, "demo", work / f"memory-{side}", token_delay_ms=1000.0)
         try:
@@ -527,6 +532,8 @@ def main(argv: list[str] | None = None) -> int:
                     "with --quick)")
     ap.add_argument("--no-faults", action="store_true")
     ap.add_argument("--no-memory", action="store_true")
+    ap.add_argument("--no-agent", action="store_true",
+                    help=f"skip {AGENT_SIDE} (ours with the replica agent; faults only)")
     ap.add_argument("--note", default="", help="a note for the table's header line")
     ap.add_argument("--out", default=str(RESULTS / "peers.json"))
     a = ap.parse_args(argv)
@@ -550,12 +557,14 @@ def main(argv: list[str] | None = None) -> int:
         log(f"not installed in {PEERS_VENV}: {', '.join(missing)} (make peers-install)")
         return 2
     sides = ([] if a.no_base else list(BASE_SIDES)) + peers
+    if not a.no_base and not a.no_agent and not a.no_faults:
+        sides.insert(2, AGENT_SIDE)
     meta = machine_info()
     meta["versions"] = {x: PEERS[x].package + " " + peer_version(PEERS[x].package)
                         for x in peers}
     meta["versions"].update({"plain": "envoy " + str(meta["envoy"]).split("/")[1]
                              if "/" in str(meta["envoy"]) else str(meta["envoy"]),
-                             "ours": "this tree"})
+                             "ours": "this tree", AGENT_SIDE: "this tree"})
     meta["setup"] = {x: PEERS[x].how for x in peers}
     meta["note"] = a.note or "shared machine: to be re-measured on an idle one"
     work = RESULTS / "work-peers"
@@ -572,7 +581,7 @@ def main(argv: list[str] | None = None) -> int:
         for side in order:
             wd = work / f"rep{rep + 1}"
             r: dict[str, Any] = {"side": side, "repeat": rep + 1}
-            for fig in figure_names(p):
+            for fig in figure_names(p) if side != AGENT_SIDE else []:
                 try:
                     r[fig] = measure_figure(fig, side, p, wd, log)
                 except Exception as e:  # a gateway that cannot start: say so, go on
