@@ -265,8 +265,8 @@ def classify(o: Outcome, expected: int, timed_out: bool) -> str:
     return "complete" if o.content == expected else "wrong"
 
 
-async def _one(port: int, timeout_s: float) -> tuple[Outcome, bool]:
-    req = build_request(HOST, port, FAULT_TOKENS, None).replace(
+async def _one(port: int, timeout_s: float, tokens: int = FAULT_TOKENS) -> tuple[Outcome, bool]:
+    req = build_request(HOST, port, tokens, None).replace(
         b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n", 1)
     conn, o = Conn(HOST, port), Outcome()
     timed_out = False
@@ -336,8 +336,8 @@ def gateway_rss(stack: Stack) -> dict[str, int]:
 async def memory(stack: Stack, n: int, settle_s: float = 20.0) -> dict[str, Any]:
     """RSS of the gateway's processes with `n` streams open past their first delta, minus
     before (after a few complete requests), over n. Replicas pace 1 token a second."""
-    for _ in range(5):
-        await _one(stack.envoy_port, 10.0)
+    for _ in range(5):  # one token each: the replicas pace only after the first
+        await _one(stack.envoy_port, 10.0, tokens=1)
     await asyncio.sleep(0.5)
     before = gateway_rss(stack)
     req = build_request(HOST, stack.envoy_port, 64, None)
