@@ -1,7 +1,7 @@
 """The gateways users would pick instead, measured beside plain Envoy and ours in one run.
 
     make bench-peers                                  # = python -m bench.peers, ~15 min
-    .venv/bin/python -m bench.peers --quick           # 1 repeat, short windows, ~6 min
+    .venv/bin/python -m bench.peers --quick           # 1 repeat, short windows, ~5 min
     .venv/bin/python -m bench.peers --peers smg --no-faults --no-memory
 
 Sides: plain (Envoy alone), ours (Envoy + processor + etcd), ours+agent (the same with
