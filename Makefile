@@ -15,7 +15,7 @@ include image.mk
 
 .PHONY: help install run test lint typecheck unit e2e bench bench-quick bench-pool profile \
 	bench-floors bench-cells bench-transports bench-timeline bench-agent bench-abandoned bench-journal \
-	envoy-config mesh-config chart prometheus dashboard-image clean
+	bench-peers peers-install envoy-config mesh-config chart prometheus dashboard-image clean
 
 help:
 	@echo "make run        etcd + processor + Envoy (:10000) + demo replicas on loopback"
@@ -30,6 +30,7 @@ help:
 	@echo "make bench-agent   the replica agent's own cost per chunk: through it vs straight to the replica"
 	@echo "make bench-abandoned  engine-seconds spent on abandoned attempts per 100 faults, with and without the replica agent"
 	@echo "make bench-journal  the journal's ceiling: requests/s one etcd cluster (1 and 3 members, fsync on) carries"
+	@echo "make bench-peers   plain Envoy, ours, LiteLLM, smg, vllm-router: same replicas, same loads (.venv-peers)"
 	@echo "make profile    where the processor's time goes under load (py-spy)"
 	@echo "make sweep      the full fault sweep (docs/sweep.md)"
 	@echo "make sweep-agents  the full fault sweep with a replica agent in front of each replica (docs/sweep.md)"
@@ -110,6 +111,17 @@ bench-abandoned: install
 ## carries for the journal store's own per-request txns, open-loop; etcdctl check perf beside.
 bench-journal: install
 	$(PY) -m bench.journal_ceiling
+
+## The peer gateways (LiteLLM proxy, smg, vllm-router) in their own venv: their protobuf,
+## grpcio and OpenTelemetry pins conflict with ours. Not part of `make install`.
+PEERS_VENV := .venv-peers
+peers-install:
+	test -x $(PEERS_VENV)/bin/python || $(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/python -m pip install -q -r bench/peers/requirements.txt
+
+## Plain Envoy, ours and the peers on the same demo replicas and loads (docs/benchmarks.md, "Peers").
+bench-peers: install peers-install
+	PEERS_VENV=$(abspath $(PEERS_VENV)) $(PY) -m bench.peers
 
 ## Where the processor's time goes under load (py-spy; docs/benchmarks.md, "Profile").
 profile: install

@@ -23,6 +23,7 @@ _CLEN = len(CONTENT_PAT)
 _QUOTE = 0x22
 TS_PREFIX = b'data: {"ts":'
 _TSLEN = len(TS_PREFIX)
+TS_FIELD = b'"ts":'
 READ_SIZE = 1 << 16
 
 
@@ -206,6 +207,14 @@ class Conn:
                             # role event) for the fence; that cost is the TTFD figure's.
                             e = body.find(b",", start + _TSLEN, j)
                             o.latencies_ns.append(now - int(body[start + _TSLEN:e]))
+                        elif want_ts and (t := body.find(TS_FIELD, start, j)) >= 0:
+                            # A gateway that re-encodes each event (LiteLLM, bench/peers.py)
+                            # moves "ts" to the end of the object.
+                            t += len(TS_FIELD)
+                            e = t
+                            while e < j and 48 <= body[e] <= 57:
+                                e += 1
+                            o.latencies_ns.append(now - int(body[t:e]))
                 elif body.startswith(b'data: {"error"', start):
                     o.error_events += 1
             elif body.startswith(b"data: [DONE]", start):

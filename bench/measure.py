@@ -25,6 +25,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -111,8 +112,16 @@ class NullTsStack(NullStack, TsStack):
 SIDES = ("plain", "ours", "floor")
 
 
+# Sides other bench programs add (bench/peers.py: the peer gateways): side -> factory
+# (kind, workdir, token delay in ms of a paced figure, or None) -> a started stack.
+EXTRA_SIDES: dict[str, Callable[[str, Path, float | None], Stack]] = {}
+
+
 def start_stack(kind: str, side: str, workdir: Path,
-                config: dict[str, Any] | None = None) -> Stack:
+                config: dict[str, Any] | None = None,
+                token_delay_ms: float | None = None) -> Stack:
+    if side in EXTRA_SIDES:
+        return EXTRA_SIDES[side](kind, workdir, token_delay_ms)
     if side == "floor":
         cls: type[Stack] = NullTsStack if kind == "ts" else NullStack
     else:
@@ -187,7 +196,9 @@ def cpu_delta(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
     out = {"processor": sum(v for k, v in d.items() if k.startswith("processor")),
            "envoy": sum(v for k, v in d.items() if k.startswith("envoy")),
            "replicas": sum(v for k, v in d.items() if k.startswith("r")),
-           "etcd": d.get("etcd", 0.0), "client": d.get("client", 0.0)}
+           "etcd": d.get("etcd", 0.0), "client": d.get("client", 0.0),
+           # A peer gateway's process(es) (bench/peers.py names them gw-*).
+           "gateway": sum(v for k, v in d.items() if k.startswith("gw"))}
     tot = b["_total"] - a["_total"]
     out["machine_busy_frac"] = (b["_busy"] - a["_busy"]) / tot if tot else 0.0
     out["steal_frac"] = (b["_steal"] - a["_steal"]) / tot if tot else 0.0
@@ -519,7 +530,8 @@ def measure_figure(fig: str, side: str, p: Params, work: Path, log: Any) -> dict
         wd = work / f"{fig}-{side}-a{n}"
         patient = time.monotonic() < DEADLINE[0]
         idle = wait_idle(p, log) if patient else {"waited_s": 0.0, "busy_before": -1.0}
-        stack = start_stack(kind, side, wd, FIGURE_CONFIG.get(fig))
+        stack = start_stack(kind, side, wd, FIGURE_CONFIG.get(fig),
+                            getattr(fn, "keywords", {}).get("delay_ms"))
         try:
             time.sleep(0.3)
             log(f"  {side}: {fig}" + (f" (attempt {n})" if n > 1 else "") + " ...")

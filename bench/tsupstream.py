@@ -8,7 +8,8 @@ the processor classifies it exactly like real traffic.
 
 Tokens are paced on an absolute schedule (start + i * delay) that never bursts to catch up:
 if the loop falls behind, the schedule restarts from "now". The per-request delay comes from
-`x-replica-token-delay-ms`, the token count from `max_tokens`.
+`x-replica-token-delay-ms` (or `--token-delay-ms` when a gateway in front does not forward that
+header: bench/peers.py), the token count from `max_tokens`.
 
 Run: python -m bench.tsupstream --host 127.0.0.1 --port PORT --name r1
 """
@@ -27,6 +28,7 @@ from devkit.demo.serving import until_signalled
 
 DELAY_HEADER = "x-replica-token-delay-ms"
 MAX_TOKENS_CAP = 4096
+DEFAULT_DELAY_MS = ["0"]  # --token-delay-ms: the delay when the request has no header
 
 
 def _event(ts: int, rid: str, delta: str, finish: str = "null") -> bytes:
@@ -39,11 +41,17 @@ async def health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
+async def models(request: web.Request) -> web.Response:
+    """The model list gateways read to register a worker (the SGLang model gateway does)."""
+    return web.json_response({"object": "list", "data": [
+        {"id": "demo-model", "object": "model", "created": 0, "owned_by": "bench"}]})
+
+
 async def chat(request: web.Request) -> web.StreamResponse:
     try:
         body = json.loads(await request.read())
         n = int(body.get("max_tokens") or 16)
-        delay_s = float(request.headers.get(DELAY_HEADER, "0")) / 1000.0
+        delay_s = float(request.headers.get(DELAY_HEADER, DEFAULT_DELAY_MS[0])) / 1000.0
     except (ValueError, TypeError, AttributeError):
         return web.json_response({"error": {"message": "bad request"}}, status=400)
     if not 1 <= n <= MAX_TOKENS_CAP or not 0 <= delay_s <= 10:
@@ -76,6 +84,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
 async def serve(host: str, port: int) -> None:
     app = web.Application()
     app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/chat/completions", chat)
     runner = web.AppRunner(app, access_log=None, handler_cancellation=False,
                            shutdown_timeout=1.0)
@@ -89,7 +98,10 @@ def main() -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--name", default="ts")
+    p.add_argument("--token-delay-ms", type=float, default=0.0,
+                   help="delay between tokens when the request has no delay header")
     a = p.parse_args()
+    DEFAULT_DELAY_MS[0] = f"{a.token_delay_ms:g}"
     with contextlib.suppress(ImportError):
         import uvloop  # same event loop family as the processor; lower noise
 
