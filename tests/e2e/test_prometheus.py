@@ -252,6 +252,8 @@ def _helm_docs(*args: str) -> list[dict[str, Any]]:
     assert HELM is not None
     r = subprocess.run([HELM, "template", "gw", str(ROOT / "helm" / "llm-failover-extproc"),
                         "--kube-version", "1.30.0",
+                        # The image has no default (decision 0038).
+                        "--set", "image.processor.repository=registry.example/llm-failover-extproc",
                         *args], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     return [d for d in yaml.safe_load_all(r.stdout) if d]
