@@ -92,3 +92,34 @@ def test_one_shard_is_the_store_itself() -> None:
     s0, _ = _stores()
     journal, ledger = journal_for([s0], 60)
     assert journal is s0 and isinstance(ledger, ToolLedger) and ledger.s is s0
+
+
+class _Answers:
+    def __init__(self, at: float | None) -> None:
+        self.last_answer = at
+
+    async def healthy(self) -> bool:
+        return self.last_answer is not None
+
+
+def test_each_shard_has_its_silence_gauge_and_readiness_follows_shard_0() -> None:
+    from collections.abc import Callable
+
+    from extproc.adapters.readiness import HealthReporter, export_gauges
+
+    seen: dict[str, Callable[[], float | None]] = {}
+
+    class Gauges:
+        def observe(self, name: str, description: str, unit: str,
+                    read: Callable[[], float | None]) -> None:
+            seen[name] = read
+
+    shards = [_Answers(90.0), _Answers(None), _Answers(99.5)]
+    rep = HealthReporter(None, shards[0], 5.0, clock=lambda: 100.0)  # type: ignore[arg-type]
+    export_gauges(Gauges(), rep, lambda: 0, None, shards)
+    assert seen["llmgw.etcd.last_answer_age"]() == 10.0  # readiness's source: shard 0
+    assert [seen[f"llmgw.etcd.shard{k}.last_answer_age"]() for k in range(3)] == \
+        [10.0, None, 0.5]
+    seen.clear()
+    export_gauges(Gauges(), rep, lambda: 0, None, shards[:1])  # one cluster: no shard gauges
+    assert not [n for n in seen if ".shard" in n]
