@@ -114,6 +114,11 @@ class Env:
     clock: FakeClock | None
     raws: tuple[MemoryStore, ...] | tuple[EtcdStore]
 
+    @property
+    def raw(self) -> MemoryStore | EtcdStore:
+        """The store that holds req_a's keys (in the sharded run, req_a's shard)."""
+        return self.raws[shard_of("req_a", len(self.raws))]
+
     async def pass_time(self, s: float) -> None:
         """s seconds go by: on the fake clock, advanced and expired; on etcd, real ones
         (EtcdStore's clock is the system's and a real lease ends on etcd's own time:
