@@ -15,7 +15,7 @@ include image.mk
 
 .PHONY: help install run test lint typecheck unit e2e bench bench-quick bench-pool profile \
 	bench-floors bench-cells bench-transports bench-timeline bench-agent bench-abandoned bench-journal \
-	bench-peers peers-install envoy-config mesh-config chart prometheus dashboard-image clean
+	bench-journal-shards bench-peers peers-install envoy-config mesh-config chart prometheus dashboard-image clean
 
 help:
 	@echo "make run        etcd + processor + Envoy (:10000) + demo replicas on loopback"
@@ -30,6 +30,7 @@ help:
 	@echo "make bench-agent   the replica agent's own cost per chunk: through it vs straight to the replica"
 	@echo "make bench-abandoned  engine-seconds spent on abandoned attempts per 100 faults, with and without the replica agent"
 	@echo "make bench-journal  the journal's ceiling: requests/s one etcd cluster (1 and 3 members, fsync on) carries"
+	@echo "make bench-journal-shards  the same, one 1-member cluster vs the journal sharded over two (JOURNAL_ARGS=... for more)"
 	@echo "make bench-peers   plain Envoy, ours, LiteLLM, smg, vllm-router: same replicas, same loads (.venv-peers)"
 	@echo "make profile    where the processor's time goes under load (py-spy)"
 	@echo "make sweep      the full fault sweep (docs/sweep.md)"
@@ -110,7 +111,11 @@ bench-abandoned: install
 ## The journal's ceiling (issue 28): requests/s one etcd cluster (1 and 3 members, fsync on)
 ## carries for the journal store's own per-request txns, open-loop; etcdctl check perf beside.
 bench-journal: install
-	$(PY) -m bench.journal_ceiling
+	$(PY) -m bench.journal_ceiling $(JOURNAL_ARGS)
+
+## The same, one cluster against the journal sharded over two (decision 0042).
+bench-journal-shards: install
+	$(PY) -m bench.journal_ceiling --members 1 --shards 1,2 --check-perf "" $(JOURNAL_ARGS)
 
 ## The peer gateways (LiteLLM proxy, smg, vllm-router) in their own venv: their protobuf,
 ## grpcio and OpenTelemetry pins conflict with ours. Not part of `make install`.

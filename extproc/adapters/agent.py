@@ -36,8 +36,9 @@ import socket
 import struct
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import aiohttp
@@ -49,6 +50,7 @@ from ..core.families import family_for_path
 from ..core.source import Do, Input, LeaseView, Phase, SourceFence
 from .kv import KV, Get, KeyValue, Put, Txn, WatchEvent
 from .leases import StoreUnavailable
+from .shards import shard_of
 from .telemetry import Telemetry, end_span
 
 __all__ = ["DEFAULT_METRICS", "AgentMetrics", "EngineSpec", "ReplicaAgent"]
@@ -195,12 +197,16 @@ def metric_sum(text: str, names: tuple[str, ...]) -> float | None:
 
 
 class ReplicaAgent:
-    def __init__(self, kv: KV, prefix: str, lease_ttl_s: float, engine: EngineSpec, *,
+    def __init__(self, kv: KV | Sequence[KV], prefix: str, lease_ttl_s: float,
+                 engine: EngineSpec, *,
                  ack_timeout_s: float = 5.0,
                  clock: Callable[[], float] = time.monotonic,
                  wall: Callable[[], float] = time.time,
                  telemetry: Telemetry | None = None) -> None:
-        self.kv = kv
+        # One KV per journal shard (decision 0042): a request's keys are on the cluster
+        # `shard_of(request id)` names, as the processor computes it from the same config.
+        self.kvs: tuple[KV, ...] = tuple(kv) if isinstance(kv, Sequence) else (kv,)
+        self.kv = self.kvs[0]
         self.tel = telemetry
         self.prefix = prefix.encode()
         self.ttl_s = lease_ttl_s
@@ -215,9 +221,11 @@ class ReplicaAgent:
         # One watch of `live/<rid>` per request with an attempt in flight here, stopped
         # with its last one: an agent hears its own attempts' fences, not the fleet's.
         self._live_watches: dict[str, Callable[[], None]] = {}
-        self._leases: dict[int, LeaseView] = {}
-        self._refreshing: set[int] = set()
-        self._own_leases: dict[str, tuple[int, float]] = {}  # ack|src -> (id, granted)
+        self._leases: dict[tuple[int, int], LeaseView] = {}  # (shard, lease id)
+        self._refreshing: set[tuple[int, int]] = set()
+        # (ack|src, shard) -> (id, granted)
+        self._own_leases: dict[tuple[str, int], tuple[int, float]] = {}
+        self._watches_up: set[int] = set()  # shards whose cancel watch is up
         self._lease_lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._stops: list[Callable[[], None]] = []
@@ -229,6 +237,12 @@ class ReplicaAgent:
         self._finished: OrderedDict[tuple[str, str], float] = OrderedDict()
 
     # --- keys ----------------------------------------------------------------------------
+
+    def _shard(self, rid: str) -> int:
+        return shard_of(rid, len(self.kvs))
+
+    def _kv(self, rid: str) -> KV:
+        return self.kvs[shard_of(rid, len(self.kvs))]
 
     def _live(self, rid: str) -> bytes:
         return self.prefix + b"/live/" + rid.encode()
@@ -250,9 +264,10 @@ class ReplicaAgent:
             connector=aiohttp.TCPConnector(limit=1024, enable_cleanup_closed=True),
             auto_decompress=False, skip_auto_headers=("Accept-Encoding", "User-Agent"),
             timeout=aiohttp.ClientTimeout(total=None, connect=5.0, sock_connect=5.0))
-        # Cancels are few (only uncertain ends): one watch of them all.
-        self._stops.append(self.kv.watch(self.prefix + b"/cancel/", self._cancel_event,
-                                         self._watch_state, "agent cancel watch"))
+        # Cancels are few (only uncertain ends): one watch of them all, per shard.
+        for i, kv in enumerate(self.kvs):
+            self._stops.append(kv.watch(self.prefix + b"/cancel/", self._cancel_event,
+                                        partial(self._watch_state, i), "agent cancel watch"))
         self._ticker = asyncio.ensure_future(self._tick())
 
     async def close(self) -> None:
@@ -297,15 +312,20 @@ class ReplicaAgent:
 
     # --- watches, the ticker -------------------------------------------------------------
 
-    def _watch_state(self, up: bool) -> None:
+    def _watch_state(self, shard: int, up: bool) -> None:
         if not up:
+            self._watches_up.discard(shard)
             self.watch_up.clear()
             return
-        was = self.watch_up.is_set()
-        self.watch_up.set()
+        was = shard in self._watches_up
+        self._watches_up.add(shard)
+        if len(self._watches_up) == len(self.kvs):
+            self.watch_up.set()
         if not was:
             # Changes made while the watch was down were not heard: read them again.
             for rid, ts in list(self._by_rid.items()):
+                if self._shard(rid) != shard:
+                    continue
                 for t in list(ts):
                     self._spawn(self._recheck(rid, t))
 
@@ -319,8 +339,8 @@ class ReplicaAgent:
             if up:
                 for t in list(self._by_rid.get(rid, ())):
                     self._spawn(self._recheck(rid, t))
-        self._live_watches[rid] = self.kv.watch(self._live(rid), self._live_event, state,
-                                                "agent live watch")
+        self._live_watches[rid] = self._kv(rid).watch(self._live(rid), self._live_event,
+                                                      state, "agent live watch")
 
     async def _recheck(self, rid: str, t: Tracked) -> None:
         try:
@@ -367,13 +387,13 @@ class ReplicaAgent:
         while True:
             await asyncio.sleep(_TICK_S)
             now = self.clock()
-            used: set[int] = set()
+            used: set[tuple[int, int]] = set()
             for ts in list(self._by_rid.values()):
                 for t in list(ts):
                     f = t.fence
                     if f.phase is not Phase.FORWARDING:
                         continue
-                    used.add(f.lease.lease)
+                    used.add((self._shard(f.request_id), f.lease.lease))
                     tr = t.request.transport
                     if tr is None or tr.is_closing():
                         self._execute(t, f.step(Input.DOWNSTREAM_GONE, now))
@@ -383,20 +403,20 @@ class ReplicaAgent:
                 if lease not in used:
                     del self._leases[lease]
                 elif self._leases[lease].refresh_due(now) and lease not in self._refreshing:
-                    self._spawn(self._refresh(self._leases[lease]))
+                    self._spawn(self._refresh(lease[0], self._leases[lease]))
 
-    async def _refresh(self, lv: LeaseView) -> None:
-        self._refreshing.add(lv.lease)
+    async def _refresh(self, shard: int, lv: LeaseView) -> None:
+        self._refreshing.add((shard, lv.lease))
         try:
             sent = self.clock()
-            remaining = await self.kv.time_to_live(lv.lease)
+            remaining = await self.kvs[shard].time_to_live(lv.lease)
             lv.answered(sent, float(remaining))
         except StoreUnavailable as e:
             log.warning("lease time-to-live not answered; the deadline stands",
                         extra={"request_id": None, "attempt_id": None, "lease": lv.lease,
                                "error": str(e)})
         finally:
-            self._refreshing.discard(lv.lease)
+            self._refreshing.discard((shard, lv.lease))
 
     # --- executing the fence's decisions ------------------------------------------------
 
@@ -505,8 +525,8 @@ class ReplicaAgent:
                        ids: dict[str, Any]) -> bool:
         why = str(ack.get("why", ""))
         try:
-            lease = await self._own_lease("ack", _ACK_TTL_S)
-            await self.kv.txn(Txn(success=[Put(self._ack(rid, aid), json.dumps(ack).encode(),
+            lease = await self._own_lease("ack", _ACK_TTL_S, rid)
+            await self._kv(rid).txn(Txn(success=[Put(self._ack(rid, aid), json.dumps(ack).encode(),
                                                lease)]))
         except StoreUnavailable as e:
             self.metrics.inc("ack_write_failures", why)
@@ -554,14 +574,16 @@ class ReplicaAgent:
                                          timeout=aiohttp.ClientTimeout(total=1.0)) as r:
                 await r.read()
 
-    async def _own_lease(self, kind: str, ttl_s: int) -> int:
+    async def _own_lease(self, kind: str, ttl_s: int, rid: str) -> int:
+        """The agent's lease for its `kind` keys on the cluster of `rid`'s shard."""
+        key = (kind, self._shard(rid))
         async with self._lease_lock:
-            held = self._own_leases.get(kind)
+            held = self._own_leases.get(key)
             now = self.clock()
             if held is not None and now - held[1] < ttl_s / 2:
                 return held[0]
-            lease = await self.kv.grant(ttl_s)
-            self._own_leases[kind] = (lease.id, now)
+            lease = await self._kv(rid).grant(ttl_s)
+            self._own_leases[key] = (lease.id, now)
             return lease.id
 
     async def _notice(self, t: Tracked) -> None:
@@ -569,8 +591,8 @@ class ReplicaAgent:
         forwarding)."""
         f = t.fence
         try:
-            lease = await self._own_lease("src", _SRC_TTL_S)
-            await self.kv.txn(Txn(success=[Put(
+            lease = await self._own_lease("src", _SRC_TTL_S, f.request_id)
+            await self._kv(f.request_id).txn(Txn(success=[Put(
                 self._src(t.processor, f.request_id, f.attempt_id),
                 json.dumps({"at": self.wall(), "first_content": True}).encode(), lease)]))
             self.metrics.inc("src_notices")
@@ -578,7 +600,7 @@ class ReplicaAgent:
             log.warning("first-content notice not written", extra={**t.ids, "error": str(e)})
 
     async def _read(self, rid: str, aid: str) -> tuple[KeyValue | None, KeyValue | None]:
-        res = await self.kv.txn(Txn(success=[Get(self._live(rid)),
+        res = await self._kv(rid).txn(Txn(success=[Get(self._live(rid)),
                                              Get(self._cancel(rid, aid))]))
         live = res.reads[0][0] if res.reads and res.reads[0] else None
         cancel = res.reads[1][0] if len(res.reads) > 1 and res.reads[1] else None
@@ -654,11 +676,13 @@ class ReplicaAgent:
             live, cancel = await self._read(f.request_id, f.attempt_id)
             lv: LeaseView | None = None
             if live is not None and live.value == f.attempt_id.encode():
-                lv = self._leases.get(live.lease)
+                held = (self._shard(f.request_id), live.lease)
+                lv = self._leases.get(held)
                 if lv is None or lv.refresh_due(self.clock()):
-                    lv = self._leases.setdefault(live.lease, LeaseView(live.lease, self.ttl_s))
+                    lv = self._leases.setdefault(held, LeaseView(live.lease, self.ttl_s))
                     sent = self.clock()
-                    lv.answered(sent, float(await self.kv.time_to_live(live.lease)))
+                    lv.answered(sent, float(await self._kv(f.request_id).time_to_live(
+                        live.lease)))
         except StoreUnavailable as e:
             self.metrics.inc("unverified_refusals")
             log.warning("attempt not verified: etcd unavailable; refused",
@@ -794,11 +818,12 @@ async def run(cfg: Any, record: Mapping[str, Any], listen: str, engine: EngineSp
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
-    kv = EtcdKV(cfg.etcd)
-    kv.open()
+    kvs = [EtcdKV(c) for c in cfg.etcd.clusters()]  # one per journal shard (decision 0042)
+    for kv in kvs:
+        kv.open()
     # The processor's OTel settings (telemetry.*, OTEL_*); the agent's id as the instance.
     tel = Telemetry(cfg.telemetry, str((record.get("agent") or {}).get("id") or "agent"))
-    agent = ReplicaAgent(kv, cfg.etcd.prefix, cfg.etcd.attempt_lease_ttl_s, engine,
+    agent = ReplicaAgent(kvs, cfg.etcd.prefix, cfg.etcd.attempt_lease_ttl_s, engine,
                          ack_timeout_s=ack_timeout_s, telemetry=tel)
     await agent.start()
     runners = []
@@ -825,5 +850,6 @@ async def run(cfg: Any, record: Mapping[str, Any], listen: str, engine: EngineSp
         for runner in runners:
             await runner.cleanup()
         await agent.close()
-        await kv.close()
+        for kv in kvs:
+            await kv.close()
         tel.shutdown()  # flushes the spans still batched

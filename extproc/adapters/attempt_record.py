@@ -43,7 +43,7 @@ class AttemptRecord:
 
     async def take_lease(self) -> E.Event:
         """Attempt 1, admitted with its request: its permission is the process lease."""
-        self.lease = await self.p.journal.attempt_lease()
+        self.lease = await self.p.journal.attempt_lease(self.rid)
         return E.AdmitDecided(True, mono=self.p.clock.monotonic(), wall=self.p.clock.wall())
 
     async def admit(self, a: E.Admit, never_started: Callable[[str], bool]) -> E.Event:

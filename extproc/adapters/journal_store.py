@@ -131,10 +131,13 @@ class JournalStore:
         """The lease this process's live attempts hang on (granted on first use)."""
         raise NotImplementedError
 
-    def current_process_lease(self) -> ProcessLease | None:
+    def current_process_lease(self, rid: str) -> ProcessLease | None:
+        """This store's process lease (one per cluster: `rid` names the request's shard,
+        shards.py)."""
         return self._attempts
 
-    async def attempt_lease(self) -> AttemptLease:
+    async def attempt_lease(self, rid: str) -> AttemptLease:
+        """Attempt 1's permission: the process lease of the request's cluster."""
         return AttemptLease(await self.process_lease())
 
     def start_background(self) -> None:

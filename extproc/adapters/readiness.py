@@ -1,7 +1,8 @@
 """The processor's gRPC health services: readiness follows etcd, liveness the event loop.
 
 Service "" (what a readiness probe or a plain `grpc_health_probe` asks) is decided by
-`extproc.core.readiness` from the time etcd last answered any call of this process: the
+`extproc.core.readiness` from the time etcd (shard 0's cluster, when the journal is sharded:
+decision 0042) last answered any call of this process: the
 per-request transactions, the retry-budget exchange once a second, lease grants. Only when
 none has answered for half the grace does this loop ask etcd itself (one Range), so a busy
 or idle processor adds no etcd round trip per request. Service "liveness" is SERVING from
@@ -15,7 +16,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, Protocol
 
 from grpc_health.v1 import health_pb2
@@ -136,6 +138,11 @@ class HealthReporter:
         await self.hs.enter_graceful_shutdown()
 
 
+def _age(clock: Callable[[], float], source: AnswerSource) -> float | None:
+    at = source.last_answer
+    return None if at is None else max(0.0, clock() - at)
+
+
 class _Gauges(Protocol):
     def observe(self, name: str, description: str, unit: str,
                 read: Callable[[], float | None]) -> None: ...
@@ -143,14 +150,26 @@ class _Gauges(Protocol):
 
 def export_gauges(tel: _Gauges, reporter: HealthReporter,
                   open_streams: Callable[[], int],
-                  loop_lag: Callable[[], float | None] | None = None) -> None:
-    """The processor's state as gauges (OTLP and /metrics alike; read at each collection)."""
+                  loop_lag: Callable[[], float | None] | None = None,
+                  shards: Sequence[AnswerSource] = ()) -> None:
+    """The processor's state as gauges (OTLP and /metrics alike; read at each collection).
+
+    With the journal on several etcd clusters (decision 0042) readiness follows shard 0
+    (the pool-wide keys) and each shard's silence is its own gauge: a shard that stopped
+    answering refuses only its own requests, so it is an alert, not a reason to take
+    every request off this processor."""
     tel.observe("llmgw.ready", "1 while readiness is SERVING (etcd answering), else 0", "1",
                 lambda: 1.0 if reporter.ready else 0.0)
     tel.observe("llmgw.etcd.last_answer_age", "seconds since etcd last answered a call "
                 "of this process (absent until it first has)", "s", reporter.last_answer_age)
     tel.observe("llmgw.open_streams", "ext_proc streams open now (gates and guards)", "1",
                 lambda: float(open_streams()))
+    if len(shards) > 1:
+        for i, shard in enumerate(shards):
+            tel.observe(f"llmgw.etcd.shard{i}.last_answer_age",
+                        f"seconds since journal shard {i}'s etcd cluster last answered a call "
+                        "of this process (absent until it first has)", "s",
+                        partial(_age, reporter.clock, shard))
     if loop_lag is not None:
         tel.observe("llmgw.event_loop.lag", "the longest the event loop ran late over the "
                     "last 10 s (its saturation: every chunk waits behind it)", "s", loop_lag)

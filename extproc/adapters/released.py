@@ -29,7 +29,7 @@ class Released:
 
     def __init__(self, p: ReleasePorts, rid: str, ho: HandOff, span: Span | None) -> None:
         self.p, self.rid, self.handoff, self.span, self.trace = p, rid, ho, span, ho.trace
-        pl = p.journal.current_process_lease()
+        pl = p.journal.current_process_lease(rid)
         # The attempt's `live` key hangs on the lease of the process that admitted it; when
         # that is us, its local deadline also bounds publishing (etcd unreachable).
         self.lease = AttemptLease(pl if pl is not None and pl.lease_id == ho.lease_id

@@ -28,7 +28,7 @@ from ..gen.envoy.service.endpoint.v3 import eds_pb2_grpc
 from ..gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from ..gen.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from .etcd_pool import EtcdPoolRegistry
-from .etcd_store import EtcdStore, ToolLedger
+from .etcd_store import EtcdStore
 from .gate import UNSAFE_RELEASE_WITHOUT_FENCE, GateSession
 from .grpclib_server import GrpclibServer, HealthBoard, Services
 from .guard import GuardSession
@@ -37,6 +37,7 @@ from .membership import EndpointDiscovery, LiveMembership
 from .processor import Processor, log
 from .readiness import HealthReporter, export_gauges
 from .session import Messages
+from .shards import journal_for
 
 # --- the handlers both gRPC stacks serve -----------------------------------------------
 
@@ -127,10 +128,14 @@ class GrpcAioServer:
 
 
 async def serve(cfg: Config, ready: Callable[[str], None] | None = None) -> None:
-    store = EtcdStore(cfg.etcd, owner=f"{cfg.server.gateway_id}/{os.getpid()}")
-    await store.connect()
-    store.start_background()
-    proc = Processor(cfg, store, ToolLedger(store, cfg.tools.ledger_ttl_s))
+    # One store per etcd cluster of the journal (decision 0042); shard 0 is `etcd` itself.
+    stores = [EtcdStore(c, owner=f"{cfg.server.gateway_id}/{os.getpid()}")
+              for c in cfg.etcd.clusters()]
+    for store in stores:
+        await store.connect()
+        store.start_background()
+    store = stores[0]  # the pool-wide keys: registrations, the retry budget; readiness
+    proc = Processor(cfg, *journal_for(stores, cfg.tools.ledger_ttl_s))
     proc.tel.serve_metrics()  # server.metrics_listen (a port in use stops us here)
     proc.spawn(proc.share_budget(), "budget-exchange")
     registry = None
@@ -156,7 +161,7 @@ async def serve(cfg: Config, ready: Callable[[str], None] | None = None) -> None
     await health_rep.start()
     lag = LoopLag()
     lag.start()
-    export_gauges(proc.tel, health_rep, lambda: proc.open_streams, lag.worst)
+    export_gauges(proc.tel, health_rep, lambda: proc.open_streams, lag.worst, stores)
     # Everything allocated at start-up lives for the process: keep it out of every future
     # collection, and collect young objects less often (fewer pauses in the chunk path).
     gc.collect()
@@ -189,6 +194,7 @@ async def serve(cfg: Config, ready: Callable[[str], None] | None = None) -> None
     proc.tel.shutdown()
     if registry is not None:
         await registry.close()
-    await store.close()
+    for store in stores:
+        await store.close()
     await lag.stop()
     await health_rep.stop()

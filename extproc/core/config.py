@@ -8,7 +8,7 @@ an operator reading a crash loop at 3 a.m. needs to know which line to fix.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .pool import FingerprintError, pool_from_config
@@ -141,6 +141,15 @@ class EtcdConfig:
     session_ttl_s: int = 15
     tls: EtcdTlsConfig = field(default_factory=EtcdTlsConfig)
     auth: EtcdAuthConfig = field(default_factory=EtcdAuthConfig)
+    # More etcd clusters for the journal, sharded by request id (decision 0042): this
+    # section is shard 0 (it also keeps the pool-wide keys), shards[i] is shard i + 1, each
+    # with its own endpoints, TLS and auth and this section's other fields. Empty: one
+    # cluster. The count is fixed for a deployment (changing it moves requests' records).
+    shards: tuple[EtcdConfig, ...] = ()
+
+    def clusters(self) -> tuple[EtcdConfig, ...]:
+        """Every shard's connection, shard 0 (this section) first."""
+        return (self, *self.shards)
 
 
 @dataclass(frozen=True)
@@ -519,15 +528,15 @@ def _etcd_tls(r: _Reader) -> EtcdTlsConfig:
     if (tls.cert_file is None) != (tls.key_file is None):
         given, missing = (("cert_file", "key_file") if tls.key_file is None
                           else ("key_file", "cert_file"))
-        raise ConfigError(f"etcd.tls.{missing}",
-                          f"must be set with etcd.tls.{given} (a client certificate and its "
+        raise ConfigError(f"{r.path}.{missing}",
+                          f"must be set with {r.path}.{given} (a client certificate and its "
                           "key go together)")
     if not tls.enabled:
         for name in ("ca_file", "cert_file", "key_file", "server_name"):
             if getattr(tls, name) is not None:
                 # Set but ignored would dial etcd in plaintext while the file says TLS.
-                raise ConfigError("etcd.tls.enabled",
-                                  f"must be true when etcd.tls.{name} is set")
+                raise ConfigError(f"{r.path}.enabled",
+                                  f"must be true when {r.path}.{name} is set")
     return tls
 
 
@@ -538,8 +547,37 @@ def _etcd_auth(r: _Reader) -> EtcdAuthConfig:
     if (auth.username_file is None) != (auth.password_file is None):
         given, missing = (("username_file", "password_file") if auth.password_file is None
                           else ("password_file", "username_file"))
-        raise ConfigError(f"etcd.auth.{missing}", f"must be set with etcd.auth.{given}")
+        raise ConfigError(f"{r.path}.{missing}", f"must be set with {r.path}.{given}")
     return auth
+
+
+def _etcd_shards(e: _Reader, main: EtcdConfig) -> tuple[EtcdConfig, ...]:
+    """etcd.shards: each a cluster's endpoints, TLS and auth; the rest is the section's."""
+    e.used.add("shards")
+    raw = e.raw.get("shards")
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise ConfigError("etcd.shards", f"must be a list of clusters, got {raw!r}")
+    shards = []
+    seen = {ep: "etcd.endpoints" for ep in main.endpoints}
+    for i, item in enumerate(raw):
+        r = _Reader(item, f"etcd.shards[{i}]")
+        if "endpoints" not in r.raw:
+            raise ConfigError(f"etcd.shards[{i}].endpoints", "must be set (a cluster's members)")
+        shard = replace(main, endpoints=r.str_list("endpoints", main.endpoints),
+                        tls=_etcd_tls(r.section("tls")), auth=_etcd_auth(r.section("auth")),
+                        shards=())
+        r.done()
+        for j, ep in enumerate(shard.endpoints):
+            _check_etcd_endpoint(f"etcd.shards[{i}].endpoints[{j}]", ep)
+            if ep in seen:
+                # Two shards on one cluster would each think they own its requests' keys.
+                raise ConfigError(f"etcd.shards[{i}].endpoints[{j}]",
+                                  f"{ep} is already a member of {seen[ep]}'s cluster")
+            seen[ep] = f"etcd.shards[{i}]"
+        shards.append(shard)
+    return tuple(shards)
 
 
 def _check_etcd_endpoint(path: str, ep: str) -> None:
@@ -598,6 +636,7 @@ def load_config(raw: Mapping[str, Any] | None) -> Config:
         raise ConfigError("etcd.resend_deadline_s",
                           f"must be at least etcd.timeout_s ({etcd.timeout_s}), got "
                           f"{etcd.resend_deadline_s}")
+    etcd = replace(etcd, shards=_etcd_shards(e, etcd))
     e.done()
     t = root.section("timeouts")
     timeouts = TimeoutsConfig(

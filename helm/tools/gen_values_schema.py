@@ -257,6 +257,12 @@ schema = {
                                        "description": "the Secret has tls.crt and tls.key"},
                         "serverName": nullable_str}),
             "auth": obj({"enabled": {"type": "boolean"}, "secretName": nullable_str}),
+            "shards": {"type": "array",
+                       "description": "more etcd clusters for the journal, sharded by request "
+                                      "id (decision 0042); each uses the TLS and auth above",
+                       "items": obj({"endpoints": {
+                           "type": "array", "minItems": 1,
+                           "items": {"type": "string", "pattern": "^[^:\\s]+:[0-9]+$"}}})},
         }),
         "envoy": obj({
             "port": port,

@@ -1,9 +1,11 @@
 """One contract for the journal and the tool ledger, run on both stores.
 
 Every transaction is written once (journal_store.py) over the KV port; every test of the
-`env` fixture runs it twice with identical assertions: on MemoryStore (the in-memory fake of
-etcd, time on a fake clock, advanced instead of slept) and on EtcdStore over a real etcd
-started for this module on a free loopback port (short TTLs, real time). A difference
+`env` fixture runs it three times with identical assertions: on MemoryStore (the in-memory fake of
+etcd, time on a fake clock, advanced instead of slept), on EtcdStore over a real etcd
+started for this module on a free loopback port (short TTLs, real time), and through the
+shard router over two MemoryStores (shards.py, decision 0042: the requests of this suite
+land on both shards). A difference
 between the two is a failure here (the fake is not etcd where the journal relies on it, or
 the stores' own leases differ), so a hermetic session test on MemoryStore means what it
 would on etcd. test_kv_memory.py holds the fake to etcd below the journal.
@@ -29,6 +31,7 @@ from extproc.adapters.etcd_store import EtcdStore, ToolLedger
 from extproc.adapters.leases import AdmitResult
 from extproc.adapters.memory_store import MemoryLedger, MemoryStore
 from extproc.adapters.ports import Journal, Ledger
+from extproc.adapters.shards import ShardedJournal, ShardedLedger, shard_of
 from extproc.core.config import EtcdConfig, load_config
 from extproc.core.credentials import digest
 
@@ -109,7 +112,12 @@ class Env:
     store: Journal
     ledger: Ledger
     clock: FakeClock | None
-    raw: MemoryStore | EtcdStore
+    raws: tuple[MemoryStore, ...] | tuple[EtcdStore]
+
+    @property
+    def raw(self) -> MemoryStore | EtcdStore:
+        """The store that holds req_a's keys (in the sharded run, req_a's shard)."""
+        return self.raws[shard_of("req_a", len(self.raws))]
 
     async def pass_time(self, s: float) -> None:
         """s seconds go by: on the fake clock, advanced and expired; on etcd, real ones
@@ -118,30 +126,44 @@ class Env:
         if self.clock is None:
             await asyncio.sleep(s)
             return
-        assert isinstance(self.raw, MemoryStore)
         await idle()  # waiting tasks reach their wait first (turns of the loop, no time)
         self.clock.advance(s)
-        self.raw.expire_leases()
+        for raw in self.raws:
+            assert isinstance(raw, MemoryStore)
+            raw.expire_leases()
         await idle()  # and see the new time
 
     async def revoke_session(self) -> None:
-        """What etcd does to the session lease of a processor that died."""
-        lid = await self.raw.session_lease()
-        if isinstance(self.raw, MemoryStore):
-            self.raw.revoke_lease(lid)
-        else:
-            await self.raw.kv.revoke(lid)
+        """What etcd does to the session lease of a processor that died (on every shard)."""
+        for raw in self.raws:
+            lid = await raw.session_lease()
+            if isinstance(raw, MemoryStore):
+                raw.revoke_lease(lid)
+            else:
+                await raw.kv.revoke(lid)
 
 
-@pytest.fixture(params=["memory", "etcd"])
+@pytest.fixture(params=["memory", "etcd", "sharded"])
 async def env(request: pytest.FixtureRequest) -> AsyncIterator[Env]:
     if request.param == "memory":
         clock = FakeClock()
         mem = MemoryStore(_cfg("127.0.0.1:1"), clock, owner=OWNER)
         await mem.connect()
         mem.start_background()
-        yield Env("memory", mem, MemoryLedger(mem, 3600), clock, mem)
+        yield Env("memory", mem, MemoryLedger(mem, 3600), clock, (mem,))
         await mem.close()
+        return
+    if request.param == "sharded":
+        clock = FakeClock()
+        mems = (MemoryStore(_cfg("127.0.0.1:1"), clock, owner=OWNER),
+                MemoryStore(_cfg("127.0.0.1:2"), clock, owner=OWNER))
+        for m in mems:
+            await m.connect()
+            m.start_background()
+        yield Env("sharded", ShardedJournal(mems),
+                  ShardedLedger([MemoryLedger(m, 3600) for m in mems]), clock, mems)
+        for m in mems:
+            await m.close()
         return
     endpoint: str = request.getfixturevalue("etcd_endpoint")
     etcd = EtcdStore(_cfg(endpoint), owner=OWNER)
@@ -149,7 +171,7 @@ async def env(request: pytest.FixtureRequest) -> AsyncIterator[Env]:
     etcd.start_background()
     try:
         await asyncio.wait_for(etcd.watch_connected.wait(), 5)
-        yield Env("etcd", etcd, ToolLedger(etcd, 3600), None, etcd)
+        yield Env("etcd", etcd, ToolLedger(etcd, 3600), None, (etcd,))
     finally:
         await etcd.close()
 
@@ -234,9 +256,9 @@ async def test_attempt_1_is_admitted_with_the_request(env: Env) -> None:
     assert view is not None
     assert view.live_attempt_id == "att_1" and view.attempts == (_rec(1, "att_1"),)
     assert view.guard == OWNER and not view.orphaned
-    pl = s.current_process_lease()
+    pl = s.current_process_lease("req_a")
     assert pl is not None and pl.valid(env.clock.monotonic() if env.clock else None)
-    lease = await s.attempt_lease()
+    lease = await s.attempt_lease("req_a")
     assert lease.lease_id == pl.lease_id and lease.valid(
         env.clock.monotonic() if env.clock else None)
     again = await s.open_request("req_a", META, ("att_y", _rec(1, "att_y")))
@@ -866,3 +888,8 @@ async def test_progress_traces_and_budget_exchange(env: Env) -> None:
     assert await s.exchange_budget("gw-a", 10, 1) == {}
     assert await s.exchange_budget("gw-b", 20, 2) == {"gw-a": (10, 1)}
     assert await s.exchange_budget("gw-a", 11, 0) == {"gw-b": (20, 2)}
+
+
+def test_the_sharded_run_spreads_its_requests_over_both_shards() -> None:
+    # Otherwise "sharded" would run the whole contract on one store behind the router.
+    assert {shard_of(r, 2) for r in ("req_a", "req_b", "req_c", "req_d")} == {0, 1}

@@ -62,13 +62,13 @@ async def test_memory_a_revoked_process_lease_fences_its_attempts() -> None:
     await s.open_request("req_a", META, ("att_1", _rec(1, "att_1")))
     seen: list[str | None] = []
     s.on_live_change("req_a", seen.append)
-    pl = s.current_process_lease()
+    pl = s.current_process_lease("req_a")
     assert pl is not None and pl.valid(clock.monotonic())
     s.revoke_lease(pl.lease_id)
     assert seen == [None] and not pl.valid(clock.monotonic())
     view = await s.get("req_a")
     assert view is not None and view.live_attempt_id is None
-    lease = await s.attempt_lease()
+    lease = await s.attempt_lease("req_a")
     assert lease.lease_id != pl.lease_id and lease.valid(clock.monotonic())
 
 

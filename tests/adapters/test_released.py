@@ -33,7 +33,8 @@ class Journal:
         self.watches: list[Callable[[str | None], None]] = []
         self.unwatched = 0
 
-    def current_process_lease(self) -> ProcessLease | None:
+    def current_process_lease(self, rid: str) -> ProcessLease | None:
+        assert rid == RID
         return self.lease
 
     def on_live_change(self, rid: str, cb: Callable[[str | None], None],

@@ -497,3 +497,49 @@ def test_budget_config_errors_name_the_field(raw: dict[str, object], path: str) 
     with pytest.raises(ConfigError) as e:
         load_config({"policy": {"retry_budget": raw}, "timeouts": {"first_delta_s": 25}})
     assert e.value.path == path
+
+
+def test_etcd_shards_absent_is_one_cluster_the_section_itself() -> None:
+    cfg = load_config({"etcd": {"endpoints": ["10.0.0.1:2379"]}}).etcd
+    assert cfg.shards == () and cfg.clusters() == (cfg,)
+    assert load_config({"etcd": {"endpoints": ["10.0.0.1:2379"], "shards": []}}).etcd == cfg
+
+
+def test_etcd_shards_take_their_connection_and_the_sections_other_fields() -> None:
+    cfg = load_config({"etcd": {
+        "endpoints": ["10.0.0.1:2379"], "prefix": "/gw", "timeout_s": 0.5,
+        "attempt_lease_ttl_s": 7,
+        "shards": [{"endpoints": ["10.0.1.1:2379", "10.0.1.2:2379"]},
+                   {"endpoints": ["etcd-c:2379"],
+                    "tls": {"enabled": True, "ca_file": "/ca-c"},
+                    "auth": {"username_file": "/u", "password_file": "/p"}}]}}).etcd
+    c0, c1, c2 = cfg.clusters()
+    assert c0 is cfg
+    assert c1.endpoints == ("10.0.1.1:2379", "10.0.1.2:2379") and not c1.tls.enabled
+    assert c2.endpoints == ("etcd-c:2379",)
+    assert c2.tls.ca_file == "/ca-c" and c2.auth.username_file == "/u"
+    for c in (c1, c2):
+        assert (c.prefix, c.timeout_s, c.attempt_lease_ttl_s, c.shards) == ("/gw", 0.5, 7, ())
+
+
+@pytest.mark.parametrize(("shards", "named", "says"), [
+    ("etcd-b:2379", "etcd.shards", "must be a list"),
+    ([{}], "etcd.shards[0].endpoints", "must be set"),
+    (["etcd-b:2379"], "etcd.shards[0]", "must be a mapping"),
+    ([{"endpoints": ["etcd-b:2379"]}, {"endpoints": ["etcd-c"]}],
+     "etcd.shards[1].endpoints[0]", "must be host:port"),
+    ([{"endpoints": ["etcd-b:2379", "127.0.0.1:2379"]}], "etcd.shards[0].endpoints[1]",
+     "already a member of etcd.endpoints's cluster"),
+    ([{"endpoints": ["etcd-b:2379"]}, {"endpoints": ["etcd-b:2379"]}],
+     "etcd.shards[1].endpoints[0]", "already a member of etcd.shards[0]'s cluster"),
+    ([{"endpoints": ["etcd-b:2379"], "prefix": "/x"}], "etcd.shards[0].prefix",
+     "unknown field"),
+    ([{"endpoints": ["etcd-b:2379"], "tls": {"ca_file": "/ca"}}],
+     "etcd.shards[0].tls.enabled", "must be true when etcd.shards[0].tls.ca_file"),
+    ([{"endpoints": ["etcd-b:2379"], "auth": {"username_file": "/u"}}],
+     "etcd.shards[0].auth.password_file", "must be set with etcd.shards[0].auth.username_file"),
+])
+def test_etcd_shards_errors_name_the_field(shards: Any, named: str, says: str) -> None:
+    with pytest.raises(ConfigError) as exc:
+        load_config({"etcd": {"shards": shards}})
+    assert exc.value.path == named and says in exc.value.problem

@@ -510,6 +510,7 @@ def test_values_schema_knows_every_processor_config_field() -> None:
     want["etcd"].pop("endpoints")     # the chart's: values.etcd.endpoints
     want["etcd"].pop("tls", None)     # the chart's: values.etcd.tls (the mounted Secret)
     want["etcd"].pop("auth", None)    # the chart's: values.etcd.auth (the mounted Secret)
+    want["etcd"].pop("shards", None)  # the chart's: values.etcd.shards (decision 0042)
     # The mission's policy is nested one level deeper in the file than in the dataclass.
     pol = want["policy"]
     want["policy"] = {"on_upstream_failure": {k: pol.pop(k) for k in (
@@ -564,9 +565,19 @@ def test_etcd_tls_and_auth_point_the_processor_at_the_mounted_secrets() -> None:
         "key_file": f"{tls_dir}/tls.key", "server_name": v["etcd"]["tls"]["serverName"]}
     assert cfg["etcd"]["auth"] == {"username_file": f"{auth_dir}/username",
                                    "password_file": f"{auth_dir}/password"}
-    # Not enabled: the chart sets neither (the processor's defaults: plaintext, no auth).
+    # The journal's other clusters (decision 0042): their endpoints, the same TLS and auth.
+    assert cfg["etcd"]["shards"] == [
+        {"endpoints": s["endpoints"], "tls": cfg["etcd"]["tls"], "auth": cfg["etcd"]["auth"]}
+        for s in v["etcd"]["shards"]]
+    from extproc.core.config import load_config
+    clusters = load_config(cfg).etcd.clusters()
+    assert [c.endpoints for c in clusters] == [tuple(v["etcd"]["endpoints"])] + [
+        tuple(s["endpoints"]) for s in v["etcd"]["shards"]]
+    # Not enabled: the chart sets neither (the processor's defaults: plaintext, no auth),
+    # and no shards unless values name them.
     plain = yaml.safe_load(_processor_config_text(None))
     assert "tls" not in plain["etcd"] and "auth" not in plain["etcd"]
+    assert "shards" not in plain["etcd"]
 
 
 def test_extra_volumes_mount_the_tokenizers_the_config_names() -> None:

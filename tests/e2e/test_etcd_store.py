@@ -43,7 +43,7 @@ def test_intake_after_etcd_expired_our_leases_writes_on_new_ones(stack: Stack) -
             guard = await store._kv.Range(rpc.RangeRequest(key=store._k("req_t1", "guard")))
             new_process, new_session = live.kvs[0].lease, guard.kvs[0].lease
             assert new_process not in (0, old_process) and new_session not in (0, old_session)
-            pl = store.current_process_lease()
+            pl = store.current_process_lease("req_t1")
             assert pl is not None and pl.lease_id == new_process and pl.valid()
             assert (await store.session_lease()) == new_session
         finally:

@@ -141,6 +141,17 @@ Included by the Deployment, so `helm template` fails with these messages.
 {{- if .Values.etcd.auth.enabled -}}
 {{- $_ := set $cfg.etcd "auth" (dict "username_file" "/etc/extproc/etcd-auth/username" "password_file" "/etc/extproc/etcd-auth/password") -}}
 {{- end -}}
+{{- /* The journal's other clusters (decision 0042): each with the main etcd's TLS and auth. */ -}}
+{{- if .Values.etcd.shards -}}
+{{- $shards := list -}}
+{{- range .Values.etcd.shards -}}
+{{- $s := dict "endpoints" .endpoints -}}
+{{- if hasKey $cfg.etcd "tls" -}}{{- $_ := set $s "tls" $cfg.etcd.tls -}}{{- end -}}
+{{- if hasKey $cfg.etcd "auth" -}}{{- $_ := set $s "auth" $cfg.etcd.auth -}}{{- end -}}
+{{- $shards = append $shards $s -}}
+{{- end -}}
+{{- $_ := set $cfg.etcd "shards" $shards -}}
+{{- end -}}
 {{- toYaml $cfg -}}
 {{- end -}}
 
