@@ -14,7 +14,8 @@ include chaos.mk
 include image.mk
 
 .PHONY: help install run test lint typecheck unit e2e bench bench-quick bench-pool profile \
-	bench-floors bench-cells bench-transports bench-timeline bench-agent bench-abandoned envoy-config mesh-config clean
+	bench-floors bench-cells bench-transports bench-timeline bench-agent bench-abandoned envoy-config mesh-config clean \
+	bench-instructions valgrind compiled uncompiled
 
 help:
 	@echo "make run        etcd + processor + Envoy (:10000) + demo replicas on loopback"
@@ -29,6 +30,8 @@ help:
 	@echo "make bench-agent   the replica agent's own cost per chunk: through it vs straight to the replica"
 	@echo "make bench-abandoned  engine-seconds spent on abandoned attempts per 100 faults, with and without the replica agent"
 	@echo "make profile    where the processor's time goes under load (py-spy)"
+	@echo "make bench-instructions  instructions per chunk and per request start, ours vs the floor (callgrind)"
+	@echo "make compiled   optional: extproc/core compiled with mypyc (decision 0041); make uncompiled removes it"
 	@echo "make sweep      the full fault sweep (docs/sweep.md)"
 	@echo "make sweep-agents  the full fault sweep with a replica agent in front of each replica (docs/sweep.md)"
 	@echo "make soak       chaos: traffic while replicas, processor, etcd members fail (DURATION=180 SEED=1, docs/chaos.md)"
@@ -106,6 +109,24 @@ bench-abandoned: install
 ## Where the processor's time goes under load (py-spy; docs/benchmarks.md, "Profile").
 profile: install
 	$(PY) -m bench.profile
+
+## Instructions per chunk and per request start, ours vs the null processor, under callgrind:
+## repeatable on a loaded machine (docs/benchmarks.md, "Instructions per chunk"; about 1 min).
+bench-instructions: install valgrind
+	$(PY) -m bench.instructions
+
+valgrind:
+	@command -v valgrind >/dev/null && command -v gcc >/dev/null || \
+		(apt-get update && apt-get install -y valgrind gcc)
+
+## Optional: the pure core compiled with mypyc (decision 0041); `make uncompiled` removes it.
+## Rebuild after editing extproc/core: a stale extension shadows its .py.
+compiled: install
+	EXTPROC_MYPYC=1 $(PY) setup.py build_ext --inplace
+
+uncompiled:
+	rm -f extproc/core/*.so extproc/core/*.pyd *__mypyc*.so
+	rm -rf build/temp.* build/lib.* build/__native*
 
 ## Regenerate config/envoy.yaml from config/processor.yaml (a test checks they agree).
 envoy-config: install

@@ -1,0 +1,495 @@
+"""Instructions per chunk: our processor's Python against the null processor's, counted.
+
+    .venv/bin/python -m bench.instructions                  # both sides under callgrind
+    .venv/bin/python -m bench.instructions --requests 20 --chunks 50
+    .venv/bin/python -m bench.instructions --profile        # cProfile of our chunk phase
+    make bench-instructions
+
+Wall-clock figures on a shared machine are noise; instruction counts are not. This plays
+Envoy's ext_proc messages for N requests of M chunks each through the processor's servicer
+(`server.ExternalProcessor`: the real guard and gate sessions, journal_store's transactions
+on the in-memory KV) and, as the floor, through the null processor (bench/nullproc.py), on
+the same event loop (uvloop) and the same stand-in for grpc.aio's stream: each message is
+parsed from its wire bytes and each answer serialized, as grpc.aio's (de)serializers do.
+
+Each side runs in its own `valgrind --tool=callgrind` process, instrumentation off through
+start-up and warm-up; a tiny C helper (bench/.instructions-marker.so, built with gcc from
+valgrind's callgrind.h, a no-op outside valgrind) dumps the counts at the phase boundaries:
+
+  start   request headers .. the first delta delivered by the guard (time to first delta's
+          path: guard headers and body, the gate's headers, fence and hand-off, the guard's
+          response headers and first chunk), per request
+  chunk   every later chunk through the guard, per chunk
+  end     the last chunk with end_of_stream, the stream's close and its outcome, per request
+
+What is not counted on either side: gRPC's C core and HTTP/2 (the same messages cross it
+on both sides; `make bench` measures them), etcd's client (aetcd) and etcd itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+PHASES = ("start", "chunk", "end")
+REPLICA = "127.0.0.1:8001"
+ROLE = (b'data: {"id":"x","object":"chat.completion.chunk","choices":[{"index":0,'
+        b'"delta":{"role":"assistant","content":""},"finish_reason":null}]}\n\n')
+TOKEN = (b'data: {"id":"x","object":"chat.completion.chunk","choices":[{"index":0,'
+         b'"delta":{"content":"tok"},"finish_reason":null}]}\n\n')
+DONE = b"data: [DONE]\n\n"
+CHAT = json.dumps({"model": "demo-model", "stream": True, "max_tokens": 1 << 20,
+                   "messages": [{"role": "user", "content": "hi"}]}).encode()
+
+_MARKER_C = r"""
+#include <valgrind/callgrind.h>
+void ic_start(void) { CALLGRIND_START_INSTRUMENTATION; CALLGRIND_ZERO_STATS; }
+void ic_dump(const char *label) { CALLGRIND_DUMP_STATS_AT(label); }
+"""
+MARKER_SO = Path(__file__).resolve().parent / ".instructions-marker.so"
+
+
+# --- the pure parts (tests/unit/test_bench_instructions.py) -------------------------------
+
+
+@dataclass(frozen=True)
+class Counts:
+    """One side's instructions per phase, already divided by its units."""
+
+    start: float  # per request
+    chunk: float  # per chunk
+    end: float  # per request
+
+
+def per_unit(totals: dict[str, int], requests: int, chunks: int) -> Counts:
+    """Phase totals (as dumped) -> per request start, per chunk, per request end."""
+    missing = [p for p in PHASES if p not in totals]
+    if missing:
+        raise ValueError(f"no count for phase(s) {missing}")
+    if requests <= 0 or chunks <= 0:
+        raise ValueError("requests and chunks must be positive")
+    return Counts(totals["start"] / requests, totals["chunk"] / (requests * chunks),
+                  totals["end"] / requests)
+
+
+_TOTALS = re.compile(r"^(?:summary|totals):\s+(\d+)", re.M)
+_TRIGGER = re.compile(r"^desc: Trigger: Client Request: (\S+)", re.M)
+
+
+def read_dump(text: str) -> tuple[str | None, int]:
+    """A callgrind dump -> (the label its client request gave, its instruction total)."""
+    trig = _TRIGGER.search(text)
+    tot = _TOTALS.search(text)
+    if tot is None:
+        raise ValueError("not a callgrind dump: no summary/totals line")
+    return (trig.group(1) if trig else None), int(tot.group(1))
+
+
+def phase_totals(dumps: list[str]) -> dict[str, int]:
+    """Sum the dumps by label (a phase may be dumped more than once); unlabelled dumps
+    (the final one at exit) are left out."""
+    out: dict[str, int] = {}
+    for text in dumps:
+        label, n = read_dump(text)
+        if label in PHASES:
+            out[label] = out.get(label, 0) + n
+    return out
+
+
+def table(ours: Counts, floor: Counts, compiled: Counts | None = None) -> str:
+    """The figures as docs/benchmarks.md shows them."""
+    head = ["| per | ours | floor | ours / floor |" + (" compiled | compiled / floor |"
+                                                      if compiled else ""),
+            "|---|---|---|---|" + ("---|---|" if compiled else "")]
+    rows = []
+    for name, label in (("chunk", "chunk"), ("start", "request start (to first delta)"),
+                        ("end", "request end")):
+        o, f = getattr(ours, name), getattr(floor, name)
+        row = f"| {label} | {o:,.0f} | {f:,.0f} | x{o / f:.2f} |"
+        if compiled:
+            c = getattr(compiled, name)
+            row += f" {c:,.0f} | x{c / f:.2f} |"
+        rows.append(row)
+    return "\n".join(head + rows)
+
+
+# --- the driver -----------------------------------------------------------------------------
+
+
+def _marker() -> tuple[Callable[[], None], Callable[[str], None]]:
+    if not MARKER_SO.exists():
+        return (lambda: None), (lambda _label: None)
+    lib = ctypes.CDLL(str(MARKER_SO))
+    lib.ic_dump.argtypes = [ctypes.c_char_p]
+    return lib.ic_start, (lambda label: lib.ic_dump(label.encode()))
+
+
+def build_marker() -> None:
+    """Compile the marker helper (gcc, valgrind's callgrind.h), once."""
+    if MARKER_SO.exists():
+        return
+    with tempfile.TemporaryDirectory() as d:
+        src = Path(d) / "marker.c"
+        src.write_text(_MARKER_C)
+        subprocess.run(["gcc", "-O1", "-shared", "-fPIC", "-o", str(MARKER_SO), str(src)],
+                       check=True)
+
+
+class Stream:
+    """grpc.aio's servicer context as the sessions use it: requests parsed from their wire
+    bytes, answers serialized, the role in the invocation metadata."""
+
+    def __init__(self, role: str) -> None:
+        from extproc.gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+
+        self._parse = ep.ProcessingRequest.FromString
+        from extproc.core.headers import ROLE_METADATA
+
+        self._md = ((ROLE_METADATA, role),) if role != "guard" else ()
+        self._inbox: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self.out: list[bytes] = []
+        self._grew = asyncio.Event()
+
+    async def read(self) -> Any:
+        import grpc
+
+        raw = await self._inbox.get()
+        return grpc.aio.EOF if raw is None else self._parse(raw)
+
+    async def write(self, resp: Any) -> None:
+        self.out.append(resp.SerializeToString())
+        self._grew.set()
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._md
+
+    def send(self, raw: bytes | None) -> None:
+        self._inbox.put_nowait(raw)
+
+    async def answers(self, n: int) -> list[bytes]:
+        """Until `n` answers in all (bounded: a stuck side fails the run, never hangs)."""
+        async def until() -> None:
+            while len(self.out) < n:
+                self._grew.clear()
+                await self._grew.wait()
+        await asyncio.wait_for(until(), 10.0)
+        return self.out
+
+
+class Messages:
+    """Envoy's messages for one request, as wire bytes."""
+
+    def __init__(self) -> None:
+        from extproc.gen.envoy.config.core.v3 import base_pb2 as core
+        from extproc.gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+
+        self.ep, self.core = ep, core
+        self._bodies: dict[tuple[str, bytes, bool], bytes] = {}
+
+    def headers(self, which: str, h: dict[str, str], attrs: dict[str, str] | None = None
+                ) -> bytes:
+        from google.protobuf import struct_pb2
+
+        ep, core = self.ep, self.core
+        hm = core.HeaderMap(headers=[core.HeaderValue(key=k, raw_value=v.encode())
+                                     for k, v in h.items()])
+        m = ep.ProcessingRequest(**{which: ep.HttpHeaders(headers=hm)})
+        if attrs:
+            st = struct_pb2.Struct()
+            st.update(attrs)
+            m.attributes["envoy.filters.http.ext_proc"].CopyFrom(st)
+        return bytes(m.SerializeToString())
+
+    def body(self, which: str, b: bytes, eos: bool) -> bytes:
+        """Built once per kind: Envoy's work is not the processor's."""
+        key = (which, b, eos)
+        if (raw := self._bodies.get(key)) is not None:
+            return raw
+        ep = self.ep
+        msg = ep.ProcessingRequest(**{which: ep.HttpBody(body=b, end_of_stream=eos)})
+        raw = self._bodies[key] = bytes(msg.SerializeToString())
+        return raw
+
+    def set_headers(self, raw: bytes, which: str) -> dict[str, str]:
+        r = self.ep.ProcessingResponse.FromString(raw)
+        mut = getattr(r, which).response.header_mutation
+        return {h.header.key: h.header.raw_value.decode() for h in mut.set_headers}
+
+
+class Request:
+    """One request's two streams (guard, then its first attempt's gate), played in order."""
+
+    def __init__(self, serve: Callable[[Stream], Any], msgs: Messages, n: int) -> None:
+        self.serve, self.msgs, self.n = serve, msgs, n
+        self.guard = Stream("guard")
+        self.task = asyncio.ensure_future(serve(self.guard))
+        self.sent = 0  # guard answers expected so far
+
+    async def _guard(self, raw: bytes | None) -> list[bytes]:
+        self.guard.send(raw)
+        self.sent += 1
+        return await self.guard.answers(self.sent)
+
+    async def start(self) -> None:
+        """To the first delta delivered by the guard."""
+        from extproc.core import headers as H
+
+        m = self.msgs
+        down = {":method": "POST", ":path": "/v1/chat/completions",
+                "content-type": "application/json", "x-request-id": f"envoy-{self.n}"}
+        rid = m.set_headers((await self._guard(m.headers("request_headers", down)))[-1],
+                            "request_headers").get(H.REQUEST_ID, f"r{self.n}")
+        sent = m.set_headers((await self._guard(m.body("request_body", CHAT, True)))[-1],
+                             "request_body")
+        gate = Stream("gate")
+        gate_task = asyncio.ensure_future(self.serve(gate))
+        gh = {H.REQUEST_ID: rid, H.ENVOY_ATTEMPT_COUNT: "1", **sent}
+        gate.send(m.headers("request_headers", gh, {"upstream.address": REPLICA}))
+        await gate.answers(1)
+        gate.send(m.headers("response_headers",
+                            {":status": "200", "content-type": "text/event-stream"}))
+        gate.send(m.body("response_body", ROLE + TOKEN, False))
+        out = await gate.answers(3)
+        await asyncio.wait_for(gate_task, 10.0)  # both leave the stream after one body
+        handoff = m.set_headers(out[1], "response_headers")
+        await self._guard(m.headers("response_headers", {
+            ":status": "200", "content-type": "text/event-stream", **handoff}))
+        await self._guard(m.body("response_body", ROLE + TOKEN, False))
+
+    async def chunk(self) -> None:
+        await self._guard(self.msgs.body("response_body", TOKEN, False))
+
+    def check(self, chunks: int) -> None:
+        """Every answer came, the last one the stream's end passed on: a side that
+        refused or cut the stream would be counted for work it did not do."""
+        out = self.guard.out
+        last = self.msgs.ep.ProcessingResponse.FromString(out[-1]) if out else None
+        if len(out) != 5 + chunks or last is None or \
+                not last.response_body.response.body_mutation.streamed_response.end_of_stream:
+            raise RuntimeError(f"request {self.n}: {len(out)} answers, the last {last}")
+
+    async def end(self) -> None:
+        await self._guard(self.msgs.body("response_body", DONE, True))
+        self.guard.send(None)
+        await asyncio.wait_for(self.task, 10.0)
+
+
+def _quiet_logging() -> None:
+    """The processor's own logging set-up (one JSON line per event), written to /dev/null."""
+    from extproc.adapters import logs
+
+    saved, sys.stderr = sys.stderr, open(os.devnull, "w")  # noqa: SIM115 (kept for the run)
+    try:
+        logs.setup("INFO")
+    finally:
+        sys.stderr = saved
+
+
+def _server(side: str) -> tuple[Callable[[Stream], Any], Callable[[], Any]]:
+    """(serve one stream, drain) for `side`."""
+    if side == "floor":
+        from bench.nullproc import NullProcessor
+
+        null = NullProcessor()
+
+        async def nothing() -> None:
+            return None
+        return (lambda s: null.Process(None, s)), nothing
+    from extproc.adapters.memory_store import MemoryLedger, MemoryStore
+    from extproc.adapters.server import ExternalProcessor
+    from extproc.adapters.session import Processor
+    from extproc.core.config import load_config
+
+    cfg = load_config({
+                       "timeouts": {"access_log_wait_s": 0.01}})
+    store = MemoryStore(cfg.etcd, owner="gw-1/bench")
+    p = Processor(cfg, store, MemoryLedger(store, cfg.tools.ledger_ttl_s))
+    servicer = ExternalProcessor(p)
+    # The request iterator is unused: the sessions read through the context, as in production.
+    return (lambda s: servicer.Process(None, s)), p.drain  # type: ignore[arg-type]
+
+
+async def play(side: str, requests: int, chunks: int, warmup: int,
+               mark: Callable[[str], None], begin: Callable[[], None],
+               profile: Any = None) -> None:
+    """Warm up, then N requests: all started, M chunks each round-robin, all ended; `mark`
+    after each phase, `profile` (a cProfile.Profile) enabled over the chunk phase."""
+    _quiet_logging()
+    serve, drain = _server(side)
+    msgs = Messages()
+    for i in range(warmup):
+        r = Request(serve, msgs, -1 - i)
+        await r.start()
+        for _ in range(chunks):
+            await r.chunk()
+        await r.end()
+    await drain()
+    begin()
+    reqs = [Request(serve, msgs, i) for i in range(requests)]
+    for r in reqs:
+        await r.start()
+    mark("start")
+    if profile is not None:
+        profile.enable()
+    for _ in range(chunks):
+        for r in reqs:
+            await r.chunk()
+    if profile is not None:
+        profile.disable()
+    mark("chunk")
+    for r in reqs:
+        await r.end()
+    await drain()
+    mark("end")
+    for r in reqs:
+        r.check(chunks)
+
+
+def _loop_run(coro: Any) -> None:
+    try:
+        import uvloop
+
+        uvloop.run(coro)
+    except ImportError:
+        asyncio.run(coro)
+
+
+def measure(side: str, requests: int, chunks: int, warmup: int, out_dir: Path) -> Counts:
+    """One side under callgrind -> its instructions per unit."""
+    vg = shutil.which("valgrind")
+    if vg is None:
+        raise SystemExit("valgrind is not installed (apt-get install -y valgrind)")
+    build_marker()
+    for f in out_dir.glob(f"callgrind.{side}.*"):
+        f.unlink()
+    argv = [vg, "--tool=callgrind", "--instr-atstart=no", "--dump-instr=no",
+            "--compress-strings=no", "--compress-pos=no",
+            f"--callgrind-out-file={out_dir}/callgrind.{side}.%p",
+            sys.executable, "-m", "bench.instructions", "--play", side,
+            "--requests", str(requests), "--chunks", str(chunks), "--warmup", str(warmup)]
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    root = Path(__file__).resolve().parent.parent
+    subprocess.run(argv, check=True, cwd=root, env=env, timeout=900,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    dumps = [f.read_text() for f in sorted(out_dir.glob(f"callgrind.{side}.*"))]
+    return per_unit(phase_totals(dumps), requests, chunks)
+
+
+def short(fn: str) -> str:
+    """'(12.3%)  /long/path/file.c:func [/long/lib.so]' -> '(12.3%)  func  file.c  lib.so'."""
+    m = re.match(r"(\(\s*[\d.]+%\))\s+(?:(.*?):)?([^:\s]+)(?:\s+\[(.*)\])?$", fn)
+    if not m:
+        return fn
+    share, file, func, lib = m.groups()
+    return "  ".join(x for x in (share, func, Path(file or "").name,
+                                 Path(lib or "").name) if x)
+
+
+def top_functions(out_dir: Path, side: str, phase: str, units: int, n: int) -> str:
+    """callgrind_annotate's top functions (self) of one phase's dump, per unit."""
+    ann = shutil.which("callgrind_annotate")
+    for f in sorted(out_dir.glob(f"callgrind.{side}.*")):
+        label, _ = read_dump(f.read_text())
+        if label == phase and ann:
+            res = subprocess.run([ann, "--threshold=100", str(f)], capture_output=True,
+                                 text=True, check=False)
+            lines = [ln for ln in res.stdout.splitlines() if re.match(r"^\s*[\d,]+ \(", ln)]
+            out = []
+            for ln in lines[1:n + 1]:
+                count, _, rest = ln.strip().partition(" ")
+                out.append(f"  {int(count.replace(',', '')) / units:>10,.0f}  {short(rest)}")
+            return "\n".join(out)
+    return "  (no dump)"
+
+
+def profile_chunks(requests: int, chunks: int, warmup: int, top: int) -> str:
+    """cProfile over our chunk phase: where a chunk's Python goes, calls per chunk."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    _loop_run(play("ours", requests, chunks, warmup, lambda _l: None, lambda: None, prof))
+    st = pstats.Stats(prof)
+    units = requests * chunks
+    rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2])  # type: ignore[attr-defined]
+    total = sum(v[2] for _, v in rows)
+    out = [f"cProfile, our chunk phase ({units} chunks): tottime share, calls per chunk"]
+    for (file, line, fn), (_cc, nc, tt, _ct, _callers) in rows[:top]:
+        where = f"{Path(file).parent.name}/{Path(file).name}:{line}" if line else file
+        out.append(f"  {100 * tt / total:5.1f}%  {nc / units:5.2f}  {fn}  ({where})")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.instructions", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=20)
+    ap.add_argument("--chunks", type=int, default=50, help="chunks per request after the first")
+    ap.add_argument("--warmup", type=int, default=3, help="requests before counting")
+    ap.add_argument("--top", type=int, default=20)
+    ap.add_argument("--sides", default="ours,floor")
+    ap.add_argument("--profile", action="store_true", help="cProfile our chunk phase (no valgrind)")
+    ap.add_argument("--play", choices=("ours", "floor"), help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    requests, chunks = max(1, min(a.requests, 1000)), max(1, min(a.chunks, 10000))
+    if a.play:
+        begin, mark = _marker()
+        _loop_run(play(a.play, requests, chunks, a.warmup, mark, begin))
+        return 0
+    if a.profile:
+        print(profile_chunks(requests, chunks, a.warmup, a.top))
+        return 0
+    from bench.measure import RESULTS
+
+    out_dir = RESULTS / "instructions"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    counts = {side: measure(side, requests, chunks, a.warmup, out_dir)
+              for side in a.sides.split(",")}
+    compiled = compiled_core()
+    print(f"instructions (callgrind Ir), {requests} requests x {chunks} chunks, "
+          f"core {'compiled (mypyc)' if compiled else 'pure Python'}")
+    if "ours" in counts and "floor" in counts:
+        print(table(counts["ours"], counts["floor"]))
+    else:
+        for side, c in counts.items():
+            print(f"{side}: start {c.start:,.0f} chunk {c.chunk:,.0f} end {c.end:,.0f}")
+    for side in counts:
+        print(f"\ntop functions by self instructions per chunk ({side}):")
+        print(top_functions(out_dir, side, "chunk", requests * chunks, a.top))
+    return 0
+
+
+def compiled_core() -> list[str]:
+    """The extproc.core modules loaded from mypyc-built extensions (`make compiled`)."""
+    import importlib.machinery
+    import importlib.util
+    import pkgutil
+
+    import extproc.core as core
+
+    out = []
+    for mod in pkgutil.iter_modules(core.__path__):
+        spec = importlib.util.find_spec(f"extproc.core.{mod.name}")
+        if spec and spec.origin and spec.origin.endswith(
+                tuple(importlib.machinery.EXTENSION_SUFFIXES)):
+            out.append(mod.name)
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
