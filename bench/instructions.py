@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ctypes
+import hashlib
 import json
 import os
 import re
@@ -48,10 +49,10 @@ if __package__ in (None, ""):
 
 PHASES = ("start", "chunk", "end")
 REPLICA = "127.0.0.1:8001"
-ROLE = (b'data: {"id":"x","object":"chat.completion.chunk","choices":[{"index":0,'
-        b'"delta":{"role":"assistant","content":""},"finish_reason":null}]}\n\n')
-TOKEN = (b'data: {"id":"x","object":"chat.completion.chunk","choices":[{"index":0,'
-         b'"delta":{"content":"tok"},"finish_reason":null}]}\n\n')
+# A stuck side fails the run instead of hanging it (per step; the whole play: 5 times
+# this); generous: callgrind runs ~50x slower than the processor.
+BOUND_S = 120.0
+PROMPT_TOKENS = 4  # what the guard counts for CHAT's prompt (x-gateway-prompt-tokens)
 DONE = b"data: [DONE]\n\n"
 CHAT = json.dumps({"model": "demo-model", "stream": True, "max_tokens": 1 << 20,
                    "messages": [{"role": "user", "content": "hi"}]}).encode()
@@ -60,11 +61,30 @@ _MARKER_C = r"""
 #include <valgrind/callgrind.h>
 void ic_start(void) { CALLGRIND_START_INSTRUMENTATION; CALLGRIND_ZERO_STATS; }
 void ic_dump(const char *label) { CALLGRIND_DUMP_STATS_AT(label); }
+void ic_toggle(void) { CALLGRIND_TOGGLE_COLLECT; }
 """
-MARKER_SO = Path(__file__).resolve().parent / ".instructions-marker.so"
+MARKER_SO = (Path(__file__).resolve().parent /
+             f".instructions-marker-{hashlib.sha256(_MARKER_C.encode()).hexdigest()[:8]}.so")
 
 
 # --- the pure parts (tests/unit/test_bench_instructions.py) -------------------------------
+
+
+def event(n: int, usage: bool, role: bool = False) -> bytes:
+    """Token `n`'s event as the demo replica writes it (vLLM 0.32's chat chunk), with the
+    running usage when the request asked for it (our guard does; the floor forwards the
+    client's body unchanged, so its replica sends none)."""
+    delta: dict[str, Any] = ({"role": "assistant", "content": "tok"} if role
+                             else {"content": "tok"})
+    chunk: dict[str, Any] = {"id": "chatcmpl-0123456789abcdef", "object":
+                             "chat.completion.chunk", "created": 0, "model": "demo-model",
+                             "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                          "finish_reason": None}]}
+    if usage:
+        chunk["usage"] = {"prompt_tokens": PROMPT_TOKENS, "total_tokens": PROMPT_TOKENS + n,
+                          "completion_tokens": n, "completion_tokens_details": None}
+    return f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n".encode()
+
 
 
 @dataclass(frozen=True)
@@ -131,12 +151,19 @@ def table(ours: Counts, floor: Counts, compiled: Counts | None = None) -> str:
 # --- the driver -----------------------------------------------------------------------------
 
 
-def _marker() -> tuple[Callable[[], None], Callable[[str], None]]:
+def _marker() -> tuple[Callable[[], None], Callable[[str], None], Callable[[], None]]:
+    """(start counting, dump the counts under a label, toggle collection): callgrind's
+    client requests, no-ops outside valgrind."""
     if not MARKER_SO.exists():
-        return (lambda: None), (lambda _label: None)
+        return (lambda: None), (lambda _label: None), (lambda: None)
     lib = ctypes.CDLL(str(MARKER_SO))
     lib.ic_dump.argtypes = [ctypes.c_char_p]
-    return lib.ic_start, (lambda label: lib.ic_dump(label.encode()))
+    return lib.ic_start, (lambda label: lib.ic_dump(label.encode())), lib.ic_toggle
+
+
+def calibrate() -> None:
+    """Called once per chunk by the driver: `--part bench.instructions:calibrate` counts
+    what wrapping a function costs by itself (subtracted from every part)."""
 
 
 def build_marker() -> None:
@@ -164,6 +191,7 @@ class Stream:
         self._inbox: asyncio.Queue[bytes | None] = asyncio.Queue()
         self.out: list[bytes] = []
         self._grew = asyncio.Event()
+        self._task: asyncio.Future[Any] | None = None
 
     async def read(self) -> Any:
         import grpc
@@ -181,13 +209,23 @@ class Stream:
     def send(self, raw: bytes | None) -> None:
         self._inbox.put_nowait(raw)
 
+    def watch(self, task: asyncio.Future[Any]) -> None:
+        """`task` (this stream's handler) ending wakes a waiting `answers`."""
+        self._task = task
+        task.add_done_callback(lambda _t: self._grew.set())
+
     async def answers(self, n: int) -> list[bytes]:
-        """Until `n` answers in all (bounded: a stuck side fails the run, never hangs)."""
-        async def until() -> None:
-            while len(self.out) < n:
-                self._grew.clear()
-                await self._grew.wait()
-        await asyncio.wait_for(until(), 10.0)
+        """Until `n` answers in all; a handler that ended first fails the run with its
+        error. No timer per answer (it would be counted on both sides): `play` is bounded
+        as a whole."""
+        task = self._task
+        while len(self.out) < n:
+            if task is not None and task.done():
+                err = None if task.cancelled() else task.exception()
+                raise RuntimeError(f"the stream ended after {len(self.out)} answers of {n}"
+                                   ) from err
+            self._grew.clear()
+            await self._grew.wait()
         return self.out
 
 
@@ -200,6 +238,12 @@ class Messages:
 
         self.ep, self.core = ep, core
         self._bodies: dict[tuple[str, bytes, bool], bytes] = {}
+        self.chunks: list[bytes] = []  # token n's body message at [n]
+
+    def build_chunks(self, last: int, usage: bool) -> None:
+        """Tokens 1..last as body messages, built before counting: Envoy's work."""
+        self.chunks = [b""] + [self.body("response_body", event(n, usage, role=n == 1), False)
+                               for n in range(1, last + 1)]
 
     def headers(self, which: str, h: dict[str, str], attrs: dict[str, str] | None = None
                 ) -> bytes:
@@ -236,8 +280,10 @@ class Request:
 
     def __init__(self, serve: Callable[[Stream], Any], msgs: Messages, n: int) -> None:
         self.serve, self.msgs, self.n = serve, msgs, n
+        self.token = 1  # the next chunk's token number (its running usage)
         self.guard = Stream("guard")
         self.task = asyncio.ensure_future(serve(self.guard))
+        self.guard.watch(self.task)
         self.sent = 0  # guard answers expected so far
 
     async def _guard(self, raw: bytes | None) -> list[bytes]:
@@ -258,21 +304,24 @@ class Request:
                              "request_body")
         gate = Stream("gate")
         gate_task = asyncio.ensure_future(self.serve(gate))
+        gate.watch(gate_task)
         gh = {H.REQUEST_ID: rid, H.ENVOY_ATTEMPT_COUNT: "1", **sent}
         gate.send(m.headers("request_headers", gh, {"upstream.address": REPLICA}))
         await gate.answers(1)
         gate.send(m.headers("response_headers",
                             {":status": "200", "content-type": "text/event-stream"}))
-        gate.send(m.body("response_body", ROLE + TOKEN, False))
+        gate.send(m.chunks[1])
         out = await gate.answers(3)
-        await asyncio.wait_for(gate_task, 10.0)  # both leave the stream after one body
+        await asyncio.wait_for(gate_task, BOUND_S)  # both leave the stream after one body
         handoff = m.set_headers(out[1], "response_headers")
         await self._guard(m.headers("response_headers", {
             ":status": "200", "content-type": "text/event-stream", **handoff}))
-        await self._guard(m.body("response_body", ROLE + TOKEN, False))
+        await self._guard(m.chunks[1])
 
     async def chunk(self) -> None:
-        await self._guard(self.msgs.body("response_body", TOKEN, False))
+        calibrate()
+        self.token += 1
+        await self._guard(self.msgs.chunks[self.token])
 
     def check(self, chunks: int) -> None:
         """Every answer came, the last one the stream's end passed on: a side that
@@ -286,7 +335,7 @@ class Request:
     async def end(self) -> None:
         await self._guard(self.msgs.body("response_body", DONE, True))
         self.guard.send(None)
-        await asyncio.wait_for(self.task, 10.0)
+        await asyncio.wait_for(self.task, BOUND_S)
 
 
 def _quiet_logging() -> None:
@@ -331,7 +380,8 @@ async def play(side: str, requests: int, chunks: int, warmup: int,
     after each phase, `profile` (a cProfile.Profile) enabled over the chunk phase."""
     _quiet_logging()
     serve, drain = _server(side)
-    msgs = Messages()
+    msgs, usage = Messages(), side == "ours"
+    msgs.build_chunks(chunks + 1, usage)
     for i in range(warmup):
         r = Request(serve, msgs, -1 - i)
         await r.start()
@@ -360,6 +410,29 @@ async def play(side: str, requests: int, chunks: int, warmup: int,
         r.check(chunks)
 
 
+def wrap_part(target: str, toggle: Callable[[], None]) -> None:
+    """Count only inside `target` ('module:Class.method' or 'module:function', synchronous):
+    collection is toggled on at its entry and off at its return."""
+    import importlib
+
+    mod_name, _, qual = target.partition(":")
+    owner: Any = importlib.import_module(mod_name)
+    *path, name = qual.split(".")
+    for p in path:
+        owner = getattr(owner, p)
+    fn = getattr(owner, name)
+    if asyncio.iscoroutinefunction(fn):
+        raise SystemExit(f"{target}: a coroutine function cannot be counted alone")
+
+    def counted(*args: Any, **kw: Any) -> Any:
+        toggle()
+        try:
+            return fn(*args, **kw)
+        finally:
+            toggle()
+    setattr(owner, name, counted)
+
+
 def _loop_run(coro: Any) -> None:
     try:
         import uvloop
@@ -369,8 +442,10 @@ def _loop_run(coro: Any) -> None:
         asyncio.run(coro)
 
 
-def measure(side: str, requests: int, chunks: int, warmup: int, out_dir: Path) -> Counts:
-    """One side under callgrind -> its instructions per unit."""
+def measure(side: str, requests: int, chunks: int, warmup: int, out_dir: Path,
+            part: str | None = None) -> Counts:
+    """One side under callgrind -> its instructions per unit (with `part`: only inside
+    that function, see wrap_part)."""
     vg = shutil.which("valgrind")
     if vg is None:
         raise SystemExit("valgrind is not installed (apt-get install -y valgrind)")
@@ -378,14 +453,21 @@ def measure(side: str, requests: int, chunks: int, warmup: int, out_dir: Path) -
     for f in out_dir.glob(f"callgrind.{side}.*"):
         f.unlink()
     argv = [vg, "--tool=callgrind", "--instr-atstart=no", "--dump-instr=no",
+            *(("--collect-atstart=no",) if part else ()),
             "--compress-strings=no", "--compress-pos=no",
             f"--callgrind-out-file={out_dir}/callgrind.{side}.%p",
-            sys.executable, "-m", "bench.instructions", "--play", side,
-            "--requests", str(requests), "--chunks", str(chunks), "--warmup", str(warmup)]
+            # Imported, not run as __main__: --part names this module's functions.
+            sys.executable, "-c", "import sys; from bench.instructions import main; "
+            "sys.exit(main(sys.argv[1:]))", "--play", side,
+            "--requests", str(requests), "--chunks", str(chunks), "--warmup", str(warmup),
+            *(("--part", part) if part else ())]
     env = {**os.environ, "PYTHONHASHSEED": "0"}
     root = Path(__file__).resolve().parent.parent
-    subprocess.run(argv, check=True, cwd=root, env=env, timeout=900,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    res = subprocess.run(argv, check=False, cwd=root, env=env, timeout=900,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if res.returncode != 0:
+        raise SystemExit(f"{side} under callgrind failed ({res.returncode}):\n"
+                         + "\n".join(res.stderr.splitlines()[-25:]))
     dumps = [f.read_text() for f in sorted(out_dir.glob(f"callgrind.{side}.*"))]
     return per_unit(phase_totals(dumps), requests, chunks)
 
@@ -444,12 +526,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--sides", default="ours,floor")
     ap.add_argument("--profile", action="store_true", help="cProfile our chunk phase (no valgrind)")
+    ap.add_argument("--part", action="append", default=[], metavar="MODULE:QUALNAME",
+                    help="count only inside this synchronous function of ours, per chunk "
+                    "(repeatable: one callgrind run each), e.g. "
+                    "extproc.core.machine:GuardMachine.handle")
     ap.add_argument("--play", choices=("ours", "floor"), help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     requests, chunks = max(1, min(a.requests, 1000)), max(1, min(a.chunks, 10000))
     if a.play:
-        begin, mark = _marker()
-        _loop_run(play(a.play, requests, chunks, a.warmup, mark, begin))
+        begin, mark, toggle = _marker()
+        for target in a.part:
+            wrap_part(target, toggle)
+        _loop_run(asyncio.wait_for(play(a.play, requests, chunks, a.warmup, mark, begin),
+                                   BOUND_S * 5))
         return 0
     if a.profile:
         print(profile_chunks(requests, chunks, a.warmup, a.top))
@@ -458,6 +547,14 @@ def main(argv: list[str] | None = None) -> int:
 
     out_dir = RESULTS / "instructions"
     out_dir.mkdir(parents=True, exist_ok=True)
+    if a.part:
+        base = measure("ours", requests, chunks, a.warmup, out_dir,
+                       part="bench.instructions:calibrate").chunk
+        print(f"per chunk, inclusive, less the wrapper's own {base:,.0f}:")
+        for target in a.part:
+            c = measure("ours", requests, chunks, a.warmup, out_dir, part=target)
+            print(f"  {c.chunk - base:>10,.0f}  {target}")
+        return 0
     counts = {side: measure(side, requests, chunks, a.warmup, out_dir)
               for side in a.sides.split(",")}
     compiled = compiled_core()

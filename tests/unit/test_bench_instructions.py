@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.instructions import Counts, per_unit, phase_totals, read_dump, short, table
+from bench.instructions import Counts, event, per_unit, phase_totals, read_dump, short, table
 
 
 def dump(label: str | None, total: int) -> str:
@@ -54,3 +54,15 @@ def test_callgrind_annotate_names_are_shortened() -> None:
         "(23.31%)  _PyEval_EvalFrameDefault'2  ceval.c  libpython3.11.so.1.0"
     assert short("( 0.53%)  ???:encode_message [/x/_message.abi3.so]") == \
         "( 0.53%)  encode_message  ???  _message.abi3.so"
+
+
+def test_the_driver_s_events_take_the_guard_s_fast_path_as_the_demo_replica_s_do() -> None:
+    # The per-chunk count is only the demo's if its events are classified the same way:
+    # matched whole by the fast regex, with and without the running usage.
+    from extproc.core import sse
+
+    for usage in (False, True):
+        for role in (False, True):
+            ev = event(7, usage, role)
+            assert sse._FAST_ONE.fullmatch(ev), ev
+    assert b'"completion_tokens":7' in event(7, True) and b"usage" not in event(7, False)
