@@ -28,3 +28,20 @@ def test_response_headers_read_once_for_both_roles() -> None:
     assert codec.response_headers(response(
         {":status": "503", H.ENVOY_REPLY: "1", H.GATEWAY_ERROR: "x", H.HANDOFF: "{}"})
     ) == ResponseHeaders(503, "", envoy_reply=True, ours=True, handoff="{}")
+
+
+def test_a_streamed_body_answer_is_the_whole_nested_message_empty_data_too() -> None:
+    # Built in place (decision 0041): every enclosing message must still be present, also
+    # for an empty, not-final chunk, where no field holds a non-default value.
+    for data in (b"", b"data: x\n\n"):
+        for eos in (False, True):
+            r = codec.streamed_response_body(data, eos)
+            assert r.WhichOneof("response") == "response_body"
+            mut = r.response_body.response.body_mutation
+            assert mut.WhichOneof("mutation") == "streamed_response"
+            assert (mut.streamed_response.body, mut.streamed_response.end_of_stream) == \
+                (data, eos)
+            assert r.SerializeToString() == ep.ProcessingResponse(
+                response_body=ep.BodyResponse(response=ep.CommonResponse(
+                    body_mutation=ep.BodyMutation(streamed_response=ep.StreamedBodyResponse(
+                        body=data, end_of_stream=eos))))).SerializeToString()
