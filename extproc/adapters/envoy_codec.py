@@ -64,11 +64,13 @@ def attributes(req: ep.ProcessingRequest) -> dict[str, Any]:
 
 def _mutation(set_headers: Mapping[str, str] | None,
               remove: Iterable[str] = ()) -> ep.HeaderMutation:
+    """Each header built in place in the list (`add`), not built and then copied in."""
     hm = ep.HeaderMutation(remove_headers=list(remove))
+    add = hm.set_headers.add
     for k, v in (set_headers or {}).items():
-        hm.set_headers.append(core.HeaderValueOption(
-            header=core.HeaderValue(key=k, raw_value=v.encode("latin-1")),
-            append_action=_OVERWRITE))
+        o = add(append_action=_OVERWRITE)
+        o.header.key = k
+        o.header.raw_value = v.encode("latin-1")
     return hm
 
 

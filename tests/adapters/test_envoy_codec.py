@@ -45,3 +45,17 @@ def test_a_streamed_body_answer_is_the_whole_nested_message_empty_data_too() -> 
                 response_body=ep.BodyResponse(response=ep.CommonResponse(
                     body_mutation=ep.BodyMutation(streamed_response=ep.StreamedBodyResponse(
                         body=data, end_of_stream=eos))))).SerializeToString()
+
+
+def test_header_mutations_built_in_place_are_the_nested_messages() -> None:
+    # Each set header is added in place (decision 0041): key, raw value, overwrite, in order,
+    # an empty value included.
+    sets, remove = {"x-a": "1", "x-b": "", "x-c": "caf\u00e9"}, ["x-d", "x-e"]
+    got = codec.continue_request_headers(sets, remove).request_headers.response.header_mutation
+    want = ep.HeaderMutation(remove_headers=remove, set_headers=[
+        core.HeaderValueOption(header=core.HeaderValue(key=k, raw_value=v.encode("latin-1")),
+                               append_action=core.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
+        for k, v in sets.items()])
+    assert got.SerializeToString() == want.SerializeToString()
+    assert [(h.header.key, h.header.raw_value) for h in got.set_headers] == [
+        ("x-a", b"1"), ("x-b", b""), ("x-c", b"caf\xe9")]
