@@ -553,10 +553,11 @@ def main(argv: list[str] | None = None) -> int:
     if a.part:
         base = measure("ours", requests, chunks, a.warmup, out_dir,
                        part="bench.instructions:calibrate").chunk
-        print(f"per chunk, inclusive, less the wrapper's own {base:,.0f}:")
+        print(f"inclusive; per chunk less the wrapper's own {base:,.0f} (per request start: "
+              "with the wrapper's, once per call):")
         for target in a.part:
             c = measure("ours", requests, chunks, a.warmup, out_dir, part=target)
-            print(f"  {c.chunk - base:>10,.0f}  {target}")
+            print(f"  per chunk {c.chunk - base:>10,.0f}  per start {c.start:>10,.0f}  {target}")
         return 0
     counts = {side: measure(side, requests, chunks, a.warmup, out_dir)
               for side in a.sides.split(",")}
