@@ -15,7 +15,8 @@ include image.mk
 
 .PHONY: help install run test lint typecheck unit e2e bench bench-quick bench-pool profile \
 	bench-floors bench-cells bench-transports bench-timeline bench-agent bench-abandoned bench-journal \
-	bench-journal-shards bench-peers peers-install envoy-config mesh-config chart prometheus dashboard-image clean
+	bench-journal-shards bench-peers peers-install bench-instructions valgrind compiled uncompiled \
+	envoy-config mesh-config chart prometheus dashboard-image clean
 
 help:
 	@echo "make run        etcd + processor + Envoy (:10000) + demo replicas on loopback"
@@ -33,6 +34,8 @@ help:
 	@echo "make bench-journal-shards  the same, one 1-member cluster vs the journal sharded over two (JOURNAL_ARGS=... for more)"
 	@echo "make bench-peers   plain Envoy, ours, LiteLLM, smg, vllm-router: same replicas, same loads (.venv-peers)"
 	@echo "make profile    where the processor's time goes under load (py-spy)"
+	@echo "make bench-instructions  instructions per chunk and per request start, ours vs the floor (callgrind)"
+	@echo "make compiled   optional: extproc/core compiled with mypyc (decision 0041); make uncompiled removes it"
 	@echo "make sweep      the full fault sweep (docs/sweep.md)"
 	@echo "make sweep-agents  the full fault sweep with a replica agent in front of each replica (docs/sweep.md)"
 	@echo "make soak       chaos: traffic while replicas, processor, etcd members fail (DURATION=180 SEED=1, docs/chaos.md)"
@@ -131,6 +134,24 @@ bench-peers: install peers-install
 ## Where the processor's time goes under load (py-spy; docs/benchmarks.md, "Profile").
 profile: install
 	$(PY) -m bench.profile
+
+## Instructions per chunk and per request start, ours vs the null processor, under callgrind:
+## repeatable on a loaded machine (docs/benchmarks.md, "Instructions per chunk"; about 1 min).
+bench-instructions: install valgrind
+	$(PY) -m bench.instructions
+
+valgrind:
+	@command -v valgrind >/dev/null && command -v gcc >/dev/null || \
+		(apt-get update && apt-get install -y valgrind gcc)
+
+## Optional: the pure core compiled with mypyc (decision 0041); `make uncompiled` removes it.
+## Rebuild after editing extproc/core: a stale extension shadows its .py.
+compiled: install
+	EXTPROC_MYPYC=1 $(PY) setup.py build_ext --inplace
+
+uncompiled:
+	rm -f extproc/core/*.so extproc/core/*.pyd *__mypyc*.so
+	rm -rf build/temp.* build/lib.* build/__native*
 
 ## Regenerate config/envoy.yaml from config/processor.yaml (a test checks they agree): the
 ## demo's two loopback replicas, named here (render-envoy has no default replicas).

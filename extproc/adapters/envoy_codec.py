@@ -66,11 +66,13 @@ def attributes(req: ep.ProcessingRequest) -> dict[str, Any]:
 
 def _mutation(set_headers: Mapping[str, str] | None,
               remove: Iterable[str] = ()) -> ep.HeaderMutation:
+    """Each header built in place in the list (`add`), not built and then copied in."""
     hm = ep.HeaderMutation(remove_headers=list(remove))
+    add = hm.set_headers.add
     for k, v in (set_headers or {}).items():
-        hm.set_headers.append(core.HeaderValueOption(
-            header=core.HeaderValue(key=k, raw_value=v.encode("latin-1")),
-            append_action=_OVERWRITE))
+        o = add(append_action=_OVERWRITE)
+        o.header.key = k
+        o.header.raw_value = v.encode("latin-1")
     return hm
 
 
@@ -120,10 +122,15 @@ def replace_response_body(data: bytes) -> ep.ProcessingResponse:
 
 
 def streamed_response_body(data: bytes, end_of_stream: bool) -> ep.ProcessingResponse:
-    """FULL_DUPLEX_STREAMED mode: the processor owns the body and sends what it wants."""
-    return ep.ProcessingResponse(response_body=ep.BodyResponse(response=ep.CommonResponse(
-        body_mutation=ep.BodyMutation(streamed_response=ep.StreamedBodyResponse(
-            body=data, end_of_stream=end_of_stream)))))
+    """FULL_DUPLEX_STREAMED mode: the processor owns the body and sends what it wants.
+
+    Once per chunk, so built in place: nested keyword constructors copy each level into
+    the next (about 33k instructions under callgrind against 11k; decision 0041)."""
+    r = ep.ProcessingResponse()
+    sr = r.response_body.response.body_mutation.streamed_response
+    sr.body = data  # setting a field marks every enclosing message present, empty data too
+    sr.end_of_stream = end_of_stream
+    return r
 
 
 def trailers_response() -> ep.ProcessingResponse:
