@@ -216,7 +216,9 @@ def test_a_path_lost_before_the_first_delta_costs_the_grace_not_the_first_delta_
     assert (j["outcome"], j["delivered_output_tokens"]) == ("completed", MAX)
     # The gateway asked the agent to stop the attempt at the engine.
     assert json.loads(agent.get(f"/cancel/{rid}/{aid}") or "{}")["processor"] == proc
-    assert ttft < 1.0 + GRACE_S, ttft
+    # Typically 0.5-0.7 s; the bound leaves room for a loaded machine and still sits half
+    # the first-delta limit below the time the same cut takes without the word.
+    assert ttft < FIRST_DELTA_S / 2, ttft
     print(f"\nTTFT with the agent's word: {ttft:.3f} s (source_grace_s {GRACE_S})")
 
     # The same cut without the agent's word: the first-delta limit fails it over.
@@ -326,7 +328,9 @@ def test_the_real_agents_word_fails_a_lost_path_in_the_grace_and_it_acknowledges
         True, True, "network_uncertain")
     assert a2["replica"] != a1["replica"]
     assert (j["outcome"], j["attempt"], j["delivered_output_tokens"]) == ("completed", 2, MAX)
-    assert ttft < 1.0 + GRACE_S, ttft
+    # Typically 0.5-0.7 s; the bound leaves room for a loaded machine and still sits half
+    # the first-delta limit below the time the same cut takes without the word.
+    assert ttft < FIRST_DELTA_S / 2, ttft
     # The agent stopped attempt 1 at its engine and said so, with the engine's evidence.
     ack = json.loads(_until(lambda: etcd.get(f"/ack/{rid}/{aid}"), "the agent's ack", 10.0))
     assert ack["why"] in ("cancel", "fenced") and ack["evidence"], ack
@@ -350,7 +354,9 @@ def test_the_real_agent_aborts_an_engine_still_busy_with_a_lost_attempt(
     rid, aid = res.request_id, a1["attempt_id"]
     assert (a1["path_lost"], a2["replica"] != a1["replica"], j["outcome"]) == (
         True, True, "completed")
-    assert ttft < 1.0 + GRACE_S, ttft
+    # Typically 0.5-0.7 s; the bound leaves room for a loaded machine and still sits half
+    # the first-delta limit below the time the same cut takes without the word.
+    assert ttft < FIRST_DELTA_S / 2, ttft
     ack = json.loads(_until(lambda: etcd.get(f"/ack/{rid}/{aid}"), "the agent's ack", 10.0))
     # The demo engine's own gauge: it holds no more than the agent still forwards.
     assert ack["why"] in ("cancel", "fenced") and "demo_requests_running" in ack["evidence"]
