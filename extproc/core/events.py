@@ -413,7 +413,7 @@ class RevokeEarly:
 @dataclass(frozen=True, slots=True)
 class CloseAttempt:
     """Gate: the attempt's end is settled: its lease ends, its record is written (ending
-    `live`, or, after an early revoke, updating the record), its trace kept."""
+    `live`, or, after an early revoke, updating the record)."""
 
     attempt: int
     record: Mapping[str, Any]
@@ -424,8 +424,27 @@ class CloseAttempt:
     cause: str
     timed_out: bool
     end_trace: Mapping[str, Any]
-    # The agent's acknowledgement is awaited next (AwaitAck): the trace is kept then.
+    # The agent's acknowledgement is awaited next (AwaitAck): KeepTrace comes with its end.
     ack_follows: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class MarkTimedOut:
+    """Gate: the replica's first delta did not come within the limit (or its path was
+    lost): the hosts' health records it against `replica`, now."""
+
+    replica: str
+
+
+@dataclass(frozen=True, slots=True)
+class KeepTrace:
+    """Gate: keep the ended attempt's trace (if the traces kept include it): its `name`,
+    its `meta` (the end plan's inputs and verdict) and whether it `completed`. Comes once,
+    with the attempt's close, or after the agent's acknowledgement when one is awaited."""
+
+    name: str
+    meta: Mapping[str, Any]
+    completed: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -522,7 +541,8 @@ class DropChunk:
 
 @dataclass(frozen=True, slots=True)
 class Send:
-    """Guard: send these bytes downstream in place of the received chunk."""
+    """Guard: send these bytes downstream in place of the received chunk (never empty
+    unless it ends the stream: a chunk with nothing to forward is no Send at all)."""
 
     data: bytes
     end_of_stream: bool
@@ -605,6 +625,13 @@ class AwaitIntake:
 @dataclass(frozen=True, slots=True)
 class Accepted:
     """Guard: the request is ours: in flight for the retry budget until its stream ends."""
+
+
+@dataclass(frozen=True, slots=True)
+class RequestEnded:
+    """Guard: the stream of a request whose body was read for its intake ended: the
+    request, and with it its re-prefills, stop counting in the retry budget (idempotent;
+    one never accepted counts nothing)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -714,14 +741,14 @@ class AckSettled:
 Action: TypeAlias = (WatchSource | MarkPathLost | PutCancel | AwaitAck | AckSettled
                      | Admit | AwaitIntakeCommit | Decide | TakeLease | GiveBack | UndoAdmission
                      | UndoFence | Watch | StartTimer | StopTimers | MarkSlow | RevokeEarly
-                     | CloseAttempt | Overloaded | RetryEnded | ContinueRequest | Refuse
-                     | PassHeaders | HoldChunk | PassChunk
+                     | CloseAttempt | MarkTimedOut | KeepTrace | Overloaded | RetryEnded
+                     | ContinueRequest | Refuse | PassHeaders | HoldChunk | PassChunk
                      | Fence | Release | FailAttempt | DropChunk | Send
                      | AwaitCause | EndAttempt | Finish | OpenIntake
-                     | RegisterIntake | AnswerBody | AwaitIntake | Accepted | IntakeFailed
-                     | TakeOver | PassAside | WriteProgress | AnswerHeaders | PassRequest
-                     | LookUpStatus | AnswerStatus | StartToolCall | LoseLease | ReadBody
-                     | PassBody)
+                     | RegisterIntake | AnswerBody | AwaitIntake | Accepted | RequestEnded
+                     | IntakeFailed | TakeOver | PassAside | WriteProgress | AnswerHeaders
+                     | PassRequest | LookUpStatus | AnswerStatus | StartToolCall | LoseLease
+                     | ReadBody | PassBody)
 
 
 class State(StrEnum):

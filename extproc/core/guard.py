@@ -52,6 +52,7 @@ from .events import (
     RegisterIntake,
     RequestBody,
     RequestBodySeen,
+    RequestEnded,
     RequestHeadersSeen,
     RequestOpened,
     ResponseBody,
@@ -124,6 +125,7 @@ class GuardMachine(Machine):
     progress_inflight: bool = False
     done_seen: bool = False  # `[DONE]` forwarded: the client has a complete answer
     keyed: bool = False  # its intake is answered before its body goes on (decision 0021)
+    intake_read: bool = False  # its body was read for an intake (RequestEnded at its end)
     # Envoy's own plain-text 5xx (e.g. no healthy upstream, overflow): replaced by our JSON
     # error so every client sees the same contract.
     replaced_error: bytes | None = None
@@ -319,7 +321,7 @@ def _sse_forward(m: GuardMachine, events: list[SseEvent], end: bool) -> list[Act
         else:
             out += e.raw
     m.sent_downstream(len(out))
-    acts: list[Action] = [Send(bytes(out), end)]
+    acts = _send(bytes(out), end)
     if end:
         m.state = State.GUARD_COMPLETE
         acts.append(StopTimers())
@@ -355,7 +357,7 @@ def _guard_chunk(m: GuardMachine, ev: ResponseBody) -> list[Action]:
         data, m.replaced_error = m.replaced_error, b""
         if ev.end_of_stream:
             m.state = State.GUARD_COMPLETE
-        return [Send(data, ev.end_of_stream)]
+        return _send(data, ev.end_of_stream)
     # Non-streaming or an error status: pass bytes through; count once complete.
     if m.status == 200 and len(m.body) <= m.max_buffer:
         m.body += ev.data
@@ -366,7 +368,13 @@ def _guard_chunk(m: GuardMachine, ev: ResponseBody) -> list[Action]:
             # A whole answer went out: its usage is the engine's count; without one,
             # nothing says how many tokens it held (0, not exact).
             m.delivered, m.engine_tokens, m.uncounted = n or 0, n, n is None
-    return [Send(ev.data, ev.end_of_stream)]
+    return _send(ev.data, ev.end_of_stream)
+
+
+def _send(data: bytes, end: bool) -> list[Action]:
+    """The chunk's bytes downstream; nothing at all when there is nothing to forward and
+    the stream goes on (a chunk whose events are not complete yet, an emptied one)."""
+    return [Send(data, end)] if data or end else []
 
 
 def _output_tokens(family: Family, body: bytes) -> int | None:
@@ -432,6 +440,10 @@ def _guard_body_after_end(m: GuardMachine, ev: ResponseBody) -> list[Action]:
 
 
 def _guard_closed(m: GuardMachine, ev: StreamClosed) -> list[Action]:
+    return _ended(m) + _closed_how(m)
+
+
+def _closed_how(m: GuardMachine) -> list[Action]:
     if m.state is State.GUARD_COMPLETE:
         m.state = State.GUARD_CLOSED
         ok = m.status == 200
@@ -581,7 +593,7 @@ def _guard_request_body(m: GuardMachine, ev: RequestBodySeen) -> list[Action]:
         m.state = State.GUARD_ASIDE
         return [Refuse(ev.error)]
     m.usage_mode = ev.usage
-    m.keyed = ev.keyed
+    m.keyed, m.intake_read = ev.keyed, True
     m.state = State.GUARD_OPENING
     if ev.keyed:
         # A keyed request may be a repeat: its answer is ours to give, before routing.
@@ -610,20 +622,26 @@ def _guard_pass_aside(m: GuardMachine, ev: ResponseHeaders) -> list[Action]:
 
 
 def _guard_send_aside(m: GuardMachine, ev: ResponseBody) -> list[Action]:
-    return [Send(ev.data, ev.end_of_stream)]
+    return _send(ev.data, ev.end_of_stream)
 
 
 def _guard_closed_early(m: GuardMachine, ev: StreamClosed) -> list[Action]:
-    # Before the intake there is no record to finish.
+    # Before the intake (or refused by it) there is no record to finish.
     m.state = State.GUARD_CLOSED
-    return []
+    return _ended(m)
 
 
 def _guard_closed_opening(m: GuardMachine, ev: StreamClosed) -> list[Action]:
     # The intake goes on (its own task): what it answers decides whether there is a
-    # record to finish.
+    # record to finish. The request is over for the retry budget all the same.
     m.state = State.GUARD_LEFT_OPENING
-    return []
+    return _ended(m)
+
+
+def _ended(m: GuardMachine) -> list[Action]:
+    """The stream's end ends a request whose body was read for its intake: it, and with
+    it its re-prefills (the released one too), stop counting in the retry budget."""
+    return [RequestEnded()] if m.intake_read else []
 
 
 def _guard_opened_after_close(m: GuardMachine, ev: RequestOpened) -> list[Action]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -54,6 +55,7 @@ from extproc.core.events import (
     RegisterIntake,
     RequestBody,
     RequestBodySeen,
+    RequestEnded,
     RequestHeadersSeen,
     RequestOpened,
     ResponseBody,
@@ -140,7 +142,7 @@ def test_a_key_less_intake_that_fails_is_answered_by_its_gate() -> None:
     # The gate's error comes back through the guard's response path, untouched.
     assert m.handle(ResponseHeaders(503, "application/json", ours=True)) == [PassAside()]
     assert m.handle(ResponseBody(b"{}", True)) == [Send(b"{}", True)]
-    assert m.handle(StreamClosed()) == []
+    assert m.handle(StreamClosed()) == [RequestEnded()]  # its intake read, if failed
 
 
 def test_the_released_attempt_is_taken_over_before_its_headers_go_on() -> None:
@@ -352,6 +354,19 @@ def test_the_body_goes_on_once_and_a_keyed_one_only_after_its_intake_accepted() 
             assert len(bodies) == 1 and isinstance(acts[bodies[0] - 1], Accepted), r.choices
         else:
             assert bodies == [], r.choices
+
+
+def test_every_run_ends_its_request_for_the_retry_budget_once_at_its_streams_end() -> None:
+    # The body was read for an intake in every run: whatever came first, the stream's end
+    # (and only it) ends the request, once, before what else that end decides.
+    for r in RUNS:
+        ends = [(ev, acts) for ev, acts in r.log if RequestEnded() in acts]
+        assert len(ends) == 1, r.choices
+        ev, acts = ends[0]
+        assert isinstance(ev, StreamClosed) and acts[0] == RequestEnded(), r.choices
+        # And no chunk with nothing in it is a Send (the two bodies here are empty).
+        assert not any(isinstance(a, Send) and not (a.data or a.end_of_stream)
+                       for a in actions(r)), r.choices
 
 
 def test_a_refused_intake_is_answered_once_by_the_right_role() -> None:
@@ -630,6 +645,10 @@ def content(text: str) -> bytes:
     return _delta({"content": text})
 
 
+CONTENT_A = content("a")
+TRACES = Path(__file__).parent / "traces"  # traces older cores recorded
+
+
 
 def streaming_guard() -> GuardMachine:
     m = GuardMachine.new(RID, STALL)
@@ -831,9 +850,12 @@ def test_the_guard_request_phase_is_in_the_table() -> None:
             if opened is not None:
                 m.handle(RequestOpened(opened))
         assert m.state is end and m.accepted is (end is State.GUARD_WAITING)
-        # Closing before the intake finished records nothing.
+        # Closing before the intake finished records nothing; a body read for an intake
+        # (refused by it) ends the request for the retry budget all the same.
         if not m.accepted:
-            assert m.handle(StreamClosed()) == [] and m.state is State.GUARD_CLOSED
+            read = kind == "generation" and body is None
+            assert m.handle(StreamClosed()) == ([RequestEnded()] if read else [])
+            assert m.state is State.GUARD_CLOSED
 
 
 def opening_guard() -> GuardMachine:
@@ -848,8 +870,8 @@ def test_a_stream_closed_during_its_intake_is_finished_if_the_intake_commits() -
     # The intake commits after the stream closed: the record is ours to finish, from
     # Envoy's cause, or a repeat of its key would be "in progress" for as long as we live.
     m = opening_guard()
-    assert m.handle(StreamClosed()) == [] and m.state is State.GUARD_LEFT_OPENING
-    assert not m.accepted
+    assert m.handle(StreamClosed()) == [RequestEnded()]
+    assert m.state is State.GUARD_LEFT_OPENING and not m.accepted
     assert m.handle(StreamClosed()) == [] and m.state is State.GUARD_LEFT_OPENING
     assert m.handle(RequestOpened(True)) == [AwaitCause()]
     assert m.state is State.GUARD_AWAIT_CAUSE
@@ -932,6 +954,8 @@ def run_guard(s: Stream, stalls: list[bool], cause: str) -> GuardRun:
 def test_guard_invariants(s: Stream, stalls: list[bool], cause: str) -> None:
     run = run_guard(s, stalls, cause)
     m = run.guard
+    # A Send always carries something: bytes, or the stream's end.
+    assert all(x.data or x.end_of_stream for x in run.sends)
     sent = b"".join(x.data for x in run.sends)
     out = decode(sent)
     fed = decode(s.data, final=s.eos)
@@ -1061,15 +1085,60 @@ def test_a_format_2_guard_trace_replays_without_the_new_answers() -> None:
     m.handle(Fenced())
     m.handle(StreamClosed())
     rec = record(m, {}, 1 << 20)
-    assert rec["format"] == 3 and replay(rec).ok
-    # As a format-2 core recorded it: no AnswerHeaders, no LoseLease, a bare Fenced.
-    old = {**rec, "format": 2, "decisions": [
-        ",".join(a for a in d.split(",") if a not in ("AnswerHeaders", "LoseLease"))
-        .replace(":AnswerHeaders", ":").replace(":LoseLease,", ":")
-        for d in rec["decisions"]],
-        "events": [{"type": "Fenced"} if e["type"] == "Fenced" else e for e in rec["events"]]}
+    assert rec["format"] == 4 and replay(rec).ok
+    # As a format-2 core recorded it: no AnswerHeaders, no LoseLease, no RequestEnded, a
+    # bare Fenced.
+    old = {**rec, "format": 2,
+           "decisions": without(rec["decisions"], "AnswerHeaders", "LoseLease", "RequestEnded"),
+           "events": [{"type": "Fenced"} if e["type"] == "Fenced" else e
+                      for e in rec["events"]]}
     assert old["decisions"] != rec["decisions"] and replay(old).ok
     assert not replay({**old, "format": 3}).ok
+
+
+def without(decisions: list[str], *names: str) -> list[str]:
+    """Decisions as an older core recorded them: without the actions `names`."""
+    out = []
+    for d in decisions:
+        state, _, acts = d.partition(":")
+        out.append(state + ":" + ",".join(a for a in acts.split(",") if a and a not in names))
+    return out
+
+
+def test_a_stream_end_ends_the_request_for_the_retry_budget_once() -> None:
+    # Accepted, answered, closed: RequestEnded once, first, whatever else the end says.
+    m, _ = body_seen(keyed=False)
+    m.handle(RequestOpened(True))
+    m.handle(ResponseHeaders(200, "application/json"))
+    m.handle(ResponseBody(b"{}", True))
+    assert m.handle(StreamClosed())[0] == RequestEnded()
+    assert RequestEnded() not in m.handle(StreamClosed())
+    # No body read for an intake (a pass-through, the tool route): nothing to end.
+    m = GuardMachine.new(RID, 15.0, at_request=True)
+    m.handle(RequestHeadersSeen("passthrough"))
+    assert m.handle(StreamClosed()) == []
+
+
+def test_a_chunk_with_nothing_to_forward_is_no_send() -> None:
+    m = streaming_guard()
+    assert m.handle(ResponseBody(ROLE + CONTENT_A[:7], False)) == [Send(ROLE, False)]
+    assert m.handle(ResponseBody(CONTENT_A[7:12], False)) == []  # still incomplete
+    acts = m.handle(ResponseBody(CONTENT_A[12:], False))
+    assert acts[0] == Send(CONTENT_A, False)
+    assert Send(b"", False) not in m.handle(ResponseBody(b"", False))
+    assert m.handle(ResponseBody(b"", True))[0] == Send(b"", True)  # the end is said
+
+
+def test_format_3_traces_recorded_before_these_rows_replay() -> None:
+    # Recorded by the core of 8dddcaf (tests/core/traces): the gate's close without
+    # MarkTimedOut and KeepTrace, the agent's acknowledgement without KeepTrace, the guard's
+    # end without RequestEnded and with a Send for each chunk that forwarded nothing.
+    for name in ("gate_timed_out", "gate_agent_ack", "guard_stream"):
+        trace = json.loads((TRACES / f"format3_{name}.json").read_text())
+        assert trace["format"] == 3
+        assert replay(trace).ok, (name, replay(trace).divergence)
+        # Read as today's format they differ: the old decisions are what is compared.
+        assert not replay({**trace, "format": 4}).ok
 
 
 def test_a_finish_says_whether_the_upstreams_answer_was_whole() -> None:
