@@ -159,8 +159,7 @@ class GuardSession(Session):
         self.p.budget.request_started(self.rid or "", self.p.clock.monotonic(), self.aid1)
 
     def take_over(self, a: E.TakeOver) -> None:
-        if a.handoff is not None:  # unreadable: the observer says so, nothing to own
-            self.released = Released.take_over(self.p, self.rid or "", a.handoff, self.fenced)
+        self.released = Released.take_over(self.p, self.rid or "", a.handoff, self.fenced)
 
     def fenced(self) -> None:
         """The released attempt's `live` key was revoked or replaced: the machine says it."""
@@ -217,8 +216,8 @@ GuardSession.WRITES = {
 }
 
 # The other actions' executors: a port call, whose answer (if it waits) is the next event.
-# Finish is spawned first by `feed`; IntakeFailed is the observer's alone (the gate gives
-# the client its error; nothing ran).
+# Finish is spawned first by `feed`; IntakeFailed (the gate gives the client its error;
+# nothing ran) and UnreadableHandOff (nothing to own) are the observer's alone.
 GuardSession.ACTS = {
     **Session.TIMER_ACTS,
     E.LookUpStatus: GuardSession.look_up_status, E.StartToolCall: GuardSession.start_tool_call,

@@ -645,9 +645,15 @@ class IntakeFailed:
 @dataclass(frozen=True, slots=True)
 class TakeOver:
     """Guard: own the released attempt the gate handed over (`handoff`, read from its
-    header; None: unreadable): its end, its record and its fence."""
+    header): its end, its record and its fence."""
 
-    handoff: HandOff | None
+    handoff: HandOff
+
+
+@dataclass(frozen=True, slots=True)
+class UnreadableHandOff:
+    """Guard: the released attempt's hand-off header could not be read: there is nothing
+    to own (said by the observer; the gate's lease lapses by itself)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -746,9 +752,9 @@ Action: TypeAlias = (WatchSource | MarkPathLost | PutCancel | AwaitAck | AckSett
                      | Fence | Release | FailAttempt | DropChunk | Send
                      | AwaitCause | EndAttempt | Finish | OpenIntake
                      | RegisterIntake | AnswerBody | AwaitIntake | Accepted | RequestEnded
-                     | IntakeFailed | TakeOver | PassAside | WriteProgress | AnswerHeaders
-                     | PassRequest | LookUpStatus | AnswerStatus | StartToolCall | LoseLease
-                     | ReadBody | PassBody)
+                     | IntakeFailed | TakeOver | UnreadableHandOff | PassAside | WriteProgress
+                     | AnswerHeaders | PassRequest | LookUpStatus | AnswerStatus
+                     | StartToolCall | LoseLease | ReadBody | PassBody)
 
 
 class State(StrEnum):

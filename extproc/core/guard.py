@@ -67,6 +67,7 @@ from .events import (
     TakeOver,
     TimerFired,
     TimerKind,
+    UnreadableHandOff,
     WriteProgress,
 )
 from .families import CHAT, Family, family_named
@@ -263,7 +264,9 @@ def _guard_headers(m: GuardMachine, ev: ResponseHeaders) -> list[Action]:
     if ev.status == 200 and ev.handoff:
         # The gate released its attempt to us: its end, record and fence are ours now.
         ho = HandOff.from_header(ev.handoff)
-        m.released_id = ho.attempt_id if ho is not None else None
+        if ho is None:
+            return [UnreadableHandOff(), answer]  # nothing to own
+        m.released_id = ho.attempt_id
         return [TakeOver(ho), answer]
     return [answer]
 

@@ -59,14 +59,18 @@ from .usage import UsageMode
 # 4: the sessions' last policy is rows: the gate's end marks a first delta that never came
 # against its replica (MarkTimedOut) and keeps its trace (KeepTrace), the guard's stream end
 # ends the request for the retry budget (RequestEnded), and a chunk with nothing to forward
-# is no Send at all. An older trace is compared without those three actions, and one Send
-# it recorded where the rows now decide none is taken as that empty chunk.
+# is no Send at all; a hand-off that cannot be read is UnreadableHandOff, not TakeOver(None).
+# An older trace is compared without those three actions, with its TakeOver of nothing as
+# UnreadableHandOff, and one Send it recorded where the rows now decide none is taken as that
+# empty chunk.
 FORMAT = 4
 # Actions a guard's rows took from format 3 on, absent from the decisions of older traces.
 _GUARD_FORMAT_3 = frozenset({"AnswerHeaders", "PassRequest", "LookUpStatus", "StartToolCall",
                              "LoseLease"})
-# Actions rows took from format 4 on, absent from the decisions of older traces.
+# Actions rows took from format 4 on, absent from the decisions of older traces, and the
+# one an older trace recorded under another name (a TakeOver of nothing).
 _FORMAT_4 = frozenset({"MarkTimedOut", "KeepTrace", "RequestEnded"})
+_RENAMED_4 = {"UnreadableHandOff": "TakeOver"}
 
 
 def _same(got: str, want: str | None, fmt: int, guard: bool) -> bool:
@@ -76,7 +80,7 @@ def _same(got: str, want: str | None, fmt: int, guard: bool) -> bool:
     drop = _FORMAT_4 | (_GUARD_FORMAT_3 if guard and fmt < 3 else frozenset())
     state, _, acts = got.partition(":")
     w_state, _, w_acts = want.partition(":")
-    mine = [a for a in acts.split(",") if a and a not in drop]
+    mine = [_RENAMED_4.get(a, a) for a in acts.split(",") if a and a not in drop]
     theirs = [a for a in w_acts.split(",") if a]
     if guard and "Send" not in mine and theirs.count("Send") == 1:
         theirs.remove("Send")  # an empty chunk's: written as nothing then too

@@ -70,6 +70,7 @@ from extproc.core.events import (
     TakeOver,
     TimerFired,
     TimerKind,
+    UnreadableHandOff,
     WriteProgress,
 )
 from extproc.core.guard import (
@@ -158,8 +159,15 @@ def test_an_unreadable_hand_off_is_taken_over_as_nothing() -> None:
     m, _ = body_seen(keyed=False)
     m.handle(RequestOpened(True))
     assert m.handle(ResponseHeaders(200, SSE, handoff="{not json")) == [
-        TakeOver(None), PassHeaders()]
+        UnreadableHandOff(), PassHeaders()]
     assert m.released_id is None
+    # A format-3 trace recorded it as TakeOver (of None): it replays as that.
+    m.handle(StreamClosed())
+    rec = record(m, {}, 1 << 20)
+    old = {**rec, "format": 3, "decisions": [
+        d.replace("UnreadableHandOff", "TakeOver") for d in without(
+            rec["decisions"], "RequestEnded")]}
+    assert replay(rec).ok and replay(old).ok and not replay({**old, "format": 4}).ok
 
 
 def test_a_body_is_read_only_where_a_generation_awaits_it() -> None:
