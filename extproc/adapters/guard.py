@@ -104,11 +104,6 @@ class GuardSession(Session):
         assert self.m is not None
         actions = self.m.handle(ev)
         observer.guard(self, ev, actions)
-        # The outcome is recorded first, in its own task: once our terminal event is
-        # written Envoy may close this stream and cancel us mid-await (found by the sweep).
-        for a in actions:
-            if isinstance(a, E.Finish) and self.rid is not None:
-                self.later(self.record(a), f"guard-finish-{self.rid}")
         for a in actions:
             if (nxt := await self.act(a)) is not None:
                 await self.feed(nxt)
@@ -216,7 +211,7 @@ GuardSession.WRITES = {
 }
 
 # The other actions' executors: a port call, whose answer (if it waits) is the next event.
-# Finish is spawned first by `feed`; IntakeFailed (the gate gives the client its error;
+# IntakeFailed (the gate gives the client its error;
 # nothing ran) and UnreadableHandOff (nothing to own) are the observer's alone.
 GuardSession.ACTS = {
     **Session.TIMER_ACTS,
@@ -228,4 +223,6 @@ GuardSession.ACTS = {
     E.TakeOver: GuardSession.take_over, E.LoseLease: GuardSession.lose_lease,
     E.WriteProgress: lambda s, a: s.later(s.progress(a.delivered), f"guard-progress-{s.rid}"),
     E.AwaitCause: GuardSession.await_cause, E.ReadBody: GuardSession.read_body,
+    # Its own task (the rows put it before the batch's bytes): it outlives the stream.
+    E.Finish: lambda s, a: s.later(s.record(a), f"guard-finish-{s.rid}"),
 }

@@ -580,7 +580,9 @@ class WriteProgress:
 @dataclass(frozen=True, slots=True)
 class Finish:
     """Write the terminal record: the outcome and what the client received; its answer
-    comes back as RecordWritten."""
+    comes back as RecordWritten. First in its batch, before any Send: it is written in its
+    own task, started before our last bytes go out (Envoy may then close the stream and
+    cancel the handler mid-await; found by the fault sweep)."""
 
     outcome: Outcome
     delivered_output_tokens: int

@@ -309,9 +309,9 @@ def _sse_forward(m: GuardMachine, events: list[SseEvent], end: bool) -> list[Act
             out += m._terminal()
             m.state = State.GUARD_TERMINATED
             m.sent_downstream(len(out))
-            return [Send(bytes(out), True), StopTimers(),
-                    m._finish(Outcome.UPSTREAM_DECODE_INTERRUPTED,
-                              "in-band error" if e.kind is EventKind.ERROR else "malformed event")]
+            return [m._finish(Outcome.UPSTREAM_DECODE_INTERRUPTED,
+                              "in-band error" if e.kind is EventKind.ERROR else "malformed event"),
+                    Send(bytes(out), True), StopTimers()]
         elif usage and e.kind is EventKind.NON_CONTENT:
             raw, n = take_usage(mode, e)
             out += raw
@@ -396,7 +396,7 @@ def _guard_stall(m: GuardMachine, ev: TimerFired) -> list[Action]:
     m.state = State.GUARD_TERMINATED
     end = m._terminal()
     m.sent_downstream(len(end))
-    return [Send(end, True), m._finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, "stall")]
+    return [m._finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, "stall"), Send(end, True)]
 
 
 def _guard_timer(m: GuardMachine, ev: TimerFired) -> list[Action]:
@@ -433,8 +433,8 @@ def _guard_fenced(m: GuardMachine, ev: Fenced) -> list[Action]:
     m.state = State.GUARD_TERMINATED
     end = m._terminal()
     m.sent_downstream(len(end))
-    return [*lose, Send(end, True),
-            StopTimers(), m._finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, "fenced")]
+    return [*lose, m._finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, "fenced"), Send(end, True),
+            StopTimers()]
 
 
 def _guard_body_after_end(m: GuardMachine, ev: ResponseBody) -> list[Action]:
@@ -450,16 +450,15 @@ def _closed_how(m: GuardMachine) -> list[Action]:
     if m.state is State.GUARD_COMPLETE:
         m.state = State.GUARD_CLOSED
         ok = m.status == 200
-        return [StopTimers(),
-                m._finish(Outcome.COMPLETED if ok else Outcome.UPSTREAM_FAILED,
-                          None if ok else f"http {m.status}")]
+        return [m._finish(Outcome.COMPLETED if ok else Outcome.UPSTREAM_FAILED,
+                          None if ok else f"http {m.status}"), StopTimers()]
     if m.state is State.GUARD_TERMINATED:
         m.state = State.GUARD_CLOSED
         return []
     if m.done_seen:
         # `[DONE]` reached the client before the reset: its answer is complete.
         m.state = State.GUARD_CLOSED
-        return [StopTimers(), m._finish(Outcome.COMPLETED, "reset after [DONE]")]
+        return [m._finish(Outcome.COMPLETED, "reset after [DONE]"), StopTimers()]
     # Ended without an end of stream: the client left, or the upstream was reset.
     m.state = State.GUARD_AWAIT_CAUSE
     return [StopTimers(), AwaitCause()]

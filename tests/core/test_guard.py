@@ -206,7 +206,7 @@ def test_the_stall_watchdog_is_a_timer_row() -> None:
     acts = streaming(m)
     # Started (again) with every chunk past the first delta, as the gate's limits are.
     assert acts[-1] == StartTimer(TimerKind.STALL, 15.0)
-    [send, fin] = m.handle(TimerFired(TimerKind.STALL, 15.0))
+    [fin, send] = m.handle(TimerFired(TimerKind.STALL, 15.0))
     assert isinstance(send, Send) and send.end_of_stream
     assert isinstance(fin, Finish) and fin.cause == "stall"
     assert m.state is State.GUARD_TERMINATED
@@ -699,7 +699,7 @@ def test_guard_counts_content_units_and_completes() -> None:
     assert m.handle(ResponseBody(tail, True)) == [Send(tail, True), StopTimers()]
     assert m.state is State.GUARD_COMPLETE
     assert m.handle(StreamClosed()) == [
-        StopTimers(), Finish(Outcome.COMPLETED, 3, None, exact=False)]
+        Finish(Outcome.COMPLETED, 3, None, exact=False), StopTimers()]
     assert m.finished == Finish(Outcome.COMPLETED, 3, None, exact=False)
     assert m.handle(StreamClosed()) == []
 
@@ -709,7 +709,7 @@ def test_guard_error_after_delivery_is_replaced_by_our_terminal_event() -> None:
     m.handle(ResponseBody(ROLE + content("a"), False))
     acts = m.handle(ResponseBody(content("b") + ERROR + content("c"), False))
     fin = Finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, 2, "in-band error", exact=False)
-    assert acts == [Send(content("b") + terminal(2), True), StopTimers(), fin]
+    assert acts == [fin, Send(content("b") + terminal(2), True), StopTimers()]
     assert m.state is State.GUARD_TERMINATED
     sent = b"".join(a.data for a in acts if isinstance(a, Send))
     assert b"engine_dead" not in sent and b"CUDA" not in sent
@@ -726,8 +726,8 @@ def test_guard_malformed_after_delivery_terminates() -> None:
     m = streaming_guard()
     m.handle(ResponseBody(content("a"), False))
     acts = m.handle(ResponseBody(MALFORMED, False))
-    assert acts == [Send(terminal(1), True), StopTimers(),
-                    Finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, 1, "malformed event", exact=False)]
+    assert acts == [Finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, 1, "malformed event", exact=False),
+                    Send(terminal(1), True), StopTimers()]
 
 
 def test_guard_stall_before_delivery_does_nothing() -> None:
@@ -742,8 +742,8 @@ def test_guard_stall_after_delivery_ends_the_stream() -> None:
     m = streaming_guard()
     m.handle(ResponseBody(ROLE + content("a") + content("b"), False))
     acts = m.handle(TimerFired(TimerKind.STALL))
-    assert acts == [Send(terminal(2), True),
-                    Finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, 2, "stall", exact=False)]
+    assert acts == [Finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, 2, "stall", exact=False),
+                    Send(terminal(2), True)]
     assert m.state is State.GUARD_TERMINATED
     assert m.handle(ResponseBody(content("late"), False)) == []
 
@@ -752,8 +752,9 @@ def test_guard_fenced_attempt_ends_the_stream_at_once() -> None:
     m = streaming_guard()
     m.handle(ResponseBody(ROLE + content("a") + content("b"), False))
     acts = m.handle(Fenced("revoked or replaced"))
-    assert acts == [LoseLease("revoked or replaced"), Send(terminal(2), True), StopTimers(),
-                    Finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, 2, "fenced", exact=False)]
+    assert acts == [LoseLease("revoked or replaced"),
+                    Finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, 2, "fenced", exact=False),
+                    Send(terminal(2), True), StopTimers()]
     assert m.state is State.GUARD_TERMINATED and m.lease_lost
     assert m.handle(ResponseBody(content("late"), False, lease_expired=True)) == []
     assert m.handle(Fenced()) == []  # said once, whoever noticed it again
@@ -762,8 +763,9 @@ def test_guard_fenced_attempt_ends_the_stream_at_once() -> None:
 def test_guard_fenced_before_any_content_still_publishes_nothing() -> None:
     m = streaming_guard()
     acts = m.handle(Fenced())
-    assert acts == [LoseLease("expired locally"), Send(terminal(0), True), StopTimers(),
-                    Finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, 0, "fenced")]
+    assert acts == [LoseLease("expired locally"),
+                    Finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, 0, "fenced"),
+                    Send(terminal(0), True), StopTimers()]
 
 
 def test_guard_fenced_after_done_changes_nothing() -> None:
@@ -780,7 +782,7 @@ def test_guard_incomplete_fragment_is_not_sent_at_stall() -> None:
     nxt = content("FRAGMENT")
     acts = m.handle(ResponseBody(content("a") + nxt[:15], False))
     assert acts == [Send(content("a"), False), StartTimer(TimerKind.STALL, STALL)]
-    [send, _fin] = m.handle(TimerFired(TimerKind.STALL))
+    [_fin, send] = m.handle(TimerFired(TimerKind.STALL))
     assert send == Send(terminal(1), True)
     assert nxt[:15] not in send.data
 
@@ -820,7 +822,7 @@ def test_guard_non_200_completes_as_upstream_failed() -> None:
     body = b'{"error":{"code":"upstream_unavailable"}}'
     assert m.handle(ResponseBody(body, True)) == [Send(body, True)]
     assert m.handle(StreamClosed()) == [
-        StopTimers(), Finish(Outcome.UPSTREAM_FAILED, 0, "http 503")]
+        Finish(Outcome.UPSTREAM_FAILED, 0, "http 503"), StopTimers()]
 
 
 def test_guard_headers_only_response() -> None:
@@ -836,8 +838,8 @@ def test_guard_non_streaming_counts_completion_tokens() -> None:
     m.handle(ResponseHeaders(200, "application/json"))
     assert m.handle(ResponseBody(body[:5], False)) == [Send(body[:5], False)]
     assert m.handle(ResponseBody(body[5:], True)) == [Send(body[5:], True)]
-    assert m.handle(StreamClosed()) == [StopTimers(), Finish(
-        Outcome.COMPLETED, 7, None, exact=True, source="engine")]
+    assert m.handle(StreamClosed()) == [Finish(
+        Outcome.COMPLETED, 7, None, exact=True, source="engine"), StopTimers()]
 
 
 def test_the_guard_request_phase_is_in_the_table() -> None:
@@ -936,6 +938,10 @@ def run_guard(s: Stream, stalls: list[bool], cause: str) -> GuardRun:
     finishes: list[Finish] = []
 
     def account(actions: list[Any]) -> None:
+        # The record's write is started before any of its batch's bytes go out (Envoy may
+        # close the stream, and cancel the handler, once our last bytes are written).
+        fins = [i for i, a in enumerate(actions) if isinstance(a, Finish)]
+        assert all(i < j for i in fins for j, a in enumerate(actions) if isinstance(a, Send))
         for a in actions:
             if isinstance(a, Send):
                 # After the stream was ended, nothing more is sent.
@@ -1069,8 +1075,9 @@ def test_a_chunk_past_the_leases_local_expiry_ends_the_stream_once() -> None:
     m = streaming_guard()
     m.handle(ResponseBody(ROLE + content("a"), False))
     acts = m.handle(ResponseBody(content("b"), False, lease_expired=True))
-    assert acts == [LoseLease("expired locally"), Send(terminal(1), True), StopTimers(),
-                    Finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, 1, "fenced", exact=False)]
+    assert acts == [LoseLease("expired locally"),
+                    Finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, 1, "fenced", exact=False),
+                    Send(terminal(1), True), StopTimers()]
     assert m.handle(ResponseBody(content("c"), False, lease_expired=True)) == []
     assert m.handle(Fenced("revoked or replaced")) == []
     assert event_from_record(m.trace[-3]) == ResponseBody(content("b"), False, True)
@@ -1152,9 +1159,9 @@ def test_format_3_traces_recorded_before_these_rows_replay() -> None:
 def test_a_finish_says_whether_the_upstreams_answer_was_whole() -> None:
     m = streaming_guard()
     m.handle(ResponseBody(ROLE + content("a") + DONE_EVENT, False))
-    [_, fin] = m.handle(StreamClosed())
+    [fin, _] = m.handle(StreamClosed())
     assert isinstance(fin, Finish) and fin.upstream_finished  # reset after [DONE]
     m = streaming_guard()
     m.handle(ResponseBody(ROLE + content("a"), False))
-    fin = m.handle(TimerFired(TimerKind.STALL))[-1]
+    fin = m.handle(TimerFired(TimerKind.STALL))[0]
     assert isinstance(fin, Finish) and not fin.upstream_finished
