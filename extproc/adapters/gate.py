@@ -125,7 +125,7 @@ class GateSession(Session):
         self.p.reached.mark(self.rid or "")
         # A replica's agent addresses its word to this process's watch by its instance id.
         await self.write(codec.attempt_upstream(
-            self.aid, self.record.secret, self.p.instance_id if self.machine.agent else None))
+            self.aid, self.record.secret, self.p.instance_id if a.agent else None))
 
     def link(self) -> AgentLink:
         if self.agent is None:  # a cancel for an attempt that never listened (its admission)

@@ -449,7 +449,10 @@ class KeepTrace:
 
 @dataclass(frozen=True, slots=True)
 class ContinueRequest:
-    """Gate: let the request headers go upstream."""
+    """Gate: let the request headers go upstream; `agent`: the replica's agent is told
+    where to address its word (this process's instance id, decision 0034)."""
+
+    agent: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -400,7 +400,7 @@ def _gate_admitted(m: GateMachine, ev: AdmitDecided) -> list[Action]:
     if p.soft_first_delta_s > 0:
         acts.append(StartTimer(TimerKind.SOFT_FIRST_DELTA, p.soft_first_delta_s))
     acts += [StartTimer(TimerKind.FIRST_DELTA, max(0.0, deadline - ev.waited_s)),
-             ContinueRequest()]
+             ContinueRequest(bool(m.agent))]
     return acts
 
 

@@ -105,7 +105,7 @@ def holding(agent: int = 1, **kw: Any) -> GateMachine:
 def test_an_agent_fronted_attempt_listens_for_its_word_before_it_goes_upstream() -> None:
     _, acts = gate(agent=1)
     assert acts == [Watch(), WatchSource(), StartTimer(TimerKind.FIRST_DELTA, 10.0),
-                    ContinueRequest()]
+                    ContinueRequest(agent=True)]
 
 
 def test_without_an_agent_the_admission_answers_as_before() -> None:
