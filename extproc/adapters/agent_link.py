@@ -12,7 +12,6 @@ from collections.abc import Callable
 from typing import Any
 
 from ..core import events as E
-from ..core.gate import GateMachine, attempt_trace
 from .ports import LinkPorts
 from .processor import retrying
 
@@ -70,11 +69,9 @@ class AgentLink:
             self._unack = None
         return E.AckLearned(evidence is not None, evidence, p.clock.wall())
 
-    async def settled(self, a: E.AckSettled, m: GateMachine, replica: str | None) -> None:
-        """Keep the attempt's trace, then write what the acknowledgement changed."""
+    async def settled(self, a: E.AckSettled) -> None:
+        """Write what the acknowledgement changed (the trace is kept by KeepTrace before)."""
         p, rid, aid = self.p, self.rid, self.aid
-        name, meta, completed = attempt_trace(a, aid, replica)
-        p.work.keep(rid, name, m, meta, completed)
         if a.record is None:
             return
         n, rec = a.attempt, a.record

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from ..core import events as E
 from ..core import headers as H
-from ..core.gate import GateMachine, admission_decided, attempt_trace, request_started, word
+from ..core.gate import GateMachine, admission_decided, request_started, word
 from ..gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from . import envoy_codec as codec
 from . import observer
@@ -125,7 +125,7 @@ class GateSession(Session):
         self.p.reached.mark(self.rid or "")
         # A replica's agent addresses its word to this process's watch by its instance id.
         await self.write(codec.attempt_upstream(
-            self.aid, self.record.secret, self.p.instance_id if self.machine.agent else None))
+            self.aid, self.record.secret, self.p.instance_id if a.agent else None))
 
     def link(self) -> AgentLink:
         if self.agent is None:  # a cancel for an attempt that never listened (its admission)
@@ -155,19 +155,12 @@ class GateSession(Session):
             await self.write(codec.continue_response_body())
         self.detach = a.hand_off
 
+    def timed_out(self, a: E.MarkTimedOut) -> None:
+        self.p.health.first_delta_timed_out(a.replica, self.p.clock.monotonic())
+
     def await_cause(self, a: E.AwaitCause) -> None:
         self.p.causes.expect(a.attempt_id or self.aid, a.timeout_s or 0.0, lambda entry:
                              self.later(lambda c: word(entry, c.wall()), f"gate-word-{self.aid}"))
-
-    async def close(self, a: E.CloseAttempt) -> None:
-        p, m, rec = self.p, self.m, self.rec
-        assert m is not None and rec is not None
-        if a.timed_out and self.replica:
-            p.health.first_delta_timed_out(self.replica, p.clock.monotonic())
-        if not a.ack_follows:  # else kept once the agent's acknowledgement is settled
-            name, meta, completed = attempt_trace(a, self.aid, self.replica)
-            p.work.keep(rec.rid, name, m, meta, completed)
-        await rec.close(a)
 
 
 _Event = Callable[[AttemptRecord, ep.ProcessingRequest], E.Event]
@@ -211,7 +204,7 @@ GateSession.ACTS = {
     E.PutCancel: lambda s, a: s.link().put_cancel(s.machine.params.gateway_id,
                                                   float(s.machine.params.lease_ttl_s)),
     E.AwaitAck: lambda s, a: s.link().await_ack(a),
-    E.AckSettled: lambda s, a: s.link().settled(a, s.machine, s.replica),
+    E.AckSettled: lambda s, a: s.link().settled(a),
     E.LoseLease: lambda s, a: s.record.lose(a.why),
     **Session.TIMER_ACTS,
     E.Overloaded: lambda s, a: s.p.health.overloaded(
@@ -219,7 +212,10 @@ GateSession.ACTS = {
     E.Release: GateSession.release, E.FailAttempt: GateSession.fail,
     E.RetryEnded: lambda s, a: s.p.budget.retry_ended(s.aid),
     E.RevokeEarly: lambda s, a: s.record.end_early(a), E.AwaitCause: GateSession.await_cause,
-    E.CloseAttempt: GateSession.close,
+    E.MarkTimedOut: GateSession.timed_out,
+    E.KeepTrace: lambda s, a: s.p.work.keep(s.rid or "", a.name, s.machine, dict(a.meta),
+                                            a.completed),
+    E.CloseAttempt: lambda s, a: s.record.close(a),
 }
 
 

@@ -87,9 +87,6 @@ class GuardSession(Session):
     async def on_closed(self) -> None:
         self.timers.stop()
         p, rid = self.p, self.rid
-        if rid is not None and self.intake is not None and self.tool is None:
-            # The request is over, and with it its re-prefills (the released one too).
-            p.budget.request_ended(rid, self.aid1)
         late = self._tx.closed() if self._tx is not None else None
         if self.released is not None:
             self.released.stop_watching()
@@ -107,11 +104,6 @@ class GuardSession(Session):
         assert self.m is not None
         actions = self.m.handle(ev)
         observer.guard(self, ev, actions)
-        # The outcome is recorded first, in its own task: once our terminal event is
-        # written Envoy may close this stream and cancel us mid-await (found by the sweep).
-        for a in actions:
-            if isinstance(a, E.Finish) and self.rid is not None:
-                self.later(self.record(a), f"guard-finish-{self.rid}")
         for a in actions:
             if (nxt := await self.act(a)) is not None:
                 await self.feed(nxt)
@@ -123,10 +115,6 @@ class GuardSession(Session):
         return self._tx
 
     # --- actions -> codec writes and port calls ---------------------------------------
-
-    async def send(self, a: E.Send) -> None:
-        if a.data or a.end_of_stream:
-            await self.write(codec.streamed_response_body(a.data, a.end_of_stream))
 
     async def read_body(self, a: E.ReadBody) -> E.Event:
         p, body, self.body = self.p, self.body, b""
@@ -166,8 +154,7 @@ class GuardSession(Session):
         self.p.budget.request_started(self.rid or "", self.p.clock.monotonic(), self.aid1)
 
     def take_over(self, a: E.TakeOver) -> None:
-        if a.handoff is not None:  # unreadable: the observer says so, nothing to own
-            self.released = Released.take_over(self.p, self.rid or "", a.handoff, self.fenced)
+        self.released = Released.take_over(self.p, self.rid or "", a.handoff, self.fenced)
 
     def fenced(self) -> None:
         """The released attempt's `live` key was revoked or replaced: the machine says it."""
@@ -220,18 +207,22 @@ GuardSession.WRITES = {
     E.PassAside: lambda s, a: codec.aside_response_headers(),
     E.PassHeaders: lambda s, a: codec.client_response_headers(s.rid or "", a.as_json),
     E.Refuse: lambda s, a: codec.immediate(a.error, {H.REQUEST_ID: s.rid} if s.rid else None),
+    E.Send: lambda s, a: codec.streamed_response_body(a.data, a.end_of_stream),
 }
 
 # The other actions' executors: a port call, whose answer (if it waits) is the next event.
-# Finish is spawned first by `feed`; IntakeFailed is the observer's alone (the gate gives
-# the client its error; nothing ran).
+# IntakeFailed (the gate gives the client its error;
+# nothing ran) and UnreadableHandOff (nothing to own) are the observer's alone.
 GuardSession.ACTS = {
-    **Session.TIMER_ACTS, E.Send: GuardSession.send,
+    **Session.TIMER_ACTS,
     E.LookUpStatus: GuardSession.look_up_status, E.StartToolCall: GuardSession.start_tool_call,
     E.OpenIntake: lambda s, a: s.tx.open(), E.RegisterIntake: lambda s, a: s.tx.register(),
     E.AnswerBody: GuardSession.answer_body, E.AwaitIntake: lambda s, a: s.tx.opened(),
     E.Accepted: GuardSession.accepted,
+    E.RequestEnded: lambda s, a: s.p.budget.request_ended(s.rid or "", s.aid1),
     E.TakeOver: GuardSession.take_over, E.LoseLease: GuardSession.lose_lease,
     E.WriteProgress: lambda s, a: s.later(s.progress(a.delivered), f"guard-progress-{s.rid}"),
     E.AwaitCause: GuardSession.await_cause, E.ReadBody: GuardSession.read_body,
+    # Its own task (the rows put it before the batch's bytes): it outlives the stream.
+    E.Finish: lambda s, a: s.later(s.record(a), f"guard-finish-{s.rid}"),
 }

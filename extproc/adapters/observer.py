@@ -49,8 +49,8 @@ from ..core.events import (
     StatusRead,
     StoreDown,
     TakeLease,
-    TakeOver,
     TimerFired,
+    UnreadableHandOff,
 )
 from ..core.failure import FailureClass
 from ..core.failure import Fence as FenceKind
@@ -256,7 +256,7 @@ def guard(s: GuardSession, ev: Event, actions: list[Action]) -> None:
         elif isinstance(a, LoseLease):
             rlog(log, logging.WARNING, "attempt fenced: its lease was revoked or replaced",
                  s.rid, m.released_id)
-        elif isinstance(a, TakeOver) and a.handoff is None:
+        elif isinstance(a, UnreadableHandOff):
             rlog(log, logging.ERROR, "unreadable attempt hand-off", s.rid, None)
         elif isinstance(a, Refuse):
             _guard_refused(s, ev, a)

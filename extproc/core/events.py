@@ -413,7 +413,7 @@ class RevokeEarly:
 @dataclass(frozen=True, slots=True)
 class CloseAttempt:
     """Gate: the attempt's end is settled: its lease ends, its record is written (ending
-    `live`, or, after an early revoke, updating the record), its trace kept."""
+    `live`, or, after an early revoke, updating the record)."""
 
     attempt: int
     record: Mapping[str, Any]
@@ -424,13 +424,35 @@ class CloseAttempt:
     cause: str
     timed_out: bool
     end_trace: Mapping[str, Any]
-    # The agent's acknowledgement is awaited next (AwaitAck): the trace is kept then.
+    # The agent's acknowledgement is awaited next (AwaitAck): KeepTrace comes with its end.
     ack_follows: bool = False
 
 
 @dataclass(frozen=True, slots=True)
+class MarkTimedOut:
+    """Gate: the replica's first delta did not come within the limit (or its path was
+    lost): the hosts' health records it against `replica`, now."""
+
+    replica: str
+
+
+@dataclass(frozen=True, slots=True)
+class KeepTrace:
+    """Gate: keep the ended attempt's trace (if the traces kept include it): its `name`,
+    its `meta` (the end plan's inputs and verdict) and whether it `completed`. Comes once,
+    with the attempt's close, or after the agent's acknowledgement when one is awaited."""
+
+    name: str
+    meta: Mapping[str, Any]
+    completed: bool
+
+
+@dataclass(frozen=True, slots=True)
 class ContinueRequest:
-    """Gate: let the request headers go upstream."""
+    """Gate: let the request headers go upstream; `agent`: the replica's agent is told
+    where to address its word (this process's instance id, decision 0034)."""
+
+    agent: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -522,7 +544,8 @@ class DropChunk:
 
 @dataclass(frozen=True, slots=True)
 class Send:
-    """Guard: send these bytes downstream in place of the received chunk."""
+    """Guard: send these bytes downstream in place of the received chunk (never empty
+    unless it ends the stream: a chunk with nothing to forward is no Send at all)."""
 
     data: bytes
     end_of_stream: bool
@@ -560,7 +583,9 @@ class WriteProgress:
 @dataclass(frozen=True, slots=True)
 class Finish:
     """Write the terminal record: the outcome and what the client received; its answer
-    comes back as RecordWritten."""
+    comes back as RecordWritten. First in its batch, before any Send: it is written in its
+    own task, started before our last bytes go out (Envoy may then close the stream and
+    cancel the handler mid-await; found by the fault sweep)."""
 
     outcome: Outcome
     delivered_output_tokens: int
@@ -608,6 +633,13 @@ class Accepted:
 
 
 @dataclass(frozen=True, slots=True)
+class RequestEnded:
+    """Guard: the stream of a request whose body was read for its intake ended: the
+    request, and with it its re-prefills, stop counting in the retry budget (idempotent;
+    one never accepted counts nothing)."""
+
+
+@dataclass(frozen=True, slots=True)
 class IntakeFailed:
     """Guard: a key-less intake failed after its body went on: its gate answers the client
     with `error`; here only what was started for it ends."""
@@ -618,9 +650,15 @@ class IntakeFailed:
 @dataclass(frozen=True, slots=True)
 class TakeOver:
     """Guard: own the released attempt the gate handed over (`handoff`, read from its
-    header; None: unreadable): its end, its record and its fence."""
+    header): its end, its record and its fence."""
 
-    handoff: HandOff | None
+    handoff: HandOff
+
+
+@dataclass(frozen=True, slots=True)
+class UnreadableHandOff:
+    """Guard: the released attempt's hand-off header could not be read: there is nothing
+    to own (said by the observer; the gate's lease lapses by itself)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -714,14 +752,14 @@ class AckSettled:
 Action: TypeAlias = (WatchSource | MarkPathLost | PutCancel | AwaitAck | AckSettled
                      | Admit | AwaitIntakeCommit | Decide | TakeLease | GiveBack | UndoAdmission
                      | UndoFence | Watch | StartTimer | StopTimers | MarkSlow | RevokeEarly
-                     | CloseAttempt | Overloaded | RetryEnded | ContinueRequest | Refuse
-                     | PassHeaders | HoldChunk | PassChunk
+                     | CloseAttempt | MarkTimedOut | KeepTrace | Overloaded | RetryEnded
+                     | ContinueRequest | Refuse | PassHeaders | HoldChunk | PassChunk
                      | Fence | Release | FailAttempt | DropChunk | Send
                      | AwaitCause | EndAttempt | Finish | OpenIntake
-                     | RegisterIntake | AnswerBody | AwaitIntake | Accepted | IntakeFailed
-                     | TakeOver | PassAside | WriteProgress | AnswerHeaders | PassRequest
-                     | LookUpStatus | AnswerStatus | StartToolCall | LoseLease | ReadBody
-                     | PassBody)
+                     | RegisterIntake | AnswerBody | AwaitIntake | Accepted | RequestEnded
+                     | IntakeFailed | TakeOver | UnreadableHandOff | PassAside | WriteProgress
+                     | AnswerHeaders | PassRequest | LookUpStatus | AnswerStatus
+                     | StartToolCall | LoseLease | ReadBody | PassBody)
 
 
 class State(StrEnum):

@@ -49,11 +49,13 @@ from .events import (
     GiveBack,
     HoldChunk,
     IntakeCommitted,
+    KeepTrace,
     LeaseLost,
     LiveChanged,
     LoseLease,
     MarkPathLost,
     MarkSlow,
+    MarkTimedOut,
     NotConfirmed,
     Overloaded,
     PassChunk,
@@ -398,7 +400,7 @@ def _gate_admitted(m: GateMachine, ev: AdmitDecided) -> list[Action]:
     if p.soft_first_delta_s > 0:
         acts.append(StartTimer(TimerKind.SOFT_FIRST_DELTA, p.soft_first_delta_s))
     acts += [StartTimer(TimerKind.FIRST_DELTA, max(0.0, deadline - ev.waited_s)),
-             ContinueRequest()]
+             ContinueRequest(bool(m.agent))]
     return acts
 
 
@@ -752,11 +754,18 @@ def _settle(m: GateMachine, entry: str | None, wall: float) -> list[Action]:
     # (policy.uncertain_source_liveness): the replica may still be decoding and may still
     # publish; fenced now, a retry is admitted only once the fence's lease expires, or
     # once the replica's agent acknowledges the cancel.
-    acts: list[Action] = [CloseAttempt(
+    timed_out, replica = m.timed_out or m.path_lost, m.start.replica if m.start else None
+    close = CloseAttempt(
         m.journal_attempt, record, expire=done.fence is FenceKind.EXPIRE,
         update_only=plan.revoke_now, failure_class=str(done.failure_class),
-        fence=str(done.fence), cause=done.cause, timed_out=m.timed_out or m.path_lost,
-        end_trace=records.end_trace(f, entry, p.cancel_ack, done), ack_follows=ack)]
+        fence=str(done.fence), cause=done.cause, timed_out=timed_out,
+        end_trace=records.end_trace(f, entry, p.cancel_ack, done), ack_follows=ack)
+    # A first delta that never came counts against its replica's health; the trace is kept
+    # now, or with the agent's acknowledgement when one is awaited (_gate_ack).
+    acts: list[Action] = [MarkTimedOut(replica)] if timed_out and replica else []
+    if not ack:
+        acts.append(KeepTrace(*attempt_trace(close, m.attempt_id, replica)))
+    acts.append(close)
     if ack:
         m.state = State.GATE_AWAITING_ACK
         # Bounded by the fence's own lease: past it the marker is gone by itself.
@@ -770,18 +779,21 @@ def _gate_ack(m: GateMachine, ev: AckLearned) -> list[Action]:
     p = m.params
     first = m.end_settled or records.settle_end(f, plan, m.end_entry, p.cancel_ack)
     m.state = State.GATE_CLOSED
+    replica = m.start.replica if m.start else None
     if not ev.heard:
-        return [AckSettled(m.journal_attempt, None, False, str(first.failure_class),
-                           records.end_trace(f, m.end_entry, p.cancel_ack, first))]
+        settled = AckSettled(m.journal_attempt, None, False, str(first.failure_class),
+                             records.end_trace(f, m.end_entry, p.cancel_ack, first))
+        return [KeepTrace(*attempt_trace(settled, m.attempt_id, replica)), settled]
     done = records.settle_end(f, plan, m.end_entry, p.cancel_ack, dict(ev.evidence or {}))
     record = {**records.attempt_end(m.facts().base(), f, done, m.ended_at, p.lease_ttl_s),
               **m.agent_facts()}
     m.settled = f"{done.failure_class}/{done.fence}/{done.cause}"
     # The engine let go and the agent stops a fenced attempt's bytes at the source: the
     # `fenced:` marker may go now, and a retry run at once.
-    return [AckSettled(m.journal_attempt, record, done.fenced_by_ack,
-                       str(done.failure_class),
-                       records.end_trace(f, m.end_entry, p.cancel_ack, done))]
+    settled = AckSettled(m.journal_attempt, record, done.fenced_by_ack,
+                         str(done.failure_class),
+                         records.end_trace(f, m.end_entry, p.cancel_ack, done))
+    return [KeepTrace(*attempt_trace(settled, m.attempt_id, replica)), settled]
 
 
 def word(entry: str | None, wall: float) -> CauseLearned:

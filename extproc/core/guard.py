@@ -52,6 +52,7 @@ from .events import (
     RegisterIntake,
     RequestBody,
     RequestBodySeen,
+    RequestEnded,
     RequestHeadersSeen,
     RequestOpened,
     ResponseBody,
@@ -66,6 +67,7 @@ from .events import (
     TakeOver,
     TimerFired,
     TimerKind,
+    UnreadableHandOff,
     WriteProgress,
 )
 from .families import CHAT, Family, family_named
@@ -124,6 +126,7 @@ class GuardMachine(Machine):
     progress_inflight: bool = False
     done_seen: bool = False  # `[DONE]` forwarded: the client has a complete answer
     keyed: bool = False  # its intake is answered before its body goes on (decision 0021)
+    intake_read: bool = False  # its body was read for an intake (RequestEnded at its end)
     # Envoy's own plain-text 5xx (e.g. no healthy upstream, overflow): replaced by our JSON
     # error so every client sees the same contract.
     replaced_error: bytes | None = None
@@ -261,7 +264,9 @@ def _guard_headers(m: GuardMachine, ev: ResponseHeaders) -> list[Action]:
     if ev.status == 200 and ev.handoff:
         # The gate released its attempt to us: its end, record and fence are ours now.
         ho = HandOff.from_header(ev.handoff)
-        m.released_id = ho.attempt_id if ho is not None else None
+        if ho is None:
+            return [UnreadableHandOff(), answer]  # nothing to own
+        m.released_id = ho.attempt_id
         return [TakeOver(ho), answer]
     return [answer]
 
@@ -304,9 +309,9 @@ def _sse_forward(m: GuardMachine, events: list[SseEvent], end: bool) -> list[Act
             out += m._terminal()
             m.state = State.GUARD_TERMINATED
             m.sent_downstream(len(out))
-            return [Send(bytes(out), True), StopTimers(),
-                    m._finish(Outcome.UPSTREAM_DECODE_INTERRUPTED,
-                              "in-band error" if e.kind is EventKind.ERROR else "malformed event")]
+            return [m._finish(Outcome.UPSTREAM_DECODE_INTERRUPTED,
+                              "in-band error" if e.kind is EventKind.ERROR else "malformed event"),
+                    Send(bytes(out), True), StopTimers()]
         elif usage and e.kind is EventKind.NON_CONTENT:
             raw, n = take_usage(mode, e)
             out += raw
@@ -319,7 +324,7 @@ def _sse_forward(m: GuardMachine, events: list[SseEvent], end: bool) -> list[Act
         else:
             out += e.raw
     m.sent_downstream(len(out))
-    acts: list[Action] = [Send(bytes(out), end)]
+    acts = _send(bytes(out), end)
     if end:
         m.state = State.GUARD_COMPLETE
         acts.append(StopTimers())
@@ -355,7 +360,7 @@ def _guard_chunk(m: GuardMachine, ev: ResponseBody) -> list[Action]:
         data, m.replaced_error = m.replaced_error, b""
         if ev.end_of_stream:
             m.state = State.GUARD_COMPLETE
-        return [Send(data, ev.end_of_stream)]
+        return _send(data, ev.end_of_stream)
     # Non-streaming or an error status: pass bytes through; count once complete.
     if m.status == 200 and len(m.body) <= m.max_buffer:
         m.body += ev.data
@@ -366,7 +371,13 @@ def _guard_chunk(m: GuardMachine, ev: ResponseBody) -> list[Action]:
             # A whole answer went out: its usage is the engine's count; without one,
             # nothing says how many tokens it held (0, not exact).
             m.delivered, m.engine_tokens, m.uncounted = n or 0, n, n is None
-    return [Send(ev.data, ev.end_of_stream)]
+    return _send(ev.data, ev.end_of_stream)
+
+
+def _send(data: bytes, end: bool) -> list[Action]:
+    """The chunk's bytes downstream; nothing at all when there is nothing to forward and
+    the stream goes on (a chunk whose events are not complete yet, an emptied one)."""
+    return [Send(data, end)] if data or end else []
 
 
 def _output_tokens(family: Family, body: bytes) -> int | None:
@@ -385,7 +396,7 @@ def _guard_stall(m: GuardMachine, ev: TimerFired) -> list[Action]:
     m.state = State.GUARD_TERMINATED
     end = m._terminal()
     m.sent_downstream(len(end))
-    return [Send(end, True), m._finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, "stall")]
+    return [m._finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, "stall"), Send(end, True)]
 
 
 def _guard_timer(m: GuardMachine, ev: TimerFired) -> list[Action]:
@@ -422,8 +433,8 @@ def _guard_fenced(m: GuardMachine, ev: Fenced) -> list[Action]:
     m.state = State.GUARD_TERMINATED
     end = m._terminal()
     m.sent_downstream(len(end))
-    return [*lose, Send(end, True),
-            StopTimers(), m._finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, "fenced")]
+    return [*lose, m._finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, "fenced"), Send(end, True),
+            StopTimers()]
 
 
 def _guard_body_after_end(m: GuardMachine, ev: ResponseBody) -> list[Action]:
@@ -432,19 +443,22 @@ def _guard_body_after_end(m: GuardMachine, ev: ResponseBody) -> list[Action]:
 
 
 def _guard_closed(m: GuardMachine, ev: StreamClosed) -> list[Action]:
+    return _ended(m) + _closed_how(m)
+
+
+def _closed_how(m: GuardMachine) -> list[Action]:
     if m.state is State.GUARD_COMPLETE:
         m.state = State.GUARD_CLOSED
         ok = m.status == 200
-        return [StopTimers(),
-                m._finish(Outcome.COMPLETED if ok else Outcome.UPSTREAM_FAILED,
-                          None if ok else f"http {m.status}")]
+        return [m._finish(Outcome.COMPLETED if ok else Outcome.UPSTREAM_FAILED,
+                          None if ok else f"http {m.status}"), StopTimers()]
     if m.state is State.GUARD_TERMINATED:
         m.state = State.GUARD_CLOSED
         return []
     if m.done_seen:
         # `[DONE]` reached the client before the reset: its answer is complete.
         m.state = State.GUARD_CLOSED
-        return [StopTimers(), m._finish(Outcome.COMPLETED, "reset after [DONE]")]
+        return [m._finish(Outcome.COMPLETED, "reset after [DONE]"), StopTimers()]
     # Ended without an end of stream: the client left, or the upstream was reset.
     m.state = State.GUARD_AWAIT_CAUSE
     return [StopTimers(), AwaitCause()]
@@ -581,7 +595,7 @@ def _guard_request_body(m: GuardMachine, ev: RequestBodySeen) -> list[Action]:
         m.state = State.GUARD_ASIDE
         return [Refuse(ev.error)]
     m.usage_mode = ev.usage
-    m.keyed = ev.keyed
+    m.keyed, m.intake_read = ev.keyed, True
     m.state = State.GUARD_OPENING
     if ev.keyed:
         # A keyed request may be a repeat: its answer is ours to give, before routing.
@@ -610,20 +624,26 @@ def _guard_pass_aside(m: GuardMachine, ev: ResponseHeaders) -> list[Action]:
 
 
 def _guard_send_aside(m: GuardMachine, ev: ResponseBody) -> list[Action]:
-    return [Send(ev.data, ev.end_of_stream)]
+    return _send(ev.data, ev.end_of_stream)
 
 
 def _guard_closed_early(m: GuardMachine, ev: StreamClosed) -> list[Action]:
-    # Before the intake there is no record to finish.
+    # Before the intake (or refused by it) there is no record to finish.
     m.state = State.GUARD_CLOSED
-    return []
+    return _ended(m)
 
 
 def _guard_closed_opening(m: GuardMachine, ev: StreamClosed) -> list[Action]:
     # The intake goes on (its own task): what it answers decides whether there is a
-    # record to finish.
+    # record to finish. The request is over for the retry budget all the same.
     m.state = State.GUARD_LEFT_OPENING
-    return []
+    return _ended(m)
+
+
+def _ended(m: GuardMachine) -> list[Action]:
+    """The stream's end ends a request whose body was read for its intake: it, and with
+    it its re-prefills (the released one too), stop counting in the retry budget."""
+    return [RequestEnded()] if m.intake_read else []
 
 
 def _guard_opened_after_close(m: GuardMachine, ev: RequestOpened) -> list[Action]:

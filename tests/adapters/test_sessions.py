@@ -1014,7 +1014,7 @@ async def test_a_repeat_of_a_running_tool_call_waits_on_timers_then_gets_the_res
 
 async def test_an_unreadable_hand_off_is_said_once_and_nothing_taken_over(
         caplog: pytest.LogCaptureFixture) -> None:
-    # The row reads the header (TakeOver(None)); the observer says it, the session owns
+    # The row reads the header (UnreadableHandOff); the observer says it, the session owns
     # nothing, and the headers go on as any accepted request's.
     caplog.set_level(logging.INFO, logger="extproc")
     p, _ = proc()

@@ -162,7 +162,7 @@ def test_a_terminal_event_of_our_own_counts_what_we_wrote_before_it() -> None:
     # is not asked, the count is what preceded the terminal event (decision 0025).
     m = guard()
     sent(m, ROLE, content("a"), content("b"))
-    [send, f] = m.handle(TimerFired(TimerKind.STALL))
+    [f, send] = m.handle(TimerFired(TimerKind.STALL))
     assert isinstance(f, Finish) and f.delivered_output_tokens == 2 and f.bound is None
     assert m.sent == sum(len(c) for c in (ROLE, content("a"), content("b"))) + len(send.data)
 

@@ -31,10 +31,12 @@ from extproc.core.events import (
     GiveBack,
     HoldChunk,
     IntakeCommitted,
+    KeepTrace,
     LeaseLost,
     LiveChanged,
     LoseLease,
     MarkSlow,
+    MarkTimedOut,
     NotConfirmed,
     Overloaded,
     PassChunk,
@@ -177,9 +179,12 @@ def test_gate_fence_lost_fails_the_attempt_and_drops_the_rest() -> None:
     assert g.handle(ResponseBody(content("y"), False)) == [DropChunk()]
     assert g.handle(ResponseBody(DONE_EVENT, True)) == [DropChunk()]
     # Failed on purpose with a 503 (the fence said no): confirmed, no word needed.
-    stop, ended, close = g.handle(StreamClosed())
+    stop, ended, keep, close = g.handle(StreamClosed())
     assert (stop, ended) == (StopTimers(), RetryEnded())
     assert isinstance(close, CloseAttempt) and close.record["upstream_finished"] is True
+    assert keep == KeepTrace("attempt-002", {
+        "attempt_id": "att_2", "replica": None, "failure_class": close.failure_class,
+        "end": close.end_trace}, False)
 
 
 @pytest.mark.parametrize("bad", [ERROR, MALFORMED, b"data: [1, 2]\n\n", b"data: \n\n"],
@@ -745,8 +750,9 @@ def test_a_confirmed_early_end_is_revoked_then_settled_from_envoys_word() -> Non
     assert isinstance(revoke, RevokeEarly) and revoke.record["ended_at"] == WALL0 + 7
     assert g.handle(Revoked(True)) == [AwaitCause("att_1", 0.5)]
     assert g.state is State.GATE_AWAITING_WORD
-    [close] = g.handle(CauseLearned("upstream", None, True, WALL0 + 7.01))
+    [keep, close] = g.handle(CauseLearned("upstream", None, True, WALL0 + 7.01))
     assert isinstance(close, CloseAttempt) and close.update_only and not close.expire
+    assert isinstance(keep, KeepTrace) and keep.meta["replica"] == "127.0.0.1:9001"
     assert close.record["ended_at"] == WALL0 + 7 and close.fence == "revoked"
     assert close.cause == "upstream" and g.state is State.GATE_CLOSED
 
@@ -755,7 +761,7 @@ def test_an_unconfirmed_revoke_leaves_the_end_to_the_record_write() -> None:
     g = holding()
     g.handle(StreamClosed(mono=7.0, wall=WALL0 + 7))
     g.handle(Revoked(False))
-    [close] = g.handle(CauseLearned("upstream", None, True, WALL0 + 8))
+    [_, close] = g.handle(CauseLearned("upstream", None, True, WALL0 + 8))
     assert isinstance(close, CloseAttempt) and not close.update_only
     assert close.record["ended_at"] == WALL0 + 8
 
@@ -765,7 +771,9 @@ def test_a_timed_out_attempt_without_envoys_word_is_fenced_until_its_lease_expir
     g.handle(TimerFired(TimerKind.FIRST_DELTA, 40.0, WALL0 + 40))
     *_, wait = g.handle(StreamClosed(mono=40.1, wall=WALL0 + 40.1))
     assert wait == AwaitCause("att_1", 0.5)
-    [close] = g.handle(CauseLearned("unknown", None, False, WALL0 + 41))
+    # Its replica's health hears of the first delta that never came, before its close.
+    [mark, keep, close] = g.handle(CauseLearned("unknown", None, False, WALL0 + 41))
+    assert mark == MarkTimedOut("127.0.0.1:9001") and isinstance(keep, KeepTrace)
     assert isinstance(close, CloseAttempt) and close.expire and close.timed_out
     assert close.fence == "expiry" and close.cause == "unknown"
     assert close.record["lease_expires_by"] == round(WALL0 + 41 + GateParams().lease_ttl_s, 3)
@@ -777,7 +785,7 @@ def test_every_end_is_a_row_of_the_trace() -> None:
     g.handle(Revoked(True))
     g.handle(CauseLearned("client", None, True, WALL0 + 7))
     assert [e["type"] for e in g.trace][-3:] == ["StreamClosed", "Revoked", "CauseLearned"]
-    assert g.decisions[-1] == "gate_closed:CloseAttempt"
+    assert g.decisions[-1] == "gate_closed:KeepTrace,CloseAttempt"
 
 
 def test_replay_decides_the_whole_life_again_waits_included() -> None:

@@ -37,7 +37,9 @@ from extproc.core.events import (
     FenceDecided,
     HoldChunk,
     IntakeCommitted,
+    KeepTrace,
     MarkPathLost,
+    MarkTimedOut,
     PutCancel,
     Refuse,
     Release,
@@ -103,7 +105,7 @@ def holding(agent: int = 1, **kw: Any) -> GateMachine:
 def test_an_agent_fronted_attempt_listens_for_its_word_before_it_goes_upstream() -> None:
     _, acts = gate(agent=1)
     assert acts == [Watch(), WatchSource(), StartTimer(TimerKind.FIRST_DELTA, 10.0),
-                    ContinueRequest()]
+                    ContinueRequest(agent=True)]
 
 
 def test_without_an_agent_the_admission_answers_as_before() -> None:
@@ -127,8 +129,8 @@ def test_the_agents_word_and_no_content_within_the_grace_fail_the_attempt_and_ca
     # Its end is uncertain, as a timed-out attempt's: Envoy's word is awaited.
     assert m.handle(StreamClosed(1.6, WALL0 + 1.6)) == [StopTimers(), RetryEnded(),
                                                        AwaitCause("att_1", 0.5)]
-    (close, wait) = m.handle(CauseLearned("unknown", None, False, WALL0 + 2.1))
-    assert isinstance(close, CloseAttempt)
+    (mark, close, wait) = m.handle(CauseLearned("unknown", None, False, WALL0 + 2.1))
+    assert isinstance(close, CloseAttempt) and isinstance(mark, MarkTimedOut)
     assert (close.expire, close.fence, close.failure_class, close.timed_out,
             close.ack_follows) == (True, "expiry", "network_uncertain", True, True)
     assert close.record["path_lost"] is True and close.record["cancel_sent"] is True
@@ -136,8 +138,12 @@ def test_the_agents_word_and_no_content_within_the_grace_fail_the_attempt_and_ca
     assert close.record["lease_expires_by"] == round(WALL0 + 2.1 + 10, 3)
     assert wait == AwaitAck(10.0)  # the cancel was put already: not again
     assert m.state is State.GATE_AWAITING_ACK
-    (settled,) = m.handle(AckLearned(True, ACK, WALL0 + 3.0))
+    (keep, settled) = m.handle(AckLearned(True, ACK, WALL0 + 3.0))
     assert isinstance(settled, AckSettled) and settled.revoke
+    # Its trace is kept once, now that the acknowledgement is settled.
+    assert keep == KeepTrace("attempt-001", {
+        "attempt_id": "att_1", "replica": mark.replica,
+        "failure_class": "network_uncertain", "end": settled.end_trace}, False)
     assert settled.record is not None
     assert settled.record["fence"] == "revoked" and settled.record["cancel_ack"] == ACK
     assert "lease_expires_by" not in settled.record and "engine_ack" not in settled.record
@@ -233,10 +239,11 @@ def _no_word(agent: int = 1, params: GateParams = PARAMS) -> tuple[GateMachine, 
 
 
 def test_no_word_and_no_acknowledgement_expire_as_before() -> None:
-    m, (close, wait) = _no_word()
+    m, (_, close, wait) = _no_word()
     assert isinstance(close, CloseAttempt) and close.expire and close.ack_follows
     assert wait == AwaitAck(10.0)
-    (settled,) = m.handle(AckLearned(False, None, WALL0 + 20.6))
+    (keep, settled) = m.handle(AckLearned(False, None, WALL0 + 20.6))
+    assert isinstance(keep, KeepTrace) and keep.meta["end"] == close.end_trace
     assert isinstance(settled, AckSettled)
     assert (settled.record, settled.revoke) == (None, False)
     assert settled.end_trace == close.end_trace
@@ -244,8 +251,8 @@ def test_no_word_and_no_acknowledgement_expire_as_before() -> None:
 
 
 def test_no_word_but_the_acknowledgement_revokes_the_fence() -> None:
-    m, (close, _) = _no_word()
-    (settled,) = m.handle(AckLearned(True, ACK, WALL0 + 11.0))
+    m, (_, close, _) = _no_word()
+    (_, settled) = m.handle(AckLearned(True, ACK, WALL0 + 11.0))
     assert isinstance(settled, AckSettled) and settled.revoke and settled.record is not None
     assert isinstance(close, CloseAttempt)
     assert {k: v for k, v in settled.record.items() if k not in ("fence", "cancel_ack")} == {
@@ -255,9 +262,9 @@ def test_no_word_but_the_acknowledgement_revokes_the_fence() -> None:
 
 def test_with_policy_lease_expiry_the_acknowledgement_is_evidence_only() -> None:
     p = GateParams(first_delta_s=10.0, soft_first_delta_s=0.0, cancel_ack=False)
-    m, (close, _) = _no_word(params=p)
+    m, (_, close, _) = _no_word(params=p)
     assert isinstance(close, CloseAttempt) and close.expire
-    (settled,) = m.handle(AckLearned(True, ACK, WALL0 + 11.0))
+    (_, settled) = m.handle(AckLearned(True, ACK, WALL0 + 11.0))
     assert isinstance(settled, AckSettled) and not settled.revoke
     assert settled.record is not None and settled.record["fence"] == "expiry"
     assert settled.record["engine_ack"] == ACK and "cancel_ack" not in settled.record
@@ -267,10 +274,10 @@ def test_envoys_word_revokes_and_the_acknowledgement_adds_the_engines_evidence()
     m = holding()
     m.handle(TimerFired(TimerKind.FIRST_DELTA, 10.0, WALL0 + 10.0))
     m.handle(StreamClosed(10.1, WALL0 + 10.1))
-    (close, wait) = m.handle(CauseLearned("timeout", None, True, WALL0 + 10.2))
+    (_, close, wait) = m.handle(CauseLearned("timeout", None, True, WALL0 + 10.2))
     assert isinstance(close, CloseAttempt) and not close.expire and close.fence == "revoked"
     assert wait == AwaitAck(10.0)
-    (settled,) = m.handle(AckLearned(True, ACK, WALL0 + 10.5))
+    (_, settled) = m.handle(AckLearned(True, ACK, WALL0 + 10.5))
     assert isinstance(settled, AckSettled) and not settled.revoke
     assert settled.record is not None and settled.record["engine_ack"] == ACK
 
@@ -293,15 +300,17 @@ def test_a_confirmed_end_of_an_agent_fronted_attempt_awaits_nothing() -> None:
     acts = m.handle(StreamClosed(1.0, WALL0 + 1.0))
     assert isinstance(acts[-1], RevokeEarly)
     assert m.handle(Revoked(True)) == [AwaitCause("att_1", 0.5)]
-    (close,) = m.handle(CauseLearned("upstream", None, True, WALL0 + 1.1))
+    (keep, close) = m.handle(CauseLearned("upstream", None, True, WALL0 + 1.1))
     assert isinstance(close, CloseAttempt) and not close.ack_follows
+    assert isinstance(keep, KeepTrace)  # kept with its close: no acknowledgement follows
     assert close.failure_class == "replica_dead" and m.state is State.GATE_CLOSED
 
 
 def test_without_an_agent_the_uncertain_end_is_as_before() -> None:
     m, acts = _no_word(agent=0)
-    (close,) = acts
+    (mark, keep, close) = acts
     assert isinstance(close, CloseAttempt) and close.expire and not close.ack_follows
+    assert isinstance(mark, MarkTimedOut) and isinstance(keep, KeepTrace)
     assert "cancel_sent" not in close.record and "path_lost" not in close.record
     assert m.state is State.GATE_CLOSED
 
@@ -444,6 +453,11 @@ def check(r: Run) -> None:
     closes = [a for a in acts if isinstance(a, CloseAttempt)]
     settled = [a for a in acts if isinstance(a, AckSettled)]
     assert len(closes) <= 1 and len(settled) <= 1
+    # The trace is kept once per settled end: with the close, or with the acknowledgement.
+    keeps = [i for i, a in enumerate(acts) if isinstance(a, KeepTrace)]
+    ends = [i for i, a in enumerate(acts) if isinstance(a, AckSettled) or (
+        isinstance(a, CloseAttempt) and not a.ack_follows)]
+    assert [i + 1 for i in keeps] == ends
     if closes and closes[0].ack_follows:
         # The cancel was put before its acknowledgement is awaited, and the wait ends it.
         assert acts.index(next(a for a in acts if isinstance(a, PutCancel))) < acts.index(

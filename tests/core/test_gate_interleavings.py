@@ -38,8 +38,10 @@ from extproc.core.events import (
     Fence,
     FenceDecided,
     IntakeCommitted,
+    KeepTrace,
     LiveChanged,
     LoseLease,
+    MarkTimedOut,
     NotConfirmed,
     PassChunk,
     Refuse,
@@ -173,7 +175,8 @@ def test_every_interleaving_keeps_the_gates_promises(data: Any, kind: int, pread
     r = Run(GateMachine.new(RID, params=GateParams(soft_first_delta_s=soft,
                                                    first_delta_s=10.0)))
     r.envoy = envoy_response(kind)
-    r.feed(RequestStarted(1, attempt_id="att_1", preadmitted=preadmitted,
+    replica = data.draw(st.sampled_from([None, "127.0.0.1:9001"]))
+    r.feed(RequestStarted(1, attempt_id="att_1", preadmitted=preadmitted, replica=replica,
                           accepted_at=WALL0, mono=0.0, wall=WALL0))
     for _ in range(40):
         m = r.m
@@ -245,6 +248,15 @@ def test_every_interleaving_keeps_the_gates_promises(data: Any, kind: int, pread
     if r.closed and r.pending is None and m.leased and not any(
             isinstance(a, Release) for a in r.acts):
         assert len(closes) == 1 and m.state is State.GATE_CLOSED
+    # Its trace is kept once, just before its close (no agent here, nothing acknowledged
+    # later); a first delta that never came is told to its replica's health first.
+    keeps = [i for i, a in enumerate(r.acts) if isinstance(a, KeepTrace)]
+    assert [i + 1 for i in keeps] == [r.acts.index(c) for c in closes]
+    marks = [a for a in r.acts if isinstance(a, MarkTimedOut)]
+    if closes and closes[0].timed_out and replica is not None:
+        assert marks == [MarkTimedOut(replica)] and r.acts.index(marks[0]) + 1 == keeps[0]
+    else:
+        assert marks == []
     # An admission never confirmed is taken back (not a pre-admitted one: its lease only).
     if ((any(isinstance(e, StoreDown) for e in r.fed) or r.admission_given_up)
             and not preadmitted and not any(isinstance(a, Fence) for a in r.acts)):

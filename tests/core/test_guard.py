@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -54,6 +55,7 @@ from extproc.core.events import (
     RegisterIntake,
     RequestBody,
     RequestBodySeen,
+    RequestEnded,
     RequestHeadersSeen,
     RequestOpened,
     ResponseBody,
@@ -68,6 +70,7 @@ from extproc.core.events import (
     TakeOver,
     TimerFired,
     TimerKind,
+    UnreadableHandOff,
     WriteProgress,
 )
 from extproc.core.guard import (
@@ -140,7 +143,7 @@ def test_a_key_less_intake_that_fails_is_answered_by_its_gate() -> None:
     # The gate's error comes back through the guard's response path, untouched.
     assert m.handle(ResponseHeaders(503, "application/json", ours=True)) == [PassAside()]
     assert m.handle(ResponseBody(b"{}", True)) == [Send(b"{}", True)]
-    assert m.handle(StreamClosed()) == []
+    assert m.handle(StreamClosed()) == [RequestEnded()]  # its intake read, if failed
 
 
 def test_the_released_attempt_is_taken_over_before_its_headers_go_on() -> None:
@@ -156,8 +159,15 @@ def test_an_unreadable_hand_off_is_taken_over_as_nothing() -> None:
     m, _ = body_seen(keyed=False)
     m.handle(RequestOpened(True))
     assert m.handle(ResponseHeaders(200, SSE, handoff="{not json")) == [
-        TakeOver(None), PassHeaders()]
+        UnreadableHandOff(), PassHeaders()]
     assert m.released_id is None
+    # A format-3 trace recorded it as TakeOver (of None): it replays as that.
+    m.handle(StreamClosed())
+    rec = record(m, {}, 1 << 20)
+    old = {**rec, "format": 3, "decisions": [
+        d.replace("UnreadableHandOff", "TakeOver") for d in without(
+            rec["decisions"], "RequestEnded")]}
+    assert replay(rec).ok and replay(old).ok and not replay({**old, "format": 4}).ok
 
 
 def test_a_body_is_read_only_where_a_generation_awaits_it() -> None:
@@ -196,7 +206,7 @@ def test_the_stall_watchdog_is_a_timer_row() -> None:
     acts = streaming(m)
     # Started (again) with every chunk past the first delta, as the gate's limits are.
     assert acts[-1] == StartTimer(TimerKind.STALL, 15.0)
-    [send, fin] = m.handle(TimerFired(TimerKind.STALL, 15.0))
+    [fin, send] = m.handle(TimerFired(TimerKind.STALL, 15.0))
     assert isinstance(send, Send) and send.end_of_stream
     assert isinstance(fin, Finish) and fin.cause == "stall"
     assert m.state is State.GUARD_TERMINATED
@@ -352,6 +362,19 @@ def test_the_body_goes_on_once_and_a_keyed_one_only_after_its_intake_accepted() 
             assert len(bodies) == 1 and isinstance(acts[bodies[0] - 1], Accepted), r.choices
         else:
             assert bodies == [], r.choices
+
+
+def test_every_run_ends_its_request_for_the_retry_budget_once_at_its_streams_end() -> None:
+    # The body was read for an intake in every run: whatever came first, the stream's end
+    # (and only it) ends the request, once, before what else that end decides.
+    for r in RUNS:
+        ends = [(ev, acts) for ev, acts in r.log if RequestEnded() in acts]
+        assert len(ends) == 1, r.choices
+        ev, acts = ends[0]
+        assert isinstance(ev, StreamClosed) and acts[0] == RequestEnded(), r.choices
+        # And no chunk with nothing in it is a Send (the two bodies here are empty).
+        assert not any(isinstance(a, Send) and not (a.data or a.end_of_stream)
+                       for a in actions(r)), r.choices
 
 
 def test_a_refused_intake_is_answered_once_by_the_right_role() -> None:
@@ -630,6 +653,10 @@ def content(text: str) -> bytes:
     return _delta({"content": text})
 
 
+CONTENT_A = content("a")
+TRACES = Path(__file__).parent / "traces"  # traces older cores recorded
+
+
 
 def streaming_guard() -> GuardMachine:
     m = GuardMachine.new(RID, STALL)
@@ -672,7 +699,7 @@ def test_guard_counts_content_units_and_completes() -> None:
     assert m.handle(ResponseBody(tail, True)) == [Send(tail, True), StopTimers()]
     assert m.state is State.GUARD_COMPLETE
     assert m.handle(StreamClosed()) == [
-        StopTimers(), Finish(Outcome.COMPLETED, 3, None, exact=False)]
+        Finish(Outcome.COMPLETED, 3, None, exact=False), StopTimers()]
     assert m.finished == Finish(Outcome.COMPLETED, 3, None, exact=False)
     assert m.handle(StreamClosed()) == []
 
@@ -682,7 +709,7 @@ def test_guard_error_after_delivery_is_replaced_by_our_terminal_event() -> None:
     m.handle(ResponseBody(ROLE + content("a"), False))
     acts = m.handle(ResponseBody(content("b") + ERROR + content("c"), False))
     fin = Finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, 2, "in-band error", exact=False)
-    assert acts == [Send(content("b") + terminal(2), True), StopTimers(), fin]
+    assert acts == [fin, Send(content("b") + terminal(2), True), StopTimers()]
     assert m.state is State.GUARD_TERMINATED
     sent = b"".join(a.data for a in acts if isinstance(a, Send))
     assert b"engine_dead" not in sent and b"CUDA" not in sent
@@ -699,8 +726,8 @@ def test_guard_malformed_after_delivery_terminates() -> None:
     m = streaming_guard()
     m.handle(ResponseBody(content("a"), False))
     acts = m.handle(ResponseBody(MALFORMED, False))
-    assert acts == [Send(terminal(1), True), StopTimers(),
-                    Finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, 1, "malformed event", exact=False)]
+    assert acts == [Finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, 1, "malformed event", exact=False),
+                    Send(terminal(1), True), StopTimers()]
 
 
 def test_guard_stall_before_delivery_does_nothing() -> None:
@@ -715,8 +742,8 @@ def test_guard_stall_after_delivery_ends_the_stream() -> None:
     m = streaming_guard()
     m.handle(ResponseBody(ROLE + content("a") + content("b"), False))
     acts = m.handle(TimerFired(TimerKind.STALL))
-    assert acts == [Send(terminal(2), True),
-                    Finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, 2, "stall", exact=False)]
+    assert acts == [Finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, 2, "stall", exact=False),
+                    Send(terminal(2), True)]
     assert m.state is State.GUARD_TERMINATED
     assert m.handle(ResponseBody(content("late"), False)) == []
 
@@ -725,8 +752,9 @@ def test_guard_fenced_attempt_ends_the_stream_at_once() -> None:
     m = streaming_guard()
     m.handle(ResponseBody(ROLE + content("a") + content("b"), False))
     acts = m.handle(Fenced("revoked or replaced"))
-    assert acts == [LoseLease("revoked or replaced"), Send(terminal(2), True), StopTimers(),
-                    Finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, 2, "fenced", exact=False)]
+    assert acts == [LoseLease("revoked or replaced"),
+                    Finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, 2, "fenced", exact=False),
+                    Send(terminal(2), True), StopTimers()]
     assert m.state is State.GUARD_TERMINATED and m.lease_lost
     assert m.handle(ResponseBody(content("late"), False, lease_expired=True)) == []
     assert m.handle(Fenced()) == []  # said once, whoever noticed it again
@@ -735,8 +763,9 @@ def test_guard_fenced_attempt_ends_the_stream_at_once() -> None:
 def test_guard_fenced_before_any_content_still_publishes_nothing() -> None:
     m = streaming_guard()
     acts = m.handle(Fenced())
-    assert acts == [LoseLease("expired locally"), Send(terminal(0), True), StopTimers(),
-                    Finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, 0, "fenced")]
+    assert acts == [LoseLease("expired locally"),
+                    Finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, 0, "fenced"),
+                    Send(terminal(0), True), StopTimers()]
 
 
 def test_guard_fenced_after_done_changes_nothing() -> None:
@@ -753,7 +782,7 @@ def test_guard_incomplete_fragment_is_not_sent_at_stall() -> None:
     nxt = content("FRAGMENT")
     acts = m.handle(ResponseBody(content("a") + nxt[:15], False))
     assert acts == [Send(content("a"), False), StartTimer(TimerKind.STALL, STALL)]
-    [send, _fin] = m.handle(TimerFired(TimerKind.STALL))
+    [_fin, send] = m.handle(TimerFired(TimerKind.STALL))
     assert send == Send(terminal(1), True)
     assert nxt[:15] not in send.data
 
@@ -793,7 +822,7 @@ def test_guard_non_200_completes_as_upstream_failed() -> None:
     body = b'{"error":{"code":"upstream_unavailable"}}'
     assert m.handle(ResponseBody(body, True)) == [Send(body, True)]
     assert m.handle(StreamClosed()) == [
-        StopTimers(), Finish(Outcome.UPSTREAM_FAILED, 0, "http 503")]
+        Finish(Outcome.UPSTREAM_FAILED, 0, "http 503"), StopTimers()]
 
 
 def test_guard_headers_only_response() -> None:
@@ -809,8 +838,8 @@ def test_guard_non_streaming_counts_completion_tokens() -> None:
     m.handle(ResponseHeaders(200, "application/json"))
     assert m.handle(ResponseBody(body[:5], False)) == [Send(body[:5], False)]
     assert m.handle(ResponseBody(body[5:], True)) == [Send(body[5:], True)]
-    assert m.handle(StreamClosed()) == [StopTimers(), Finish(
-        Outcome.COMPLETED, 7, None, exact=True, source="engine")]
+    assert m.handle(StreamClosed()) == [Finish(
+        Outcome.COMPLETED, 7, None, exact=True, source="engine"), StopTimers()]
 
 
 def test_the_guard_request_phase_is_in_the_table() -> None:
@@ -831,9 +860,12 @@ def test_the_guard_request_phase_is_in_the_table() -> None:
             if opened is not None:
                 m.handle(RequestOpened(opened))
         assert m.state is end and m.accepted is (end is State.GUARD_WAITING)
-        # Closing before the intake finished records nothing.
+        # Closing before the intake finished records nothing; a body read for an intake
+        # (refused by it) ends the request for the retry budget all the same.
         if not m.accepted:
-            assert m.handle(StreamClosed()) == [] and m.state is State.GUARD_CLOSED
+            read = kind == "generation" and body is None
+            assert m.handle(StreamClosed()) == ([RequestEnded()] if read else [])
+            assert m.state is State.GUARD_CLOSED
 
 
 def opening_guard() -> GuardMachine:
@@ -848,8 +880,8 @@ def test_a_stream_closed_during_its_intake_is_finished_if_the_intake_commits() -
     # The intake commits after the stream closed: the record is ours to finish, from
     # Envoy's cause, or a repeat of its key would be "in progress" for as long as we live.
     m = opening_guard()
-    assert m.handle(StreamClosed()) == [] and m.state is State.GUARD_LEFT_OPENING
-    assert not m.accepted
+    assert m.handle(StreamClosed()) == [RequestEnded()]
+    assert m.state is State.GUARD_LEFT_OPENING and not m.accepted
     assert m.handle(StreamClosed()) == [] and m.state is State.GUARD_LEFT_OPENING
     assert m.handle(RequestOpened(True)) == [AwaitCause()]
     assert m.state is State.GUARD_AWAIT_CAUSE
@@ -906,6 +938,10 @@ def run_guard(s: Stream, stalls: list[bool], cause: str) -> GuardRun:
     finishes: list[Finish] = []
 
     def account(actions: list[Any]) -> None:
+        # The record's write is started before any of its batch's bytes go out (Envoy may
+        # close the stream, and cancel the handler, once our last bytes are written).
+        fins = [i for i, a in enumerate(actions) if isinstance(a, Finish)]
+        assert all(i < j for i in fins for j, a in enumerate(actions) if isinstance(a, Send))
         for a in actions:
             if isinstance(a, Send):
                 # After the stream was ended, nothing more is sent.
@@ -932,6 +968,8 @@ def run_guard(s: Stream, stalls: list[bool], cause: str) -> GuardRun:
 def test_guard_invariants(s: Stream, stalls: list[bool], cause: str) -> None:
     run = run_guard(s, stalls, cause)
     m = run.guard
+    # A Send always carries something: bytes, or the stream's end.
+    assert all(x.data or x.end_of_stream for x in run.sends)
     sent = b"".join(x.data for x in run.sends)
     out = decode(sent)
     fed = decode(s.data, final=s.eos)
@@ -1037,8 +1075,9 @@ def test_a_chunk_past_the_leases_local_expiry_ends_the_stream_once() -> None:
     m = streaming_guard()
     m.handle(ResponseBody(ROLE + content("a"), False))
     acts = m.handle(ResponseBody(content("b"), False, lease_expired=True))
-    assert acts == [LoseLease("expired locally"), Send(terminal(1), True), StopTimers(),
-                    Finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, 1, "fenced", exact=False)]
+    assert acts == [LoseLease("expired locally"),
+                    Finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, 1, "fenced", exact=False),
+                    Send(terminal(1), True), StopTimers()]
     assert m.handle(ResponseBody(content("c"), False, lease_expired=True)) == []
     assert m.handle(Fenced("revoked or replaced")) == []
     assert event_from_record(m.trace[-3]) == ResponseBody(content("b"), False, True)
@@ -1061,23 +1100,68 @@ def test_a_format_2_guard_trace_replays_without_the_new_answers() -> None:
     m.handle(Fenced())
     m.handle(StreamClosed())
     rec = record(m, {}, 1 << 20)
-    assert rec["format"] == 3 and replay(rec).ok
-    # As a format-2 core recorded it: no AnswerHeaders, no LoseLease, a bare Fenced.
-    old = {**rec, "format": 2, "decisions": [
-        ",".join(a for a in d.split(",") if a not in ("AnswerHeaders", "LoseLease"))
-        .replace(":AnswerHeaders", ":").replace(":LoseLease,", ":")
-        for d in rec["decisions"]],
-        "events": [{"type": "Fenced"} if e["type"] == "Fenced" else e for e in rec["events"]]}
+    assert rec["format"] == 4 and replay(rec).ok
+    # As a format-2 core recorded it: no AnswerHeaders, no LoseLease, no RequestEnded, a
+    # bare Fenced.
+    old = {**rec, "format": 2,
+           "decisions": without(rec["decisions"], "AnswerHeaders", "LoseLease", "RequestEnded"),
+           "events": [{"type": "Fenced"} if e["type"] == "Fenced" else e
+                      for e in rec["events"]]}
     assert old["decisions"] != rec["decisions"] and replay(old).ok
     assert not replay({**old, "format": 3}).ok
+
+
+def without(decisions: list[str], *names: str) -> list[str]:
+    """Decisions as an older core recorded them: without the actions `names`."""
+    out = []
+    for d in decisions:
+        state, _, acts = d.partition(":")
+        out.append(state + ":" + ",".join(a for a in acts.split(",") if a and a not in names))
+    return out
+
+
+def test_a_stream_end_ends_the_request_for_the_retry_budget_once() -> None:
+    # Accepted, answered, closed: RequestEnded once, first, whatever else the end says.
+    m, _ = body_seen(keyed=False)
+    m.handle(RequestOpened(True))
+    m.handle(ResponseHeaders(200, "application/json"))
+    m.handle(ResponseBody(b"{}", True))
+    assert m.handle(StreamClosed())[0] == RequestEnded()
+    assert RequestEnded() not in m.handle(StreamClosed())
+    # No body read for an intake (a pass-through, the tool route): nothing to end.
+    m = GuardMachine.new(RID, 15.0, at_request=True)
+    m.handle(RequestHeadersSeen("passthrough"))
+    assert m.handle(StreamClosed()) == []
+
+
+def test_a_chunk_with_nothing_to_forward_is_no_send() -> None:
+    m = streaming_guard()
+    assert m.handle(ResponseBody(ROLE + CONTENT_A[:7], False)) == [Send(ROLE, False)]
+    assert m.handle(ResponseBody(CONTENT_A[7:12], False)) == []  # still incomplete
+    acts = m.handle(ResponseBody(CONTENT_A[12:], False))
+    assert acts[0] == Send(CONTENT_A, False)
+    assert Send(b"", False) not in m.handle(ResponseBody(b"", False))
+    assert m.handle(ResponseBody(b"", True))[0] == Send(b"", True)  # the end is said
+
+
+def test_format_3_traces_recorded_before_these_rows_replay() -> None:
+    # Recorded by the core of 8dddcaf (tests/core/traces): the gate's close without
+    # MarkTimedOut and KeepTrace, the agent's acknowledgement without KeepTrace, the guard's
+    # end without RequestEnded and with a Send for each chunk that forwarded nothing.
+    for name in ("gate_timed_out", "gate_agent_ack", "guard_stream"):
+        trace = json.loads((TRACES / f"format3_{name}.json").read_text())
+        assert trace["format"] == 3
+        assert replay(trace).ok, (name, replay(trace).divergence)
+        # Read as today's format they differ: the old decisions are what is compared.
+        assert not replay({**trace, "format": 4}).ok
 
 
 def test_a_finish_says_whether_the_upstreams_answer_was_whole() -> None:
     m = streaming_guard()
     m.handle(ResponseBody(ROLE + content("a") + DONE_EVENT, False))
-    [_, fin] = m.handle(StreamClosed())
+    [fin, _] = m.handle(StreamClosed())
     assert isinstance(fin, Finish) and fin.upstream_finished  # reset after [DONE]
     m = streaming_guard()
     m.handle(ResponseBody(ROLE + content("a"), False))
-    fin = m.handle(TimerFired(TimerKind.STALL))[-1]
+    fin = m.handle(TimerFired(TimerKind.STALL))[0]
     assert isinstance(fin, Finish) and not fin.upstream_finished
