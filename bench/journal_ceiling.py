@@ -78,7 +78,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from devkit.devstack import Proc, _bin, free_ports, wait_until
+from devkit.devstack import Proc, _bin, etcd_argv, free_ports, wait_until
 
 KINDS = ("intake", "fence", "progress", "finish")
 DEFAULT_RATES = (100, 200, 400, 700, 1000, 1400, 2000, 2800, 4000)
@@ -382,16 +382,9 @@ def start_cluster(n: int, workdir: Path) -> Cluster:
         cport, pport, mport = ports[3 * k: 3 * k + 3]
         data = workdir / f"{nm}-data"
         shutil.rmtree(data, ignore_errors=True)
-        p = Proc(nm, [_bin("etcd"), "--name", nm, "--data-dir", str(data),
-                      "--listen-client-urls", f"http://127.0.0.1:{cport}",
-                      "--advertise-client-urls", f"http://127.0.0.1:{cport}",
-                      "--listen-metrics-urls", f"http://127.0.0.1:{mport}",
-                      "--listen-peer-urls", f"http://127.0.0.1:{pport}",
-                      "--initial-advertise-peer-urls", f"http://127.0.0.1:{pport}",
-                      "--initial-cluster", initial, "--initial-cluster-state", "new",
-                      "--initial-cluster-token", f"ceil-{os.getpid()}-{n}",
-                      "--metrics", "extensive", "--log-level", "warn"],
-                 workdir / f"{nm}.log")
+        p = Proc(nm, etcd_argv(nm, data, cport, pport, mport, initial=initial, extra=(
+            "--initial-cluster-state", "new", "--initial-cluster-token",
+            f"ceil-{os.getpid()}-{n}", "--metrics", "extensive")), workdir / f"{nm}.log")
         p.start()
         c.procs.append(p)
         c.endpoints.append(f"127.0.0.1:{cport}")

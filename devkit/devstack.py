@@ -60,6 +60,20 @@ def _bin(name: str) -> str:
     return found
 
 
+def etcd_argv(name: str, data: Path, cport: int, pport: int, mport: int, *,
+              initial: str | None = None, extra: tuple[str, ...] = ()) -> list[str]:
+    """One plain etcd member on loopback (client, peer, metrics ports); `initial` is the
+    cluster's `--initial-cluster` (default: this member alone), `extra` more flags."""
+    return [_bin("etcd"), "--name", name, "--data-dir", str(data),
+            "--listen-client-urls", f"http://127.0.0.1:{cport}",
+            "--advertise-client-urls", f"http://127.0.0.1:{cport}",
+            "--listen-metrics-urls", f"http://127.0.0.1:{mport}",
+            "--listen-peer-urls", f"http://127.0.0.1:{pport}",
+            "--initial-advertise-peer-urls", f"http://127.0.0.1:{pport}",
+            "--initial-cluster", initial or f"{name}=http://127.0.0.1:{pport}",
+            *extra, "--log-level", "warn"]
+
+
 def wait_until(pred: Any, timeout_s: float, what: str, interval_s: float = 0.05) -> None:
     deadline = time.monotonic() + timeout_s
     last: Exception | None = None
@@ -350,16 +364,9 @@ class Stack:
             cport, pport, mport = free_ports(3)
             data = self.workdir / f"{name}-data"
             shutil.rmtree(data, ignore_errors=True)
-            p = Proc(name, [
-                _bin("etcd"), "--name", f"gw-{name}", "--data-dir", str(data),
-                "--listen-client-urls", f"http://127.0.0.1:{cport}",
-                "--advertise-client-urls", f"http://127.0.0.1:{cport}",
-                "--listen-metrics-urls", f"http://127.0.0.1:{mport}",
-                "--listen-peer-urls", f"http://127.0.0.1:{pport}",
-                "--initial-advertise-peer-urls", f"http://127.0.0.1:{pport}",
-                "--initial-cluster", f"gw-{name}=http://127.0.0.1:{pport}",
-                "--log-level", "warn", "--unsafe-no-fsync",
-            ], self.workdir / f"{name}.log")
+            p = Proc(name, etcd_argv(f"gw-{name}", data, cport, pport, mport,
+                                     extra=("--unsafe-no-fsync",)),
+                     self.workdir / f"{name}.log")
             p.start()
             self.procs[name] = p
             wait_until(lambda p=p, mport=mport: _http_ok(f"http://127.0.0.1:{mport}/health")
@@ -385,17 +392,11 @@ class Stack:
             shutil.rmtree(data, ignore_errors=True)
             self.etcd_endpoints.append(f"127.0.0.1:{cport}")
             self.etcd_member_metrics[name] = f"127.0.0.1:{mport}"
-            p = Proc(name, [
-                _bin("etcd"), "--name", f"gw-{name}", "--data-dir", str(data),
-                "--listen-client-urls", f"http://127.0.0.1:{cport}",
-                "--advertise-client-urls", f"http://127.0.0.1:{cport}",
-                "--listen-metrics-urls", f"http://127.0.0.1:{mport}",
-                "--listen-peer-urls", f"http://127.0.0.1:{pport}",
-                "--initial-advertise-peer-urls", f"http://127.0.0.1:{pport}",
-                "--initial-cluster", initial, "--initial-cluster-state", "new",
-                "--initial-cluster-token", f"gw-{self.workdir.name}",
-                "--log-level", "warn", "--unsafe-no-fsync",
-            ], self.workdir / f"{name}.log")
+            p = Proc(name, etcd_argv(
+                f"gw-{name}", data, cport, pport, mport, initial=initial,
+                extra=("--initial-cluster-state", "new", "--initial-cluster-token",
+                       f"gw-{self.workdir.name}", "--unsafe-no-fsync")),
+                self.workdir / f"{name}.log")
             seen = p.log_path.stat().st_size if p.log_path.exists() else 0
             p.start()
             self.procs[name] = p
