@@ -66,3 +66,17 @@ def test_the_driver_s_events_take_the_guard_s_fast_path_as_the_demo_replica_s_do
             ev = event(7, usage, role)
             assert sse._FAST_ONE.fullmatch(ev), ev
     assert b'"completion_tokens":7' in event(7, True) and b"usage" not in event(7, False)
+
+
+def test_both_sides_play_through_the_real_servicer_without_valgrind() -> None:
+    """The driver imports the processor as it is laid out today and plays whole requests
+    (each one's answers checked by `Request.check`): a moved class fails here, not in a
+    benchmark run weeks later."""
+    import asyncio
+
+    from bench.instructions import play
+
+    marks: list[str] = []
+    for side in ("ours", "floor"):
+        asyncio.run(play(side, 2, 3, 1, marks.append, lambda: None))
+    assert marks == ["start", "chunk", "end"] * 2
