@@ -1,0 +1,134 @@
+"""adapters/processor: what every stream of one process shares. The bounded registries one
+stream leaves for another, the bounded retry of a journal write while etcd is away, the
+work that outlives a stream and the traces it keeps, and Envoy's per-attempt word as passive
+health. (The sessions over it: test_sessions.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import pytest
+
+from extproc.adapters.leases import StoreUnavailable
+from extproc.adapters.memory_store import MemoryStore
+from extproc.adapters.processor import Background, Pending, Reached, retrying
+from extproc.core.config import load_config
+from extproc.core.errors import journal_unavailable
+from extproc.core.guard import GuardMachine
+
+from .support import FakeClock, FakeTimers
+from .test_sessions import proc
+
+
+def test_pending_keeps_the_newest_and_hands_an_evicted_item_back() -> None:
+    evicted: list[str] = []
+    p: Pending[str] = Pending(keep=2, on_evict=evicted.append)
+    for k in ("a", "b", "c"):
+        p.put(k, k.upper())
+    assert evicted == ["A"] and p.get("a") is None
+    assert p.get("b") == "B" and p.get("b") == "B"  # get leaves it for other takers
+    assert p.take("b") == "B" and p.take("b") is None  # take takes it once
+
+
+def test_reached_counts_per_request_and_forgets_the_oldest() -> None:
+    r = Reached()
+    assert r.of("req_1") == 0
+    r.mark("req_1")
+    r.mark("req_1")
+    assert r.of("req_1") == 2
+    for i in range(20000):
+        r.mark(f"req_x{i}")
+    assert len(r) == 20000 and r.of("req_1") == 0  # bounded: the oldest went first
+
+
+class Flaky:
+    def __init__(self, fails: int) -> None:
+        self.fails, self.calls = fails, 0
+
+    async def __call__(self) -> None:
+        self.calls += 1
+        if self.calls <= self.fails:
+            raise StoreUnavailable("etcd frozen")
+
+
+async def test_a_write_is_retried_until_etcd_answers(caplog: pytest.LogCaptureFixture) -> None:
+    fn = Flaky(fails=2)
+    with caplog.at_level(logging.INFO, logger="extproc"):
+        assert await retrying(fn, "write the outcome", "req_1", None, limit_s=5.0)
+    assert fn.calls == 3
+    msgs = [r.getMessage() for r in caplog.records]
+    assert msgs.count("pending until etcd answers: write the outcome") == 1  # said once
+    assert "done after etcd came back: write the outcome" in msgs
+
+
+async def test_a_write_etcd_never_answers_is_given_up_within_the_limit() -> None:
+    fn = Flaky(fails=10**6)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    assert await retrying(fn, "write", None, None, limit_s=0.35) is False
+    assert loop.time() - t0 <= 0.35 + 0.05 and fn.calls >= 2
+
+
+async def test_a_take_back_is_applied_again_while_it_settles() -> None:
+    fn = Flaky(fails=0)
+    assert await retrying(fn, "undo", None, None, settle_s=0.3)
+    assert fn.calls >= 2  # once, then again: a late write applied after it is caught
+
+
+def _cfg(mode: str) -> Any:
+    return load_config({"telemetry": {"record_traces": mode}})
+
+
+@pytest.mark.parametrize(("mode", "clean", "kept"), [
+    ("all", True, True), ("all", False, True), ("failures", True, False),
+    ("failures", False, True), ("none", False, False)])
+def test_traces_are_kept_as_record_traces_says(mode: str, clean: bool, kept: bool) -> None:
+    cfg = _cfg(mode)
+    assert Background(MemoryStore(cfg.etcd, owner="t"), cfg).keep_trace(clean) is kept
+
+
+async def test_background_work_outlives_its_caller_and_stores_the_trace() -> None:
+    cfg = _cfg("all")
+    store = MemoryStore(cfg.etcd, owner="t")
+    work = Background(store, cfg)
+    m = GuardMachine.new("req_t", 15.0, 1 << 20)
+    work.keep("req_t", "guard", m, {"why": "test"}, clean=True)
+
+    async def boom() -> None:
+        raise RuntimeError("a bug in background work")
+    failed = work.spawn(boom(), "boom")
+    await work.drain(2.0)
+    assert failed.done() and isinstance(failed.exception(), RuntimeError)
+    traces = await store.get_traces("req_t")
+    assert traces["guard"]["role"] == "guard" and traces["guard"]["meta"] == {"why": "test"}
+    assert not work._tasks  # every finished task left the set
+
+
+async def test_an_attempt_s_intake_wait_answers_with_what_the_process_knows() -> None:
+    p, _ = proc()
+    fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    p.intakes.put("req_1", fut)
+    p.mark_reached("req_1")
+    waiting = asyncio.ensure_future(p.intake_committed("req_1", "127.0.0.1:9"))
+    await asyncio.sleep(0)
+    assert not waiting.done()  # the attempt waits for its request's intake
+    err = journal_unavailable("req_1")
+    fut.set_result(err)
+    got = await waiting
+    assert (got.error, got.reached_count, got.pool_enabled) == (err, 1, False)
+    assert (await p.intake_committed("req_none", "x")).error is None
+
+
+def test_envoy_s_failed_attempts_eject_a_replica_and_a_200_restores_it() -> None:
+    timers = FakeTimers(FakeClock())
+    p, _ = proc(timers=timers)
+    a, b = "127.0.0.1:1", "127.0.0.1:2"
+    for _ in range(p.cfg.pool.outlier_detection.consecutive_local_origin_failure):
+        p.attempt_seen(a, "upstream", 503)
+    assert p.host_order([a, b]) == [b, a]
+    p.attempt_seen(b, "timeout", 0)  # silent past the first-delta limit: ejected at once
+    assert not p.health.healthy(b, p.clock.monotonic())
+    p.attempt_seen("127.0.0.1:3", "client", 200)  # a client's leaving says nothing bad
+    assert p.host_order(["127.0.0.1:3", a]) == ["127.0.0.1:3", a]

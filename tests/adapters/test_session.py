@@ -1,0 +1,150 @@
+"""adapters/session: the roles' one executor. Messages are read in order, one at a time,
+until the stream's end; the end is cleaned up whatever happened; an action is a codec write
+or a port call whose answer is the next event; an answer that comes on its own is fed in
+turn, and not once the stream is over if it asked for an open stream; a write to a stream
+Envoy closed marks it closed instead of failing the handler."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any, ClassVar
+
+import grpc
+import pytest
+
+from extproc.adapters.session import Session
+from extproc.core.events import Event, LeaseLost, TimerFired, TimerKind
+from extproc.gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+
+from .support import FakeClock, FakeTimers, idle
+
+
+@dataclass(frozen=True)
+class Write:
+    text: str
+
+
+@dataclass(frozen=True)
+class Ask:
+    pass
+
+
+class Stream:
+    def __init__(self, msgs: list[Any], gone_after: int | None = None) -> None:
+        self.msgs, self.out, self.gone_after = list(msgs), [], gone_after
+
+    async def read(self) -> Any:
+        return self.msgs.pop(0) if self.msgs else grpc.aio.EOF
+
+    async def write(self, m: Any) -> None:
+        if self.gone_after is not None and len(self.out) >= self.gone_after:
+            raise grpc.aio.AioRpcError(grpc.StatusCode.CANCELLED, grpc.aio.Metadata(),
+                                       grpc.aio.Metadata())
+        self.out.append(m)
+
+
+async def _ask(s: Toy, a: Ask) -> Event:
+    return LeaseLost()
+
+
+class Toy(Session):
+    __slots__ = ("cleaned", "fail_on", "fed", "m", "seen", "tasks")
+    ROLE = "toy"
+    WRITES: ClassVar[dict[type, Any]] = {Write: lambda s, a: ep.ProcessingResponse(
+        immediate_response=ep.ImmediateResponse(details=a.text))}
+    ACTS: ClassVar[dict[type, Any]] = {Ask: _ask}
+
+    def __init__(self, ctx: Stream, fail_on: str = "") -> None:
+        self.tasks: list[asyncio.Task[Any]] = []
+        timers = FakeTimers(FakeClock())
+        proc = SimpleNamespace(timers=timers, clock=timers.clock,
+                               tel=SimpleNamespace(enabled=False))
+        super().__init__(proc, ctx, lambda c, n: self.tasks.append(asyncio.ensure_future(c)))
+        self.m: Any = object()
+        self.seen: list[str] = []
+        self.fed: list[Event] = []
+        self.cleaned = 0
+        self.fail_on = fail_on
+
+    async def on_message(self, which: str, msg: ep.ProcessingRequest) -> None:
+        self.seen.append(which)
+        if which == self.fail_on:
+            raise RuntimeError("a bug in the role")
+        if which == "response_headers":
+            self.detach = True  # handed off: the rest of the HTTP stream goes without us
+
+    async def on_closed(self) -> None:
+        self.cleaned += 1
+
+    async def feed(self, ev: Event) -> None:
+        self.fed.append(ev)
+
+
+def msg(which: str) -> ep.ProcessingRequest:
+    return ep.ProcessingRequest(**{which: ep.HttpHeaders() if "headers" in which
+                                   else ep.HttpBody()})
+
+
+async def test_messages_are_handled_in_order_until_the_end_then_cleaned_up() -> None:
+    s = Toy(Stream([msg("request_headers"), msg("request_body"), None, msg("request_body")]))
+    await s.run()
+    assert s.seen == ["request_headers", "request_body"]  # None is an end too (grpclib)
+    assert s.closed and s.cleaned == 1
+
+
+async def test_the_end_is_cleaned_up_even_when_handling_failed() -> None:
+    s = Toy(Stream([msg("request_headers"), msg("request_body")]), fail_on="request_headers")
+    with pytest.raises(RuntimeError):
+        await s.run()
+    assert s.seen == ["request_headers"] and s.cleaned == 1 and s.closed
+
+
+async def test_a_detached_stream_reads_no_more() -> None:
+    s = Toy(Stream([msg("response_headers"), msg("response_body")]))
+    await s.run()
+    assert s.seen == ["response_headers"] and s.cleaned == 1
+
+
+async def test_an_action_is_a_write_or_a_port_call_answered_by_an_event() -> None:
+    ctx = Stream([])
+    s = Toy(ctx)
+    assert await s.act(Write("hello")) is None
+    assert ctx.out[0].immediate_response.details == "hello"
+    assert await s.act(Ask()) == LeaseLost()
+    assert await s.act(TimerFired(TimerKind.STALL)) is None  # not an action of this role
+
+
+async def test_a_write_to_a_stream_envoy_closed_closes_it_quietly() -> None:
+    ctx = Stream([], gone_after=1)
+    s = Toy(ctx)
+    await s.write(ep.ProcessingResponse())
+    await s.write(ep.ProcessingResponse())  # Envoy reset the stream: no exception
+    assert s.closed and len(ctx.out) == 1
+    await s.write(ep.ProcessingResponse())
+    assert len(ctx.out) == 1
+
+
+async def test_answers_that_come_later_are_fed_in_turn_and_timers_only_while_open() -> None:
+    s = Toy(Stream([]))
+    fut: asyncio.Future[Event] = asyncio.get_running_loop().create_future()
+    s.later(fut, "wait")
+    await idle()
+    assert s.fed == []
+    fut.set_result(LeaseLost())
+    await idle()
+    assert s.fed == [LeaseLost()]
+    s.timers.start(TimerKind.STALL, 1.0)
+    s.p.timers.advance(1.0)
+    await idle()
+    assert s.fed[-1] == TimerFired(TimerKind.STALL, s.p.clock.monotonic(), s.p.clock.wall())
+    s.closed = True
+    s.fired(TimerKind.CHECKPOINT)  # the stream is over: a timer feeds nothing
+    s.later(LeaseLost(), "late")  # but an answer the stream waited for still is
+    await idle()
+    assert s.fed[2:] == [LeaseLost()]
+    s.m = None  # no machine: nothing to feed
+    s.later(LeaseLost(), "none")
+    await idle()
+    assert len(s.fed) == 3
