@@ -1,0 +1,63 @@
+"""adapters/guard: a plain executor of core.guard's machine. Every action the machine can
+answer with is carried out, as a codec write or a port call (the session ignores an action
+it has no entry for, so a missing entry would drop it silently), but for the two the
+observer alone writes down; and one port call, the status lookup, end to end on the
+hermetic harness. (Both sessions played as Envoy plays them: test_sessions.py.)"""
+
+from __future__ import annotations
+
+import ast
+import typing
+from pathlib import Path
+
+import pytest
+
+from extproc.adapters.guard import GuardSession
+from extproc.core import events as E
+
+from .test_sessions import immediate, proc, req_headers, start
+
+CORE_GUARD = Path(E.__file__).with_name("guard.py")
+# Said by the rows for the record and the logs only (adapters/guard.py says why).
+OBSERVED_ONLY = {"IntakeFailed", "UnreadableHandOff"}
+
+
+def _actions_named_in_core_guard() -> set[str]:
+    actions = {c.__name__ for c in typing.get_args(E.Action)}
+    named = set()
+    for n in ast.walk(ast.parse(CORE_GUARD.read_text())):
+        if isinstance(n, ast.Name) and n.id in actions:
+            named.add(n.id)
+        elif isinstance(n, ast.Attribute) and n.attr in actions:
+            named.add(n.attr)
+    return named
+
+
+def test_every_action_of_the_guard_s_rows_has_an_executor() -> None:
+    handled = {t.__name__ for t in (*GuardSession.WRITES, *GuardSession.ACTS)}
+    named = _actions_named_in_core_guard()
+    assert len(named) > 10  # the scan found the rows' vocabulary
+    assert named - handled == OBSERVED_ONLY
+    assert not OBSERVED_ONLY & handled
+    assert not set(GuardSession.WRITES) & set(GuardSession.ACTS)  # one way each
+
+
+async def _lookup(rid: str, down: bool) -> tuple[int, dict[str, typing.Any]]:
+    p, store = proc()
+    store.unavailable = down
+    ctx, _, task = start(GuardSession, p)
+    ctx.send(req_headers({":method": "GET", ":path": f"/v1/requests/{rid}"}, eos=True))
+    (r,) = await ctx.wait_for(1)
+    ctx.close()
+    await task
+    return immediate(r)
+
+
+@pytest.mark.parametrize(("down", "status", "code"), [
+    (False, 404, "request_not_found"), (True, 503, "journal_unavailable")])
+async def test_a_status_lookup_is_answered_from_the_journal(down: bool, status: int,
+                                                           code: str) -> None:
+    rid = "req_0123456789abcdefghjkmnpqrs"
+    got_status, body = await _lookup(rid, down)
+    assert (got_status, body["error"]["code"], body["error"]["request_id"]) == (status, code,
+                                                                                rid)
