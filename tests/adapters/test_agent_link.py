@@ -58,7 +58,8 @@ async def test_the_cancel_is_written_and_its_acknowledgement_awaited() -> None:
     rec = json.loads(got.reads[0][0].value)
     assert (rec["gateway_id"], rec["processor"]) == ("gw-1", "proc_l")
     await _put(store, "ack", RID, AID, value={"engine": "aborted"})
-    ev = await link.await_ack(E.AwaitAck(seconds=3.0))
+    # Bounded here too: an acknowledgement not heard would wait on the fake timers forever.
+    ev = await asyncio.wait_for(link.await_ack(E.AwaitAck(seconds=3.0)), 5)
     assert ev == E.AckLearned(True, {"engine": "aborted"}, ev.wall)
 
 

@@ -49,7 +49,9 @@ async def test_registered_while_healthy_withdrawn_when_not_and_when_stopped(
     cfg = load_config({
         "etcd": {"endpoints": [etcd_endpoint], "timeout_s": 2.0,
                  "prefix": f"/register-test/{uuid.uuid4().hex}"},
-        "pool": {"registration_ttl_s": 5,
+        # A TTL longer than every wait below: each withdrawal seen is the agent's own, not
+        # its lease lapsing.
+        "pool": {"registration_ttl_s": 30,
                  "health_check": {"interval_s": 0.1, "timeout_s": 1.0,
                                   "unhealthy_threshold": 2, "healthy_threshold": 1}}})
     model = ModelServer()

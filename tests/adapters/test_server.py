@@ -39,6 +39,7 @@ async def _first_answer(md: dict[str, str], path: str) -> tuple[ep.ProcessingRes
 @pytest.mark.parametrize(("role", "path", "said"), [
     (None, "/tools/search", "the tool route is not served on the client listener"),
     ("guard", "/tools/search", "the tool route is not served on the client listener"),
+    ("router", "/tools/search", "the tool route is not served on the client listener"),
     ("tools", "/v1/chat/completions", "this listener serves only the tool route"),
 ])
 async def test_the_tool_route_is_served_only_by_the_tools_role(role: str | None, path: str,

@@ -30,6 +30,13 @@ def test_the_body_is_the_openai_shape_with_our_fields() -> None:
     assert b" " not in e.json_bytes()  # compact: it goes on the wire
 
 
+def test_a_5xx_is_the_server_s_error_a_4xx_the_client_s() -> None:
+    def kind(status: int) -> str:
+        return str(GatewayError(ErrorCode.INVALID_HEADER, "m", status).body()["error"]["type"])
+    assert [kind(s) for s in (400, 499, 500, 503)] == ["gateway_error", "gateway_error",
+                                                        "server_error", "server_error"]
+
+
 def test_the_sse_form_is_one_event_then_done() -> None:
     e = X.decode_interrupted("req_1", 7)
     assert e.sse_bytes() == b"data: " + e.json_bytes() + b"\n\ndata: [DONE]\n\n"
