@@ -68,7 +68,7 @@ async def test_a_write_etcd_never_answers_is_given_up_within_the_limit() -> None
     loop = asyncio.get_running_loop()
     t0 = loop.time()
     assert await retrying(fn, "write", None, None, limit_s=0.35) is False
-    assert loop.time() - t0 <= 0.35 + 0.05 and fn.calls >= 2
+    assert loop.time() - t0 < 0.35 + 0.3 and fn.calls >= 2  # (a loaded loop wakes late)
 
 
 async def test_a_take_back_is_applied_again_while_it_settles() -> None:
