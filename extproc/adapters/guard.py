@@ -28,6 +28,8 @@ from .released import Released
 from .session import Messages, Session
 from .tools import ToolCallHandler
 
+_STALL = E.TimerKind.STALL  # a module global: an enum member read costs more (decision 0041)
+
 
 class GuardSession(Session):
     TIMED, ROLE = "response_body", "guard"
@@ -70,7 +72,19 @@ class GuardSession(Session):
             return await self.tool.on_message(which, msg)
         if which == "response_body":  # the hot path, read here: one call less per chunk
             r = self.released
-            return await self.feed(codec.response_body(msg, r is not None and r.expired()))
+            expired = r is not None and r.expired()
+            m = self.m
+            if m is not None and self.first_delta_evented:
+                # The core's fast path for the common chunk (core.guard.streaming_chunk):
+                # no event, no table, no action list; the row's Send, then its StartTimer.
+                # The observer has nothing to say about it once the first delta is out.
+                body = msg.response_body
+                out = G.streaming_chunk(m, body.body, body.end_of_stream, expired)
+                if out is not None:
+                    await self.write(codec.streamed_response_body(out, False))
+                    self.timers.start(_STALL, m.stall_after_first_delta_s)
+                    return None
+            return await self.feed(codec.response_body(msg, expired))
         await _READS[which](self, msg)
 
     async def on_request_headers(self, msg: ep.ProcessingRequest) -> None:

@@ -84,10 +84,20 @@ from .intake import (
     request_id_of,
 )
 from .journal import JournalView, Outcome, Rerun, answer_repeat, tenant_digest
-from .machine import Machine, ProtocolViolation, T, Table, counting_decoder, stay
+from .machine import (
+    TRACE_RECORD_COST,
+    Machine,
+    ProtocolViolation,
+    T,
+    Table,
+    chunk_record,
+    counting_decoder,
+    decided,
+    stay,
+)
 from .pool import Pool
 from .sse import EventKind, SseDecoder, SseEvent
-from .usage import UsageMode, take_usage
+from .usage import UsageMode, take_run_usage, take_usage
 
 S = State
 
@@ -389,6 +399,50 @@ def _send(data: bytes, end: bool) -> list[Action]:
     """The chunk's bytes downstream; nothing at all when there is nothing to forward and
     the stream goes on (a chunk whose events are not complete yet, an emptied one)."""
     return [Send(data, end)] if data or end else []
+
+
+# What the streaming row decides for a chunk that is whole token events: the bytes, and
+# the stall timer moved (`_sse_forward`'s last branch).
+_STREAMING_CHUNK = decided(State.GUARD_STREAMING, (Send, StartTimer))
+
+
+def streaming_chunk(m: GuardMachine, data: bytes, end_of_stream: bool,
+                    lease_expired: bool) -> bytes | None:
+    """The common chunk, decided without the table: in the streaming state, not the
+    stream's end, the lease valid, and the chunk whole usual token events that the
+    decoder would return as one merged run. Returns the bytes to send (the row's Send;
+    its StartTimer(STALL, stall_after_first_delta_s) is the caller's to run after it), or
+    None: feed ResponseBody to `handle`, which decides everything else.
+
+    It is the row (GUARD_STREAMING, ResponseBody) for such a chunk, in fewer steps: the
+    same trace record and decision, so a trace it wrote replays through the table, and
+    the same counts, marks and bytes (tests/core/test_guard_fast.py compares both paths).
+    """
+    if (m.state is not _S_STREAMING or end_of_stream or lease_expired or m.done_seen
+            or m.status != 200 or not m.streaming):
+        return None
+    units = m.decoder.whole_run(data)
+    if not units:
+        return None
+    recorded = m.trace_budget > 0
+    if recorded:
+        m.trace_budget -= TRACE_RECORD_COST + len(data)
+        m.trace.append(chunk_record(data, False, False))
+    else:
+        m.trace_truncated = True
+    mode = m.usage_mode
+    if mode is not _U_OFF:
+        out, m.engine_tokens = take_run_usage(mode, data, units)
+    else:
+        out, m.engine_tokens = data, None  # output the last count did not include
+    if m.count_text is not None:
+        m.kept.append(data)
+    m.delivered += units
+    m.mark(m.sent + len(out))
+    m.sent_downstream(len(out))
+    if recorded:
+        m.decisions.append(_STREAMING_CHUNK)
+    return out
 
 
 def _output_tokens(family: Family, body: bytes) -> int | None:

@@ -338,6 +338,21 @@ class SseDecoder:
             raw = buf[start:end]
         return self._dispatch(raw)
 
+    def whole_run(self, chunk: bytes) -> int:
+        """The content units of `chunk` if `feed` would return it as exactly one merged run
+        (the decoder holds nothing, and the chunk is a run of usual token events to its last
+        byte), else 0; the decoder is left as it was either way. Counting the units here and
+        forwarding the chunk is then what `feed` and one CONTENT value would do."""
+        if self._head or self._tail or self._bom_pending or self._stop or not self._merge:
+            return 0
+        run = _FAST_RUN.match(chunk)
+        if run is None or run.end() != len(chunk):
+            return 0
+        if not chunk.isascii() and not _is_utf8(chunk):
+            return 0
+        # An event's JSON holds no raw newline: one event if the first one ends the chunk.
+        return 1 if chunk.find(b"\n") == len(chunk) - 2 else chunk.count(b"\n\n")
+
     def _run_at(self, buf: bytes, pos: int) -> SseEvent | None:
         """A run of usual token events starting at an event boundary, as one value."""
         run = (_FAST_ONE if self._stop else _FAST_RUN).match(buf, pos)

@@ -19,7 +19,7 @@ from typing import Any
 
 from .sse import USAGE_MEMBER, SseEvent, parse_event_json
 
-__all__ = ["UsageMode", "ask_for_usage", "take_usage"]
+__all__ = ["UsageMode", "ask_for_usage", "take_run_usage", "take_usage"]
 
 
 class UsageMode(enum.StrEnum):
@@ -83,16 +83,32 @@ def _count(member: bytes) -> int | None:
 
 
 def _last_count(raw: bytes) -> int | None:
-    """The running count in a run's last event (None if that event has none). The key,
-    with its quotes unescaped, cannot occur inside a JSON string."""
+    """The running count in a merged run's last event (None if that event has none). The
+    key, with its quotes unescaped, cannot occur inside a JSON string, and in the form the
+    run matched (sse.USAGE_MEMBER) the count ends at the member's next `,` or `}`."""
     k = raw.rfind(_COMPLETION_KEY)
     if k < 0 or k < raw.rfind(b"\ndata: ", 0, len(raw) - 2):
         return None
     k += len(_COMPLETION_KEY)
-    end = k
-    while end < len(raw) and 0x30 <= raw[end] <= 0x39:
-        end += 1
-    return int(raw[k:end]) if end > k else None
+    end = raw.find(b"}", k)
+    comma = raw.find(b",", k, end)
+    digits = raw[k:end if comma < 0 else comma]
+    return int(digits) if digits.isdigit() else None
+
+
+# Where each running usage member of a merged run starts: its object is flat, so it ends at
+# the first `}` after (sse.USAGE_MEMBER; a quote inside a JSON string is escaped).
+_MEMBER_START = b',"usage":{"prompt_tokens":'
+
+
+def _strip_members(raw: bytes) -> bytes:
+    """A merged run without its running usage members: what `_FAST_USAGE.sub(b"", raw)`
+    gives, by finds and slices (one member per event, usually one event per message)."""
+    i = raw.find(_MEMBER_START)
+    if raw.find(_MEMBER_START, i + 1) < 0:
+        return raw[:i] + raw[raw.index(b"}", i) + 1:]
+    first, *rest = raw.split(_MEMBER_START)
+    return first + b"".join([p[p.index(b"}") + 1:] for p in rest])
 
 
 # Module globals for the per-chunk reads (an enum member read through its class costs
@@ -107,12 +123,7 @@ def take_usage(mode: UsageMode, e: SseEvent) -> tuple[bytes, int | None]:
     if b'"usage":{' not in raw:
         return raw, None
     if not e.data:
-        # A merged run of token events (sse._FAST_RUN): each one ends with its usage, in
-        # the form the fast path matched.
-        n = _last_count(raw)
-        if mode is _OFF or mode is _KEEP:
-            return raw, n
-        return _FAST_USAGE.sub(b"", raw), n
+        return take_run_usage(mode, raw, e.content_units)
     m = _FAST_USAGE_LAST.search(raw) or _USAGE_MEMBER.search(raw)
     if m is None:
         return _slow(mode, e)
@@ -123,6 +134,30 @@ def take_usage(mode: UsageMode, e: SseEvent) -> tuple[bytes, int | None]:
         # The usage-only chunk that ends a stream asked to include usage.
         return (b"" if mode is _STRIP_ALL else raw), n
     return raw[:m.start()] + raw[m.end():], n
+
+
+def take_run_usage(mode: UsageMode, raw: bytes, events: int) -> tuple[bytes, int | None]:
+    """`take_usage` for a merged run of `events` token events (sse._FAST_RUN, `raw` its
+    bytes): each event ends with its usage, if any, in the form the run matched."""
+    if events == 1:
+        # One event (most messages): its usage, if any, is its last member, found from the
+        # end; the event's bytes after it are its closing `}` and the blank line.
+        i = raw.rfind(_MEMBER_START)
+        if i < 0:
+            return raw, None
+        tail = raw.rpartition(_COMPLETION_KEY)[2]  # `N}}\n\n` or `N,"completion_...`
+        comma = tail.find(b",")
+        digits = tail[:tail.find(b"}") if comma < 0 else comma]
+        n = int(digits) if digits.isdigit() else None
+        if mode is _OFF or mode is _KEEP:
+            return raw, n
+        return raw[:i] + b"}\n\n", n
+    if b'"usage":{' not in raw:
+        return raw, None
+    n = _last_count(raw)
+    if mode is _OFF or mode is _KEEP:
+        return raw, n
+    return _strip_members(raw), n
 
 
 def _slow(mode: UsageMode, e: SseEvent) -> tuple[bytes, int | None]:
