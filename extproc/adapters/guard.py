@@ -25,7 +25,7 @@ from . import observer
 from . import request_record as R
 from .ports import GuardPorts, credential
 from .released import Released
-from .session import Messages, Session
+from .session import WRITE_GONE, Messages, Session
 from .tools import ToolCallHandler
 
 _STALL = E.TimerKind.STALL  # a module global: an enum member read costs more (decision 0041)
@@ -76,12 +76,17 @@ class GuardSession(Session):
             m = self.m
             if m is not None and self.first_delta_evented:
                 # The core's fast path for the common chunk (core.guard.streaming_chunk):
-                # no event, no table, no action list; the row's Send, then its StartTimer.
-                # The observer has nothing to say about it once the first delta is out.
+                # no event, no table, no action list; the row's Send (Session.write,
+                # inlined), then its StartTimer. The observer has nothing to say about it
+                # once the first delta is out.
                 body = msg.response_body
                 out = G.streaming_chunk(m, body.body, body.end_of_stream, expired)
                 if out is not None:
-                    await self.write(codec.streamed_response_body(out, False))
+                    if not self.closed:
+                        try:
+                            await self.ctx.write(codec.streamed_response_body(out, False))
+                        except WRITE_GONE:
+                            self.closed = True
                     self.timers.start(_STALL, m.stall_after_first_delta_s)
                     return None
             return await self.feed(codec.response_body(msg, expired))

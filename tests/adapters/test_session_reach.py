@@ -8,7 +8,7 @@ session's own handling, and the work it spawned (a task inherits the message's c
 its frames count for the message that started it). What counts:
 
 - *The session* is the role's file (`adapters/gate.py`, `adapters/guard.py`) and the read
-  loop it inherits (`session.Session`).
+  loop it inherits (`session.Session`, with its lock `session.Turn`).
 - Only what a session frame calls *directly* is counted: what a callee calls in turn is its
   own (the machine's rows and the pure helpers they call are the machine's, a port's
   internals the port's).
@@ -101,7 +101,9 @@ class Seen:
 
 
 def is_session(file: str, name: str) -> bool:
-    return file in SESSIONS or (file == "adapters/session.py" and name.startswith("Session."))
+    # session.py's Session (the read loop) and Turn (the stream's lock) are the session's.
+    return file in SESSIONS or (file == "adapters/session.py"
+                                and name.startswith(("Session.", "Turn.")))
 
 
 def part(file: str) -> str:
