@@ -19,7 +19,7 @@ from typing import Any
 
 from .sse import USAGE_MEMBER, SseEvent, parse_event_json
 
-__all__ = ["UsageMode", "ask_for_usage", "take_run_usage", "take_usage"]
+__all__ = ["UsageMode", "ask_for_usage", "take_found_usage", "take_run_usage", "take_usage"]
 
 
 class UsageMode(enum.StrEnum):
@@ -136,6 +136,18 @@ def take_usage(mode: UsageMode, e: SseEvent) -> tuple[bytes, int | None]:
     return raw[:m.start()] + raw[m.end():], n
 
 
+def take_found_usage(mode: UsageMode, raw: bytes, at: int, digits: bytes
+                     ) -> tuple[bytes, int | None]:
+    """`take_run_usage` for one token event whose usage member starts at `at` (-1: it has
+    none), its completion count's bytes `digits` (found by sse's decoder or by a find)."""
+    if at < 0:
+        return raw, None
+    n = int(digits) if digits.isdigit() else None
+    if mode is _OFF or mode is _KEEP:
+        return raw, n
+    return raw[:at] + b"}\n\n", n
+
+
 def take_run_usage(mode: UsageMode, raw: bytes, events: int) -> tuple[bytes, int | None]:
     """`take_usage` for a merged run of `events` token events (sse._FAST_RUN, `raw` its
     bytes): each event ends with its usage, if any, in the form the run matched."""
@@ -147,11 +159,7 @@ def take_run_usage(mode: UsageMode, raw: bytes, events: int) -> tuple[bytes, int
             return raw, None
         tail = raw.rpartition(_COMPLETION_KEY)[2]  # `N}}\n\n` or `N,"completion_...`
         comma = tail.find(b",")
-        digits = tail[:tail.find(b"}") if comma < 0 else comma]
-        n = int(digits) if digits.isdigit() else None
-        if mode is _OFF or mode is _KEEP:
-            return raw, n
-        return raw[:i] + b"}\n\n", n
+        return take_found_usage(mode, raw, i, tail[:tail.find(b"}") if comma < 0 else comma])
     if b'"usage":{' not in raw:
         return raw, None
     n = _last_count(raw)

@@ -57,14 +57,18 @@ def _chunk(delta: dict[str, Any], done: int | None, *, finish: str | None = None
     return encode_event(c)
 
 
-KINDS = ("token", "token", "token", "token_plain", "token_null_usage", "token_no_details",
+STYLES = ("token_usage", "token_plain", "token_null_usage", "token_no_details")
+KINDS = ("token", "token_usage", "token_plain", "token_null_usage", "token_no_details",
          "unicode", "escaped", "role", "comment", "crlf", "tool_call", "error", "malformed",
          "usage_only", "finish", "multiline", "event_name", "done")
 
 
-def atom(kind: str, i: int) -> bytes:
+def atom(kind: str, i: int, style: str = "token_usage") -> bytes:
+    """Event `i` of `kind`; a "token" is in the stream's `style` (one of the token kinds)."""
     text = f"t{i}"
     if kind == "token":
+        kind = style
+    if kind == "token_usage":
         return _chunk({"content": text}, i)
     if kind == "token_plain":  # no usage member at all
         return _chunk({"content": text}, None)
@@ -136,14 +140,21 @@ def state_of(m: GuardMachine) -> dict[str, Any]:
 
 @st.composite
 def chunked(draw: st.DrawFn) -> tuple[list[bytes], bool, list[bool]]:
-    kinds = draw(st.lists(st.sampled_from(KINDS), max_size=16))
-    data = b"".join(atom(k, i) for i, k in enumerate(kinds))
-    # Cuts at event boundaries (several events per message), anywhere, and empty chunks.
+    # Mostly usual tokens, so that runs of one-event messages (what the decoder learns a
+    # stream's head and middle from, then uses) are common.
+    kinds = draw(st.lists(st.sampled_from(KINDS + ("token",) * 16), max_size=24))
+    style = draw(st.sampled_from(STYLES))
+    data = b"".join(atom(k, i, style) for i, k in enumerate(kinds))
+    # Cuts at event boundaries (one or several events per message), anywhere, and empty
+    # chunks.
     bounds = [0]
     for k, i in zip(kinds, itertools.count()):
-        bounds.append(bounds[-1] + len(atom(k, i)))
-    cuts = draw(st.lists(st.one_of(st.sampled_from(bounds), st.integers(0, len(data))),
-                         max_size=12))
+        bounds.append(bounds[-1] + len(atom(k, i, style)))
+    # How often a boundary is cut, per stream: from never (one message) to always.
+    often = draw(st.integers(0, 10))
+    at_bounds = draw(st.lists(st.integers(0, 9), min_size=len(bounds), max_size=len(bounds)))
+    cuts = [b for b, x in zip(bounds, at_bounds, strict=True) if x < often] + draw(
+        st.lists(st.integers(0, len(data)), max_size=4))
     edges = sorted([0, *cuts, len(data)])
     chunks = [data[a:b] for a, b in itertools.pairwise(edges)]
     # Now and then the lease runs out with a chunk.
@@ -158,6 +169,29 @@ def chunked(draw: st.DrawFn) -> tuple[list[bytes], bool, list[bool]]:
 def test_the_fast_path_is_the_row(got: tuple[list[bytes], bool, list[bool]], mode: UsageMode,
                                   keep: bool, budget: int) -> None:
     chunks, eos, expired = got
+    both_ways(chunks, eos, expired, mode, keep, budget)
+
+
+@settings(max_examples=200, deadline=None)
+@given(style=st.sampled_from(STYLES), mode=st.sampled_from(list(UsageMode)),
+       lead=st.integers(1, 6), tail=st.lists(st.sampled_from(KINDS), max_size=6),
+       group=st.integers(1, 3), budget=st.sampled_from([0, 2000, 1 << 40]))
+def test_long_runs_of_one_event_messages_then_anything(
+        style: str, mode: UsageMode, lead: int, tail: list[str], group: int,
+        budget: int) -> None:
+    """What the decoder learns a stream's head and middle from: a run of one-event messages,
+    then messages of `group` events (the learned head and middle start them), then any
+    events one per message."""
+    singles = [atom("token", i, style) for i in range(lead + 3)]
+    groups = [b"".join(atom("token", 100 + 10 * j + k, style) for k in range(group))
+              for j in range(3)]
+    rest = [atom(k, 200 + i, style) for i, k in enumerate(tail)]
+    chunks = singles + groups + rest + singles
+    both_ways(chunks, True, [False] * len(chunks), mode, False, budget)
+
+
+def both_ways(chunks: list[bytes], eos: bool, expired: list[bool], mode: UsageMode,
+              keep: bool, budget: int) -> None:
     row, fast = machine(mode, keep, budget), machine(mode, keep, budget)
     for i, data in enumerate(chunks):
         ev = ResponseBody(data, eos and i == len(chunks) - 1, expired[i])
