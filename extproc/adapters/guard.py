@@ -25,7 +25,7 @@ from . import observer
 from . import request_record as R
 from .ports import GuardPorts, credential
 from .released import Released
-from .session import WRITE_GONE, Messages, Session
+from .session import Messages, Session
 from .tools import ToolCallHandler
 
 _STALL = E.TimerKind.STALL  # a module global: an enum member read costs more (decision 0041)
@@ -72,25 +72,26 @@ class GuardSession(Session):
             return await self.tool.on_message(which, msg)
         if which == "response_body":  # the hot path, read here: one call less per chunk
             r = self.released
-            expired = r is not None and r.expired()
-            m = self.m
-            if m is not None and self.first_delta_evented:
-                # The core's fast path for the common chunk (core.guard.streaming_chunk):
-                # no event, no table, no action list; the row's Send (Session.write,
-                # inlined), then its StartTimer. The observer has nothing to say about it
-                # once the first delta is out.
-                body = msg.response_body
-                out = G.streaming_chunk(m, body.body, body.end_of_stream, expired)
-                if out is not None:
-                    if not self.closed:
-                        try:
-                            await self.ctx.write(codec.streamed_response_body(out, False))
-                        except WRITE_GONE:
-                            self.closed = True
-                    self.timers.start(_STALL, m.stall_after_first_delta_s)
-                    return None
-            return await self.feed(codec.response_body(msg, expired))
+            return await self.feed(codec.response_body(msg, r is not None and r.expired()))
         await _READS[which](self, msg)
+
+    FAST = "response_body"
+
+    def fast(self, msg: ep.ProcessingRequest) -> ep.ProcessingResponse | None:
+        """The common chunk, by the core's fast path (core.guard.streaming_chunk): no event,
+        no table, no action list; the row's Send is the answer, its StartTimer `fast_done`.
+        Once the first delta is out the observer has nothing to say about such a chunk."""
+        m = self.m
+        if m is None or not self.first_delta_evented or self.tool is not None:
+            return None
+        r, body = self.released, msg.response_body
+        out = G.streaming_chunk(m, body.body, body.end_of_stream,
+                                r is not None and r.expired())
+        return None if out is None else codec.streamed_response_body(out, False)
+
+    def fast_done(self) -> None:
+        assert self.m is not None
+        self.timers.start(_STALL, self.m.stall_after_first_delta_s)
 
     async def on_request_headers(self, msg: ep.ProcessingRequest) -> None:
         h = msg.request_headers

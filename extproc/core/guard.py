@@ -435,15 +435,21 @@ def streaming_chunk(m: GuardMachine, data: bytes, end_of_stream: bool,
     mode = m.usage_mode
     if mode is not _U_OFF:
         found = dec.run_usage  # where the decoder saw the event's usage, if it did
-        out, m.engine_tokens = (take_run_usage(mode, data, units) if found is None
-                                else take_found_usage(mode, data, found[0], found[1]))
+        out, et = (take_run_usage(mode, data, units) if found is None
+                   else take_found_usage(mode, data, found[0], found[1]))
     else:
-        out, m.engine_tokens = data, None  # output the last count did not include
+        out, et = data, None  # output the last count did not include
+    m.engine_tokens = et
+    kept = m.kept
     if m.count_text is not None:
-        m.kept.append(data)
-    m.delivered += units
-    m.mark(m.sent + len(out))
-    m.sent_downstream(len(out))
+        kept.append(data)
+    m.delivered = delivered = m.delivered + units
+    # m.mark(m.sent + len(out)) and m.sent_downstream(len(out)), inlined (a call each)
+    m.sent = sent = m.sent + len(out)
+    marks = m.marks
+    marks.fromlist([sent, delivered, -1 if et is None else et, len(kept)])
+    if len(marks) >= MARK_STRIDE * MARKS_KEPT:
+        m.sent_downstream(0)  # folds old marks
     if recorded:
         m.decisions.append(_STREAMING_CHUNK)
     return out

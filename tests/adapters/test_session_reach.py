@@ -50,7 +50,7 @@ from extproc.adapters.guard import GuardSession
 from extproc.adapters.processor import Processor
 from extproc.core import headers as H
 
-from .support import SSE_CONTENT, SSE_DONE, SSE_ROLE, FakeClock, FakeTimers, idle
+from .support import SSE_CONTENT, SSE_DONE, SSE_ROLE, SSE_VLLM, FakeClock, FakeTimers, idle
 from .test_sessions import (
     CHAT,
     DOWN,
@@ -134,6 +134,20 @@ class Labelled:
         finally:
             LABEL.reset(tok)
 
+    def fast(self, msg: Any) -> Any:
+        tok = LABEL.set(f"{self.role}.{Labelled.next_label}")  # type: ignore[attr-defined]
+        try:
+            return super().fast(msg)  # type: ignore[misc]
+        finally:
+            LABEL.reset(tok)
+
+    def fast_done(self) -> None:
+        tok = LABEL.set(f"{self.role}.{Labelled.next_label}")  # type: ignore[attr-defined]
+        try:
+            super().fast_done()  # type: ignore[misc]
+        finally:
+            LABEL.reset(tok)
+
     async def on_closed(self) -> None:
         tok = LABEL.set(f"{self.role}.closed")  # type: ignore[attr-defined]
         try:
@@ -209,7 +223,9 @@ async def play(seen: Seen) -> None:
         await send(guard, resp_headers({":status": "200", "content-type": "text/event-stream",
                                         H.HANDOFF: ho}), "response_headers", 3, timers)
         await send(guard, resp_body(SSE_CONTENT), "response_body", 4, timers)
-        await send(guard, resp_body(SSE_DONE, eos=True), "response_body(end)", 5, timers)
+        # The common chunk past the first delta: the guard's fast path (no event).
+        await send(guard, resp_body(SSE_VLLM), "response_body(fast)", 5, timers)
+        await send(guard, resp_body(SSE_DONE, eos=True), "response_body(end)", 6, timers)
         guard.close()
         await asyncio.wait_for(gtask, 3)
         await idle()
@@ -255,6 +271,7 @@ REACH: dict[str, set[str]] = {
                                     "adapters/timers.py"},
     "guard.response_headers": {"adapters/released.py"},
     "guard.response_body": {"adapters/released.py", "adapters/timers.py"},
+    "guard.response_body(fast)": {"adapters/released.py", "adapters/timers.py"},
     "guard.response_body(end)": {"adapters/released.py", "adapters/timers.py"},
     "guard.closed": {"adapters/released.py", "adapters/request_record.py",
                      "adapters/processor.py", "adapters/timers.py", "core/budget.py"},
