@@ -170,6 +170,7 @@ _CONTENT_KEY = b'"content":"'  # structural: a quote inside a JSON string is esc
 _CONTENT_REST = re.compile(rb'(?=[^"])' + _CHARS + rb'"')
 _TOTAL_KEY = b'"total_tokens":'
 _USAGE_AT = b',"usage":{'
+_NO_USAGE = (-1, b"")
 _USAGE_END = re.compile(_NUM + rb',"completion_tokens":(' + _NUM
                         + rb')(?:,"completion_tokens_details":null)?\}\}\n\n')
 
@@ -369,12 +370,45 @@ class SseDecoder:
         """The content units of `chunk` if `feed` would return it as exactly one merged run
         (the decoder holds nothing, and the chunk is a run of usual token events to its last
         byte), else 0; what it holds of the stream is left as it was either way (it only
-        learns the stream's head and middle, `_one_as_seen`). Counting the units here and
-        forwarding the chunk is then what `feed` and one CONTENT value would do."""
+        learns the stream's head and middle, `_learn_run`). Counting the units here and
+        forwarding the chunk is then what `feed` and one CONTENT value would do.
+
+        Most messages are one event whose head and middle repeat the last one's: then
+        `_FAST_ONE` matches the whole chunk, found as `data: ` and the head seen, the
+        content string's rest, the middle seen and the usage's numbers to the chunk's end
+        (and `run_usage` says where its usage is). Anything else is `_learn_run`'s."""
         if self._head or self._tail or self._bom_pending or self._stop or not self._merge:
             return 0
+        seen = self._head_seen
+        if seen and chunk.startswith(seen) and (
+                c := _CONTENT_REST.match(chunk, len(seen))) is not None:
+            end = c.end()
+            mid = self._mid_seen
+            if mid and chunk.startswith(mid, end):
+                at = self._mid_usage
+                if at < 0:
+                    if end + len(mid) == len(chunk):
+                        self.run_usage = _NO_USAGE
+                        return 1 if chunk.isascii() or _is_utf8(chunk) else 0
+                elif (u := _USAGE_END.fullmatch(chunk, end + len(mid))) is not None:
+                    self.run_usage = (end + at, u[1])
+                    return 1 if chunk.isascii() or _is_utf8(chunk) else 0
         self.run_usage = None
-        if self._head_seen and self._one_as_seen(chunk):
+        return self._learn_run(chunk)
+
+    def _learn_run(self, chunk: bytes) -> int:
+        """`whole_run` by the patterns themselves, learning the head and middle of a
+        one-event chunk for the next."""
+        seen = self._head_seen
+        if seen and chunk.startswith(seen) and (
+                c := _CONTENT_REST.match(chunk, len(seen))) is not None and (
+                _FAST_ONE_REST.fullmatch(chunk, len(seen)) is not None):
+            # A head seen, a new middle: `_FAST_ONE` matches, one event.
+            end = c.end()
+            at = chunk.find(_USAGE_AT, end)
+            self._mid_usage = -1 if at < 0 else at - end
+            self._mid_seen = chunk[end:] if at < 0 else chunk[
+                end:chunk.index(_TOTAL_KEY, at) + len(_TOTAL_KEY)]
             units = 1
         else:
             run = _FAST_RUN.match(chunk)
@@ -388,37 +422,6 @@ class SseDecoder:
         if not chunk.isascii() and not _is_utf8(chunk):
             return 0
         return units
-
-    def _one_as_seen(self, chunk: bytes) -> bool:
-        """Whether `_FAST_ONE` matches the whole chunk, found by the head (and middle) of
-        the one-event chunk matched before and the pattern's rest: `data: ` and a head
-        that matched, then the content string's rest, then a middle that matched and the
-        usage's numbers (or the pattern's rest) to the chunk's end. Sets `run_usage` when
-        the middle was the one seen."""
-        seen = self._head_seen
-        if not chunk.startswith(seen):
-            return False
-        c = _CONTENT_REST.match(chunk, len(seen))
-        if c is None:
-            return False
-        end = c.end()
-        mid = self._mid_seen
-        if mid and chunk.startswith(mid, end):
-            at = self._mid_usage
-            if at < 0:
-                if end + len(mid) == len(chunk):
-                    self.run_usage = (-1, b"")
-                    return True
-            elif (u := _USAGE_END.fullmatch(chunk, end + len(mid))) is not None:
-                self.run_usage = (end + at, u.group(1))
-                return True
-        if _FAST_ONE_REST.fullmatch(chunk, len(seen)) is None:
-            return False
-        at = chunk.find(_USAGE_AT, end)
-        self._mid_usage = -1 if at < 0 else at - end
-        self._mid_seen = chunk[end:] if at < 0 else chunk[
-            end:chunk.index(_TOTAL_KEY, at) + len(_TOTAL_KEY)]
-        return True
 
     def _run_at(self, buf: bytes, pos: int) -> SseEvent | None:
         """A run of usual token events starting at an event boundary, as one value."""

@@ -61,8 +61,8 @@ def _chunk(delta: dict[str, Any], done: int | None, *, finish: str | None = None
 
 STYLES = ("token_usage", "token_plain", "token_null_usage", "token_no_details")
 KINDS = ("token", "token_usage", "token_plain", "token_null_usage", "token_no_details",
-         "unicode", "escaped", "role", "comment", "crlf", "tool_call", "error", "malformed",
-         "usage_only", "finish", "multiline", "event_name", "done")
+         "unicode", "bad_utf8", "escaped", "role", "comment", "crlf", "tool_call", "error",
+         "malformed", "usage_only", "finish", "multiline", "event_name", "done")
 
 
 def atom(kind: str, i: int, style: str = "token_usage") -> bytes:
@@ -80,6 +80,8 @@ def atom(kind: str, i: int, style: str = "token_usage") -> bytes:
         return _chunk({"content": text}, i, details=False)
     if kind == "unicode":
         return _chunk({"content": f"é中{i}"}, i)
+    if kind == "bad_utf8":  # the usual shape, its content not UTF-8: malformed
+        return _chunk({"content": "@@"}, i).replace(b'"@@"', b'"\xff\xfe"')
     if kind == "escaped":
         return _chunk({"content": f'"\\\n{i}'}, i)
     if kind == "role":
