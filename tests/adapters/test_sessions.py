@@ -303,6 +303,41 @@ async def test_the_guards_common_chunk_goes_the_fast_way_stripped_and_counted(
     assert view.outcome["cause"] == "fenced" and view.outcome["delivered_output_tokens"] == 7
 
 
+async def test_a_sampled_chunk_is_timed_and_still_goes_the_fast_way(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With metrics exported, one body message in CHUNK_TIME_SAMPLE is timed: the read loop
+    times the same step, the fast path included (here every one is sampled)."""
+    from extproc.adapters import session
+
+    monkeypatch.setattr(session, "CHUNK_TIME_SAMPLE", 1)
+    p, _ = proc()
+    timed: list[float] = []
+    monkeypatch.setattr(p.tel, "enabled", True)
+    monkeypatch.setattr(p.tel, "chunk_time", type("H", (), {"record": staticmethod(
+        lambda ms, *a: timed.append(ms))})())
+    ctx, s, task = start(GuardSession, p)
+    ctx.send(req_headers(DOWN))
+    await ctx.wait_for(1)
+    ctx.send(req_body(CHAT))
+    await ctx.wait_for(2)
+    handoff = json.dumps({"attempt": 1, "attempt_id": "att_test_1", "replica": REPLICA,
+                          "lease_id": 0})
+    ctx.send(resp_headers({":status": "200", "content-type": "text/event-stream",
+                           H.HANDOFF: handoff}))
+    await ctx.wait_for(3)
+    fast = took_fast(monkeypatch)
+    for n in (1, 2, 3):
+        ctx.send(resp_body(sse_vllm_usage(n)))
+    out = await ctx.wait_for(6)
+    assert [o.response_body.response.body_mutation.streamed_response.body
+            for o in out[3:]] == [SSE_VLLM] * 3
+    assert fast == [sse_vllm_usage(2), sse_vllm_usage(3)] and len(timed) == 3
+    assert s.m.delivered == 3 and "stall" in s.timers
+    ctx.close()
+    await asyncio.wait_for(task, 3)
+    await p.drain()
+
+
 async def test_guard_checkpoints_the_delivered_count_on_its_timer() -> None:
     # On a fake clock: every progress_interval_s while streaming, the count so far is
     # recorded (the machine's CHECKPOINT timer and WriteProgress, answered ProgressWritten).
