@@ -28,6 +28,8 @@ from .released import Released
 from .session import Messages, Session
 from .tools import ToolCallHandler
 
+_STALL = E.TimerKind.STALL  # a module global: an enum member read costs more (decision 0041)
+
 
 class GuardSession(Session):
     TIMED, ROLE = "response_body", "guard"
@@ -72,6 +74,24 @@ class GuardSession(Session):
             r = self.released
             return await self.feed(codec.response_body(msg, r is not None and r.expired()))
         await _READS[which](self, msg)
+
+    FAST = "response_body"
+
+    def fast(self, msg: ep.ProcessingRequest) -> ep.ProcessingResponse | None:
+        """The common chunk, by the core's fast path (core.guard.streaming_chunk): no event,
+        no table, no action list; the row's Send is the answer, its StartTimer `fast_done`.
+        Once the first delta is out the observer has nothing to say about such a chunk."""
+        m = self.m
+        if m is None or not self.first_delta_evented or self.tool is not None:
+            return None
+        r, body = self.released, msg.response_body
+        out = G.streaming_chunk(m, body.body, body.end_of_stream,
+                                r is not None and r.expired())
+        return None if out is None else codec.streamed_response_body(out, False)
+
+    def fast_done(self) -> None:
+        assert self.m is not None
+        self.timers.start(_STALL, self.m.stall_after_first_delta_s)
 
     async def on_request_headers(self, msg: ep.ProcessingRequest) -> None:
         h = msg.request_headers

@@ -84,10 +84,20 @@ from .intake import (
     request_id_of,
 )
 from .journal import JournalView, Outcome, Rerun, answer_repeat, tenant_digest
-from .machine import Machine, ProtocolViolation, T, Table, counting_decoder, stay
+from .machine import (
+    TRACE_RECORD_COST,
+    Machine,
+    ProtocolViolation,
+    T,
+    Table,
+    chunk_record,
+    counting_decoder,
+    decided,
+    stay,
+)
 from .pool import Pool
 from .sse import EventKind, SseDecoder, SseEvent
-from .usage import UsageMode, take_usage
+from .usage import UsageMode, take_found_usage, take_run_usage, take_usage
 
 S = State
 
@@ -183,7 +193,8 @@ class GuardMachine(Machine):
     def mark(self, end: int) -> None:
         """A content event forwarded: its last byte ends at body offset `end`."""
         et = self.engine_tokens
-        self.marks.extend((end, self.delivered, -1 if et is None else et, len(self.kept)))
+        # (fromlist: half of extend's cost with a tuple, measured)
+        self.marks.fromlist([end, self.delivered, -1 if et is None else et, len(self.kept)])
 
     def sent_downstream(self, n: int) -> None:
         """`n` more body bytes handed to Envoy; old marks folded once far enough behind."""
@@ -271,11 +282,22 @@ def _guard_headers(m: GuardMachine, ev: ResponseHeaders) -> list[Action]:
     return [answer]
 
 
+# The members the per-chunk paths read, as module globals: on CPython 3.11 reading an enum
+# member through its class takes EnumType's __getattr__ hook, ~900 instructions under
+# callgrind against a global's few (decision 0041).
+_U_OFF = UsageMode.OFF
+_K_CONTENT, _K_NON_CONTENT, _K_DONE = EventKind.CONTENT, EventKind.NON_CONTENT, EventKind.DONE
+_K_ERROR, _K_MALFORMED = EventKind.ERROR, EventKind.MALFORMED
+_S_STREAMING, _S_COMPLETE = State.GUARD_STREAMING, State.GUARD_COMPLETE
+_S_TERMINATED = State.GUARD_TERMINATED
+_T_STALL, _T_CHECKPOINT = TimerKind.STALL, TimerKind.CHECKPOINT
+
+
 def _sse_forward(m: GuardMachine, events: list[SseEvent], end: bool) -> list[Action]:
     out = bytearray()
     ctx = m.family.wants_context
     mode = m.usage_mode
-    usage = mode is not UsageMode.OFF  # only a family with running usage gets another mode
+    usage = mode is not _U_OFF  # only a family with running usage gets another mode
     final_count = m.family.final_count
     keep = m.count_text is not None
     for e in events:
@@ -286,14 +308,14 @@ def _sse_forward(m: GuardMachine, events: list[SseEvent], end: bool) -> list[Act
             # forwarded); the event replaced below never counts as forwarded.
             if not m.first_data:
                 m.first_data = e.data
-            if e.kind is not EventKind.ERROR and e.kind is not EventKind.MALFORMED:
+            if e.kind is not _K_ERROR and e.kind is not _K_MALFORMED:
                 m.last_data = e.data
-        if e.kind is EventKind.DONE:
+        if e.kind is _K_DONE:
             m.done_seen = True
             out += e.raw
             if final_count is not None and (n := final_count(e.data)) is not None:
                 m.engine_tokens = n
-        elif e.kind is EventKind.CONTENT:
+        elif e.kind is _K_CONTENT:
             if usage:
                 raw, m.engine_tokens = take_usage(mode, e)
                 out += raw
@@ -304,20 +326,20 @@ def _sse_forward(m: GuardMachine, events: list[SseEvent], end: bool) -> list[Act
                 m.kept.append(e.raw)
             m.delivered += e.content_units
             m.mark(m.sent + len(out))
-        elif e.kind in (EventKind.ERROR, EventKind.MALFORMED) and m.delivered > 0:
+        elif e.kind in (_K_ERROR, _K_MALFORMED) and m.delivered > 0:
             # Replace their error (or garbage) with our terminal event; never forward it.
             out += m._terminal()
-            m.state = State.GUARD_TERMINATED
+            m.state = _S_TERMINATED
             m.sent_downstream(len(out))
             return [m._finish(Outcome.UPSTREAM_DECODE_INTERRUPTED,
-                              "in-band error" if e.kind is EventKind.ERROR else "malformed event"),
+                              "in-band error" if e.kind is _K_ERROR else "malformed event"),
                     Send(bytes(out), True), StopTimers()]
-        elif usage and e.kind is EventKind.NON_CONTENT:
+        elif usage and e.kind is _K_NON_CONTENT:
             raw, n = take_usage(mode, e)
             out += raw
             if n is not None:
                 m.engine_tokens = n
-        elif final_count is not None and e.kind is EventKind.NON_CONTENT and m.delivered:
+        elif final_count is not None and e.kind is _K_NON_CONTENT and m.delivered:
             out += e.raw
             if (n := final_count(e.data)) is not None:
                 m.engine_tokens = n
@@ -326,15 +348,15 @@ def _sse_forward(m: GuardMachine, events: list[SseEvent], end: bool) -> list[Act
     m.sent_downstream(len(out))
     acts = _send(bytes(out), end)
     if end:
-        m.state = State.GUARD_COMPLETE
+        m.state = _S_COMPLETE
         acts.append(StopTimers())
     elif m.done_seen:
         acts.append(StopTimers())  # complete answer: silence now is no interruption
     elif m.delivered > 0:
-        if m.state is not State.GUARD_STREAMING and m.progress_every > 0:
-            acts.append(StartTimer(TimerKind.CHECKPOINT, m.progress_every))
-        m.state = State.GUARD_STREAMING
-        acts.append(StartTimer(TimerKind.STALL, m.stall_after_first_delta_s))
+        if m.state is not _S_STREAMING and m.progress_every > 0:
+            acts.append(StartTimer(_T_CHECKPOINT, m.progress_every))
+        m.state = _S_STREAMING
+        acts.append(StartTimer(_T_STALL, m.stall_after_first_delta_s))
     return acts
 
 
@@ -342,7 +364,7 @@ def _guard_body(m: GuardMachine, ev: ResponseBody) -> list[Action]:
     if ev.lease_expired and not m.lease_lost:
         # The lease ran out locally (checked with each chunk): said once, acted on once.
         acts = _guard_fenced(m, Fenced("expired locally"))
-        if m.state is State.GUARD_TERMINATED:
+        if m.state is _S_TERMINATED:
             return acts  # the chunk came after our end: never forwarded
         return acts + _guard_chunk(m, ev)
     return _guard_chunk(m, ev)
@@ -359,13 +381,13 @@ def _guard_chunk(m: GuardMachine, ev: ResponseBody) -> list[Action]:
     if m.replaced_error is not None:
         data, m.replaced_error = m.replaced_error, b""
         if ev.end_of_stream:
-            m.state = State.GUARD_COMPLETE
+            m.state = _S_COMPLETE
         return _send(data, ev.end_of_stream)
     # Non-streaming or an error status: pass bytes through; count once complete.
     if m.status == 200 and len(m.body) <= m.max_buffer:
         m.body += ev.data
     if ev.end_of_stream:
-        m.state = State.GUARD_COMPLETE
+        m.state = _S_COMPLETE
         if m.status == 200:
             n = _output_tokens(m.family, bytes(m.body))
             # A whole answer went out: its usage is the engine's count; without one,
@@ -378,6 +400,59 @@ def _send(data: bytes, end: bool) -> list[Action]:
     """The chunk's bytes downstream; nothing at all when there is nothing to forward and
     the stream goes on (a chunk whose events are not complete yet, an emptied one)."""
     return [Send(data, end)] if data or end else []
+
+
+# What the streaming row decides for a chunk that is whole token events: the bytes, and
+# the stall timer moved (`_sse_forward`'s last branch).
+_STREAMING_CHUNK = decided(State.GUARD_STREAMING, (Send, StartTimer))
+
+
+def streaming_chunk(m: GuardMachine, data: bytes, end_of_stream: bool,
+                    lease_expired: bool) -> bytes | None:
+    """The common chunk, decided without the table: in the streaming state, not the
+    stream's end, the lease valid, and the chunk whole usual token events that the
+    decoder would return as one merged run. Returns the bytes to send (the row's Send;
+    its StartTimer(STALL, stall_after_first_delta_s) is the caller's to run after it), or
+    None: feed ResponseBody to `handle`, which decides everything else.
+
+    It is the row (GUARD_STREAMING, ResponseBody) for such a chunk, in fewer steps: the
+    same trace record and decision, so a trace it wrote replays through the table, and
+    the same counts, marks and bytes (tests/core/test_guard_fast.py compares both paths).
+    """
+    if (m.state is not _S_STREAMING or end_of_stream or lease_expired or m.done_seen
+            or m.status != 200 or not m.streaming):
+        return None
+    dec = m.decoder
+    units = dec.whole_run(data)
+    if not units:
+        return None
+    recorded = m.trace_budget > 0
+    if recorded:
+        m.trace_budget -= TRACE_RECORD_COST + len(data)
+        m.trace.append(chunk_record(data, False, False))
+    else:
+        m.trace_truncated = True
+    mode = m.usage_mode
+    if mode is not _U_OFF:
+        found = dec.run_usage  # where the decoder saw the event's usage, if it did
+        out, et = (take_run_usage(mode, data, units) if found is None
+                   else take_found_usage(mode, data, found[0], found[1]))
+    else:
+        out, et = data, None  # output the last count did not include
+    m.engine_tokens = et
+    kept = m.kept
+    if m.count_text is not None:
+        kept.append(data)
+    m.delivered = delivered = m.delivered + units
+    # m.mark(m.sent + len(out)) and m.sent_downstream(len(out)), inlined (a call each)
+    m.sent = sent = m.sent + len(out)
+    marks = m.marks
+    marks.fromlist([sent, delivered, -1 if et is None else et, len(kept)])
+    if len(marks) >= MARK_STRIDE * MARKS_KEPT:
+        m.sent_downstream(0)  # folds old marks
+    if recorded:
+        m.decisions.append(_STREAMING_CHUNK)
+    return out
 
 
 def _output_tokens(family: Family, body: bytes) -> int | None:

@@ -70,13 +70,19 @@ _SHARED_RECORD_TYPES = (ResponseHeaders, FenceDecided, Fenced, LeaseLost,
 _SHARED_RECORDS: dict[Event, dict[str, Any]] = {}
 
 
+def chunk_record(data: bytes, end_of_stream: bool, lease_expired: bool) -> dict[str, Any]:
+    """A ResponseBody's record (the hot path: one per body message; a fast path records
+    its chunks with it too, without building the event)."""
+    if lease_expired:
+        return {"type": "ResponseBody", "data": data.decode("latin-1"),
+                "end_of_stream": end_of_stream, "lease_expired": True}
+    return {"type": "ResponseBody", "data": data.decode("latin-1"),
+            "end_of_stream": end_of_stream}
+
+
 def _event_record(ev: Event) -> dict[str, Any]:
-    if type(ev) is ResponseBody:  # the hot path: one per body message
-        if ev.lease_expired:
-            return {"type": "ResponseBody", "data": ev.data.decode("latin-1"),
-                    "end_of_stream": ev.end_of_stream, "lease_expired": True}
-        return {"type": "ResponseBody", "data": ev.data.decode("latin-1"),
-                "end_of_stream": ev.end_of_stream}
+    if type(ev) is ResponseBody:
+        return chunk_record(ev.data, ev.end_of_stream, ev.lease_expired)
     if isinstance(ev, _SHARED_RECORD_TYPES) and not (
             (isinstance(ev, ResponseHeaders) and (ev.handoff or ev.model_revision))
             or (isinstance(ev, RequestHeadersSeen) and ev.error is not None)):
@@ -162,6 +168,12 @@ class Machine:
                 f"{self.role}: {before} on {type(ev).__name__} went to {self.state}, "
                 f"the table allows {sorted(t.next)}")
         return actions
+
+
+def decided(state: State, actions: tuple[type, ...]) -> str:
+    """The decision `handle` records for a transition that leaves the machine in `state`
+    having answered with actions of these types (a fast path records it the same)."""
+    return sys.intern(f"{state}:" + ",".join([a.__name__ for a in actions]))
 
 
 def counting_decoder() -> SseDecoder:

@@ -144,17 +144,35 @@ _NUM = rb"-?(?:0|[1-9][0-9]{0,15})"
 # The running usage vLLM puts in a chunk when asked (core.usage), as the member it writes.
 USAGE_MEMBER = (rb',"usage":\{"prompt_tokens":' + _NUM + rb',"total_tokens":' + _NUM
                 + rb',"completion_tokens":' + _NUM + rb'(?:,"completion_tokens_details":null)?\}')
-_FAST_CONTENT = re.compile(
+# Up to its content string's opening quote, and the rest (split so that a chunk whose
+# first part repeats an event already matched needs only the rest matched; SseDecoder).
+_FAST_HEAD = (
     rb'\{"id":' + _STR + rb',"object":"chat\.completion\.chunk","created":' + _NUM
     + rb',"model":' + _STR + rb'(?:,"system_fingerprint":(?:null|' + _STR + rb'))?'
-    + rb',"choices":\[\{"index":0,"delta":\{(?:"role":"assistant",)?"content":' + _NESTR
+    + rb',"choices":\[\{"index":0,"delta":\{(?:"role":"assistant",)?"content":"')
+_FAST_REST = (
+    rb'(?=[^"])' + _CHARS + rb'"'  # the content string's rest: non-empty
     + rb'\}(?:,"logprobs":null)?,"finish_reason":null(?:,"stop_reason":null)?\}\]'
     + rb'(?:,"usage":null|' + USAGE_MEMBER + rb')?\}')
+_FAST_CONTENT = re.compile(_FAST_HEAD + _FAST_REST)
+assert _FAST_CONTENT.pattern.count(b'"content":"') == 1  # where an event's head ends
 # A run of such events, each a single `data: ` line and a blank line: what a guard sees in
 # nearly every body message. The JSON above cannot hold a raw newline, so a run of n events
 # contains exactly n blank-line separators.
 _FAST_RUN = re.compile(rb"(?:data: " + _FAST_CONTENT.pattern + rb"\n\n)+")
 _FAST_ONE = re.compile(rb"data: " + _FAST_CONTENT.pattern + rb"\n\n")
+_FAST_ONE_REST = re.compile(_FAST_REST + rb"\n\n")
+_CONTENT_KEY = b'"content":"'  # structural: a quote inside a JSON string is escaped
+# `_FAST_REST` in three parts, for a chunk whose head and middle repeat an event's that
+# `_FAST_ONE` matched: the content string's rest; the middle, bytes an engine repeats
+# (through the usage's `"total_tokens":`, or to the event's end when it has no usage); and
+# the running usage's last numbers, with the completion count as a group.
+_CONTENT_REST = re.compile(rb'(?=[^"])' + _CHARS + rb'"')
+_TOTAL_KEY = b'"total_tokens":'
+_USAGE_AT = b',"usage":{'
+_NO_USAGE = (-1, b"")
+_USAGE_END = re.compile(_NUM + rb',"completion_tokens":(' + _NUM
+                        + rb')(?:,"completion_tokens_details":null)?\}\}\n\n')
 
 
 def classify(data: bytes) -> tuple[EventKind, int]:
@@ -224,8 +242,8 @@ class SseDecoder:
     and forward, so they use it; tests/core/test_sse.py checks both modes agree.
     """
 
-    __slots__ = ("_bom_pending", "_classify", "_data", "_event", "_head", "_merge", "_stop",
-                 "_tail")
+    __slots__ = ("_bom_pending", "_classify", "_data", "_event", "_head", "_head_seen",
+                 "_merge", "_mid_seen", "_mid_usage", "_stop", "_tail", "run_usage")
 
     def __init__(self, *, merge_content: bool = False,
                  classify: Classifier | None = None) -> None:
@@ -234,6 +252,16 @@ class SseDecoder:
         self._classify = classify
         self._merge = merge_content and classify is None
         self._stop = False  # True: spent by feed_to_first_content
+        # The head (`_FAST_HEAD`'s bytes) of the last one-event chunk `whole_run` matched:
+        # an engine repeats it in every token event of a stream (same id, created, model).
+        self._head_seen = b""
+        # And the middle of the last one that also matched the head (see _CONTENT_REST),
+        # with where its usage member starts in it (-1: it has none).
+        self._mid_seen = b""
+        self._mid_usage = -1
+        # After `whole_run` found one event by head and middle: where its usage member
+        # starts in the chunk (-1: none) and its completion count's bytes; else None.
+        self.run_usage: tuple[int, bytes] | None = None
         self._reset()
 
     def _reset(self) -> None:
@@ -337,6 +365,63 @@ class SseDecoder:
         else:
             raw = buf[start:end]
         return self._dispatch(raw)
+
+    def whole_run(self, chunk: bytes) -> int:
+        """The content units of `chunk` if `feed` would return it as exactly one merged run
+        (the decoder holds nothing, and the chunk is a run of usual token events to its last
+        byte), else 0; what it holds of the stream is left as it was either way (it only
+        learns the stream's head and middle, `_learn_run`). Counting the units here and
+        forwarding the chunk is then what `feed` and one CONTENT value would do.
+
+        Most messages are one event whose head and middle repeat the last one's: then
+        `_FAST_ONE` matches the whole chunk, found as `data: ` and the head seen, the
+        content string's rest, the middle seen and the usage's numbers to the chunk's end
+        (and `run_usage` says where its usage is). Anything else is `_learn_run`'s."""
+        if self._head or self._tail or self._bom_pending or self._stop or not self._merge:
+            return 0
+        seen = self._head_seen
+        if seen and chunk.startswith(seen) and (
+                c := _CONTENT_REST.match(chunk, len(seen))) is not None:
+            end = c.end()
+            mid = self._mid_seen
+            if mid and chunk.startswith(mid, end):
+                at = self._mid_usage
+                if at < 0:
+                    if end + len(mid) == len(chunk):
+                        self.run_usage = _NO_USAGE
+                        return 1 if chunk.isascii() or _is_utf8(chunk) else 0
+                elif (u := _USAGE_END.fullmatch(chunk, end + len(mid))) is not None:
+                    self.run_usage = (end + at, u[1])
+                    return 1 if chunk.isascii() or _is_utf8(chunk) else 0
+        self.run_usage = None
+        return self._learn_run(chunk)
+
+    def _learn_run(self, chunk: bytes) -> int:
+        """`whole_run` by the patterns themselves, learning the head and middle of a
+        one-event chunk for the next."""
+        seen = self._head_seen
+        if seen and chunk.startswith(seen) and (
+                c := _CONTENT_REST.match(chunk, len(seen))) is not None and (
+                _FAST_ONE_REST.fullmatch(chunk, len(seen)) is not None):
+            # A head seen, a new middle: `_FAST_ONE` matches, one event.
+            end = c.end()
+            at = chunk.find(_USAGE_AT, end)
+            self._mid_usage = -1 if at < 0 else at - end
+            self._mid_seen = chunk[end:] if at < 0 else chunk[
+                end:chunk.index(_TOTAL_KEY, at) + len(_TOTAL_KEY)]
+            units = 1
+        else:
+            run = _FAST_RUN.match(chunk)
+            if run is None or run.end() != len(chunk):
+                return 0
+            # An event's JSON holds no raw newline: one event if the first one ends the chunk.
+            units = 1 if chunk.find(b"\n") == len(chunk) - 2 else chunk.count(b"\n\n")
+            if units == 1:
+                self._head_seen = chunk[:chunk.find(_CONTENT_KEY) + len(_CONTENT_KEY)]
+                self._mid_seen = b""
+        if not chunk.isascii() and not _is_utf8(chunk):
+            return 0
+        return units
 
     def _run_at(self, buf: bytes, pos: int) -> SseEvent | None:
         """A run of usual token events starting at an event boundary, as one value."""

@@ -17,6 +17,16 @@ SSE_ROLE = (b'data: {"id":"x","object":"chat.completion.chunk","choices":[{"inde
 SSE_CONTENT = (b'data: {"id":"x","object":"chat.completion.chunk","choices":[{"index":0,'
                b'"delta":{"content":"tok"},"finish_reason":null}]}\n\n')
 SSE_DONE = b"data: [DONE]\n\n"
+# A token event in vLLM's own form (the guard's fast path takes a message of such events;
+# core.guard.streaming_chunk), and with the running usage the gateway asks for.
+SSE_VLLM = (b'data: {"id":"x","object":"chat.completion.chunk","created":1,"model":"m",'
+            b'"choices":[{"index":0,"delta":{"content":"tok"},"logprobs":null,'
+            b'"finish_reason":null}]}\n\n')
+
+
+def sse_vllm_usage(n: int) -> bytes:
+    return SSE_VLLM[:-3] + (b',"usage":{"prompt_tokens":4,"total_tokens":%d,'
+                            b'"completion_tokens":%d}}\n\n' % (4 + n, n))
 
 
 class FixedIds:

@@ -8,7 +8,7 @@ session's own handling, and the work it spawned (a task inherits the message's c
 its frames count for the message that started it). What counts:
 
 - *The session* is the role's file (`adapters/gate.py`, `adapters/guard.py`) and the read
-  loop it inherits (`session.Session`).
+  loop it inherits (`session.Session`, with its lock `session.Turn`).
 - Only what a session frame calls *directly* is counted: what a callee calls in turn is its
   own (the machine's rows and the pure helpers they call are the machine's, a port's
   internals the port's).
@@ -50,7 +50,7 @@ from extproc.adapters.guard import GuardSession
 from extproc.adapters.processor import Processor
 from extproc.core import headers as H
 
-from .support import SSE_CONTENT, SSE_DONE, SSE_ROLE, FakeClock, FakeTimers, idle
+from .support import SSE_CONTENT, SSE_DONE, SSE_ROLE, SSE_VLLM, FakeClock, FakeTimers, idle
 from .test_sessions import (
     CHAT,
     DOWN,
@@ -101,7 +101,9 @@ class Seen:
 
 
 def is_session(file: str, name: str) -> bool:
-    return file in SESSIONS or (file == "adapters/session.py" and name.startswith("Session."))
+    # session.py's Session (the read loop) and Turn (the stream's lock) are the session's.
+    return file in SESSIONS or (file == "adapters/session.py"
+                                and name.startswith(("Session.", "Turn.")))
 
 
 def part(file: str) -> str:
@@ -129,6 +131,20 @@ class Labelled:
         tok = LABEL.set(f"{self.role}.{Labelled.next_label or which}")  # type: ignore[attr-defined]
         try:
             await super().on_message(which, msg)  # type: ignore[misc]
+        finally:
+            LABEL.reset(tok)
+
+    def fast(self, msg: Any) -> Any:
+        tok = LABEL.set(f"{self.role}.{Labelled.next_label}")  # type: ignore[attr-defined]
+        try:
+            return super().fast(msg)  # type: ignore[misc]
+        finally:
+            LABEL.reset(tok)
+
+    def fast_done(self) -> None:
+        tok = LABEL.set(f"{self.role}.{Labelled.next_label}")  # type: ignore[attr-defined]
+        try:
+            super().fast_done()  # type: ignore[misc]
         finally:
             LABEL.reset(tok)
 
@@ -207,7 +223,9 @@ async def play(seen: Seen) -> None:
         await send(guard, resp_headers({":status": "200", "content-type": "text/event-stream",
                                         H.HANDOFF: ho}), "response_headers", 3, timers)
         await send(guard, resp_body(SSE_CONTENT), "response_body", 4, timers)
-        await send(guard, resp_body(SSE_DONE, eos=True), "response_body(end)", 5, timers)
+        # The common chunk past the first delta: the guard's fast path (no event).
+        await send(guard, resp_body(SSE_VLLM), "response_body(fast)", 5, timers)
+        await send(guard, resp_body(SSE_DONE, eos=True), "response_body(end)", 6, timers)
         guard.close()
         await asyncio.wait_for(gtask, 3)
         await idle()
@@ -253,6 +271,7 @@ REACH: dict[str, set[str]] = {
                                     "adapters/timers.py"},
     "guard.response_headers": {"adapters/released.py"},
     "guard.response_body": {"adapters/released.py", "adapters/timers.py"},
+    "guard.response_body(fast)": {"adapters/released.py", "adapters/timers.py"},
     "guard.response_body(end)": {"adapters/released.py", "adapters/timers.py"},
     "guard.closed": {"adapters/released.py", "adapters/request_record.py",
                      "adapters/processor.py", "adapters/timers.py", "core/budget.py"},

@@ -23,6 +23,7 @@ from extproc.adapters.gate import GateSession
 from extproc.adapters.guard import GuardSession
 from extproc.adapters.memory_store import MemoryLedger, MemoryStore
 from extproc.adapters.processor import Processor
+from extproc.core import guard as G
 from extproc.core import headers as H
 from extproc.core.config import Config, load_config
 from extproc.core.credentials import digest
@@ -35,10 +36,12 @@ from .support import (
     SSE_CONTENT,
     SSE_DONE,
     SSE_ROLE,
+    SSE_VLLM,
     FakeClock,
     FakeTimers,
     FixedIds,
     idle,
+    sse_vllm_usage,
 )
 
 REPLICA = "127.0.0.1:8001"
@@ -194,8 +197,10 @@ async def test_guard_accepts_opens_the_journal_and_streams() -> None:
     assert att["fence"] == "ended_with_request" and att["released"] is True
 
 
+@pytest.mark.parametrize("content", [SSE_CONTENT, SSE_VLLM], ids=["table", "fast"])
 async def test_guard_ends_a_silent_stream_on_its_stall_timer(
-        caplog: pytest.LogCaptureFixture) -> None:
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
+        content: bytes) -> None:
     # On a fake clock: the stall watchdog is the machine's timer (StartTimer/TimerFired),
     # run on the Timers port; one timer whose deadline each chunk moves. The guard's log
     # lines come from its transitions (the observer), once each, with the request id.
@@ -218,8 +223,10 @@ async def test_guard_ends_a_silent_stream_on_its_stall_timer(
     await ctx.wait_for(4)
     assert timers.pending() == 1
     assert timers.advance(6.0) == 0
-    ctx.send(resp_body(SSE_CONTENT))  # a chunk moves the deadline to 16 s
+    fast = took_fast(monkeypatch)
+    ctx.send(resp_body(content))  # a chunk moves the deadline to 16 s (either path)
     await ctx.wait_for(5)
+    assert fast == ([content] if content is SSE_VLLM else [])
     assert timers.advance(4.0) == 1  # the timer's first end: moved on, so started again
     await idle()
     assert len(ctx.out) == 5 and timers.pending() == 1
@@ -240,6 +247,95 @@ async def test_guard_ends_a_silent_stream_on_its_stall_timer(
     lines = [r.getMessage() for r in caplog.records if getattr(r, "request_id", None) == rid]
     assert lines == ["request accepted", "upstream silent after first delta: ending stream",
                      "request finished", "attempt ended"]
+
+
+def took_fast(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
+    """The chunks the guard's fast path takes from now on (core.guard.streaming_chunk)."""
+    took: list[bytes] = []
+    real = G.streaming_chunk
+
+    def spy(m: Any, data: bytes, eos: bool, expired: bool) -> bytes | None:
+        out = real(m, data, eos, expired)
+        if out is not None:
+            took.append(data)
+        return out
+    monkeypatch.setattr(G, "streaming_chunk", spy)
+    return took
+
+
+async def test_the_guards_common_chunk_goes_the_fast_way_stripped_and_counted(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's token events with the running usage the gateway asked for: past the first
+    delta the fast path forwards them without it, reads the engine's count, and a lease
+    gone stops it (the row fences the stream)."""
+    p, store = proc()
+    ctx, s, task = start(GuardSession, p)
+    ctx.send(req_headers(DOWN))
+    rid = set_headers((await ctx.wait_for(1))[0], "request_headers")[H.REQUEST_ID]
+    ctx.send(req_body(CHAT))
+    await ctx.wait_for(2)
+    handoff = json.dumps({"attempt": 1, "attempt_id": "att_test_1", "replica": REPLICA,
+                          "lease_id": 0})
+    ctx.send(resp_headers({":status": "200", "content-type": "text/event-stream",
+                           H.HANDOFF: handoff}))
+    await ctx.wait_for(3)
+    fast = took_fast(monkeypatch)
+    chunks = [sse_vllm_usage(1), sse_vllm_usage(2), sse_vllm_usage(3),
+              sse_vllm_usage(5) + sse_vllm_usage(7)]
+    for c in chunks:
+        ctx.send(resp_body(c))
+    out = await ctx.wait_for(3 + len(chunks))
+    assert [o.response_body.response.body_mutation.streamed_response.body
+            for o in out[3:]] == [SSE_VLLM, SSE_VLLM, SSE_VLLM, SSE_VLLM + SSE_VLLM]
+    assert fast == chunks[1:]  # the first delivers the first delta: the table's
+    assert (s.m.delivered, s.m.engine_tokens) == (5, 7)
+    assert s.released is not None
+    s.released.lose("revoked")  # the lease's check with the next chunk: no fast way
+    ctx.send(resp_body(sse_vllm_usage(8)))
+    end = (await ctx.wait_for(8))[7].response_body.response.body_mutation.streamed_response
+    assert end.end_of_stream and b'"delivered_output_tokens":7' in end.body
+    assert len(fast) == 3
+    ctx.close()
+    await asyncio.wait_for(task, 3)
+    await p.drain()
+    view = await store.get(rid)
+    assert view is not None and view.outcome is not None
+    assert view.outcome["cause"] == "fenced" and view.outcome["delivered_output_tokens"] == 7
+
+
+async def test_a_sampled_chunk_is_timed_and_still_goes_the_fast_way(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With metrics exported, one body message in CHUNK_TIME_SAMPLE is timed: the read loop
+    times the same step, the fast path included (here every one is sampled)."""
+    from extproc.adapters import session
+
+    monkeypatch.setattr(session, "CHUNK_TIME_SAMPLE", 1)
+    p, _ = proc()
+    timed: list[float] = []
+    monkeypatch.setattr(p.tel, "enabled", True)
+    monkeypatch.setattr(p.tel, "chunk_time", type("H", (), {"record": staticmethod(
+        lambda ms, *a: timed.append(ms))})())
+    ctx, s, task = start(GuardSession, p)
+    ctx.send(req_headers(DOWN))
+    await ctx.wait_for(1)
+    ctx.send(req_body(CHAT))
+    await ctx.wait_for(2)
+    handoff = json.dumps({"attempt": 1, "attempt_id": "att_test_1", "replica": REPLICA,
+                          "lease_id": 0})
+    ctx.send(resp_headers({":status": "200", "content-type": "text/event-stream",
+                           H.HANDOFF: handoff}))
+    await ctx.wait_for(3)
+    fast = took_fast(monkeypatch)
+    for n in (1, 2, 3):
+        ctx.send(resp_body(sse_vllm_usage(n)))
+    out = await ctx.wait_for(6)
+    assert [o.response_body.response.body_mutation.streamed_response.body
+            for o in out[3:]] == [SSE_VLLM] * 3
+    assert fast == [sse_vllm_usage(2), sse_vllm_usage(3)] and len(timed) == 3
+    assert s.m.delivered == 3 and "stall" in s.timers
+    ctx.close()
+    await asyncio.wait_for(task, 3)
+    await p.drain()
 
 
 async def test_guard_checkpoints_the_delivered_count_on_its_timer() -> None:
