@@ -20,6 +20,9 @@ HARNESSES: dict[tuple[str, str], str] = {
         "the gate's rows for the replica's agent (core/gate with core/source's word)",
     ("core", "test_gate_interleavings.py"):
         "core/gate under every interleaving of Envoy, etcd and timers",
+    ("core", "test_guard_fast.py"):
+        "core/guard's fast path for the common chunk against its table row, with core/sse and"
+        " core/usage, side by side (decision 0043)",
     ("core", "test_delivery_accounting.py"):
         "core/guard and core/records: delivery from Envoy's access-log word (decision 0025)",
     ("adapters", "test_sessions.py"):
