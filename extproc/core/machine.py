@@ -65,8 +65,8 @@ TRACE_RECORD_COST = 320
 
 # Records of events that repeat across requests (no request-specific data in them) are one
 # shared, never mutated dict each: an open stream holds references, not copies.
-_SHARED_RECORD_TYPES = (ResponseHeaders, FenceDecided, Fenced, LeaseLost,
-                        RequestHeadersSeen, RequestOpened, RequestBody)
+_SHARED_RECORD_TYPES = frozenset({ResponseHeaders, FenceDecided, Fenced, LeaseLost,
+                                  RequestHeadersSeen, RequestOpened, RequestBody})
 _SHARED_RECORDS: dict[Event, dict[str, Any]] = {}
 
 
@@ -77,7 +77,7 @@ def _event_record(ev: Event) -> dict[str, Any]:
                     "end_of_stream": ev.end_of_stream, "lease_expired": True}
         return {"type": "ResponseBody", "data": ev.data.decode("latin-1"),
                 "end_of_stream": ev.end_of_stream}
-    if isinstance(ev, _SHARED_RECORD_TYPES) and not (
+    if type(ev) in _SHARED_RECORD_TYPES and not (
             (isinstance(ev, ResponseHeaders) and (ev.handoff or ev.model_revision))
             or (isinstance(ev, RequestHeadersSeen) and ev.error is not None)):
         # (A hand-off, a model revision or a refusal is per request: such are not shared.)
@@ -92,7 +92,7 @@ def _event_record(ev: Event) -> dict[str, Any]:
 
 def _build_record(ev: Event) -> dict[str, Any]:
     d: dict[str, Any] = {"type": type(ev).__name__}
-    if isinstance(ev, IntakeCommitted | AdmissionDecided):
+    if isinstance(ev, (IntakeCommitted, AdmissionDecided)):  # a tuple: a union checks slower
         # An error is kept as the body the client got, and its status.
         _fields_into(d, ev)
         d["error"] = ev.error.body() if ev.error else None
@@ -123,10 +123,7 @@ def _fields_into(d: dict[str, Any], ev: Event) -> None:
     generic walk (a deep copy of every value: a tenth of a request start's instructions):
     plain values are taken as they are, a dataclass value is asdict's, and an event with
     any other value (a list, a dict, an enum) takes asdict's walk whole."""
-    names = _FIELD_NAMES.get(type(ev))
-    if names is None:
-        names = _FIELD_NAMES[type(ev)] = tuple(f.name for f in fields(ev))
-    for n in names:
+    for n in _names(ev):
         v = getattr(ev, n)
         t = type(v)
         if t in _PLAIN:
@@ -134,11 +131,29 @@ def _fields_into(d: dict[str, Any], ev: Event) -> None:
         elif t is bytes:
             d[n] = v.decode("latin-1")
         elif is_dataclass(v):
-            d[n] = asdict(v)  # type: ignore[arg-type]  # an instance: fields are instances
+            d[n] = _nested(v)
         else:
             for k, w in asdict(ev).items():
                 d[k] = w.decode("latin-1") if isinstance(w, bytes) else w
             return
+
+
+def _names(obj: Any) -> tuple[str, ...]:
+    names = _FIELD_NAMES.get(type(obj))
+    if names is None:
+        names = _FIELD_NAMES[type(obj)] = tuple(f.name for f in fields(obj))
+    return names
+
+
+def _nested(v: Any) -> dict[str, Any]:
+    """asdict(v) of a dataclass value: its plain fields as they are, else asdict's walk."""
+    out: dict[str, Any] = {}
+    for n in _names(v):
+        w = getattr(v, n)
+        if type(w) not in _PLAIN:
+            return asdict(v)
+        out[n] = w
+    return out
 
 
 @dataclass(slots=True)
