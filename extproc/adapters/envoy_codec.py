@@ -29,8 +29,8 @@ _OVERWRITE = core.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 def headers_dict(hm: core.HeaderMap) -> dict[str, str]:
     """Envoy sends values in raw_value (bytes); older versions in value."""
     out: dict[str, str] = {}
-    for h in hm.headers:
-        out[h.key] = h.raw_value.decode("latin-1") if h.raw_value else h.value
+    for h in hm.headers:  # each field read copies it out of the message: once
+        out[h.key] = rv.decode("latin-1") if (rv := h.raw_value) else h.value
     return out
 
 
