@@ -232,6 +232,9 @@ def _gate_action(s: GateSession, m: GateMachine, before: State, ev: Event,
 
 def _start_span(s: GateSession, ev: RequestStarted) -> None:
     tel = s.p.tel
+    if not tel.tracing:  # no attributes to gather for a span that records nothing
+        s.span = tel.unrecorded()
+        return
     parent = tel.parent_from({"traceparent": s.parent_tp} if s.parent_tp else s.md)
     host, _, port = (ev.replica or "").rpartition(":")
     s.span = tel.start("llm.attempt", parent, SpanKind.CLIENT, {
@@ -306,6 +309,9 @@ def _guard_span(s: GuardSession) -> None:
         return
     meta, route = s.intake.meta, s.intake.route
     gen, tel = s.gen, s.p.tel
+    if not tel.tracing:  # no attributes to gather for a span that records nothing
+        s.span = tel.unrecorded()
+        return
     s.span = tel.start("llm.request", tel.parent_from(s.md), SpanKind.SERVER, {
         "llmgw.request_id": s.rid or "", "gen_ai.request.model": meta.model,
         "gen_ai.operation.name": family_for_path(gen.path).operation,
