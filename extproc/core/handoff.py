@@ -15,6 +15,10 @@ from dataclasses import dataclass
 from typing import Any
 
 
+# json.dumps with options builds its encoder on every call; this one is built once.
+_COMPACT = json.JSONEncoder(separators=(",", ":"))
+
+
 @dataclass(frozen=True, slots=True)
 class TraceSnapshot:
     """A machine's trace as it stood at one moment: what `core.replay.record` stores."""
@@ -55,8 +59,7 @@ class HandOff:
 
     def header(self) -> str:
         """The header form: the record and the lease id, as compact JSON."""
-        return json.dumps({**self.record(), "lease_id": self.lease_id},
-                          separators=(",", ":"))
+        return _COMPACT.encode({**self.record(), "lease_id": self.lease_id})
 
     @classmethod
     def from_record(cls, rec: Mapping[str, Any], lease_id: int,
