@@ -14,7 +14,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-
 # json.dumps with options builds its encoder on every call; this one is built once.
 _COMPACT = json.JSONEncoder(separators=(",", ":"))
 
