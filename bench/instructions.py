@@ -360,8 +360,8 @@ def _server(side: str) -> tuple[Callable[[Stream], Any], Callable[[], Any]]:
             return None
         return (lambda s: null.Process(None, s)), nothing
     from extproc.adapters.memory_store import MemoryLedger, MemoryStore
-    from extproc.adapters.server import ExternalProcessor
     from extproc.adapters.processor import Processor
+    from extproc.adapters.server import ExternalProcessor
     from extproc.core.config import load_config
 
     # No checkpoint falls due while counting: callgrind runs ~50x slower, so a 2 s interval
