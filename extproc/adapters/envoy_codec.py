@@ -73,9 +73,9 @@ def _fill(hm: ep.HeaderMutation, set_headers: Mapping[str, str] | None,
     if set_headers:
         add = hm.set_headers.add
         for k, v in set_headers.items():
-            o = add(append_action=_OVERWRITE)
-            o.header.key = k
-            o.header.raw_value = v.encode("latin-1")
+            hv = add(append_action=_OVERWRITE).header  # each read of a field is a lookup
+            hv.key = k
+            hv.raw_value = v.encode("latin-1")
 
 
 # The answers are built in place, from the outermost message in: nested keyword
@@ -255,10 +255,12 @@ def released(attempt_id: str, handoff: str) -> ep.ProcessingResponse:
     return continue_response_headers({H.ATTEMPT_ID: attempt_id, H.HANDOFF: handoff})
 
 
+_OWNED_BUT_THE_ID = tuple(h for h in H.OWNED if h != H.REQUEST_ID)
+
+
 def client_request_headers(request_id: str) -> ep.ProcessingResponse:
     """A journaled request's headers: its id set, every other header we own removed."""
-    return continue_request_headers(
-        {H.REQUEST_ID: request_id}, remove=tuple(h for h in H.OWNED if h != H.REQUEST_ID))
+    return continue_request_headers({H.REQUEST_ID: request_id}, remove=_OWNED_BUT_THE_ID)
 
 
 def passed_request_headers() -> ep.ProcessingResponse:
