@@ -7,7 +7,7 @@ Only this module builds the generated protobuf messages; the sessions read incom
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from google.protobuf import struct_pb2
@@ -224,6 +224,19 @@ def response_body(msg: ep.ProcessingRequest, expired: bool) -> ResponseBody:
     return ResponseBody(body.body, body.end_of_stream, expired)
 
 
+def attempt_request(msg: ep.ProcessingRequest) -> tuple[dict[str, str], str | None]:
+    """An attempt's request headers at its gate, and the replica Envoy picked for it (the
+    `upstream.address` attribute; None if Envoy sent none)."""
+    replica = str(attributes(msg).get("upstream.address") or "") or None
+    return headers_dict(msg.request_headers.headers), replica
+
+
+def passed_by_gate(which: str) -> ep.ProcessingResponse:
+    """A message a gate does not read (not gated, or not one of its events) passed on: a
+    response's headers still lose the hand-off, which only a gate may set."""
+    return _PASSED[which]()
+
+
 def attempt_upstream(attempt_id: str, secret: str | None,
                      processor: str | None) -> ep.ProcessingResponse:
     """An admitted attempt's request headers as they go upstream: its id, its own secret
@@ -286,3 +299,12 @@ def status_answer(view: Mapping[str, Any], request_id: str) -> ep.ProcessingResp
     """A status lookup's answer: the record's view as compact JSON."""
     return immediate_json(200, json.dumps(view, separators=(",", ":")).encode(),
                           {H.REQUEST_ID: request_id})
+
+
+_PASSED: dict[str, Callable[[], ep.ProcessingResponse]] = {
+    "request_body": continue_request_body,
+    "response_headers": lambda: attempt_headers(False),
+    "response_body": continue_response_body,
+    "response_trailers": trailers_response,
+    "request_trailers": request_trailers_response,
+}

@@ -160,3 +160,15 @@ def test_answers_built_in_place_are_what_nested_constructors_build() -> None:
     for got, want in pairs:
         assert got.SerializeToString(deterministic=True) == want.SerializeToString(
             deterministic=True), (got, want)
+
+
+def test_a_gate_passes_what_it_does_not_read_and_reads_its_attempts_replica() -> None:
+    assert mutation(codec.passed_by_gate("response_headers"), "response_headers") == (
+        {}, [H.HANDOFF])  # only a gate may say which attempt the guard owns
+    for which in ("request_body", "response_body", "request_trailers", "response_trailers"):
+        assert codec.passed_by_gate(which).WhichOneof("response") == which
+    msg = ep.ProcessingRequest(request_headers=ep.HttpHeaders(headers=core.HeaderMap(
+        headers=[core.HeaderValue(key=H.REQUEST_ID, raw_value=b"req_1")])))
+    assert codec.attempt_request(msg) == ({H.REQUEST_ID: "req_1"}, None)
+    msg.attributes["envoy.filters.http.ext_proc"].update({"upstream.address": "10.0.0.1:80"})
+    assert codec.attempt_request(msg) == ({H.REQUEST_ID: "req_1"}, "10.0.0.1:80")
