@@ -386,10 +386,11 @@ class Telemetry:
 
 
 def end_span(span: Span, error: str | None = None, **attrs: Any) -> None:
-    for k, v in attrs.items():
-        if v is not None:
-            span.set_attribute(k, v)
-    if error:
-        span.set_attribute("error.type", error)
-        span.set_status(Status(StatusCode.ERROR, error))
+    if span.is_recording():  # else every call below is a no-op (tracing off, or ended)
+        for k, v in attrs.items():
+            if v is not None:
+                span.set_attribute(k, v)
+        if error:
+            span.set_attribute("error.type", error)
+            span.set_status(Status(StatusCode.ERROR, error))
     span.end()
