@@ -7,7 +7,7 @@ Only this module builds the generated protobuf messages; the sessions read incom
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from google.protobuf import struct_pb2
@@ -19,7 +19,6 @@ from ..core.errors import GatewayError
 from ..core.events import ResponseBody, ResponseHeaders
 from ..gen.envoy.config.core.v3 import base_pb2 as core
 from ..gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
-from ..gen.envoy.type.v3 import http_status_pb2 as hs
 
 ProcessingRequest = ep.ProcessingRequest
 ProcessingResponse = ep.ProcessingResponse
@@ -30,8 +29,8 @@ _OVERWRITE = core.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 def headers_dict(hm: core.HeaderMap) -> dict[str, str]:
     """Envoy sends values in raw_value (bytes); older versions in value."""
     out: dict[str, str] = {}
-    for h in hm.headers:
-        out[h.key] = h.raw_value.decode("latin-1") if h.raw_value else h.value
+    for h in hm.headers:  # each field read copies it out of the message: once
+        out[h.key] = rv.decode("latin-1") if (rv := h.raw_value) else h.value
     return out
 
 
@@ -64,32 +63,44 @@ def attributes(req: ep.ProcessingRequest) -> dict[str, Any]:
     return out
 
 
-def _mutation(set_headers: Mapping[str, str] | None,
-              remove: Iterable[str] = ()) -> ep.HeaderMutation:
-    """Each header built in place in the list (`add`), not built and then copied in."""
-    hm = ep.HeaderMutation(remove_headers=list(remove))
-    add = hm.set_headers.add
-    for k, v in (set_headers or {}).items():
-        o = add(append_action=_OVERWRITE)
-        o.header.key = k
-        o.header.raw_value = v.encode("latin-1")
-    return hm
+def _fill(hm: ep.HeaderMutation, set_headers: Mapping[str, str] | None,
+          remove: Iterable[str] = ()) -> None:
+    """`hm` made present and filled in place: each header built in the list (`add`), not
+    built and then copied in."""
+    hm.SetInParent()
+    if remove:
+        hm.remove_headers.extend(remove)
+    if set_headers:
+        add = hm.set_headers.add
+        for k, v in set_headers.items():
+            hv = add(append_action=_OVERWRITE).header  # each read of a field is a lookup
+            hv.key = k
+            hv.raw_value = v.encode("latin-1")
+
+
+# The answers are built in place, from the outermost message in: nested keyword
+# constructors copy each level into the next (decision 0041), which cost a request start
+# about a tenth of its instructions (decision 0044).
 
 
 def continue_request_headers(set_headers: Mapping[str, str] | None = None,
                              remove: Iterable[str] = ()) -> ep.ProcessingResponse:
-    return ep.ProcessingResponse(request_headers=ep.HeadersResponse(
-        response=ep.CommonResponse(header_mutation=_mutation(set_headers, remove))))
+    r = ep.ProcessingResponse()
+    _fill(r.request_headers.response.header_mutation, set_headers, remove)
+    return r
 
 
 def continue_response_headers(set_headers: Mapping[str, str] | None = None,
                               remove: Iterable[str] = ()) -> ep.ProcessingResponse:
-    return ep.ProcessingResponse(response_headers=ep.HeadersResponse(
-        response=ep.CommonResponse(header_mutation=_mutation(set_headers, remove))))
+    r = ep.ProcessingResponse()
+    _fill(r.response_headers.response.header_mutation, set_headers, remove)
+    return r
 
 
 def continue_request_body() -> ep.ProcessingResponse:
-    return ep.ProcessingResponse(request_body=ep.BodyResponse(response=ep.CommonResponse()))
+    r = ep.ProcessingResponse()
+    r.request_body.response.SetInParent()
+    return r
 
 
 def continue_request_body_with(set_headers: Mapping[str, str],
@@ -101,17 +112,20 @@ def continue_request_body_with(set_headers: Mapping[str, str],
     set here (e.g. envoy.lb's host list for override_host) steers the first attempt.
     `body`: the buffered body replaced (every attempt sends it); Envoy sets its length.
     """
-    common = ep.CommonResponse(header_mutation=_mutation(set_headers))
+    resp = ep.ProcessingResponse()
+    common = resp.request_body.response
+    _fill(common.header_mutation, set_headers)
     if body is not None:
         common.body_mutation.body = body
-    resp = ep.ProcessingResponse(request_body=ep.BodyResponse(response=common))
     if dynamic_metadata:
-        resp.dynamic_metadata.CopyFrom(struct(dynamic_metadata))
+        resp.dynamic_metadata.update(dict(dynamic_metadata))
     return resp
 
 
 def continue_response_body() -> ep.ProcessingResponse:
-    return ep.ProcessingResponse(response_body=ep.BodyResponse(response=ep.CommonResponse()))
+    r = ep.ProcessingResponse()
+    r.response_body.response.SetInParent()
+    return r
 
 
 def replace_response_body(data: bytes) -> ep.ProcessingResponse:
@@ -134,11 +148,15 @@ def streamed_response_body(data: bytes, end_of_stream: bool) -> ep.ProcessingRes
 
 
 def trailers_response() -> ep.ProcessingResponse:
-    return ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
+    r = ep.ProcessingResponse()
+    r.response_trailers.SetInParent()
+    return r
 
 
 def request_trailers_response() -> ep.ProcessingResponse:
-    return ep.ProcessingResponse(request_trailers=ep.TrailersResponse())
+    r = ep.ProcessingResponse()
+    r.request_trailers.SetInParent()
+    return r
 
 
 def fail_attempt_headers(request_id: str, retry: dict[str, str] | None = None,
@@ -162,16 +180,22 @@ def immediate_json(status: int, body: bytes, extra_headers: Mapping[str, str] | 
                    details: str = "extproc") -> ep.ProcessingResponse:
     hdrs = {"content-type": "application/json"}
     hdrs.update(extra_headers or {})
-    return ep.ProcessingResponse(immediate_response=ep.ImmediateResponse(
-        status=hs.HttpStatus(code=status),  # type: ignore[arg-type]
-        headers=_mutation(hdrs), body=body, details=details))
+    return _immediate(status, body, hdrs, details)
 
 
 def immediate_raw(status: int, body: bytes, headers: Mapping[str, str]) -> ep.ProcessingResponse:
     """A recorded answer replayed as it was (status, kept headers, body)."""
-    return ep.ProcessingResponse(immediate_response=ep.ImmediateResponse(
-        status=hs.HttpStatus(code=status),  # type: ignore[arg-type]
-        headers=_mutation(headers), body=body, details="replayed"))
+    return _immediate(status, body, headers, "replayed")
+
+
+def _immediate(status: int, body: bytes, headers: Mapping[str, str],
+               details: str) -> ep.ProcessingResponse:
+    r = ep.ProcessingResponse()
+    im = r.immediate_response
+    im.status.code = status  # type: ignore[assignment]
+    _fill(im.headers, headers)
+    im.body, im.details = body, details
+    return r
 
 
 def message_timeout(seconds: float) -> Duration:
@@ -198,6 +222,19 @@ def response_body(msg: ep.ProcessingRequest, expired: bool) -> ResponseBody:
     (its deadline moves with keep-alives)."""
     body = msg.response_body
     return ResponseBody(body.body, body.end_of_stream, expired)
+
+
+def attempt_request(msg: ep.ProcessingRequest) -> tuple[dict[str, str], str | None]:
+    """An attempt's request headers at its gate, and the replica Envoy picked for it (the
+    `upstream.address` attribute; None if Envoy sent none)."""
+    replica = str(attributes(msg).get("upstream.address") or "") or None
+    return headers_dict(msg.request_headers.headers), replica
+
+
+def passed_by_gate(which: str) -> ep.ProcessingResponse:
+    """A message a gate does not read (not gated, or not one of its events) passed on: a
+    response's headers still lose the hand-off, which only a gate may set."""
+    return _PASSED[which]()
 
 
 def attempt_upstream(attempt_id: str, secret: str | None,
@@ -231,10 +268,12 @@ def released(attempt_id: str, handoff: str) -> ep.ProcessingResponse:
     return continue_response_headers({H.ATTEMPT_ID: attempt_id, H.HANDOFF: handoff})
 
 
+_OWNED_BUT_THE_ID = tuple(h for h in H.OWNED if h != H.REQUEST_ID)
+
+
 def client_request_headers(request_id: str) -> ep.ProcessingResponse:
     """A journaled request's headers: its id set, every other header we own removed."""
-    return continue_request_headers(
-        {H.REQUEST_ID: request_id}, remove=tuple(h for h in H.OWNED if h != H.REQUEST_ID))
+    return continue_request_headers({H.REQUEST_ID: request_id}, remove=_OWNED_BUT_THE_ID)
 
 
 def passed_request_headers() -> ep.ProcessingResponse:
@@ -260,3 +299,12 @@ def status_answer(view: Mapping[str, Any], request_id: str) -> ep.ProcessingResp
     """A status lookup's answer: the record's view as compact JSON."""
     return immediate_json(200, json.dumps(view, separators=(",", ":")).encode(),
                           {H.REQUEST_ID: request_id})
+
+
+_PASSED: dict[str, Callable[[], ep.ProcessingResponse]] = {
+    "request_body": continue_request_body,
+    "response_headers": lambda: attempt_headers(False),
+    "response_body": continue_response_body,
+    "response_trailers": trailers_response,
+    "request_trailers": request_trailers_response,
+}

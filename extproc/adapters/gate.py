@@ -74,12 +74,11 @@ class GateSession(Session):
             self.m = None
         read = _EVENTS.get(which)
         if self.m is None or self.rec is None or read is None:  # not gated, or not an event
-            return await self.write(_PASS[which]())
+            return await self.write(codec.passed_by_gate(which))
         await self.feed(read(self.rec, msg))
 
     async def started(self, msg: ep.ProcessingRequest) -> None:
-        hd, clock = codec.headers_dict(msg.request_headers.headers), self.p.clock
-        self.replica = str(codec.attributes(msg).get("upstream.address") or "") or None
+        (hd, self.replica), clock = codec.attempt_request(msg), self.p.clock
         self.parent_tp = hd.get(TRACEPARENT_HEADER)
         got = request_started(hd, self.replica, self.p.ids.attempt_id, clock.monotonic(),
                               clock.wall())
@@ -168,13 +167,6 @@ _Event = Callable[[AttemptRecord, ep.ProcessingRequest], E.Event]
 _EVENTS: dict[str, _Event] = {
     "response_headers": lambda r, msg: codec.response_headers(msg),
     "response_body": lambda r, msg: codec.response_body(msg, r.expired()),
-}
-_PASS: dict[str, Callable[[], ep.ProcessingResponse]] = {
-    "request_body": codec.continue_request_body,
-    "response_headers": lambda: codec.attempt_headers(False),
-    "response_body": codec.continue_response_body,
-    "response_trailers": codec.trailers_response,
-    "request_trailers": codec.request_trailers_response,
 }
 
 # The actions that are one codec write: the message each one writes.

@@ -73,8 +73,12 @@ _FENCED = b"fenced:"
 CANCEL_TTL_S = 600
 
 
+# json.dumps with options builds its encoder on every call; this one is built once.
+_ENCODER = json.JSONEncoder(separators=(",", ":"), sort_keys=True)
+
+
 def _dumps(obj: Mapping[str, Any]) -> bytes:
-    return json.dumps(obj, separators=(",", ":"), sort_keys=True).encode()
+    return _ENCODER.encode(obj).encode()
 
 
 def _at(value: bytes) -> float:

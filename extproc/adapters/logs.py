@@ -10,6 +10,12 @@ from typing import Any
 
 _STD = frozenset(vars(logging.makeLogRecord({})).keys()) | {"message", "asctime"}
 _ENCODER = json.JSONEncoder(default=str, separators=(",", ":"))
+# The C encoder `_ENCODER.encode` builds for every line, built once (the same settings,
+# and no circular check: a line's fields are flat values); None where the C part is absent.
+_c_make = json.encoder.c_make_encoder  # type: ignore[attr-defined]
+_LINE_ENCODER = (None if _c_make is None else
+                 _c_make(None, str, json.encoder.encode_basestring_ascii, None, ":", ",",
+                         False, False, True))
 
 
 class JsonFormatter(logging.Formatter):
@@ -66,9 +72,11 @@ def rlog(logger: logging.Logger, level: int, msg: str, request_id: str | None,
         logger.log(level, msg, extra={"request_id": request_id, "attempt_id": attempt_id,
                                       **fields})
         return
-    line = _ENCODER.encode({"ts": round(time.time(), 6), "level": logging.getLevelName(level),
-                            "logger": logger.name, "msg": msg, "request_id": request_id,
-                            "attempt_id": attempt_id, **fields})
+    obj = {"ts": round(time.time(), 6), "level": logging.getLevelName(level),
+           "logger": logger.name, "msg": msg, "request_id": request_id,
+           "attempt_id": attempt_id, **fields}
+    line = _ENCODER.encode(obj) if _LINE_ENCODER is None else "".join(_LINE_ENCODER(obj, 0))
     with h.lock:  # type: ignore[union-attr]  # set by Handler.createLock
-        h.stream.write(line + "\n")
-        h.flush()
+        stream = h.stream
+        stream.write(line + "\n")
+        stream.flush()  # what h.flush() does, under the lock already held

@@ -71,6 +71,7 @@ from .session import INVALID
 from .telemetry import NONE, Telemetry, end_span
 
 if TYPE_CHECKING:
+    from ..core.gate import GateMachine
     from .gate import GateSession
     from .guard import GuardSession
 
@@ -105,6 +106,12 @@ def attempt_ended(tel: Telemetry, span: Span | None, rid: str | None, aid: str, 
 
 _ADMISSION = (State.GATE_AWAITING_INTAKE, State.GATE_DECIDING, State.GATE_ADMITTING)
 _WRITES = {TakeLease: "attempt lease", Admit: "admission", Fence: "fence"}
+# The events and actions `gate` says something about: any other is passed over by one set
+# lookup, not a row of isinstance tests (no event or action type has subclasses).
+_GATE_EVENTS = frozenset({AdmitDecided, FenceDecided, RequestStarted, AdmissionDecided,
+                          NotConfirmed, StoreDown, LeaseLost, ResponseBody, AckLearned})
+_GATE_ACTIONS = frozenset({Refuse, MarkPathLost, LoseLease, PutCancel, MarkSlow, Release,
+                           FailAttempt, CloseAttempt})
 
 
 def gate(s: GateSession, before: State, ev: Event, actions: list[Action]) -> None:
@@ -112,6 +119,15 @@ def gate(s: GateSession, before: State, ev: Event, actions: list[Action]) -> Non
     m = s.m
     if m is None:
         return
+    if type(ev) in _GATE_EVENTS:
+        _gate_event(s, m, before, ev, actions)
+    for a in actions:
+        if type(a) in _GATE_ACTIONS:
+            _gate_action(s, m, before, ev, a)
+
+
+def _gate_event(s: GateSession, m: GateMachine, before: State, ev: Event,
+                actions: list[Action]) -> None:
     rid, aid, tel = s.rid, m.attempt_id or None, s.p.tel
     if isinstance(ev, AdmitDecided | FenceDecided) and m.tries > 1:
         rlog(log, logging.INFO, f"{_WRITES.get(type(m.write), 'write')} confirmed", rid, aid,
@@ -160,58 +176,65 @@ def gate(s: GateSession, before: State, ev: Event, actions: list[Action]) -> Non
             rlog(log, logging.WARNING, "no acknowledgement of the cancel from the replica's "
                  "agent: the lease's expiry fences it", rid, aid, attempt=m.journal_attempt,
                  replica=s.replica)
-    for a in actions:
-        if isinstance(a, Refuse) and before in _ADMISSION:
-            code = str(a.error.code)
-            if not isinstance(ev, StoreDown | NotConfirmed):
-                rlog(log, logging.WARNING, "attempt refused", rid, aid,
-                     attempt=m.journal_attempt, code=code, reason=a.error.message,
-                     replica=s.replica)
-            s.span.add_event("attempt.refused", {"llmgw.reason": code})
-            replica = tel.labels.replica(s.replica, s.p.pool)
-            tel.refusals.add(1, {"code": code, "replica": replica})
-            if m.attempt > 1:
-                tel.retries.add(1, {"decision": "refused", "reason": code, "replica": replica})
-            end_span(s.span, code)
-        elif isinstance(a, MarkPathLost):
-            s.span.add_event("attempt.path_lost", {"llmgw.failed": a.failed})
-            rlog(log, logging.WARNING,
-                 "path lost: the replica's agent sent the first delta and none arrived"
-                 + ("" if a.failed else " (no response headers yet: Envoy's per-try timeout "
-                    "ends it)"), rid, aid, attempt=m.journal_attempt, replica=s.replica,
-                 source_grace_s=m.params.source_grace_s, source_sent_at=m.source_sent_at)
-        elif isinstance(a, LoseLease) and isinstance(ev, LiveChanged):
-            # The revocation watch: someone fenced the attempt (revoked, expired, replaced);
-            # said by the call that ends the permission, as its owner will take it.
-            if s.lease is not None and not s.lease.revoked:
-                rlog(log, logging.WARNING, "attempt fenced: its lease was revoked or replaced",
-                     rid, aid, live=a.live)
-        elif isinstance(a, PutCancel):
-            rlog(log, logging.INFO, "asked the replica's agent to cancel the attempt", rid, aid,
-                 attempt=m.journal_attempt, replica=s.replica)
-        elif isinstance(a, MarkSlow):
-            rlog(log, logging.INFO,
-                 "first delta slower than the soft expectation (not a failure)", rid, aid,
-                 soft_first_delta_s=m.params.soft_first_delta_s, replica=s.replica)
-        elif isinstance(a, Release):
-            s.span.add_event("first_delta.fenced", {"llmgw.held_chunks": a.held_chunks})
-            rlog(log, logging.INFO, "first delta fenced: released", rid, aid,
-                 attempt=m.journal_attempt, replica=s.replica, held_chunks=a.held_chunks,
-                 ttfd_ms=round((s.p.clock.monotonic() - m.started_mono) * 1000, 2))
-            s.span.add_event("attempt.handed_off")
-        elif isinstance(a, FailAttempt):
-            s.span.add_event("attempt.failed", {"llmgw.reason": a.reason})
-            rlog(log, logging.WARNING, "attempt failed before first delta", rid, aid,
-                 attempt=m.journal_attempt, replica=s.replica, reason=a.reason)
-        elif isinstance(a, CloseAttempt):
-            attempt_ended(tel, s.span, rid, m.attempt_id, attempt=a.attempt, released=False,
-                          failure_class=a.failure_class, fence=a.fence, cause=a.cause,
-                          envoy_cause=a.cause, model_revision=a.record.get("model_revision"),
-                          http_status=m.http_status, replica=s.replica, pool=s.p.pool)
+
+
+def _gate_action(s: GateSession, m: GateMachine, before: State, ev: Event,
+                 a: Action) -> None:
+    rid, aid, tel = s.rid, m.attempt_id or None, s.p.tel
+    if isinstance(a, Refuse) and before in _ADMISSION:
+        code = str(a.error.code)
+        if not isinstance(ev, StoreDown | NotConfirmed):
+            rlog(log, logging.WARNING, "attempt refused", rid, aid,
+                 attempt=m.journal_attempt, code=code, reason=a.error.message,
+                 replica=s.replica)
+        s.span.add_event("attempt.refused", {"llmgw.reason": code})
+        replica = tel.labels.replica(s.replica, s.p.pool)
+        tel.refusals.add(1, {"code": code, "replica": replica})
+        if m.attempt > 1:
+            tel.retries.add(1, {"decision": "refused", "reason": code, "replica": replica})
+        end_span(s.span, code)
+    elif isinstance(a, MarkPathLost):
+        s.span.add_event("attempt.path_lost", {"llmgw.failed": a.failed})
+        rlog(log, logging.WARNING,
+             "path lost: the replica's agent sent the first delta and none arrived"
+             + ("" if a.failed else " (no response headers yet: Envoy's per-try timeout "
+                "ends it)"), rid, aid, attempt=m.journal_attempt, replica=s.replica,
+             source_grace_s=m.params.source_grace_s, source_sent_at=m.source_sent_at)
+    elif isinstance(a, LoseLease) and isinstance(ev, LiveChanged):
+        # The revocation watch: someone fenced the attempt (revoked, expired, replaced);
+        # said by the call that ends the permission, as its owner will take it.
+        if s.lease is not None and not s.lease.revoked:
+            rlog(log, logging.WARNING, "attempt fenced: its lease was revoked or replaced",
+                 rid, aid, live=a.live)
+    elif isinstance(a, PutCancel):
+        rlog(log, logging.INFO, "asked the replica's agent to cancel the attempt", rid, aid,
+             attempt=m.journal_attempt, replica=s.replica)
+    elif isinstance(a, MarkSlow):
+        rlog(log, logging.INFO,
+             "first delta slower than the soft expectation (not a failure)", rid, aid,
+             soft_first_delta_s=m.params.soft_first_delta_s, replica=s.replica)
+    elif isinstance(a, Release):
+        s.span.add_event("first_delta.fenced", {"llmgw.held_chunks": a.held_chunks})
+        rlog(log, logging.INFO, "first delta fenced: released", rid, aid,
+             attempt=m.journal_attempt, replica=s.replica, held_chunks=a.held_chunks,
+             ttfd_ms=round((s.p.clock.monotonic() - m.started_mono) * 1000, 2))
+        s.span.add_event("attempt.handed_off")
+    elif isinstance(a, FailAttempt):
+        s.span.add_event("attempt.failed", {"llmgw.reason": a.reason})
+        rlog(log, logging.WARNING, "attempt failed before first delta", rid, aid,
+             attempt=m.journal_attempt, replica=s.replica, reason=a.reason)
+    elif isinstance(a, CloseAttempt):
+        attempt_ended(tel, s.span, rid, m.attempt_id, attempt=a.attempt, released=False,
+                      failure_class=a.failure_class, fence=a.fence, cause=a.cause,
+                      envoy_cause=a.cause, model_revision=a.record.get("model_revision"),
+                      http_status=m.http_status, replica=s.replica, pool=s.p.pool)
 
 
 def _start_span(s: GateSession, ev: RequestStarted) -> None:
     tel = s.p.tel
+    if not tel.tracing:  # no attributes to gather for a span that records nothing
+        s.span = tel.unrecorded()
+        return
     parent = tel.parent_from({"traceparent": s.parent_tp} if s.parent_tp else s.md)
     host, _, port = (ev.replica or "").rpartition(":")
     s.span = tel.start("llm.attempt", parent, SpanKind.CLIENT, {
@@ -286,6 +309,9 @@ def _guard_span(s: GuardSession) -> None:
         return
     meta, route = s.intake.meta, s.intake.route
     gen, tel = s.gen, s.p.tel
+    if not tel.tracing:  # no attributes to gather for a span that records nothing
+        s.span = tel.unrecorded()
+        return
     s.span = tel.start("llm.request", tel.parent_from(s.md), SpanKind.SERVER, {
         "llmgw.request_id": s.rid or "", "gen_ai.request.model": meta.model,
         "gen_ai.operation.name": family_for_path(gen.path).operation,

@@ -360,10 +360,15 @@ class Telemetry:
     def start(self, name: str, parent: Context | None, kind: SpanKind,
               attributes: Mapping[str, Any]) -> Span:
         if not self.tracing:
-            return NonRecordingSpan(trace.INVALID_SPAN_CONTEXT)
+            return self.unrecorded()
         return self.tracer.start_span(name, context=parent, kind=kind,
                                       attributes={k: v for k, v in attributes.items()
                                                   if v is not None})
+
+    @staticmethod
+    def unrecorded() -> Span:
+        """What `start` answers while tracing is off (its attributes are never read)."""
+        return NonRecordingSpan(trace.INVALID_SPAN_CONTEXT)
 
     def traceparent(self, span: Span) -> str | None:
         if not self.tracing or not span.get_span_context().is_valid:
@@ -381,10 +386,11 @@ class Telemetry:
 
 
 def end_span(span: Span, error: str | None = None, **attrs: Any) -> None:
-    for k, v in attrs.items():
-        if v is not None:
-            span.set_attribute(k, v)
-    if error:
-        span.set_attribute("error.type", error)
-        span.set_status(Status(StatusCode.ERROR, error))
+    if span.is_recording():  # else every call below is a no-op (tracing off, or ended)
+        for k, v in attrs.items():
+            if v is not None:
+                span.set_attribute(k, v)
+        if error:
+            span.set_attribute("error.type", error)
+            span.set_status(Status(StatusCode.ERROR, error))
     span.end()

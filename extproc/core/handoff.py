@@ -14,6 +14,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+# json.dumps with options builds its encoder on every call; this one is built once.
+_COMPACT = json.JSONEncoder(separators=(",", ":"))
+
 
 @dataclass(frozen=True, slots=True)
 class TraceSnapshot:
@@ -55,8 +58,7 @@ class HandOff:
 
     def header(self) -> str:
         """The header form: the record and the lease id, as compact JSON."""
-        return json.dumps({**self.record(), "lease_id": self.lease_id},
-                          separators=(",", ":"))
+        return _COMPACT.encode({**self.record(), "lease_id": self.lease_id})
 
     @classmethod
     def from_record(cls, rec: Mapping[str, Any], lease_id: int,

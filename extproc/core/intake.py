@@ -201,10 +201,14 @@ class RequestMeta:
                 "request_digest": self.request_digest}
 
 
+# json.dumps with options builds its encoder on every call; this one is built once.
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
 def request_digest(path: str, obj: Mapping[str, Any]) -> str:
     """The same request however it is spelled: key order and whitespace do not count,
     every value does (model, messages, every parameter), and so does the endpoint."""
-    canonical = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    canonical = _CANONICAL.encode(obj)
     return "sha256:" + hashlib.sha256(
         path.encode() + b"\0" + canonical.encode("utf-8", "surrogatepass")).hexdigest()
 

@@ -218,11 +218,23 @@ def summary(m: GateMachine | GuardMachine) -> dict[str, Any]:
     return out
 
 
+# The process's gate parameters as a trace keeps them: one dict, shared by every snapshot
+# and never changed (asdict's deep copy per hand-off was a tenth of the gate's release).
+_last_params: tuple[GateParams, Mapping[str, Any]] | None = None
+
+
+def _gate_params(p: GateParams) -> Mapping[str, Any]:
+    global _last_params
+    if _last_params is None or _last_params[0] is not p:
+        _last_params = (p, asdict(p))
+    return _last_params[1]
+
+
 def snapshot(m: GateMachine | GuardMachine) -> TraceSnapshot:
     """The machine's trace as it stands now, frozen (the hand-off carries the gate's)."""
     params: dict[str, Any] = {"max_buffer": m.max_buffer}
     if isinstance(m, GateMachine):
-        params["gate"] = asdict(m.params)
+        params["gate"] = _gate_params(m.params)
     if m.initial_state is not None:
         params["initial_state"] = str(m.initial_state)
     if isinstance(m, GuardMachine):

@@ -7,6 +7,7 @@ from extproc.core import headers as H
 from extproc.core.events import ResponseHeaders
 from extproc.gen.envoy.config.core.v3 import base_pb2 as core
 from extproc.gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from extproc.gen.envoy.type.v3 import http_status_pb2 as hs
 
 SSE = "text/event-stream"
 
@@ -114,3 +115,60 @@ def test_header_mutations_built_in_place_are_the_nested_messages() -> None:
     assert got.SerializeToString() == want.SerializeToString()
     assert [(h.header.key, h.header.raw_value) for h in got.set_headers] == [
         ("x-a", b"1"), ("x-b", b""), ("x-c", b"caf\xe9")]
+
+
+def test_answers_built_in_place_are_what_nested_constructors_build() -> None:
+    # Built from the outermost message in (decision 0044): every level present as before,
+    # an empty header mutation and an empty common response included.
+    C, HR, BR = ep.CommonResponse, ep.HeadersResponse, ep.BodyResponse
+    opt = core.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+
+    def hm(sets: dict[str, str], remove: tuple[str, ...] = ()) -> ep.HeaderMutation:
+        return ep.HeaderMutation(remove_headers=list(remove), set_headers=[
+            core.HeaderValueOption(header=core.HeaderValue(key=k, raw_value=v.encode()),
+                                   append_action=opt) for k, v in sets.items()])
+
+    lb = {"envoy.lb": {"x-gateway-hosts": ["127.0.0.1:8001", "127.0.0.1:8002"]}}
+    meta = ep.ProcessingResponse().dynamic_metadata
+    meta.update(lb)
+    pairs = [
+        (codec.continue_request_headers(),
+         ep.ProcessingResponse(request_headers=HR(response=C(header_mutation=hm({}))))),
+        (codec.continue_response_headers({"a": "1"}, ("b",)),
+         ep.ProcessingResponse(response_headers=HR(response=C(
+             header_mutation=hm({"a": "1"}, ("b",)))))),
+        (codec.continue_request_body(), ep.ProcessingResponse(request_body=BR(response=C()))),
+        (codec.continue_response_body(), ep.ProcessingResponse(response_body=BR(response=C()))),
+        (codec.trailers_response(),
+         ep.ProcessingResponse(response_trailers=ep.TrailersResponse())),
+        (codec.request_trailers_response(),
+         ep.ProcessingResponse(request_trailers=ep.TrailersResponse())),
+        (codec.continue_request_body_with({"h": "v"}, lb, b"body"),
+         ep.ProcessingResponse(request_body=BR(response=C(
+             header_mutation=hm({"h": "v"}), body_mutation=ep.BodyMutation(body=b"body"))),
+             dynamic_metadata=meta)),
+        (codec.immediate_json(503, b"{}", {"x": "y"}),
+         ep.ProcessingResponse(immediate_response=ep.ImmediateResponse(
+             status=hs.HttpStatus(code=503),  # type: ignore[arg-type]
+             headers=hm({"content-type": "application/json", "x": "y"}), body=b"{}",
+             details="extproc"))),
+        (codec.immediate_raw(429, b"", {}),
+         ep.ProcessingResponse(immediate_response=ep.ImmediateResponse(
+             status=hs.HttpStatus(code=429),  # type: ignore[arg-type]
+             headers=hm({}), details="replayed"))),
+    ]
+    for got, want in pairs:
+        assert got.SerializeToString(deterministic=True) == want.SerializeToString(
+            deterministic=True), (got, want)
+
+
+def test_a_gate_passes_what_it_does_not_read_and_reads_its_attempts_replica() -> None:
+    assert mutation(codec.passed_by_gate("response_headers"), "response_headers") == (
+        {}, [H.HANDOFF])  # only a gate may say which attempt the guard owns
+    for which in ("request_body", "response_body", "request_trailers", "response_trailers"):
+        assert codec.passed_by_gate(which).WhichOneof("response") == which
+    msg = ep.ProcessingRequest(request_headers=ep.HttpHeaders(headers=core.HeaderMap(
+        headers=[core.HeaderValue(key=H.REQUEST_ID, raw_value=b"req_1")])))
+    assert codec.attempt_request(msg) == ({H.REQUEST_ID: "req_1"}, None)
+    msg.attributes["envoy.filters.http.ext_proc"].update({"upstream.address": "10.0.0.1:80"})
+    assert codec.attempt_request(msg) == ({H.REQUEST_ID: "req_1"}, "10.0.0.1:80")

@@ -61,3 +61,12 @@ def test_below_the_level_nothing_is_written(captured: io.StringIO) -> None:
     log = logging.getLogger("extproc.test")
     logs.rlog(log, logging.DEBUG, "chatty", "req_1", None)
     assert captured.getvalue() == ""
+
+
+def test_the_line_encoder_writes_what_the_formatters_encoder_writes() -> None:
+    """The direct path's C encoder, built once, against JSONEncoder's own (same settings)."""
+    obj = {"ts": 1764711234.123456, "msg": "é \u2028 \" \\ \n", "nan": float("nan"),
+           "inf": float("-inf"), "nested": [1, 2.5, {"a": (1, None)}], "set": {3},
+           "keys": {1: "a", None: "b", 2.5: "c", False: "d"}, "bytes": b"x", "big": 10**30}
+    assert logs._LINE_ENCODER is not None  # CPython's C part: the path taken in production
+    assert "".join(logs._LINE_ENCODER(obj, 0)) == logs._ENCODER.encode(obj)

@@ -22,6 +22,7 @@ from extproc.core.journal import (
     Outcome,
     Phase,
     Rerun,
+    _b32,
     answer_repeat,
     assemble,
     new_request_id,
@@ -206,6 +207,25 @@ def test_request_id_for_key_is_deterministic(tenant: str, key: str) -> None:
     assert rid == request_id_for_key(tenant, key)
     assert rid != request_id_for_key(tenant + "x", key)
     assert rid != request_id_for_key(tenant, key + "x")
+
+
+def test_ids_are_spelled_as_they_always_were() -> None:
+    # A repeat after an upgrade must land on the record its key made before: the spelling
+    # is pinned (Crockford base32 of the top bits; issue 28 rewrote how it is computed).
+    assert request_id_for_key("default", "key-1") == "req_a8wn9eyeverqj7bvqxet9ryhzm"
+    assert new_request_id(1764711234567, bytes(range(10))) == "req_01kbgfrz07000g40r40m30e209"
+    assert new_request_id(0, b"\xff" * 10) == "req_0000000000zzzzzzzzzzzzzzzz"
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.binary(max_size=40), n=st.integers(1, 60))
+def test_base32_is_one_character_per_five_bits(data: bytes, n: int) -> None:
+    alphabet = "0123456789abcdefghjkmnpqrstvwxyz"
+    value = int.from_bytes(data, "big")
+    if len(data) * 8 > 5 * n:
+        value >>= len(data) * 8 - 5 * n
+    assert _b32(data, n) == "".join(alphabet[(value >> (5 * (n - 1 - i))) & 31]
+                                    for i in range(n))
 
 
 def test_tenant_and_key_do_not_run_together() -> None:
