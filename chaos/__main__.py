@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from .faults import FAULT_KINDS
+from .faults import FAULT_KINDS, SHARD_FAULT_KINDS
 from .runner import CHAOS_CONFIG, Options, render_evidence, render_summary, run
 
 
@@ -24,6 +24,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds of traffic and faults (the settle phase and checks follow)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--etcd-members", type=int, default=3)
+    ap.add_argument("--shards", type=int, default=1,
+                    help="the journal sharded over this many etcd clusters (decision 0042); "
+                         f"with 2 or more, the faults include {','.join(SHARD_FAULT_KINDS)}")
     ap.add_argument("--replicas", type=int, default=3)
     ap.add_argument("--workers", type=int, default=6, help="concurrent client workers")
     ap.add_argument("--max-requests", type=int, default=20000)
@@ -31,19 +34,28 @@ def main(argv: list[str] | None = None) -> int:
                     help="share of requests carrying an x-replica-fault header")
     ap.add_argument("--keyed-share", type=float, default=0.5,
                     help="share of requests carrying an Idempotency-Key")
-    ap.add_argument("--faults", default=",".join(FAULT_KINDS),
-                    help=f"fault kinds of the chaos loop, comma-separated "
-                         f"(default all: {','.join(FAULT_KINDS)}; '' for none)")
+    ap.add_argument("--faults", default=None,
+                    help=f"fault kinds of the chaos loop, comma-separated (default all: "
+                         f"{','.join(FAULT_KINDS)}, and the shard faults with --shards 2 "
+                         f"or more; '' for none)")
     ap.add_argument("--max-concurrent-faults", type=int, default=2)
     ap.add_argument("--config", default=None,
                     help="a processor config YAML merged over the chaos defaults")
     ap.add_argument("--out", default=None, help="report directory (default chaos-out/...)")
     args = ap.parse_args(argv)
 
-    kinds = tuple(k for k in args.faults.split(",") if k)
-    unknown = [k for k in kinds if k not in FAULT_KINDS]
+    known = FAULT_KINDS + SHARD_FAULT_KINDS
+    if args.faults is None:
+        kinds = FAULT_KINDS + (SHARD_FAULT_KINDS if args.shards > 1 else ())
+    else:
+        kinds = tuple(k for k in args.faults.split(",") if k)
+    unknown = [k for k in kinds if k not in known]
     if unknown:
-        ap.error(f"unknown fault kinds {unknown}; known: {', '.join(FAULT_KINDS)}")
+        ap.error(f"unknown fault kinds {unknown}; known: {', '.join(known)}")
+    if not 1 <= args.shards <= 8:
+        ap.error("--shards must be between 1 and 8")
+    if args.shards == 1 and any(k in SHARD_FAULT_KINDS for k in kinds):
+        ap.error(f"{', '.join(SHARD_FAULT_KINDS)} need --shards 2 or more")
     if not 1 <= args.etcd_members <= 9:
         ap.error("--etcd-members must be between 1 and 9")
     if args.duration <= 0 or args.workers < 1 or args.max_requests < 1:
@@ -58,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
                 config[section] = values
     out = Path(args.out) if args.out else None
     opts = Options(duration_s=args.duration, seed=args.seed, etcd_members=args.etcd_members,
+                   shards=args.shards,
                    replicas=args.replicas, workers=args.workers,
                    max_requests=args.max_requests, fault_share=args.fault_share,
                    keyed_share=args.keyed_share, kinds=kinds,

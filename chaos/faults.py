@@ -2,8 +2,9 @@
 
 Every fault kind is drawn in rounds (each round a seeded permutation of the enabled kinds),
 so a short run still exercises every kind. At most `max_concurrent` faults are active at
-once, at most one on etcd and one on the processor, and never every replica; each fault is
-healed when its time is up, and `heal_all` heals whatever is left at the end.
+once, at most one on each etcd cluster (the journal's shard 0 and, with `--shards`, each
+other shard's; decision 0042) and one on the processor, and never every replica; each fault
+is healed when its time is up, and `heal_all` heals whatever is left at the end.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ FAULT_KINDS: tuple[str, ...] = (
     "replica_kill", "replica_freeze", "processor_kill", "etcd_leader_kill",
     "etcd_member_freeze", "etcd_quorum_loss",
 )
+# On a journal sharded over several clusters only (`--shards N`, N > 1): one member of
+# another shard's cluster (a single-member cluster: its quorum) killed or frozen.
+SHARD_FAULT_KINDS: tuple[str, ...] = ("etcd_shard_kill", "etcd_shard_freeze")
 # Seconds each kind lasts before it is healed (drawn uniformly in the range).
 DURATIONS: dict[str, tuple[float, float]] = {
     "replica_kill": (1.0, 4.0),
@@ -29,6 +33,8 @@ DURATIONS: dict[str, tuple[float, float]] = {
     "etcd_leader_kill": (2.0, 5.0),
     "etcd_member_freeze": (2.0, 5.0),
     "etcd_quorum_loss": (1.0, 3.0),
+    "etcd_shard_kill": (1.0, 4.0),
+    "etcd_shard_freeze": (1.0, 4.0),
 }
 
 
@@ -90,7 +96,10 @@ class ChaosLoop:
         if len(self._active) >= self.max_concurrent:
             return False
         active = [f.kind for f, _, _ in self._active]
-        if kind.startswith("etcd") and any(k.startswith("etcd") for k in active):
+        if kind in SHARD_FAULT_KINDS:  # one fault per cluster: shard 0's and the others'
+            return not any(k in SHARD_FAULT_KINDS for k in active)
+        if kind.startswith("etcd") and any(k.startswith("etcd") and k not in SHARD_FAULT_KINDS
+                                           for k in active):
             return False
         if kind == "processor_kill" and "processor_kill" in active:
             return False
@@ -178,4 +187,11 @@ class ChaosLoop:
             fault.target = ",".join(chosen)
             st.lose_etcd_quorum(chosen)
             return lambda: st.restore_etcd_quorum(chosen, timeout_s=30.0)
+        if kind in SHARD_FAULT_KINDS:
+            name = fault.target = self.rng.choice(st.etcd_shard_names())
+            if kind == "etcd_shard_freeze":
+                st.freeze_etcd_member(name)
+                return lambda: st.thaw_etcd_member(name)
+            st.kill_etcd_member(name)
+            return lambda: st.restart_etcd_member(name, wait=True, timeout_s=30.0)
         raise ValueError(f"unknown fault kind {kind!r}")

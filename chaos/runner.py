@@ -27,7 +27,7 @@ from extproc.core.intake import DEFAULT_TENANT
 from extproc.core.journal import request_id_for_key
 
 from .checks import Break, Transcript, check, client_outcome, view
-from .faults import FAULT_KINDS, ChaosLoop, Fault
+from .faults import FAULT_KINDS, SHARD_FAULT_KINDS, ChaosLoop, Fault
 from .traffic import make_spec, reference, send
 
 # The processor's config for a chaos run: short limits, so faults end in seconds and a
@@ -46,6 +46,9 @@ class Options:
     duration_s: float = 60.0
     seed: int = 1
     etcd_members: int = 3
+    # The journal sharded over this many etcd clusters (decision 0042): shard 0 has the
+    # members above, each other shard one member; the shard faults need two or more.
+    shards: int = 1
     replicas: int = 3
     workers: int = 6
     max_requests: int = 20000
@@ -191,6 +194,11 @@ class _Traffic:
 
 def _settle(stack: Stack, opts: Options, harness_errors: list[str]) -> None:
     """Every part whole again: etcd members, the processor, the replicas."""
+    for name in stack.etcd_shard_names():  # a shard's member killed and never restarted
+        try:
+            stack.restart_etcd_member(name, wait=False)
+        except Exception as e:
+            harness_errors.append(f"settle: {name}: {e}")
     try:
         stack.wait_etcd_healthy(60.0)
     except Exception as e:
@@ -278,16 +286,19 @@ def run(opts: Options) -> Report:
     out.mkdir(parents=True, exist_ok=True)
     log = opts.log
     options = {"duration_s": opts.duration_s, "seed": opts.seed,
-               "etcd_members": opts.etcd_members, "replicas": opts.replicas,
+               "etcd_members": opts.etcd_members, "shards": opts.shards,
+               "replicas": opts.replicas,
                "workers": opts.workers, "max_requests": opts.max_requests,
                "fault_share": opts.fault_share, "keyed_share": opts.keyed_share,
                "kinds": list(opts.kinds), "max_concurrent_faults": opts.max_concurrent_faults,
                "hang_bound_s": opts.hang_bound_s, "config": opts.config}
     stack = Stack(workdir=workdir, config=opts.config, replicas=opts.replicas,
-                  etcd_members=opts.etcd_members)
+                  etcd_members=opts.etcd_members, etcd_shards=opts.shards)
     harness_errors: list[str] = []
     traffic = _Traffic(stack, opts, f"s{opts.seed}-{int(started_at)}")
-    loop = ChaosLoop(stack, random.Random(f"{opts.seed}/chaos"), kinds=opts.kinds,
+    # A shard fault needs another shard to fault: on one cluster those kinds are left out.
+    kinds = tuple(k for k in opts.kinds if opts.shards > 1 or k not in SHARD_FAULT_KINDS)
+    loop = ChaosLoop(stack, random.Random(f"{opts.seed}/chaos"), kinds=kinds,
                      max_concurrent=opts.max_concurrent_faults,
                      interval_s=opts.fault_interval_s, log=log)
     try:
@@ -348,7 +359,8 @@ def render_summary(report: Report, out: Path | None = None, max_breaks: int = 40
     s = report.summary()
     lines = [f"chaos run: {s['requests']} requests in {report.wall_s:.0f}s "
              f"(seed {report.options['seed']}, etcd members "
-             f"{report.options['etcd_members']})", "", "requests by kind:"]
+             f"{report.options['etcd_members']}, journal shards "
+             f"{report.options.get('shards', 1)})", "", "requests by kind:"]
     lines += [f"  {k:45s} {v}" for k, v in s["requests_by_kind"].items()]
     lines += ["", f"requests without a replica fault answered completely: "
                   f"{s['clean_requests_complete']}", "", "requests by outcome:"]

@@ -226,6 +226,7 @@ class Stack:
     # given to the processor (and the agents) as `etcd.shards`.
     etcd_shards: int = 1
     etcd_shard_endpoints: list[str] = field(default_factory=list)  # shard k at [k - 1]
+    etcd_shard_metrics: dict[str, str] = field(default_factory=dict)  # name -> host:port
     # More than one core (decision 0019): N cells, each an Envoy and a processor of its
     # own, sharing the listener port (SO_REUSEPORT), etcd and the replicas. Cell k >= 2
     # has the processes `processor-c<k>` / `envoy-c<k>` and gateway id `<gateway_id>-c<k>`.
@@ -373,6 +374,7 @@ class Stack:
                        or not p.alive(), 20, f"{name} health")
             if p.alive():
                 self.etcd_shard_endpoints.append(f"127.0.0.1:{cport}")
+                self.etcd_shard_metrics[name] = f"127.0.0.1:{mport}"
                 return
         raise RuntimeError(f"{name} could not start three times: see {p.log_path}")
 
@@ -424,8 +426,14 @@ class Stack:
     def etcd_member_names(self) -> list[str]:
         return list(self.etcd_member_metrics)
 
+    def etcd_shard_names(self) -> list[str]:
+        """The members of the journal's other shards' clusters (one each), `etcd-shard<k>`:
+        killed, restarted, frozen and thawed by the member methods below, like a member."""
+        return list(self.etcd_shard_metrics)
+
     def _etcd_member_healthy(self, name: str) -> bool:
-        return _http_ok(f"http://{self.etcd_member_metrics[name]}/health")
+        addr = self.etcd_member_metrics.get(name) or self.etcd_shard_metrics[name]
+        return _http_ok(f"http://{addr}/health")
 
     def _etcd_member_metric(self, name: str, metric: str) -> float | None:
         try:
@@ -511,10 +519,12 @@ class Stack:
         self.wait_etcd_healthy(timeout_s)
 
     def wait_etcd_healthy(self, timeout_s: float = 30.0) -> None:
-        """Every member runs, none is frozen, and each answers its health check."""
+        """Every member (the journal shards' clusters' too) runs, none is frozen, and each
+        answers its health check."""
         for name in list(self._etcd_frozen):
             self.thaw_etcd_member(name)
-        wait_until(lambda: all(self._etcd_member_healthy(n) for n in self.etcd_member_names()),
+        names = self.etcd_member_names() + self.etcd_shard_names()
+        wait_until(lambda: all(self._etcd_member_healthy(n) for n in names),
                    timeout_s, "every etcd member healthy", 0.1)
 
     def kill_processor(self) -> None:

@@ -178,7 +178,7 @@ GateSession.WRITES = {
 }
 
 # The other actions' executors: a port call, whose answer (if it waits) is the next event.
-# HoldChunk and MarkSlow have none (the observer says the latter).
+# HoldChunk, MarkSlow and MarkPathLost have none (the observer says the last two).
 GateSession.ACTS = {
     E.AwaitIntakeCommit: lambda s, a: s.p.intake_committed(s.rid or "", s.replica or ""),
     E.Decide: GateSession.decide,

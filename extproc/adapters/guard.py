@@ -39,9 +39,8 @@ class GuardSession(Session):
     def __init__(self, proc: GuardPorts, ctx: Messages, tools: bool = False) -> None:
         super().__init__(proc, ctx, proc.spawn)
         self.cfg = proc.cfg
-        # The role of the stream's filter: False, the client listener (role `guard`), which
-        # never serves the tool route; True, the tool listener (role `tools`), which serves
-        # only it (decision 0028).
+        # False: the client listener (role `guard`), never the tool route; True: the tool
+        # listener (role `tools`), only the tool route (decision 0028).
         self.tools_listener = tools
         self.m: GuardMachine | None = None
         self.verdict: Verdict | None = None  # what core.intake read from the headers
@@ -169,37 +168,14 @@ class GuardSession(Session):
         await self.write(codec.continue_request_body_with(set_headers, lb,
                                                           self.intake.meta.upstream_body))
 
-    def accepted(self, a: E.Accepted) -> None:
-        # In flight for the retry budget until this stream ends (on_closed).
-        self.p.budget.request_started(self.rid or "", self.p.clock.monotonic(), self.aid1)
-
-    def take_over(self, a: E.TakeOver) -> None:
-        self.released = Released.take_over(self.p, self.rid or "", a.handoff, self.fenced)
-
     def fenced(self) -> None:
         """The released attempt's `live` key was revoked or replaced: the machine says it."""
         self.later(E.Fenced("revoked or replaced"), f"guard-fenced-{self.rid}", open_only=True)
-
-    def lose_lease(self, a: E.LoseLease) -> None:
-        if self.released is not None:
-            self.released.lose(a.why)
 
     async def await_cause(self, a: E.AwaitCause) -> E.Event:
         # Why it ended, and how much of the body Envoy sent the client (decision 0025).
         got = await self.p.causes.wait_sent(self.rid or "", self.cfg.timeouts.access_log_wait_s)
         return E.CauseLearned("unknown", None) if got is None else E.CauseLearned(got[0], got[1])
-
-    # --- the work that outlives a message: its answer comes `later` --------------------
-
-    async def progress(self, n: int) -> E.Event:
-        await R.write_progress(self.p, self.rid or "", n)
-        return E.ProgressWritten()
-
-    async def record(self, f: E.Finish) -> E.Event:
-        rid, r = self.rid, self.released
-        if r is not None:
-            r.stop_watching()  # our own finish deletes `live`: no revocation to react to
-        return E.RecordWritten(await R.write_outcome(self.p, rid or "", f, self.m, r))
 
 
 def _body(s: GuardSession, msg: ep.ProcessingRequest) -> Awaitable[None]:
@@ -238,11 +214,17 @@ GuardSession.ACTS = {
     E.LookUpStatus: GuardSession.look_up_status, E.StartToolCall: GuardSession.start_tool_call,
     E.OpenIntake: lambda s, a: s.tx.open(), E.RegisterIntake: lambda s, a: s.tx.register(),
     E.AnswerBody: GuardSession.answer_body, E.AwaitIntake: lambda s, a: s.tx.opened(),
-    E.Accepted: GuardSession.accepted,
+    # In flight for the retry budget from its acceptance until the stream's end.
+    E.Accepted: lambda s, a: s.p.budget.request_started(s.rid or "", s.p.clock.monotonic(),
+                                                        s.aid1),
     E.RequestEnded: lambda s, a: s.p.budget.request_ended(s.rid or "", s.aid1),
-    E.TakeOver: GuardSession.take_over, E.LoseLease: GuardSession.lose_lease,
-    E.WriteProgress: lambda s, a: s.later(s.progress(a.delivered), f"guard-progress-{s.rid}"),
+    E.TakeOver: lambda s, a: setattr(s, "released", Released.take_over(
+        s.p, s.rid or "", a.handoff, s.fenced)),
+    E.LoseLease: lambda s, a: s.released.lose(a.why) if s.released is not None else None,
+    E.WriteProgress: lambda s, a: s.later(R.write_progress(s.p, s.rid or "", a.delivered),
+                                          f"guard-progress-{s.rid}"),
     E.AwaitCause: GuardSession.await_cause, E.ReadBody: GuardSession.read_body,
     # Its own task (the rows put it before the batch's bytes): it outlives the stream.
-    E.Finish: lambda s, a: s.later(s.record(a), f"guard-finish-{s.rid}"),
+    E.Finish: lambda s, a: s.later(R.write_outcome(s.p, s.rid or "", a, s.m, s.released),
+                                   f"guard-finish-{s.rid}"),
 }

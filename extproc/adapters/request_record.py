@@ -147,16 +147,20 @@ async def read_status(p: RecordPorts, q: StatusLookup) -> E.StatusRead:
         return E.StatusRead(None, q.tenant, str(e))
 
 
-async def write_progress(p: RecordPorts, rid: str, n: int) -> None:
+async def write_progress(p: RecordPorts, rid: str, n: int) -> E.ProgressWritten:
     """The delivered count's checkpoint; a missed one only weakens the bound it gives."""
     with contextlib.suppress(StoreUnavailable):
         await p.journal.progress(rid, {"delivered_output_tokens": n, "at": p.clock.wall()})
+    return E.ProgressWritten()
 
 
 async def write_outcome(p: RecordPorts, rid: str, f: E.Finish, m: GuardMachine | None,
-                        released: Released | None) -> bool:
+                        released: Released | None) -> E.RecordWritten:
     """The terminal record, with the released attempt's end in the same transaction; the
-    guard's trace kept. False: etcd never answered within the bounded retry."""
+    guard's trace kept. Written False: etcd never answered within the bounded retry. The
+    released attempt's watch stops first: our own finish deletes its `live` key."""
+    if released is not None:
+        released.stop_watching()
     wall, gw = p.clock.wall(), p.cfg.server.gateway_id
     body = records.outcome(outcome=str(f.outcome),
                            delivered_output_tokens=f.delivered_output_tokens, cause=f.cause,
@@ -168,5 +172,5 @@ async def write_outcome(p: RecordPorts, rid: str, f: E.Finish, m: GuardMachine |
     end = released.end(f.upstream_finished, f.cause, wall) if released is not None else None
     # etcd may be briefly away (frozen, electing a leader): keep trying for a bounded time.
     # Until it lands, the record shows no outcome rather than a wrong one.
-    return await retrying(lambda: p.journal.finish(rid, body, end), "record the outcome",
-                          rid, None)
+    return E.RecordWritten(await retrying(lambda: p.journal.finish(rid, body, end),
+                                          "record the outcome", rid, None))

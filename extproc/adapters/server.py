@@ -120,7 +120,9 @@ class GrpcAioServer:
         if port == 0 and not listen.startswith("unix:"):
             raise OSError(f"cannot listen on {listen}")
         await self._server.start()
-        self.address = listen if port == 0 or listen.startswith("unix:") else (
+        # The port bound (a requested port 0 is the one the kernel chose); a unix socket's
+        # name as given.
+        self.address = listen if listen.startswith("unix:") else (
             listen.rsplit(":", 1)[0] + f":{port}")
 
     async def stop(self, grace_s: float, open_streams: Callable[[], int]) -> None:

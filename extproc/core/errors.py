@@ -9,6 +9,7 @@ the *gateway*: false means the gateway will not silently re-run it; the user sti
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -45,6 +46,10 @@ class ErrorCode(StrEnum):
     TOOL_ROUTE_NOT_HERE = "tool_route_not_here"
 
 
+# The fields `GatewayError.body` always writes or derives (the rest are `extra`'s).
+_BODY_FIELDS = frozenset({"message", "type", "code", "request_id", "partial_output",
+                          "retryable", "delivered_output_tokens"})
+
 INTERRUPTED_MESSAGE = "Generation was interrupted after part of the answer was sent"
 
 
@@ -75,6 +80,20 @@ class GatewayError:
         for k, v in self.extra:
             err[k] = v
         return {"error": err}
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any], http_status: int,
+                  default: ErrorCode) -> GatewayError:
+        """The error whose `body()` this is (a trace keeps errors as the body the client
+        got): every field back, those `body` adds to the known ones as `extra`."""
+        e = body.get("error", {})
+        known = _BODY_FIELDS
+        tokens = e.get("delivered_output_tokens")
+        return cls(ErrorCode(e.get("code", default)), str(e.get("message", "")), http_status,
+                   request_id=e.get("request_id"), retryable=bool(e.get("retryable", False)),
+                   partial_output=bool(e.get("partial_output", False)),
+                   delivered_output_tokens=None if tokens is None else int(tokens),
+                   extra=tuple((k, v) for k, v in e.items() if k not in known))
 
     def json_bytes(self) -> bytes:
         return json.dumps(self.body(), separators=(",", ":")).encode()

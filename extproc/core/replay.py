@@ -154,19 +154,10 @@ def event_from_record(d: Mapping[str, Any]) -> Event:
         if not isinstance(body, Mapping):
             return RequestBodySeen(None, UsageMode(str(d.get("usage", "off"))),
                                    bool(d.get("keyed", False)))
-        e = body.get("error", {})
-        return RequestBodySeen(GatewayError(
-            ErrorCode(e.get("code", "invalid_request_body")), str(e.get("message", "")),
-            int(d.get("http_status") or 400), request_id=e.get("request_id")))
+        return RequestBodySeen(GatewayError.from_body(
+            body, int(d.get("http_status") or 400), ErrorCode.INVALID_REQUEST_BODY))
     if t == "RequestOpened":
-        body = d.get("error")
-        err = None
-        if isinstance(body, Mapping):
-            e = body.get("error", {})
-            err = GatewayError(ErrorCode(e.get("code", "journal_unavailable")),
-                               str(e.get("message", "")), int(d.get("http_status") or 503),
-                               request_id=e.get("request_id"))
-        return RequestOpened(bool(d["accepted"]), err)
+        return RequestOpened(bool(d["accepted"]), _error(d, "journal_unavailable"))
     if t == "StallTimeout":  # traces kept before the stall watchdog was a timer row
         return TimerFired(TimerKind.STALL)
     if t == "ProgressWritten":
@@ -198,9 +189,7 @@ def _error(d: Mapping[str, Any], default: str) -> GatewayError | None:
     body = d.get("error")
     if not isinstance(body, Mapping):
         return None
-    e = body.get("error", {})
-    return GatewayError(ErrorCode(e.get("code", default)), str(e.get("message", "")),
-                        int(d.get("http_status") or 503), request_id=e.get("request_id"))
+    return GatewayError.from_body(body, int(d.get("http_status") or 503), ErrorCode(default))
 
 
 def summary(m: GateMachine | GuardMachine) -> dict[str, Any]:

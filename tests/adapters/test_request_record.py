@@ -108,12 +108,13 @@ async def test_the_checkpoint_and_the_outcome_are_written_exactly() -> None:
     p, store, timers = setup()
     await R.run_intake(p, RID, GEN, prepared(p), None, None)
     timers.advance(2.0)
-    await R.write_progress(p, RID, 3)
+    assert await R.write_progress(p, RID, 3) == E.ProgressWritten()
     store.unavailable = True
-    await R.write_progress(p, RID, 4)  # a missed checkpoint is no error
+    # A missed checkpoint is no error: the machine hears it was written all the same.
+    assert await R.write_progress(p, RID, 4) == E.ProgressWritten()
     store.unavailable = False
     f = E.Finish(outcome=Outcome.COMPLETED, delivered_output_tokens=5, cause=None)
-    assert await R.write_outcome(p, RID, f, None, None) is True
+    assert await R.write_outcome(p, RID, f, None, None) == E.RecordWritten(True)
     view = await store.get(RID)
     assert view is not None and view.outcome is not None
     assert view.progress["delivered_output_tokens"] == 3

@@ -51,7 +51,7 @@ def test_an_interruption_after_output_is_partial_and_not_retried_by_the_gateway(
     assert "delivered_output_tokens_exact" not in X.decode_interrupted("r", 1).body()["error"]
 
 
-@pytest.mark.parametrize(("err", "status", "code", "retryable"), [
+CONSTRUCTED = [
     (X.upstream_timeout("r", 30.0, 2), 504, ErrorCode.UPSTREAM_TIMEOUT, True),
     (X.budget_exhausted("r", 3, 10, 2), 503, ErrorCode.RETRY_BUDGET_EXHAUSTED, True),
     (X.attempts_exhausted("r", 4, 3), 503, ErrorCode.RETRY_BUDGET_EXHAUSTED, False),
@@ -76,7 +76,10 @@ def test_an_interruption_after_output_is_partial_and_not_retried_by_the_gateway(
     (X.tool_in_progress("r", "k"), 409, ErrorCode.TOOL_CALL_IN_PROGRESS, True),
     (X.tool_call_unauthorized("r", "a"), 403, ErrorCode.TOOL_CALL_UNAUTHORIZED, False),
     (X.tool_route_not_here("/p", True), 404, ErrorCode.TOOL_ROUTE_NOT_HERE, False),
-])
+]
+
+
+@pytest.mark.parametrize(("err", "status", "code", "retryable"), CONSTRUCTED)
 def test_each_constructor_says_its_status_code_and_whether_the_gateway_retries(
         err: GatewayError, status: int, code: ErrorCode, retryable: bool) -> None:
     assert (err.http_status, err.code, err.retryable) == (status, code, retryable)
@@ -112,3 +115,24 @@ def test_a_finished_request_is_partial_only_if_something_was_delivered() -> None
 def test_the_fence_pending_answer_says_when_only_if_known() -> None:
     assert X.request_fence_pending("r", 12.5).body()["error"]["fence_expires_at"] == 12.5
     assert "fence_expires_at" not in X.request_fence_pending("r", None).body()["error"]
+
+
+@pytest.mark.parametrize("err", [c[0] for c in CONSTRUCTED] + [
+    X.decode_interrupted("r", 7, True), X.decode_interrupted("r", 0),
+    GatewayError(ErrorCode.INVALID_HEADER, "m", 400)])
+def test_an_error_comes_back_whole_from_the_body_the_client_got(err: GatewayError) -> None:
+    # A trace keeps an error as its body; replay re-decides from what comes back, so every
+    # field must (retryable, partial output, the count, the extra fields). A count some
+    # constructors put in `extra` comes back as the field: the same body either way.
+    back = GatewayError.from_body(err.body(), err.http_status, ErrorCode.JOURNAL_UNAVAILABLE)
+    assert back.body() == err.body()
+    assert (back.code, back.message, back.http_status, back.request_id, back.retryable,
+            back.partial_output) == (err.code, err.message, err.http_status, err.request_id,
+                                     err.retryable, err.partial_output)
+
+
+def test_a_body_without_a_code_takes_the_default() -> None:
+    back = GatewayError.from_body({"error": {"message": "m"}}, 503,
+                                  ErrorCode.JOURNAL_UNAVAILABLE)
+    assert (back.code, back.message, back.retryable, back.extra) == (
+        ErrorCode.JOURNAL_UNAVAILABLE, "m", False, ())

@@ -12,6 +12,7 @@ import pytest
 from chaos.checks import FAMILIES
 from chaos.faults import FAULT_KINDS
 from chaos.runner import Options, render_evidence, render_summary, run
+from extproc.adapters.shards import shard_of
 
 pytestmark = pytest.mark.e2e
 
@@ -37,5 +38,28 @@ def test_a_fixed_seed_slice_has_no_break(tmp_path: Path) -> None:
     assert any("/keyed/" in k for k in kinds) and any("/keyless/" in k for k in kinds), text
     assert any(k.endswith("/fault") for k in kinds), text
     assert summary["requests_by_outcome"].get("complete", 0) > 0, text
+    assert not report.harness_errors, text
+    assert summary["breaks"] == 0, text + "\n\n" + render_evidence(report)
+
+
+SHARDED_KINDS = ("etcd_shard_kill", "etcd_shard_freeze", "etcd_leader_kill", "replica_kill")
+
+
+def test_a_sharded_journal_slice_has_no_break(tmp_path: Path) -> None:
+    """The journal over two etcd clusters (decision 0042): shard 1's one member killed or
+    frozen, alone or while shard 0 elects a leader or a replica is down; every request,
+    whichever shard its id lands on, still keeps the contract and its record."""
+    lines: list[str] = []
+    report = run(Options(duration_s=25.0, seed=SEED, workers=4, out=tmp_path, shards=2,
+                         kinds=SHARDED_KINDS, fault_interval_s=(1.0, 2.0),
+                         log=lines.append))
+    summary = report.summary()
+    text = render_summary(report, tmp_path)
+    assert set(summary["faults_injected"]) == set(SHARDED_KINDS), text
+    assert summary["faults_not_injected"] == 0 and summary["fault_heal_errors"] == 0, text
+    # Both shards carried requests that completed (the request id picks the shard).
+    done = [t.request_id for t in report.transcripts
+            if t.request_id and t.seen.status == 200 and t.seen.transport_error is None]
+    assert {shard_of(rid, 2) for rid in done} == {0, 1}, text
     assert not report.harness_errors, text
     assert summary["breaks"] == 0, text + "\n\n" + render_evidence(report)

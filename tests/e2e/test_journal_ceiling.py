@@ -179,9 +179,9 @@ def test_etcd_as_the_bottleneck_gives_back_pressure_and_clean_errors(
                     rec = s.json()
                     assert not rec.get("delivered_output_tokens"), (rid, rec)
                     assert not rec.get("partial_output"), (rid, rec)
-                    # A record may still say `first_delta_sent` here: a fence that applied
-                    # after its deadline is not taken back (tests/unit/
-                    # test_journal_ceiling_findings.py); printed, not asserted, as it
+                    # A record may still say `first_delta_sent` here if a fence try
+                    # applied after its take-back ran (the take-back matches the attempt:
+                    # tests/adapters/test_journal_store.py); printed, not asserted, as it
                     # depends on timing.
                     print(f"refused {rid}: {r.status} {(r.error or {}).get('code')}, record "
                           f"first_delta_sent={rec.get('first_delta_sent')} "
