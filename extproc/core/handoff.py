@@ -14,8 +14,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-# json.dumps with options builds its encoder on every call; this one is built once.
-_COMPACT = json.JSONEncoder(separators=(",", ":"))
+from .records import one_shot
+
+# json.dumps with options builds its encoder on every call; this one is built once (and
+# its C encoder too: records.one_shot).
+_COMPACT = one_shot(json.JSONEncoder(separators=(",", ":")))
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +61,7 @@ class HandOff:
 
     def header(self) -> str:
         """The header form: the record and the lease id, as compact JSON."""
-        return _COMPACT.encode({**self.record(), "lease_id": self.lease_id})
+        return _COMPACT({**self.record(), "lease_id": self.lease_id})
 
     @classmethod
     def from_record(cls, rec: Mapping[str, Any], lease_id: int,
