@@ -64,15 +64,18 @@ def _direct_handler(logger: logging.Logger) -> logging.StreamHandler[Any] | None
 
 def stamp(ns: int) -> str:
     """Nanoseconds since the epoch -> the JSON number of its whole microseconds in seconds,
-    as `repr(us / 1e6)` writes it: below 2**32 s (the year 2106) floats are closer than a
-    microsecond, so the nearest float to a number of at most six decimals has those
-    decimals as its shortest repr (no trailing zeros, at least one). Past it, that repr."""
-    secs, us = divmod(ns // 1000, 1_000_000)
-    if secs >= 1 << 32:
-        return repr((ns // 1000) / 1e6)
-    if not us:
-        return f"{secs}.0"
-    return f"{secs}.{us:06d}".rstrip("0")
+    the text `repr(us / 1e6)` gives, without the float: from 1 s to 2**32 s (the year
+    2106) floats are closer than a microsecond, so the nearest float to a number of at most
+    six decimals has those decimals as its shortest repr (no trailing zeros, at least
+    one). Outside that range, that repr."""
+    us = ns // 1000
+    if not 1_000_000 <= us < _STAMP_END_US:
+        return repr(us / 1e6)
+    digits = str(us)  # one conversion; the seconds are all but its last six digits
+    return digits[:-6] + "." + (digits[-6:].rstrip("0") or "0")
+
+
+_STAMP_END_US = (1 << 32) * 1_000_000
 
 
 def rlog(logger: logging.Logger, level: int, msg: str, request_id: str | None,
