@@ -23,6 +23,10 @@ valgrind's callgrind.h, a no-op outside valgrind) dumps the counts at the phase 
   chunk   every later chunk through the guard, per chunk
   end     the last chunk with end_of_stream, the stream's close and its outcome, per request
 
+Both sides run with the collector as `server.serve` sets it (start-up objects frozen,
+young ones collected every 20,000 allocations). `--part` counts one function inclusively
+(a coroutine function while it runs, not while it waits).
+
 What is not counted on either side: gRPC's C core and HTTP/2 (the same messages cross it
 on both sides; `make bench` measures them), etcd's client (aetcd) and etcd itself.
 """
