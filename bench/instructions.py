@@ -3,6 +3,7 @@
     .venv/bin/python -m bench.instructions                  # both sides under callgrind
     .venv/bin/python -m bench.instructions --requests 20 --chunks 50
     .venv/bin/python -m bench.instructions --profile        # cProfile of our chunk phase
+    .venv/bin/python -m bench.instructions --profile-start  # ... of our request starts
     make bench-instructions
 
 Wall-clock figures on a shared machine are noise; instruction counts are not. This plays
@@ -22,6 +23,10 @@ valgrind's callgrind.h, a no-op outside valgrind) dumps the counts at the phase 
   chunk   every later chunk through the guard, per chunk
   end     the last chunk with end_of_stream, the stream's close and its outcome, per request
 
+Both sides run with the collector as `server.serve` sets it (start-up objects frozen,
+young ones collected every 20,000 allocations). `--part` counts one function inclusively
+(a coroutine function while it runs, not while it waits).
+
 What is not counted on either side: gRPC's C core and HTTP/2 (the same messages cross it
 on both sides; `make bench` measures them), etcd's client (aetcd) and etcd itself.
 """
@@ -31,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ctypes
+import gc
 import hashlib
 import json
 import os
@@ -48,6 +54,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 PHASES = ("start", "chunk", "end")
+GC_THRESHOLDS = (20_000, 50, 50)  # what server.serve sets once started
 REPLICA = "127.0.0.1:8001"
 # A stuck side fails the run instead of hanging it (per step; the whole play: 5 times
 # this); generous: callgrind runs ~50x slower than the processor.
@@ -378,11 +385,31 @@ def _server(side: str) -> tuple[Callable[[Stream], Any], Callable[[], Any]]:
 
 async def play(side: str, requests: int, chunks: int, warmup: int,
                mark: Callable[[str], None], begin: Callable[[], None],
-               profile: Any = None) -> None:
+               profile: Any = None, profiled: str = "chunk") -> None:
     """Warm up, then N requests: all started, M chunks each round-robin, all ended; `mark`
-    after each phase, `profile` (a cProfile.Profile) enabled over the chunk phase."""
+    after each phase, `profile` (a cProfile.Profile) enabled over the `profiled` phase.
+
+    The collector is set as `server.serve` sets it once started, on both sides: start-up
+    objects frozen out of every collection, young objects collected every 20,000
+    allocations (the interpreter's default, 700, would count collections the processor
+    does not make)."""
+    saved = gc.get_threshold()
     _quiet_logging()
     serve, drain = _server(side)
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
+    try:
+        await _play(serve, drain, side, requests, chunks, warmup, mark, begin,
+                    {ph: profile if profiled == ph else None for ph in PHASES})
+    finally:  # as it was (a test plays in its own process)
+        gc.unfreeze()
+        gc.set_threshold(*saved)
+
+
+async def _play(serve: Callable[[Stream], Any], drain: Callable[[], Any], side: str,
+                requests: int, chunks: int, warmup: int, mark: Callable[[str], None],
+                begin: Callable[[], None], prof: dict[str, Any]) -> None:
     msgs, usage = Messages(), side == "ours"
     msgs.build_chunks(chunks + 1, usage)
     for i in range(warmup):
@@ -394,28 +421,63 @@ async def play(side: str, requests: int, chunks: int, warmup: int,
     await drain()
     begin()
     reqs = [Request(serve, msgs, i) for i in range(requests)]
+    if prof["start"] is not None:
+        prof["start"].enable()
     for r in reqs:
         await r.start()
+    if prof["start"] is not None:
+        prof["start"].disable()
     mark("start")
-    if profile is not None:
-        profile.enable()
+    if prof["chunk"] is not None:
+        prof["chunk"].enable()
     for _ in range(chunks):
         for r in reqs:
             await r.chunk()
-    if profile is not None:
-        profile.disable()
+    if prof["chunk"] is not None:
+        prof["chunk"].disable()
     mark("chunk")
+    if prof["end"] is not None:
+        prof["end"].enable()
     for r in reqs:
         await r.end()
     await drain()
+    if prof["end"] is not None:
+        prof["end"].disable()
     mark("end")
     for r in reqs:
         r.check(chunks)
 
 
+class _Counted:
+    """A coroutine counted only while it runs: collection on around each step of it,
+    off while it waits (another task's work is not its own)."""
+
+    def __init__(self, coro: Any, on: Callable[[], None], off: Callable[[], None]) -> None:
+        self.coro, self.on, self.off = coro, on, off
+
+    def __await__(self) -> Any:
+        coro, on, off = self.coro, self.on, self.off
+        val: Any = None
+        exc: BaseException | None = None
+        while True:
+            on()
+            try:
+                out = coro.send(val) if exc is None else coro.throw(exc)
+            except StopIteration as e:
+                return e.value
+            finally:
+                off()
+            try:
+                val, exc = (yield out), None
+            except BaseException as e:  # thrown into the coroutine: passed on to it
+                val, exc = None, e
+
+
 def wrap_part(target: str, toggle: Callable[[], None]) -> None:
-    """Count only inside `target` ('module:Class.method' or 'module:function', synchronous):
-    collection is toggled on at its entry and off at its return."""
+    """Count only inside `target` ('module:Class.method' or 'module:function'): collection
+    is toggled on at its entry and off at its return (nested and recursive calls counted
+    once); a coroutine function is counted while it runs, not while it waits. What holds
+    the function itself (a dict of handlers built at import) still calls the original."""
     import importlib
 
     mod_name, _, qual = target.partition(":")
@@ -424,15 +486,30 @@ def wrap_part(target: str, toggle: Callable[[], None]) -> None:
     for p in path:
         owner = getattr(owner, p)
     fn = getattr(owner, name)
+    depth = [0]
+
+    def on() -> None:
+        if depth[0] == 0:
+            toggle()
+        depth[0] += 1
+
+    def off() -> None:
+        depth[0] -= 1
+        if depth[0] == 0:
+            toggle()
+
     if asyncio.iscoroutinefunction(fn):
-        raise SystemExit(f"{target}: a coroutine function cannot be counted alone")
+        async def counted_async(*args: Any, **kw: Any) -> Any:
+            return await _Counted(fn(*args, **kw), on, off)
+        setattr(owner, name, counted_async)
+        return
 
     def counted(*args: Any, **kw: Any) -> Any:
-        toggle()
+        on()
         try:
             return fn(*args, **kw)
         finally:
-            toggle()
+            off()
     setattr(owner, name, counted)
 
 
@@ -502,21 +579,27 @@ def top_functions(out_dir: Path, side: str, phase: str, units: int, n: int) -> s
     return "  (no dump)"
 
 
-def profile_chunks(requests: int, chunks: int, warmup: int, top: int) -> str:
-    """cProfile over our chunk phase: where a chunk's Python goes, calls per chunk."""
+def profile_phase(requests: int, chunks: int, warmup: int, top: int,
+                  phase: str = "chunk") -> str:
+    """cProfile over one of our phases: where its Python goes (share of the phase's
+    time by own time, and by inclusive time), calls per unit (chunk or request)."""
     import cProfile
     import pstats
 
     prof = cProfile.Profile()
-    _loop_run(play("ours", requests, chunks, warmup, lambda _l: None, lambda: None, prof))
+    _loop_run(play("ours", requests, chunks, warmup, lambda _l: None, lambda: None, prof,
+                   phase))
     st = pstats.Stats(prof)
-    units = requests * chunks
-    rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2])  # type: ignore[attr-defined]
+    units = requests * chunks if phase == "chunk" else requests
+    rows = list(st.stats.items())  # type: ignore[attr-defined]
     total = sum(v[2] for _, v in rows)
-    out = [f"cProfile, our chunk phase ({units} chunks): tottime share, calls per chunk"]
-    for (file, line, fn), (_cc, nc, tt, _ct, _callers) in rows[:top]:
-        where = f"{Path(file).parent.name}/{Path(file).name}:{line}" if line else file
-        out.append(f"  {100 * tt / total:5.1f}%  {nc / units:5.2f}  {fn}  ({where})")
+    out = [f"cProfile, our {phase} phase ({units} {phase}s): own-time share, calls per "
+           f"{phase}"]
+    for key, idx, head in ((2, "own", "by own time"), (3, "inclusive", "by inclusive time")):
+        out.append(f" {head} ({idx}):")
+        for (file, line, fn), v in sorted(rows, key=lambda kv: -kv[1][key])[:top]:
+            where = f"{Path(file).parent.name}/{Path(file).name}:{line}" if line else file
+            out.append(f"  {100 * v[key] / total:5.1f}%  {v[1] / units:6.2f}  {fn}  ({where})")
     return "\n".join(out)
 
 
@@ -529,8 +612,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--sides", default="ours,floor")
     ap.add_argument("--profile", action="store_true", help="cProfile our chunk phase (no valgrind)")
+    ap.add_argument("--profile-start", action="store_true",
+                    help="cProfile our request start phase (no valgrind)")
+    ap.add_argument("--profile-end", action="store_true",
+                    help="cProfile our request end phase (no valgrind)")
     ap.add_argument("--part", action="append", default=[], metavar="MODULE:QUALNAME",
-                    help="count only inside this synchronous function of ours, per chunk "
+                    help="count only inside this function of ours (a coroutine: while it "
+                    "runs), per chunk and per request start "
                     "(repeatable: one callgrind run each), e.g. "
                     "extproc.core.machine:GuardMachine.handle")
     ap.add_argument("--play", choices=("ours", "floor"), help=argparse.SUPPRESS)
@@ -543,8 +631,9 @@ def main(argv: list[str] | None = None) -> int:
         _loop_run(asyncio.wait_for(play(a.play, requests, chunks, a.warmup, mark, begin),
                                    BOUND_S * 5))
         return 0
-    if a.profile:
-        print(profile_chunks(requests, chunks, a.warmup, a.top))
+    if a.profile or a.profile_start or a.profile_end:
+        phase = "start" if a.profile_start else "end" if a.profile_end else "chunk"
+        print(profile_phase(requests, chunks, a.warmup, a.top, phase))
         return 0
     from bench.measure import RESULTS
 

@@ -73,12 +73,13 @@ _FENCED = b"fenced:"
 CANCEL_TTL_S = 600
 
 
-# json.dumps with options builds its encoder on every call; this one is built once.
-_ENCODER = json.JSONEncoder(separators=(",", ":"), sort_keys=True)
+# json.dumps with options builds its encoder on every call; this one is built once (and
+# its C encoder too: records.one_shot).
+_ENCODE = records.one_shot(json.JSONEncoder(separators=(",", ":"), sort_keys=True))
 
 
 def _dumps(obj: Mapping[str, Any]) -> bytes:
-    return _ENCODER.encode(obj).encode()
+    return _ENCODE(obj).encode()
 
 
 def _at(value: bytes) -> float:

@@ -93,8 +93,9 @@ def attempt_ended(tel: Telemetry, span: Span | None, rid: str | None, aid: str, 
         return
     span.add_event("lease.fenced_until_expiry" if fence == str(FenceKind.EXPIRE)
                    else "lease.revoked")
-    tel.fences.add(1, {"kind": fence, "class": failure_class,
-                       "replica": tel.labels.replica(replica, pool) if pool else NONE})
+    if tel.enabled:  # a figure (and its label) only when something exports it
+        tel.fences.add(1, {"kind": fence, "class": failure_class,
+                           "replica": tel.labels.replica(replica, pool) if pool else NONE})
     end_span(span, None if failure_class == str(FailureClass.COMPLETED) else failure_class,
              **{"llmgw.failure_class": failure_class, "llmgw.released": released,
                 "llmgw.fence": fence, "llmgw.envoy_cause": envoy_cause,
@@ -345,17 +346,19 @@ def _guard_finished(s: GuardSession, f: Finish) -> None:
         s.span.add_event("terminal_error.injected", {"llmgw.cause": f.cause})
     if f.outcome is Outcome.CLIENT_DISCONNECTED:
         s.span.add_event("client.gone")
-    model, replica, semconv = _request_labels(s)
-    if f.outcome is Outcome.UPSTREAM_DECODE_INTERRUPTED:
-        tel.interruptions.add(1, {"cause": f.cause or "unknown", "model": model,
-                                  "replica": replica})
-    tel.outcomes.add(1, {"outcome": str(f.outcome), "model": model})
-    if s.intake is not None:  # accepted: the request's figures (a refusal has none)
-        took = s.p.clock.wall() - float(s.intake.record["created_at"])
-        done = semconv if f.outcome is Outcome.COMPLETED else {
-            **semconv, "error.type": str(f.outcome)}
-        tel.duration.record(max(0.0, took), done)
-        tel.tokens.record(f.delivered_output_tokens, {**semconv, "gen_ai.token.type": "output"})
+    if tel.enabled:  # figures (and their labels) only when something exports them
+        model, replica, semconv = _request_labels(s)
+        if f.outcome is Outcome.UPSTREAM_DECODE_INTERRUPTED:
+            tel.interruptions.add(1, {"cause": f.cause or "unknown", "model": model,
+                                      "replica": replica})
+        tel.outcomes.add(1, {"outcome": str(f.outcome), "model": model})
+        if s.intake is not None:  # accepted: the request's figures (a refusal has none)
+            took = s.p.clock.wall() - float(s.intake.record["created_at"])
+            done = semconv if f.outcome is Outcome.COMPLETED else {
+                **semconv, "error.type": str(f.outcome)}
+            tel.duration.record(max(0.0, took), done)
+            tel.tokens.record(f.delivered_output_tokens,
+                              {**semconv, "gen_ai.token.type": "output"})
     end_span(s.span, None if f.outcome is Outcome.COMPLETED else str(f.outcome),
              **{"llmgw.outcome": str(f.outcome), "llmgw.cause": f.cause,
                 "gen_ai.usage.output_tokens": f.delivered_output_tokens,
@@ -380,8 +383,10 @@ def _request_labels(s: GuardSession) -> tuple[str, str, dict[str, str]]:
 
 
 def _first_delta(s: GuardSession) -> None:
-    """The first delta went downstream: the request's time to it, and what failover cost."""
-    if s.intake is None:
+    """The first delta went downstream: the request's time to it, and what failover cost.
+    Only figures and a span attribute: nothing to do when neither is exported (the labels
+    are not even learnt, as no figure will ever carry them)."""
+    if s.intake is None or not s.p.tel.enabled:
         return
     tel, ho = s.p.tel, s.released.handoff if s.released is not None else None
     start = float(s.intake.record["created_at"])

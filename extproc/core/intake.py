@@ -201,14 +201,16 @@ class RequestMeta:
                 "request_digest": self.request_digest}
 
 
-# json.dumps with options builds its encoder on every call; this one is built once.
-_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+# json.dumps with options builds its encoder on every call; this one is built once (and
+# its C encoder too: records.one_shot).
+_CANONICAL = records.one_shot(json.JSONEncoder(sort_keys=True, separators=(",", ":"),
+                                               ensure_ascii=False))
 
 
 def request_digest(path: str, obj: Mapping[str, Any]) -> str:
     """The same request however it is spelled: key order and whitespace do not count,
     every value does (model, messages, every parameter), and so does the endpoint."""
-    canonical = _CANONICAL.encode(obj)
+    canonical = _CANONICAL(obj)
     return "sha256:" + hashlib.sha256(
         path.encode() + b"\0" + canonical.encode("utf-8", "surrogatepass")).hexdigest()
 

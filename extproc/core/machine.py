@@ -162,6 +162,10 @@ def _nested(v: Any) -> dict[str, Any]:
     return out
 
 
+# (state, action types...) -> the decision `handle` records for it.
+_DECISIONS: dict[tuple[Any, ...], str] = {}
+
+
 @dataclass(slots=True)
 class Machine:
     """What every role's machine has: its state, its trace and its decisions."""
@@ -197,9 +201,16 @@ class Machine:
                                                       else 0)
             self.trace.append(_event_record(ev))
             actions = t.fn(self, ev)
-            # Interned: a few dozen distinct decisions, shared by every open stream.
-            self.decisions.append(sys.intern(
-                f"{self.state}:" + ",".join([type(a).__name__ for a in actions])))
+            # Interned: a few dozen distinct decisions, shared by every open stream; each
+            # one written once (formatting a StrEnum member goes through Enum.__format__).
+            types = [type(a) for a in actions]
+            key = (self.state, *types)
+            d = _DECISIONS.get(key)
+            if d is None:
+                d = sys.intern(f"{self.state}:" + ",".join([a.__name__ for a in types]))
+                if len(_DECISIONS) < 4096:  # a few dozen in practice; bounded regardless
+                    _DECISIONS[key] = d
+            self.decisions.append(d)
         if self.state not in t.next:
             # The table declares every arrow; a handler that leaves by another is a bug.
             raise ProtocolViolation(

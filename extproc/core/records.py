@@ -8,12 +8,33 @@ are made here, not in the adapters. Times are passed in.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import json
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from .failure import AttemptEnd, FailureClass, Fence, classify, fence_for
 from .journal import key_digest, tenant_digest
+
+# --- their JSON -------------------------------------------------------------------------
+
+
+def one_shot(enc: json.JSONEncoder) -> Callable[[Any], str]:
+    """`enc.encode`, the same text, without what it does per call: `encode` builds its C
+    encoder (and a dict for the circular check) for every value; this one is built once,
+    with no circular check (records are trees of plain values; a value nested too deep
+    still raises RecursionError). Where the C part is absent, `enc.encode` itself."""
+    make = getattr(json.encoder, "c_make_encoder", None)
+    if make is None or enc.indent is not None:
+        return enc.encode
+    c = make(None, enc.default,
+             json.encoder.encode_basestring_ascii if enc.ensure_ascii
+             else json.encoder.encode_basestring,
+             None, enc.key_separator, enc.item_separator, enc.sort_keys, enc.skipkeys,
+             enc.allow_nan)
+    join = "".join
+    return lambda obj: join(c(obj, 0))
+
 
 # --- the request ----------------------------------------------------------------------
 

@@ -33,6 +33,9 @@ class UsageMode(enum.StrEnum):
 
 # The engine's request option for streams that report a running count.
 ASKED = {"include_usage": True, "continuous_usage_stats": True}
+# What goes in after the body's opening brace when it has no option: a constant, encoded
+# once (json.dumps with options builds an encoder per call: ~30k instructions a request).
+_INSERTED = b'"stream_options":' + json.dumps(ASKED, separators=(",", ":")).encode()
 
 _OPENING = re.compile(rb"\A(?:\xef\xbb\xbf)?[ \t\r\n]*\{")
 
@@ -49,9 +52,10 @@ def ask_for_usage(body: bytes, obj: Mapping[str, Any]) -> tuple[bytes, UsageMode
         m = _OPENING.match(body)
         if m is None:
             return body, UsageMode.OFF
-        sep = b"" if body[m.end():].lstrip().startswith(b"}") else b","
-        inserted = b'"stream_options":' + json.dumps(ASKED, separators=(",", ":")).encode()
-        return body[:m.end()] + inserted + sep + body[m.end():], UsageMode.STRIP_ALL
+        end = m.end()
+        rest = body[end:]
+        sep = b"" if rest.lstrip().startswith(b"}") else b","
+        return body[:end] + _INSERTED + sep + rest, UsageMode.STRIP_ALL
     if not isinstance(opts, dict):
         return body, UsageMode.OFF  # the engine answers a malformed option itself
     final = opts.get("include_usage") is True

@@ -73,3 +73,37 @@ def test_an_attempt_s_end_closes_its_span_and_counts_the_fence() -> None:
         assert not any("10.9.9.9" in k for k in m)
     finally:
         tel.shutdown()
+
+
+def test_with_nothing_exported_the_guard_s_figures_and_their_labels_are_skipped(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The first delta's and the request end's figures are the instruments' alone: with no
+    metrics and no traces exported nothing is recorded, no label learnt, and the end's
+    log line is the same; with something exported the labels are learnt as before."""
+    from types import SimpleNamespace
+
+    from extproc.adapters import observer
+    from extproc.adapters.session import INVALID
+    from extproc.core.events import Finish
+    from extproc.core.journal import Outcome
+
+    for exported in (False, True):
+        tel = Telemetry(TelemetryConfig(), "gw-1")
+        assert not tel.enabled
+        tel.enabled = exported  # the no-op instruments either way: only the labels differ
+        meta = SimpleNamespace(model="demo-model", stream=True)
+        intake = SimpleNamespace(meta=meta, record={"created_at": 1.0})
+        ho = SimpleNamespace(replica=REPLICA, attempt=2, started_at=2.0)
+        m = SimpleNamespace(withheld=0, delivered=3, status=200)
+        clock = SimpleNamespace(wall=lambda: 5.0)
+        s = SimpleNamespace(intake=intake, released=SimpleNamespace(handoff=ho), rerun=None,
+                            gen=SimpleNamespace(path="/v1/chat/completions"), span=INVALID,
+                            rid="req_1", m=m, p=SimpleNamespace(tel=tel, pool=POOL,
+                                                                clock=clock))
+        caplog.clear()
+        caplog.set_level(logging.INFO, logger="extproc")
+        observer._first_delta(s)  # type: ignore[arg-type]
+        observer._guard_finished(s, Finish(Outcome.COMPLETED, 3, None))  # type: ignore[arg-type]
+        assert [r.getMessage() for r in caplog.records] == ["request finished"]
+        learnt = (tel.labels._seen_models, tel.labels._pool)
+        assert learnt == (({"demo-model"}, POOL) if exported else (set(), None))

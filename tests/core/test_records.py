@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
+
 from extproc.core.failure import FailureClass, Fence
 from extproc.core.records import (
     AttemptFacts,
@@ -91,3 +93,27 @@ def test_an_end_plan_in_a_trace_is_decided_again_by_replay() -> None:
     assert not r.ok and r.divergence is not None and "end plan differs" in r.divergence
     broken = {**trace, "meta": {"end": {**rec, "facts": {"nope": 1}}}}
     assert not replay(broken).ok
+
+
+def test_one_shot_writes_what_its_encoder_writes() -> None:
+    import json
+    import math
+
+    from extproc.core.records import one_shot
+
+    values = [{"b": 1, "a": [1.5, 1796281779.271494, None, True], "é": "ü\u2028\ud800"},
+              {"z": {"y": {"x": -0.0, "w": 1e300}}, "n": math.inf}, [], "plain", 3,
+              {"attempt": 1, "started_at": 0.1 + 0.2, "model_revision": None}]
+    for kw in ({"separators": (",", ":"), "sort_keys": True}, {"separators": (",", ":")},
+               {"sort_keys": True, "separators": (",", ":"), "ensure_ascii": False}, {}):
+        enc = json.JSONEncoder(**kw)  # type: ignore[arg-type]
+        f = one_shot(enc)
+        for v in values:
+            assert f(v) == enc.encode(v), (kw, v)
+    strict = json.JSONEncoder(allow_nan=False)
+    with pytest.raises(ValueError):
+        one_shot(strict)({"n": math.nan})
+    with pytest.raises(TypeError):
+        one_shot(json.JSONEncoder())({"b": b"x"})
+    pretty = json.JSONEncoder(indent=2)
+    assert one_shot(pretty) == pretty.encode

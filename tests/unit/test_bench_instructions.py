@@ -80,3 +80,64 @@ def test_both_sides_play_through_the_real_servicer_without_valgrind() -> None:
     for side in ("ours", "floor"):
         asyncio.run(play(side, 2, 3, 1, marks.append, lambda: None))
     assert marks == ["start", "chunk", "end"] * 2
+
+
+def test_the_bench_sets_the_collector_as_serve_does_and_gives_it_back() -> None:
+    """Counted with the thresholds `server.serve` sets (start-up objects frozen, young ones
+    collected every 20,000 allocations), not the interpreter's default; the test process's
+    own collector is as it was after a play."""
+    import asyncio
+    import gc
+    import inspect
+
+    from bench.instructions import GC_THRESHOLDS, play
+    from extproc.adapters import server
+
+    src = inspect.getsource(server.serve)
+    assert "gc.freeze()" in src
+    assert f"gc.set_threshold({GC_THRESHOLDS[0]:_}, {GC_THRESHOLDS[1]}, {GC_THRESHOLDS[2]})" \
+        in src
+    before, frozen = gc.get_threshold(), gc.get_freeze_count()
+    seen: list[tuple[int, int, int]] = []
+    asyncio.run(play("floor", 1, 1, 0, lambda _l: seen.append(gc.get_threshold()),
+                     lambda: None))
+    assert seen == [GC_THRESHOLDS] * 3
+    assert gc.get_threshold() == before and gc.get_freeze_count() == frozen
+
+
+def test_a_part_counts_a_coroutine_only_while_it_runs_and_nested_calls_once() -> None:
+    """`--part` on a coroutine function: collection on at each of its steps, off while it
+    waits; a recursive call inside it toggles nothing more."""
+    import asyncio
+    import sys
+    import types
+
+    from bench.instructions import wrap_part
+
+    mod = types.ModuleType("_hb_part_probe")
+    log: list[str] = []
+
+    async def rec(n: int) -> int:
+        log.append(f"run{n}")
+        if n == 0:
+            await asyncio.sleep(0)  # waits: not counted
+            log.append("back")
+            return 0
+        return 1 + await mod.rec(n - 1)
+
+    def plain(x: int) -> int:
+        log.append("plain")
+        return mod.plain(x - 1) if x else 7
+
+    mod.rec, mod.plain = rec, plain  # type: ignore[attr-defined]
+    sys.modules[mod.__name__] = mod
+    try:
+        wrap_part(f"{mod.__name__}:rec", lambda: log.append("T"))
+        assert asyncio.run(mod.rec(2)) == 2
+        assert log == ["T", "run2", "run1", "run0", "T", "T", "back", "T"]
+        log.clear()
+        wrap_part(f"{mod.__name__}:plain", lambda: log.append("T"))
+        assert mod.plain(2) == 7
+        assert log == ["T", "plain", "plain", "plain", "T"]
+    finally:
+        del sys.modules[mod.__name__]
