@@ -60,16 +60,8 @@ class HandOff:
                 "waited_for_previous_s": self.waited_for_previous_s}
 
     def header(self) -> str:
-        """The header form: the record and the lease id, as compact JSON. What
-        `from_header` will read from it is kept, for a guard of this process to find
-        instead of parsing it again (`_WRITTEN`)."""
-        text = _COMPACT({**self.record(), "lease_id": self.lease_id})
-        if len(_WRITTEN) >= WRITTEN_KEPT:
-            del _WRITTEN[next(iter(_WRITTEN))]  # the oldest: its guard never came
-        _WRITTEN[text] = HandOff(self.attempt, self.attempt_id, self.replica, self.gateway_id,
-                                 self.started_at, self.admitted_at, self.waited_for_previous_s,
-                                 self.model_revision, self.slow, self.lease_id)
-        return text
+        """The header form: the record and the lease id, as compact JSON."""
+        return _COMPACT({**self.record(), "lease_id": self.lease_id})
 
     @classmethod
     def from_record(cls, rec: Mapping[str, Any], lease_id: int,
@@ -88,23 +80,11 @@ class HandOff:
         """The record a header carries; None if absent or unreadable."""
         if not value:
             return None
-        if (known := _WRITTEN.pop(value, None)) is not None:
-            return known
         try:
             rec = json.loads(value)
             return cls.from_record(rec, int(rec.get("lease_id") or 0))
         except (ValueError, KeyError, TypeError, AttributeError):
             return None
-
-
-# Header text -> the hand-off it carries, for the headers this process wrote and no guard
-# read yet (a guard reads its gate's once, in the same process as a rule): the record
-# `from_header` would parse, without the parse (a JSON decode and ten conversions). Equal
-# by construction: the fields are already what `from_record` makes of them, and JSON gives
-# back what it was given for these (strings, ints, finite floats, bools, None). Bounded:
-# a hand-off whose guard never reads it is forgotten after WRITTEN_KEPT more.
-WRITTEN_KEPT = 1024
-_WRITTEN: dict[str, HandOff] = {}
 
 
 def _opt_str(v: Any) -> str | None:
