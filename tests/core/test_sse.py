@@ -724,7 +724,7 @@ def _style(data: st.DataObject) -> list[bytes]:
 @settings(max_examples=600, deadline=None)
 @given(data=st.data())
 def test_whole_run_one_match_is_the_steps_it_replaces(data: st.DataObject) -> None:
-    """`whole_run` with its learned one-match regex (`_rest_rx`) and without it (the regex
+    """`whole_run` with its learned one-match regex (`_rest`) and without it (the regex
     steps alone: head, content string, middle, usage's end) answer every message alike:
     the units, where the usage is, and what they learn."""
     fast, steps = SseDecoder(merge_content=True), SseDecoder(merge_content=True)
@@ -734,7 +734,7 @@ def test_whole_run_one_match_is_the_steps_it_replaces(data: st.DataObject) -> No
     style = _style(data)
     for _ in range(data.draw(st.integers(1, 12))):
         msg = _usual_message(data, style)
-        steps._rest_rx = None  # the step-by-step way only
+        steps._rest = None  # the step-by-step way only
         want = steps.whole_run(msg)
         got = fast.whole_run(msg)
         assert (got, fast.run_usage) == (want, steps.run_usage), msg
@@ -754,12 +754,12 @@ def test_whole_run_one_match_takes_the_usual_message() -> None:
     dec = SseDecoder(merge_content=True)
     dec.feed(b'data: {"id":"c7","choices":[]}\n\n')
     assert dec.whole_run(msg(b"a", 1)) == 1 and dec.whole_run(msg(b"b", 2)) == 1
-    assert dec._rest_rx is not None
+    assert dec._rest is not None
     m = msg(b"hello", 13)
-    u = dec._rest_rx.fullmatch(m, len(dec._head_seen))
+    u = dec._rest[0].fullmatch(m)
     assert u is not None and u[2] == b"13"
     assert dec.whole_run(m) == 1 and dec.run_usage == (m.index(b',"usage":'), b"13")
     # An escaped content string is not the one match's: the steps take it, alike.
     e = msg(b'say \\"hi\\"', 14)
-    assert dec._rest_rx.fullmatch(e, len(dec._head_seen)) is None
+    assert dec._rest[0].fullmatch(e) is None
     assert dec.whole_run(e) == 1 and dec.run_usage == (e.index(b',"usage":'), b"14")
