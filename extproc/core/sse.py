@@ -174,28 +174,30 @@ _NO_USAGE = (-1, b"")
 _USAGE_END = re.compile(_NUM + rb',"completion_tokens":(' + _NUM
                         + rb')(?:,"completion_tokens_details":null)?\}\}\n\n')
 # The same steps in one match, for a chunk whose head and middle repeat the ones seen: as
-# many bytes as the head seen has, a plain content string (no escape) and its closing quote
-# (group 1), as many bytes as the middle seen has, then the usage's numbers as
-# `_USAGE_END` has them (group 2; `_PLAIN_USAGE_END`), or nothing if the middle had no
-# usage. The caller compares the head and the middle (memcmp, not sre's per-byte steps).
-# A regex call costs ~1.5k instructions however little it matches (callgrind, CPython
-# 3.11), ~0.4k more with a start position: one call instead of two, without one.
-_PLAIN_REST = rb'(?s:.{%d})([^"\\\x00-\x1f]+")(?s:.{%d})'
+# many bytes as the head seen has, the content string's rest as `_CONTENT_REST` has it
+# (group 1), as many bytes as the middle seen has, then the usage's numbers as `_USAGE_END`
+# has them (group 2; `_ONE_USAGE_END`), or nothing if the middle had no usage. The caller
+# compares the head and the middle (memcmp, not sre's per-byte steps). A regex call costs
+# ~1.5k instructions however little it matches (callgrind, CPython 3.11), ~0.4k more with
+# a start position: one call instead of two, without one. (A plain string alone, with no
+# escape, would match ~0.5k cheaper, but then every token with a newline or a quote in it
+# would pay a failed match and the steps: ~5k more.)
+_ONE_MATCH = rb'(?s:.{%d})(' + _CONTENT_REST.pattern.replace(b"%", b"%%") + rb')(?s:.{%d})'
 # `_USAGE_END` less its rare forms (a negative number; those take the steps), in the form
 # sre matches fastest (an alternation of whole ends, not an optional group): ~0.6k less.
-_PLAIN_NUM = rb"(?:0|[1-9][0-9]{0,15})"
-_PLAIN_USAGE_END = (_PLAIN_NUM + rb',"completion_tokens":(' + _PLAIN_NUM
+_UNSIGNED = rb"(?:0|[1-9][0-9]{0,15})"
+_ONE_USAGE_END = (_UNSIGNED + rb',"completion_tokens":(' + _UNSIGNED
                     + rb')(?:,"completion_tokens_details":null\}\}\n\n|\}\}\n\n)')
 _RESTS: dict[tuple[int, int, bool], re.Pattern[bytes]] = {}
 
 
 def _rest_for(head: int, mid: int, usage: bool) -> re.Pattern[bytes]:
-    """`_PLAIN_REST` for a head of `head` bytes and a middle of `mid`, with the usage's end
+    """`_ONE_MATCH` for a head of `head` bytes and a middle of `mid`, with the usage's end
     if `usage`; compiled once per lengths and kind (a stream learns its head and middle
     once; an engine's lengths are few)."""
     rx = _RESTS.get((head, mid, usage))
     if rx is None:
-        rx = re.compile(_PLAIN_REST % (head, mid) + (_PLAIN_USAGE_END if usage else b""))
+        rx = re.compile(_ONE_MATCH % (head, mid) + (_ONE_USAGE_END if usage else b""))
         if len(_RESTS) < 256:  # a few in practice; bounded regardless
             _RESTS[(head, mid, usage)] = rx
     return rx
@@ -412,8 +414,9 @@ class SseDecoder:
         rest = self._rest  # `_rest_for` the head and middle seen, and their lengths
         if rest is not None and (u := rest[0].fullmatch(chunk)) is not None and chunk[
                 :rest[1]] == seen and chunk[(end := u.end(1)):end + rest[2]] == self._mid_seen:
-            # What the steps below find, in fewer calls: the same content end (a plain
-            # string ends at its first quote), the middle there, the usage's numbers after.
+            # What the steps below find, in fewer calls: the same content end (a JSON
+            # string has one: its first unescaped quote), the middle there, the usage's
+            # numbers after (tests/core/test_sse.py compares the two ways).
             at = self._mid_usage
             self.run_usage = _NO_USAGE if at < 0 else (end + at, u[2])
             return 1 if chunk.isascii() or _is_utf8(chunk) else 0

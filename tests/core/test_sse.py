@@ -759,7 +759,10 @@ def test_whole_run_one_match_takes_the_usual_message() -> None:
     u = dec._rest[0].fullmatch(m)
     assert u is not None and u[2] == b"13"
     assert dec.whole_run(m) == 1 and dec.run_usage == (m.index(b',"usage":'), b"13")
-    # An escaped content string is not the one match's: the steps take it, alike.
-    e = msg(b'say \\"hi\\"', 14)
-    assert dec._rest[0].fullmatch(e) is None
+    # An escaped content string too; a negative count is the steps' alone, alike.
+    e = msg(b'say \\"hi\\"\\n', 14)
+    assert dec._rest[0].fullmatch(e) is not None
     assert dec.whole_run(e) == 1 and dec.run_usage == (e.index(b',"usage":'), b"14")
+    n = msg(b"x", -1)
+    assert dec._rest[0].fullmatch(n) is None
+    assert dec.whole_run(n) == 1 and dec.run_usage == (n.index(b',"usage":'), b"-1")
