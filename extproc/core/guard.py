@@ -97,7 +97,7 @@ from .machine import (
 )
 from .pool import Pool
 from .sse import EventKind, SseDecoder, SseEvent
-from .usage import UsageMode, take_found_usage, take_run_usage, take_usage
+from .usage import UsageMode, take_run_usage, take_usage
 
 S = State
 
@@ -285,7 +285,7 @@ def _guard_headers(m: GuardMachine, ev: ResponseHeaders) -> list[Action]:
 # The members the per-chunk paths read, as module globals: on CPython 3.11 reading an enum
 # member through its class takes EnumType's __getattr__ hook, ~900 instructions under
 # callgrind against a global's few (decision 0041).
-_U_OFF = UsageMode.OFF
+_U_OFF, _U_KEEP = UsageMode.OFF, UsageMode.KEEP
 _K_CONTENT, _K_NON_CONTENT, _K_DONE = EventKind.CONTENT, EventKind.NON_CONTENT, EventKind.DONE
 _K_ERROR, _K_MALFORMED = EventKind.ERROR, EventKind.MALFORMED
 _S_STREAMING, _S_COMPLETE = State.GUARD_STREAMING, State.GUARD_COMPLETE
@@ -405,6 +405,7 @@ def _send(data: bytes, end: bool) -> list[Action]:
 # What the streaming row decides for a chunk that is whole token events: the bytes, and
 # the stall timer moved (`_sse_forward`'s last branch).
 _STREAMING_CHUNK = decided(State.GUARD_STREAMING, (Send, StartTimer))
+_CHUNK_RECORD = chunk_record(b"", False, False)  # its "data" replaced per chunk
 
 
 def streaming_chunk(m: GuardMachine, data: bytes, end_of_stream: bool,
@@ -426,19 +427,26 @@ def streaming_chunk(m: GuardMachine, data: bytes, end_of_stream: bool,
     units = dec.whole_run(data)
     if not units:
         return None
-    recorded = m.trace_budget > 0
-    if recorded:
+    if m.trace_budget > 0:
         m.trace_budget -= TRACE_RECORD_COST + len(data)
-        m.trace.append(chunk_record(data, False, False))
+        # chunk_record(data, False, False) and the row's decision, built here: a call less,
+        # and a copy of the record's keys costs less than building them anew
+        rec = _CHUNK_RECORD.copy()
+        rec["data"] = data.decode("latin-1")
+        m.trace.append(rec)
+        m.decisions.append(_STREAMING_CHUNK)
     else:
         m.trace_truncated = True
     mode = m.usage_mode
-    if mode is not _U_OFF:
-        found = dec.run_usage  # where the decoder saw the event's usage, if it did
-        out, et = (take_run_usage(mode, data, units) if found is None
-                   else take_found_usage(mode, data, found[0], found[1]))
-    else:
+    if mode is _U_OFF:
         out, et = data, None  # output the last count did not include
+    elif (found := dec.run_usage) is None:
+        out, et = take_run_usage(mode, data, units)
+    elif (at := found[0]) < 0:  # the decoder saw where its usage is: none
+        out, et = data, None
+    else:  # take_found_usage(mode, data, at, found[1]), inlined
+        et = int(found[1]) if found[1].isdigit() else None
+        out = data if mode is _U_KEEP else data[:at] + b"}\n\n"
     m.engine_tokens = et
     kept = m.kept
     if m.count_text is not None:
@@ -450,8 +458,6 @@ def streaming_chunk(m: GuardMachine, data: bytes, end_of_stream: bool,
     marks.fromlist([sent, delivered, -1 if et is None else et, len(kept)])
     if len(marks) >= MARK_STRIDE * MARKS_KEPT:
         m.sent_downstream(0)  # folds old marks
-    if recorded:
-        m.decisions.append(_STREAMING_CHUNK)
     return out
 
 

@@ -675,3 +675,94 @@ def test_feed_to_first_content_is_feed_cut_at_the_first_content(data: st.DataObj
         assert _normalized(got[:-1]) == expected[:upto]
         assert got[-1].kind is EventKind.CONTENT and got[-1].content_units >= 1
         assert expected[upto][2].startswith(got[-1].raw)
+
+
+# --- whole_run's one-match step against the steps it stands for ------------------------------
+
+
+def _usual_message(data: st.DataObject, style: list[bytes]) -> bytes:
+    """A one-event message in vLLM's form (what `whole_run` learns a stream's head and
+    middle from): the stream's `style` (head, role, logprobs, usage's form), now and then
+    another, a content and usage numbers drawn anew, sometimes broken in ways only the
+    step-by-step path may judge."""
+    if data.draw(st.integers(0, 3)) == 0:  # one of its parts as another stream has it
+        i = data.draw(st.integers(0, len(style) - 1))
+        style = [*style[:i], _style(data)[i], *style[i + 1:]]
+    head, role, logprobs, prompt, details = style
+    content = _render_str(data.draw(_TEXT), data, data.draw(st.integers(0, 5)) > 0)
+    num = st.sampled_from([b"0", b"7", b"12", b"1234567"] * 4
+                          + [b"-3", b"01", b"99999999999999999", b""])
+    if prompt == b"":
+        usage = b""
+    elif prompt == b"null":
+        usage = b',"usage":null'
+    else:
+        usage = (b',"usage":{"prompt_tokens":' + prompt + b',"total_tokens":' + data.draw(num)
+                 + b',"completion_tokens":' + data.draw(num) + details + b"}")
+    msg = (b"data: " + head + b'"delta":{' + role + b'"content":' + content + b"}"
+           + logprobs + b',"finish_reason":null}]' + usage + b"}\n\n")
+    how = data.draw(st.integers(0, 19))
+    if how == 0:
+        return msg[: data.draw(st.integers(0, len(msg)))]
+    if how == 1:
+        return msg + data.draw(st.sampled_from([b"\n", b"x", msg]))
+    return msg
+
+
+def _style(data: st.DataObject) -> list[bytes]:
+    return [data.draw(st.sampled_from([b'{"id":"c7","object":"chat.completion.chunk",'
+                                       b'"created":1,"model":"m","choices":[{"index":0,',
+                                       b'{"id":"c8","object":"chat.completion.chunk",'
+                                       b'"created":1,"model":"m","choices":[{"index":0,'])),
+            data.draw(st.sampled_from([b"", b'"role":"assistant",'])),
+            data.draw(st.sampled_from([b"", b',"logprobs":null'])),
+            data.draw(st.sampled_from([b"", b"null", b"4", b"5", b"40", b"41"])),
+            data.draw(st.sampled_from([b"", b',"completion_tokens_details":null',
+                                       b',"x":1']))]
+
+
+@settings(max_examples=600, deadline=None)
+@given(data=st.data())
+def test_whole_run_one_match_is_the_steps_it_replaces(data: st.DataObject) -> None:
+    """`whole_run` with its learned one-match regex (`_rest`) and without it (the regex
+    steps alone: head, content string, middle, usage's end) answer every message alike:
+    the units, where the usage is, and what they learn."""
+    fast, steps = SseDecoder(merge_content=True), SseDecoder(merge_content=True)
+    first = b'data: {"id":"c7","choices":[{"index":0,"delta":{"role":"assistant"}}]}\n\n'
+    fast.feed(first)
+    steps.feed(first)
+    style = _style(data)
+    for _ in range(data.draw(st.integers(1, 12))):
+        msg = _usual_message(data, style)
+        steps._rest = None  # the step-by-step way only
+        want = steps.whole_run(msg)
+        got = fast.whole_run(msg)
+        assert (got, fast.run_usage) == (want, steps.run_usage), msg
+        assert (fast._head_seen, fast._mid_seen, fast._mid_usage) == (
+            steps._head_seen, steps._mid_seen, steps._mid_usage)
+
+
+def test_whole_run_one_match_takes_the_usual_message() -> None:
+    """Not vacuous: after one message the stream's head and middle are known, and the next
+    usual message is found by the one match, its usage where the steps find it."""
+    def msg(content: bytes, n: int) -> bytes:
+        return (b'data: {"id":"c7","object":"chat.completion.chunk","created":1,"model":"m",'
+                b'"choices":[{"index":0,"delta":{"content":"' + content + b'"},'
+                b'"logprobs":null,"finish_reason":null}],"usage":{"prompt_tokens":4,'
+                b'"total_tokens":' + str(4 + n).encode() + b',"completion_tokens":'
+                + str(n).encode() + b',"completion_tokens_details":null}}\n\n')
+    dec = SseDecoder(merge_content=True)
+    dec.feed(b'data: {"id":"c7","choices":[]}\n\n')
+    assert dec.whole_run(msg(b"a", 1)) == 1 and dec.whole_run(msg(b"b", 2)) == 1
+    assert dec._rest is not None
+    m = msg(b"hello", 13)
+    u = dec._rest[0].fullmatch(m)
+    assert u is not None and u[2] == b"13"
+    assert dec.whole_run(m) == 1 and dec.run_usage == (m.index(b',"usage":'), b"13")
+    # An escaped content string too; a negative count is the steps' alone, alike.
+    e = msg(b'say \\"hi\\"\\n', 14)
+    assert dec._rest[0].fullmatch(e) is not None
+    assert dec.whole_run(e) == 1 and dec.run_usage == (e.index(b',"usage":'), b"14")
+    n = msg(b"x", -1)
+    assert dec._rest[0].fullmatch(n) is None
+    assert dec.whole_run(n) == 1 and dec.run_usage == (n.index(b',"usage":'), b"-1")
