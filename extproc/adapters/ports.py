@@ -54,11 +54,14 @@ def credential(ids: Ids) -> tuple[str, str]:
 
 
 class SystemClock:
-    def monotonic(self) -> float:
-        return time.monotonic()
+    # The builtin itself: no Python frame per read (the stall timer reads it per chunk).
+    monotonic = staticmethod(time.monotonic)
 
     def wall(self) -> float:
-        return round(time.time(), 6)
+        """Seconds since the epoch, to the microsecond the clock is in (what records and
+        logs write): from the integer microseconds, not `round(time.time(), 6)`, whose
+        correctly rounded decimal conversion cost ~7k instructions a call."""
+        return time.time_ns() // 1000 / 1e6
 
 
 class RandomIds:

@@ -20,6 +20,9 @@ def test_the_system_clock_is_monotonic_and_its_wall_is_now_to_the_microsecond() 
     before, w, after = time.time(), c.wall(), time.time()
     assert before - 1e-6 <= w <= after + 1e-6
     assert round(w, 6) == w
+    # As records and logs write it: never more than six decimals.
+    walls = [c.wall() for _ in range(2000)]
+    assert all(len(repr(x).partition(".")[2]) <= 6 for x in walls)
 
 
 def test_random_ids_have_the_journal_s_shapes_and_do_not_repeat() -> None:
