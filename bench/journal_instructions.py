@@ -25,7 +25,9 @@ layer), asyncio or other.
 `--part module:Qual.name` (repeatable; one pair of runs each) counts only inside one
 synchronous function, inclusive, per request (bench/instructions.py's wrapper, collection
 toggled on at its entry and off at its return), less the wrapper's own cost measured on
-`bench.journal_instructions:calibrate`, an empty function called once per request.
+`bench.journal_instructions:calibrate`, an empty function called once per request. Only
+the main thread is read then: gRPC's core runs threads of its own, and whatever they do
+while collection is on would be counted as the function's.
 
 Only the client's process is counted: etcd's own work is in another process.
 """
@@ -254,7 +256,8 @@ def measure(store_kind: str, endpoint: str | None, n: int, out_dir: Path,
     for f in out_dir.glob(prefix + ".*"):
         f.unlink()
     argv = [vg, "--tool=callgrind", "--instr-atstart=no", "--dump-instr=no",
-            *(("--collect-atstart=no",) if part else ()),
+            # A part: only the main thread's counts (gRPC's core threads run meanwhile).
+            *(("--collect-atstart=no", "--separate-threads=yes") if part else ()),
             "--compress-strings=no", "--compress-pos=no",
             f"--callgrind-out-file={out_dir}/{prefix}.%p",
             sys.executable, "-c", "import sys; from bench.journal_instructions import main; "
@@ -269,6 +272,8 @@ def measure(store_kind: str, endpoint: str | None, n: int, out_dir: Path,
         raise SystemExit(f"{store_kind} under callgrind failed ({res.returncode}):\n"
                          + "\n".join(res.stderr.splitlines()[-25:]))
     for f in sorted(out_dir.glob(prefix + ".*")):
+        if part and not f.name.endswith("-01"):
+            continue
         label, _total = read_dump(f.read_text())
         if label == LABEL:
             a = subprocess.run([ann, "--threshold=100", str(f)], capture_output=True,
