@@ -99,6 +99,22 @@ def per_request(small: dict[str, int], large: dict[str, int], n_small: int, n_la
     return {k: (large.get(k, 0) - small.get(k, 0)) / (n_large - n_small) for k in keys}
 
 
+_CALLS = re.compile(r"^journal-instructions calls (\d+)$", re.M)
+
+
+def calls_in(stderr: str) -> int:
+    """How many times the counted function was called while counting (the driver's line)."""
+    m = _CALLS.search(stderr)
+    if m is None:
+        raise ValueError("the driver did not say how many calls it counted")
+    return int(m.group(1))
+
+
+def net_of_wrapper(inside: float, calls: float, wrapper_per_call: float) -> float:
+    """A part's instructions per request less the wrapper's own, once per call."""
+    return inside - calls * wrapper_per_call
+
+
 def kind_of(file: str) -> str:
     """A profiled function's file -> ours, grpc, asyncio or other."""
     f = file.replace("\\", "/")
@@ -190,6 +206,23 @@ async def play(store_kind: str, endpoint: str | None, n: int, warmup: int,
     await store.close()
 
 
+def count_calls(target: str, calls: list[int]) -> None:
+    """Count `target`'s calls in calls[0] (outside the counted region: it wraps the wrapper)."""
+    import importlib
+
+    mod_name, _, qual = target.partition(":")
+    owner: Any = importlib.import_module(mod_name)
+    *path, name = qual.split(".")
+    for p in path:
+        owner = getattr(owner, p)
+    fn = getattr(owner, name)
+
+    def counting(*args: Any, **kw: Any) -> Any:
+        calls[0] += 1
+        return fn(*args, **kw)
+    setattr(owner, name, counting)
+
+
 def _quiet() -> None:
     import logging
 
@@ -243,9 +276,9 @@ class Etcd:
 
 
 def measure(store_kind: str, endpoint: str | None, n: int, out_dir: Path,
-            part: str | None = None) -> dict[str, int]:
+            part: str | None = None) -> tuple[dict[str, int], int]:
     """One callgrind run of `n` requests -> its counted dump's instructions by object (with
-    `part`: only inside that function)."""
+    `part`: only inside that function) and how many calls of `part` were counted."""
     from bench.instructions import build_marker, read_dump
 
     vg, ann = shutil.which("valgrind"), shutil.which("callgrind_annotate")
@@ -278,16 +311,16 @@ def measure(store_kind: str, endpoint: str | None, n: int, out_dir: Path,
         if label == LABEL:
             a = subprocess.run([ann, "--threshold=100", str(f)], capture_output=True,
                                text=True, check=False)
-            return by_object(a.stdout)
+            return by_object(a.stdout), calls_in(res.stderr) if part else 0
     raise SystemExit(f"{store_kind}: no '{LABEL}' dump in {out_dir}")
 
 
 def inclusive(store_kind: str, endpoint: str | None, target: str, n1: int, n2: int,
-              out_dir: Path) -> float:
-    """Instructions inside `target` per request (two runs, the difference)."""
-    c = per_request(measure(store_kind, endpoint, n1, out_dir, target),
-                    measure(store_kind, endpoint, n2, out_dir, target), n1, n2)
-    return sum(c.values())
+              out_dir: Path) -> tuple[float, float]:
+    """Instructions inside `target` and its calls, per request (two runs, the difference)."""
+    (small, c1), (large, c2) = (measure(store_kind, endpoint, n1, out_dir, target),
+                                measure(store_kind, endpoint, n2, out_dir, target))
+    return sum(per_request(small, large, n1, n2).values()), (c2 - c1) / (n2 - n1)
 
 
 def profile(store_kind: str, endpoint: str | None, n: int, top: int) -> str:
@@ -333,10 +366,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.play:  # inside valgrind
         from bench.instructions import _marker, wrap_part
 
-        begin, mark, toggle = _marker()
+        start, mark, toggle = _marker()
+        calls = [0]
         for target in args.part:
             wrap_part(target, toggle)
-        _run(play(args.play, args.endpoint, int(args.requests), WARMUP, begin, mark,
+            count_calls(target, calls)
+
+        def begin() -> None:
+            calls[0] = 0
+            start()
+
+        def dump(label: str) -> None:
+            mark(label)
+            if args.part:
+                print(f"journal-instructions calls {calls[0]}", file=sys.stderr, flush=True)
+        _run(play(args.play, args.endpoint, int(args.requests), WARMUP, begin, dump,
                   parts=bool(args.part)))
         return 0
     n1, n2 = (int(x) for x in args.requests.split(","))
@@ -350,18 +394,19 @@ def main(argv: list[str] | None = None) -> int:
             with tempfile.TemporaryDirectory() as d:
                 for s in stores:
                     ep = etcd.endpoint if s == "etcd" and etcd else None
-                    base = inclusive(s, ep, "bench.journal_instructions:calibrate", n1, n2,
-                                     Path(d))
+                    base, _one = inclusive(s, ep, "bench.journal_instructions:calibrate",
+                                           n1, n2, Path(d))
                     print(f"{s}: inclusive per request, less the wrapper's own {base:,.0f} "
-                          "(once per call)")
+                          "per call; calls per request")
                     for target in args.part:
-                        c = inclusive(s, ep, target, n1, n2, Path(d))
-                        print(f"  {c - base:>10,.0f}  {target}")
+                        c, k = inclusive(s, ep, target, n1, n2, Path(d))
+                        print(f"  {net_of_wrapper(c, k, base):>10,.0f}  {k:6.2f}  "
+                              f"{target}")
             return 0
         with tempfile.TemporaryDirectory() as d:
             for s in stores:
                 ep = etcd.endpoint if s == "etcd" and etcd else None
-                small, large = measure(s, ep, n1, Path(d)), measure(s, ep, n2, Path(d))
+                small, large = measure(s, ep, n1, Path(d))[0], measure(s, ep, n2, Path(d))[0]
                 rows[s] = per_request(small, large, n1, n2)
         print(f"instructions (callgrind Ir) per request, three transactions and the "
               f"revocation watch's events, ({n2} - {n1} requests) / {n2 - n1}")

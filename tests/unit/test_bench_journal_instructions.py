@@ -76,3 +76,12 @@ def test_the_driver_plays_the_three_transactions_on_the_memory_store() -> None:
     began: list[bool] = []
     _run(play("memory", None, 3, 2, lambda: began.append(True), marks.append))
     assert began == [True] and marks == ["journal"]
+
+
+def test_a_part_is_net_of_the_wrapper_once_per_call() -> None:
+    from bench.journal_instructions import calls_in, net_of_wrapper
+
+    assert calls_in("noise\njournal-instructions calls 300\nmore\n") == 300
+    with pytest.raises(ValueError, match="calls"):
+        calls_in("journal-instructions calls\n")
+    assert net_of_wrapper(13_126.0, 3.0, 1_950.0) == 7_276.0
