@@ -15,7 +15,7 @@ include image.mk
 
 .PHONY: help install run test lint typecheck unit e2e bench bench-quick bench-pool profile \
 	bench-floors bench-cells bench-transports bench-timeline bench-agent bench-abandoned bench-journal \
-	bench-journal-shards bench-peers peers-install bench-instructions valgrind compiled uncompiled \
+	bench-journal-shards bench-peers peers-install bench-instructions bench-journal-instructions valgrind compiled uncompiled \
 	envoy-config mesh-config chart prometheus dashboard-image clean
 
 help:
@@ -35,6 +35,7 @@ help:
 	@echo "make bench-peers   plain Envoy, ours, LiteLLM, smg, vllm-router: same replicas, same loads (.venv-peers)"
 	@echo "make profile    where the processor's time goes under load (py-spy)"
 	@echo "make bench-instructions  instructions per chunk and per request start, ours vs the floor (callgrind)"
+	@echo "make bench-journal-instructions  the journal's etcd client path per request (3 txns + watch), by object and function (callgrind)"
 	@echo "make compiled   optional: extproc/core compiled with mypyc (decision 0041); make uncompiled removes it"
 	@echo "make sweep      the full fault sweep (docs/sweep.md)"
 	@echo "make sweep-agents  the full fault sweep with a replica agent in front of each replica (docs/sweep.md)"
@@ -139,6 +140,12 @@ profile: install
 ## repeatable on a loaded machine (docs/benchmarks.md, "Instructions per chunk"; about 1 min).
 bench-instructions: install valgrind
 	$(PY) -m bench.instructions
+
+## The journal's etcd client path per request (three transactions, the revocation watch) on a
+## real etcd and on the in-memory KV, under callgrind (docs/benchmarks.md, "The journal's
+## client, per request"; a few minutes).
+bench-journal-instructions: install valgrind
+	$(PY) -m bench.journal_instructions
 
 valgrind:
 	@command -v valgrind >/dev/null && command -v gcc >/dev/null || \

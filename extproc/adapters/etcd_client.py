@@ -58,6 +58,7 @@ _WATCH_DENIED = "permission denied"
 _AUTH_NOT_ENABLED = "authentication is not enabled"
 
 _STREAMS = frozenset({"LeaseKeepAlive", "Watch"})
+_READY = grpc.ChannelConnectivity.READY
 # After etcd refused our user or password, calls fail with that answer for this long before
 # the next try: a wrong password must not become one bcrypt in etcd per request.
 AUTH_HOLD_OFF_S = 1.0
@@ -139,6 +140,9 @@ class _Endpoint:
         self.stubs: dict[str, Any] = {
             "KV": rpc.KVStub(channel), "Lease": rpc.LeaseStub(channel),
             "Watch": rpc.WatchStub(channel), "Auth": rpc.AuthStub(channel)}
+        # Every stub method by "Service.Method", looked up once per call.
+        self.calls: dict[str, Any] = {f"{name}.{m}": fn for name, stub in self.stubs.items()
+                                      for m, fn in vars(stub).items()}
 
     def state(self) -> grpc.ChannelConnectivity:
         return self.channel.get_state(try_to_connect=True)
@@ -159,6 +163,10 @@ class EtcdClient:
         self._auth_lock = asyncio.Lock()
         self._refused: tuple[float, grpc.aio.AioRpcError] | None = None  # (when, answer)
         self.authentications = 0  # how many times a token was obtained (tests, logs)
+        # A unary call's metadata for the last token it was built for (built once, not
+        # per call): (token, `hasleader` then `token`).
+        self._unary_md: tuple[str | None, grpc.aio.Metadata] = (
+            None, grpc.aio.Metadata(*_REQUIRE_LEADER))
         self.kv = _Service(self, "KV")
         self.lease = _Service(self, "Lease")
         self.watch = _Service(self, "Watch")
@@ -204,13 +212,14 @@ class EtcdClient:
         first not excluded. Asking a channel's state also starts connecting it, so the other
         endpoints are ready when the one in use goes away.
         """
-        if not self._eps:
+        eps = self._eps
+        if not eps:
             raise _new_error(grpc.StatusCode.CANCELLED, "the etcd client is closed")
-        n = len(self._eps)
+        n = len(eps)
         now = asyncio.get_running_loop().time()
-        cur = self._eps[self._current]
+        cur = eps[self._current]
         if (cur.index not in exclude and cur.suspect_until <= now
-                and cur.state() == grpc.ChannelConnectivity.READY):
+                and cur.channel.get_state(True) is _READY):  # cur.state(), one call less
             return cur
         fallback: int | None = None
         suspect: int | None = None
@@ -308,6 +317,16 @@ class EtcdClient:
             md += (("token", token),)
         return md or None
 
+    def unary_metadata(self, token: str | None, extra: Any = None) -> Any:
+        """A unary call's metadata: the caller's, `hasleader`, the token (in this order)."""
+        if extra:
+            return self.metadata(token, tuple(extra) + _REQUIRE_LEADER)
+        md = self._unary_md
+        if md[0] != token:
+            md = self._unary_md = (token, grpc.aio.Metadata(
+                *(self.metadata(token, _REQUIRE_LEADER) or ())))
+        return md[1]
+
     # --- errors -------------------------------------------------------------------------
 
     def explain(self, e: grpc.aio.AioRpcError, ep: _Endpoint, authenticating: bool = False
@@ -383,32 +402,38 @@ class _Service:
                    metadata: Any = None) -> _Stream:
                 return _Stream(self._client, self._name, method, requests, timeout, metadata)
         else:
+            path = f"{self._name}.{method}"
+
             def fn(request: Any, timeout: float | None = None, metadata: Any = None
                    ) -> Coroutine[Any, Any, Any]:
-                return _unary(self._client, self._name, method, request, timeout, metadata)
+                return _unary(self._client, path, request, timeout, metadata)
         setattr(self, method, fn)
         return fn
 
 
-async def _unary(c: EtcdClient, service: str, method: str, request: Any,
-                 timeout_s: float | None, metadata: Any) -> Any:
+_NONE: frozenset[int] = frozenset()
+
+
+async def _unary(c: EtcdClient, path: str, request: Any, timeout_s: float | None,
+                 metadata: Any) -> Any:
+    """One unary call, `path` "Service.Method"."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + (timeout_s if timeout_s is not None else c.cfg.timeout_s)
     reauthed = False
-    tried: set[int] = set()
+    tried = _NONE
     while True:
-        ep = c.pick(frozenset(tried))
+        ep = c.pick(tried)
         token, authenticating = None, True
         try:
-            token = await _token_within(c, ep, deadline - loop.time())
+            if c.creds.username is not None:
+                token = await _token_within(c, ep, deadline - loop.time())
             authenticating = False
             left = deadline - loop.time()
             if left <= 0:
                 raise _new_error(grpc.StatusCode.DEADLINE_EXCEEDED,
                                  "authenticating took the whole deadline")
-            return await getattr(ep.stubs[service], method)(
-                request, timeout=left,
-                metadata=c.metadata(token, tuple(metadata or ()) + _REQUIRE_LEADER))
+            return await ep.calls[path](request, timeout=left,
+                                        metadata=c.unary_metadata(token, metadata))
         except grpc.aio.AioRpcError as e:
             if not authenticating and not reauthed and (_token_rejected(e) or (
                     token is None and c._tokenless
@@ -419,7 +444,7 @@ async def _unary(c: EtcdClient, service: str, method: str, request: Any,
                 continue
             if _not_sent(e) or _no_leader(e):
                 # Nothing was applied: the next member may take it within the deadline.
-                tried.add(ep.index)
+                tried = tried | {ep.index}
                 c.move_on(ep)
                 if len(tried) < c.endpoint_count and deadline - loop.time() > 0:
                     continue

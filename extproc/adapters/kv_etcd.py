@@ -49,32 +49,62 @@ _RESULT = {Cmp.EQUAL: rpc.Compare.EQUAL, Cmp.LESS: rpc.Compare.LESS,
            Cmp.GREATER: rpc.Compare.GREATER}
 
 
-def _compare(c: Compare) -> Any:
-    target, result = _TARGET[c.target], _RESULT[c.result]
+# The request is built in place, each message added to its parent (`add()`, a sub-message's
+# fields set where they are): a message given to a constructor is copied into it, level by
+# level (decision 0048). Setting a field of a oneof's sub-message selects that member, as
+# the constructor did, even when the value set is the default.
+
+
+def _compare(m: Any, c: Compare) -> None:
+    m.key = c.key
+    m.target = _TARGET[c.target]
+    m.result = _RESULT[c.result]
     if c.target is Target.VALUE:
-        return rpc.Compare(key=c.key, target=target, result=result, value=c.value)
-    if c.target is Target.VERSION:
-        return rpc.Compare(key=c.key, target=target, result=result, version=c.value)
-    return rpc.Compare(key=c.key, target=target, result=result, mod_revision=c.value)
+        m.value = c.value
+    elif c.target is Target.VERSION:
+        m.version = c.value
+    else:
+        m.mod_revision = c.value
 
 
-def _op(op: Op) -> Any:
+def _op(m: Any, op: Op) -> None:
     if isinstance(op, Put):
-        return rpc.RequestOp(request_put=rpc.PutRequest(key=op.key, value=op.value,
-                                                        lease=op.lease))
-    if isinstance(op, Delete):
-        return rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(
-            key=op.key, range_end=prefix_end(op.key) if op.prefix else b""))
-    if isinstance(op, Get):
-        return rpc.RequestOp(request_range=rpc.RangeRequest(
-            key=op.key, range_end=prefix_end(op.key) if op.prefix else b""))
-    return rpc.RequestOp(request_txn=_txn(op))
+        r = m.request_put
+        r.key = op.key
+        r.value = op.value
+        r.lease = op.lease
+    elif isinstance(op, Delete):
+        r = m.request_delete_range
+        r.key = op.key
+        if op.prefix:
+            r.range_end = prefix_end(op.key)
+    elif isinstance(op, Get):
+        r = m.request_range
+        r.key = op.key
+        if op.prefix:
+            r.range_end = prefix_end(op.key)
+    else:
+        r = m.request_txn
+        r.SetInParent()  # an empty transaction is still the member chosen
+        _fill(r, op)
+
+
+def _fill(req: Any, t: Txn) -> None:
+    add = req.compare.add
+    for c in t.compare:
+        _compare(add(), c)
+    add = req.success.add
+    for o in t.success:
+        _op(add(), o)
+    add = req.failure.add
+    for o in t.failure:
+        _op(add(), o)
 
 
 def _txn(t: Txn) -> Any:
-    return rpc.TxnRequest(compare=[_compare(c) for c in t.compare],
-                          success=[_op(o) for o in t.success],
-                          failure=[_op(o) for o in t.failure])
+    req = rpc.TxnRequest()
+    _fill(req, t)
+    return req
 
 
 def _kv(kv: Any) -> KeyValue:
@@ -116,11 +146,23 @@ class EtcdKV:
     # --- the port --------------------------------------------------------------------------
 
     async def txn(self, t: Txn) -> TxnResult:
-        resp = await self.call(self._c().kv.Txn, _txn(t))
-        reads = tuple(tuple(_kv(kv) for kv in r.response_range.kvs)
-                      if r.WhichOneof("response") == "response_range" else ()
-                      for r in resp.responses)
-        return TxnResult(bool(resp.succeeded), reads, int(resp.header.revision))
+        c = self.client
+        if c is None:
+            raise StoreUnavailable("etcd CANCELLED: the etcd client is not open")
+        try:
+            resp = await c.kv.Txn(_txn(t), timeout=self.timeout)
+        except grpc.aio.AioRpcError as e:
+            raise StoreUnavailable(f"etcd {e.code().name}: {e.details()}") from e
+        self.last_answer = time.monotonic()  # readiness (adapters/readiness.py)
+        succeeded = bool(resp.succeeded)
+        responses = resp.responses
+        if any(isinstance(o, Get) for o in (t.success if succeeded else t.failure)):
+            reads = tuple(tuple(_kv(kv) for kv in r.response_range.kvs)
+                          if r.WhichOneof("response") == "response_range" else ()
+                          for r in responses)
+        else:  # only a Get is answered with a range: one empty read per answer
+            reads = ((),) * len(responses)
+        return TxnResult(succeeded, reads, int(resp.header.revision))
 
     async def grant(self, ttl_s: float) -> Lease:
         resp = await self.call(self._c().lease.LeaseGrant,
@@ -185,14 +227,14 @@ class EtcdKV:
                     if resp.created:
                         on_state(True)
                         backoff = 0.05
-                    for ev in resp.events:
+                    for ev in resp.events:  # (bytes fields are bytes already)
+                        kv = ev.kv
                         deleted = ev.type == 1
                         if ev.HasField("prev_kv"):
-                            prev, known = bytes(ev.prev_kv.value), True
+                            prev, known = ev.prev_kv.value, True
                         else:  # a put that created the key replaced nothing
-                            prev, known = None, not deleted and ev.kv.version == 1
-                        on_event(WatchEvent(bytes(ev.kv.key),
-                                            None if deleted else bytes(ev.kv.value),
+                            prev, known = None, not deleted and kv.version == 1
+                        on_event(WatchEvent(kv.key, None if deleted else kv.value,
                                             prev, known))
             except asyncio.CancelledError:
                 raise

@@ -94,3 +94,18 @@ async def test_no_member_reachable_fails_within_the_deadline_naming_it() -> None
         assert any(d in (e.value.details() or "") for d in dead)
     finally:
         await c.close()
+
+
+def test_a_unary_call_s_metadata_is_hasleader_then_the_token_built_once_per_token() -> None:
+    c = EtcdClient(_cfg({}))
+    leader = (("hasleader", "true"),)
+    none = c.unary_metadata(None)
+    assert tuple(none) == leader and c.unary_metadata(None) is none
+    t1 = c.unary_metadata("t1")
+    assert tuple(t1) == (*leader, ("token", "t1")) and c.unary_metadata("t1") is t1
+    t2 = c.unary_metadata("t2")  # a new token: new metadata, never the old token's
+    assert tuple(t2) == (*leader, ("token", "t2"))
+    assert tuple(c.unary_metadata(None)) == leader
+    # The caller's own metadata goes first, as it always did.
+    assert tuple(c.unary_metadata("t2", [("x", "y")])) == (("x", "y"), *leader, ("token", "t2"))
+    assert c.unary_metadata(None, ()) is c.unary_metadata(None)
