@@ -69,7 +69,7 @@ class CauseRegistry:
         self.on_attempt = on_attempt
         # key -> (cause, response body bytes sent, arrival time)
         self._early: OrderedDict[str, tuple[str, int, float]] = OrderedDict()
-        self._waiting: dict[str, asyncio.Future[tuple[str, int]]] = {}
+        self._waiting: dict[str, asyncio.Future[tuple[str, int] | None]] = {}
         # key -> who expects its entry (the gate's AwaitCause), answered once
         self._expecting: dict[str, tuple[Callable[[str | None], None], TimerHandle]] = {}
         self._timers: Timers = timers or LoopTimers()
@@ -151,11 +151,13 @@ class CauseRegistry:
         early = self._early.pop(rid, None)
         if early is not None:
             return early[0], early[1]
-        fut: asyncio.Future[tuple[str, int]] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[tuple[str, int] | None] = asyncio.get_running_loop().create_future()
         self._waiting[rid] = fut
+        # The deadline on the Timers port, as `expect`'s: a hermetic test moves its clock.
+        timer = self._timers.start(timeout_s,
+                                   lambda: None if fut.done() else fut.set_result(None))
         try:
-            return await asyncio.wait_for(fut, timeout_s)
-        except TimeoutError:
-            return None
+            return await fut
         finally:
+            timer.cancel()
             self._waiting.pop(rid, None)

@@ -62,6 +62,23 @@ async def test_a_wait_before_the_entry_is_answered_when_it_comes() -> None:
     assert not reg.seen("req_2")  # handed over, not also kept
 
 
+async def test_the_guards_wait_ends_on_the_timers_port_not_the_loops_clock() -> None:
+    timers = FakeTimers(FakeClock())
+    reg = CauseRegistry(timers=timers)
+    silent = asyncio.ensure_future(reg.wait_sent("req_3", 0.5))
+    await asyncio.sleep(0)
+    timers.advance(0.4)
+    await asyncio.sleep(0)
+    assert not silent.done()  # no real time passes: only the fake clock's
+    timers.advance(0.2)
+    assert await silent is None
+    answered = asyncio.ensure_future(reg.wait_sent("req_4", 0.5))
+    await asyncio.sleep(0)
+    reg.offer(entry({H.REQUEST_ID: "req_4"}, flag="downstream_remote_reset", body_bytes=5))
+    assert await answered == ("client", 5)
+    assert timers.pending() == 0  # its deadline cancelled, not left to fire
+
+
 def test_expect_answers_once_with_the_cause_or_with_none_when_envoy_is_silent() -> None:
     timers = FakeTimers(FakeClock())
     reg = CauseRegistry(timers=timers)
