@@ -14,7 +14,7 @@ include chaos.mk
 include image.mk
 
 .PHONY: help install run test lint typecheck unit e2e bench bench-quick bench-pool profile \
-	bench-floors bench-cells bench-transports bench-timeline bench-agent bench-abandoned bench-journal \
+	bench-floors bench-split bench-cells bench-transports bench-timeline bench-agent bench-abandoned bench-journal \
 	bench-journal-shards bench-peers peers-install bench-instructions bench-journal-instructions valgrind compiled uncompiled \
 	envoy-config mesh-config chart prometheus dashboard-image clean
 
@@ -25,6 +25,7 @@ help:
 	@echo "make bench      plain Envoy vs Envoy + processor vs the floor, ratios (docs/benchmarks.md)"
 	@echo "make bench-pool pool availability: replicas dead / frozen / two down, etcd leader killed / member frozen / quorum lost; plain vs ours"
 	@echo "make bench-floors  message-path floors side by side: grpc.aio, tuned, grpclib (docs/benchmarks.md)"
+	@echo "make bench-split   processor CPU per chunk split into per-chunk and per-request parts (two stream lengths)"
 	@echo "make bench-transports  the real processor on grpc.aio and on grpclib vs plain Envoy"
 	@echo "make bench-timeline  where a request's time to first delta goes, step by step"
 	@echo "make bench-cells   saturation with 1 and 2 cells (an Envoy and a processor each), ours and plain"
@@ -82,6 +83,11 @@ bench: install
 
 bench-quick: install
 	$(PY) -m bench.run --quick
+
+## The processor's CPU per chunk split into a per-chunk and a per-request part: saturation at
+## two stream lengths, floor and ours (about 3 min).
+bench-split: install
+	$(PY) -m bench.split $(SPLIT_ARGS)
 
 ## Null processors on grpc.aio, grpc.aio tuned and grpclib behind the same Envoy config vs plain.
 bench-floors: install
