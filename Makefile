@@ -14,7 +14,7 @@ include chaos.mk
 include image.mk
 
 .PHONY: help install run test lint typecheck unit e2e bench bench-quick bench-pool profile \
-	bench-floors bench-split bench-cells bench-transports bench-timeline bench-agent bench-abandoned bench-journal \
+	bench-floors bench-split bench-etcd-transport bench-cells bench-transports bench-timeline bench-agent bench-abandoned bench-journal \
 	bench-journal-shards bench-peers peers-install bench-instructions bench-journal-instructions valgrind compiled uncompiled \
 	envoy-config mesh-config chart prometheus dashboard-image clean
 
@@ -25,6 +25,7 @@ help:
 	@echo "make bench      plain Envoy vs Envoy + processor vs the floor, ratios (docs/benchmarks.md)"
 	@echo "make bench-pool pool availability: replicas dead / frozen / two down, etcd leader killed / member frozen / quorum lost; plain vs ours"
 	@echo "make bench-floors  message-path floors side by side: grpc.aio, tuned, grpclib (docs/benchmarks.md)"
+	@echo "make bench-etcd-transport  one journal txn's client CPU over grpc.aio vs etcd's HTTP/JSON gateway"
 	@echo "make bench-split   processor CPU per chunk split into per-chunk and per-request parts (two stream lengths)"
 	@echo "make bench-transports  the real processor on grpc.aio and on grpclib vs plain Envoy"
 	@echo "make bench-timeline  where a request's time to first delta goes, step by step"
@@ -83,6 +84,10 @@ bench: install
 
 bench-quick: install
 	$(PY) -m bench.run --quick
+
+## One journal-sized etcd transaction's client CPU: grpc.aio vs etcd's HTTP/JSON gateway.
+bench-etcd-transport: install
+	$(PY) -m bench.etcd_transport $(TRANSPORT_ARGS)
 
 ## The processor's CPU per chunk split into a per-chunk and a per-request part: saturation at
 ## two stream lengths, floor and ours (about 3 min).
