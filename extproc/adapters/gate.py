@@ -68,10 +68,13 @@ class GateSession(Session):
     async def on_message(self, which: str, msg: ep.ProcessingRequest) -> None:
         if which == "request_headers":
             return await self.started(msg)
-        if which == "response_headers" and UNSAFE_RELEASE_WITHOUT_FENCE:
+        if which == "response_headers" and UNSAFE_RELEASE_WITHOUT_FENCE and self.m is not None:
             # Test-only sabotage (docs/sweep.md): release at once, no hold, no fence.
             # The fault sweep must catch what this breaks; never set it in production.
+            # Without a machine no close row runs: what would feed it stops here.
             self.m = None
+            self.timers.stop()
+            self.stop_watching(E.StopWatching())
         read = _EVENTS.get(which)
         if self.m is None or self.rec is None or read is None:  # not gated, or not an event
             return await self.write(codec.passed_by_gate(which))
@@ -90,13 +93,9 @@ class GateSession(Session):
         await self.feed(ev)
 
     async def on_closed(self) -> None:
-        self.timers.stop()
-        if self.agent is not None:
-            self.agent.stop()
-        if self.rec is not None:
-            self.rec.stop()
         if self.m is not None:
-            # Its end (a revoke, Envoy's word, the record) outlives the stream's handler.
+            # What the close stops and how the attempt ends (a revoke, Envoy's word, the
+            # record) are its rows'; that end outlives the stream's handler.
             self.later(lambda c: E.StreamClosed(c.monotonic(), c.wall()), f"gate-end-{self.aid}")
 
     # --- events -> the machine -> actions ---------------------------------------------
@@ -154,6 +153,11 @@ class GateSession(Session):
             await self.write(codec.continue_response_body())
         self.detach = a.hand_off
 
+    def stop_watching(self, a: E.StopWatching) -> None:
+        self.record.stop()
+        if self.agent is not None:
+            self.agent.stop()
+
     def timed_out(self, a: E.MarkTimedOut) -> None:
         self.p.health.first_delta_timed_out(a.replica, self.p.clock.monotonic())
 
@@ -198,6 +202,7 @@ GateSession.ACTS = {
     E.AwaitAck: lambda s, a: s.link().await_ack(a),
     E.AckSettled: lambda s, a: s.link().settled(a),
     E.LoseLease: lambda s, a: s.record.lose(a.why),
+    E.StopWatching: GateSession.stop_watching,
     **Session.TIMER_ACTS,
     E.Overloaded: lambda s, a: s.p.health.overloaded(
         s.replica or "", s.p.clock.monotonic() + a.seconds),

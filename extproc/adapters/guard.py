@@ -104,17 +104,8 @@ class GuardSession(Session):
         await self.feed(got.event)
 
     async def on_closed(self) -> None:
-        self.timers.stop()
-        p, rid = self.p, self.rid
-        late = self._tx.closed() if self._tx is not None else None
-        if self.released is not None:
-            self.released.stop_watching()
-        if self.m is not None:
-            self.later(E.StreamClosed(), f"guard-close-{rid}")
-        if late is not None:  # closed while the intake was in flight: its answer still counts
-            self.later(late, f"guard-opened-{rid}")
-        if self.tool is not None:
-            p.spawn(self.tool.on_closed(), f"tool-close-{rid}")
+        if self.m is not None:  # what the close stops, closes and ends: its rows' actions
+            self.later(E.StreamClosed(), f"guard-close-{self.rid}")
 
     # --- events -> the machine -> actions ---------------------------------------------
 
@@ -172,6 +163,10 @@ class GuardSession(Session):
         """The released attempt's `live` key was revoked or replaced: the machine says it."""
         self.later(E.Fenced("revoked or replaced"), f"guard-fenced-{self.rid}", open_only=True)
 
+    def close_tool(self, a: E.CloseTool) -> None:
+        assert self.tool is not None  # started by the row's StartToolCall
+        self.spawn(self.tool.on_closed(), f"tool-close-{self.rid}")
+
     async def await_cause(self, a: E.AwaitCause) -> E.Event:
         # Why it ended, and how much of the body Envoy sent the client (decision 0025).
         got = await self.p.causes.wait_sent(self.rid or "", self.cfg.timeouts.access_log_wait_s)
@@ -221,6 +216,11 @@ GuardSession.ACTS = {
     E.TakeOver: lambda s, a: setattr(s, "released", Released.take_over(
         s.p, s.rid or "", a.handoff, s.fenced)),
     E.LoseLease: lambda s, a: s.released.lose(a.why) if s.released is not None else None,
+    # The close's (each after what the rows put before it).
+    E.StopWatching: lambda s, a: s.released.stop_watching() if s.released is not None else None,
+    E.CloseIntake: lambda s, a: s.tx.close(),
+    E.AwaitLateIntake: lambda s, a: s.later(s.tx.late(), f"guard-opened-{s.rid}"),
+    E.CloseTool: GuardSession.close_tool,
     E.WriteProgress: lambda s, a: s.later(R.write_progress(s.p, s.rid or "", a.delivered),
                                           f"guard-progress-{s.rid}"),
     E.AwaitCause: GuardSession.await_cause, E.ReadBody: GuardSession.read_body,

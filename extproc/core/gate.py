@@ -73,6 +73,7 @@ from .events import (
     StartTimer,
     State,
     StopTimers,
+    StopWatching,
     StoreDown,
     StreamClosed,
     TakeLease,
@@ -689,7 +690,9 @@ def _gate_live(m: GateMachine, ev: LiveChanged) -> list[Action]:
 def _gate_closed(m: GateMachine, ev: StreamClosed) -> list[Action]:
     prev = m.state
     m.stream_closed = True
-    acts: list[Action] = [StopTimers()]
+    # First, nothing fed by the stream runs on: its timers, the watch on `live` (our own
+    # revoke below would be heard as a fence), the agent's word.
+    acts: list[Action] = [StopTimers(), StopWatching()]
     if m.start is not None and prev is not State.GATE_RELEASED:
         acts.append(RetryEnded())
     if prev is State.GATE_RELEASED or not m.leased:
@@ -806,7 +809,7 @@ def _gate_closed_again(m: GateMachine, ev: StreamClosed) -> list[Action]:
         return []
     # Refused (never leased): its stream's end ends nothing but its count in the budget.
     m.stream_closed = True
-    return [StopTimers(), RetryEnded()]
+    return [StopTimers(), StopWatching(), RetryEnded()]
 
 
 def attempt_trace(a: CloseAttempt | AckSettled, attempt_id: str, replica: str | None
