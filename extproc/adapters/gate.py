@@ -111,7 +111,7 @@ class GateSession(Session):
             actions = m.handle(e)
             observer.gate(self, before, e, actions)
             for a in actions:
-                if (nxt := await self.act(a)) is not None:
+                if (c := self.act(a)) is not None and (nxt := await c) is not None:
                     queue.append(nxt)
 
     # --- actions -> port calls --------------------------------------------------------

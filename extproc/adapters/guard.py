@@ -115,7 +115,7 @@ class GuardSession(Session):
         actions = self.m.handle(ev)
         observer.guard(self, ev, actions)
         for a in actions:
-            if (nxt := await self.act(a)) is not None:
+            if (c := self.act(a)) is not None and (nxt := await c) is not None:
                 await self.feed(nxt)
 
     @property

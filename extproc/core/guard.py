@@ -529,7 +529,9 @@ def _guard_body_after_end(m: GuardMachine, ev: ResponseBody) -> list[Action]:
 
 
 def _guard_closed(m: GuardMachine, ev: StreamClosed) -> list[Action]:
-    return _closing(m) + _ended(m) + _closed_how(m)
+    acts = _closing(m)
+    acts += _closed_how(m)
+    return acts
 
 
 def _closed_how(m: GuardMachine) -> list[Action]:
@@ -550,15 +552,21 @@ def _closed_how(m: GuardMachine) -> list[Action]:
     return [AwaitCause()]
 
 
+# The close's actions have no fields: one shared instance each (an end costs less).
+_STOP_TIMERS, _STOP_WATCHING, _CLOSE_INTAKE = StopTimers(), StopWatching(), CloseIntake()
+_REQUEST_ENDED = RequestEnded()
+
+
 def _closing(m: GuardMachine) -> list[Action]:
     """What the stream's close does first, in every state: nothing fed by the stream
     runs on (its timers, the released attempt's watch), and an intake that answered
-    is offered to the request's gates no more (one still in flight: _guard_closed_opening)."""
-    acts: list[Action] = [StopTimers()]
+    is offered to the request's gates no more (one still in flight: _guard_closed_opening);
+    then the request ends for the retry budget (`_ended`)."""
+    acts: list[Action] = [_STOP_TIMERS]
     if m.released_id is not None:
-        acts.append(StopWatching())
+        acts.append(_STOP_WATCHING)
     if m.intake_read:
-        acts.append(CloseIntake())
+        acts += (_CLOSE_INTAKE, _REQUEST_ENDED)
     return acts
 
 
@@ -730,7 +738,7 @@ def _guard_closed_early(m: GuardMachine, ev: StreamClosed) -> list[Action]:
     # Before the intake (or refused by it) there is no record to finish; the tool route,
     # if it served the stream, hears the close last.
     m.state = State.GUARD_CLOSED
-    return _closing(m) + _ended(m) + ([CloseTool()] if m.tool_route else [])
+    return _closing(m) + ([CloseTool()] if m.tool_route else [])
 
 
 def _guard_closed_opening(m: GuardMachine, ev: StreamClosed) -> list[Action]:
@@ -738,13 +746,13 @@ def _guard_closed_opening(m: GuardMachine, ev: StreamClosed) -> list[Action]:
     # whether there is a record to finish. The request is over for the retry budget all
     # the same.
     m.state = State.GUARD_LEFT_OPENING
-    return [StopTimers(), AwaitLateIntake(), *_ended(m)]
+    return [_STOP_TIMERS, AwaitLateIntake(), *_ended(m)]
 
 
 def _ended(m: GuardMachine) -> list[Action]:
     """The stream's end ends a request whose body was read for its intake: it, and with
     it its re-prefills (the released one too), stop counting in the retry budget."""
-    return [RequestEnded()] if m.intake_read else []
+    return [_REQUEST_ENDED] if m.intake_read else []
 
 
 def _guard_opened_after_close(m: GuardMachine, ev: RequestOpened) -> list[Action]:
