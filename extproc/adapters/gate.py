@@ -162,8 +162,8 @@ class GateSession(Session):
         self.p.health.first_delta_timed_out(a.replica, self.p.clock.monotonic())
 
     def await_cause(self, a: E.AwaitCause) -> None:
-        self.p.causes.expect(a.attempt_id or self.aid, a.timeout_s or 0.0, lambda entry:
-                             self.later(lambda c: word(entry, c.wall()), f"gate-word-{self.aid}"))
+        self.p.causes.expect(a.attempt_id or self.aid, a.timeout_s or 0.0, lambda heard:
+                             self.later(lambda c: word(heard, c.wall()), f"gate-word-{self.aid}"))
 
 
 _Event = Callable[[AttemptRecord, ep.ProcessingRequest], E.Event]

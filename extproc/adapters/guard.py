@@ -169,8 +169,8 @@ class GuardSession(Session):
 
     async def await_cause(self, a: E.AwaitCause) -> E.Event:
         # Why it ended, and how much of the body Envoy sent the client (decision 0025).
-        got = await self.p.causes.wait_sent(self.rid or "", self.cfg.timeouts.access_log_wait_s)
-        return E.CauseLearned("unknown", None) if got is None else E.CauseLearned(got[0], got[1])
+        heard = await self.p.causes.wait(self.rid or "", self.cfg.timeouts.access_log_wait_s)
+        return G.word(heard)
 
 
 def _body(s: GuardSession, msg: ep.ProcessingRequest) -> Awaitable[None]:

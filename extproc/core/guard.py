@@ -585,6 +585,12 @@ def _guard_cause(m: GuardMachine, ev: CauseLearned) -> list[Action]:
     return [m._finish(Outcome.UPSTREAM_FAILED, ev.cause)]
 
 
+def word(heard: tuple[str, int] | None) -> CauseLearned:
+    """Envoy's downstream word (its cause and the body bytes it sent, or None: nothing
+    within the wait) as the guard's event."""
+    return CauseLearned("unknown", None) if heard is None else CauseLearned(*heard)
+
+
 def _guard_cause_late(m: GuardMachine, ev: CauseLearned) -> list[Action]:
     return []
 
