@@ -1,12 +1,11 @@
 """The gate's session: the upstream ext_proc stream of one attempt, a plain executor.
 
-Envoy's messages become events for `core.gate.GateMachine`; the actions it answers with
-become codec writes (`WRITES`) and port calls (`ACTS`), and what a port answers is fed back
-as the next event (at once, or later under the stream's lock: a timer, the revocation
-watch, Envoy's word). Every decision (wait for the intake, admit, send a write again, hold,
-fence, release, fail, how the attempt ends) is a row of the machine's table; the attempt's
-journal calls are its record port's (`attempt_record`), a replica agent's its link's
-(`agent_link`); logs, spans and metrics come from `observer.gate`.
+Every decision and every wait of the attempt (the intake, the admission, a write sent
+again, the hold, the fence, the release or failure, the close and the end) is a row of
+`core.gate.GateMachine`, so `extproc replay` and the property tests see them all: Envoy's
+messages become its events, its actions codec writes (`WRITES`) or port calls (`ACTS`:
+`attempt_record`, `agent_link`, `causes`) whose answers are fed back, at once or later
+under the stream's lock. Logs, spans and metrics are `observer.gate`'s.
 """
 
 from __future__ import annotations
@@ -153,13 +152,13 @@ class GateSession(Session):
             await self.write(codec.continue_response_body())
         self.detach = a.hand_off
 
+    def timed_out(self, a: E.MarkTimedOut) -> None:  # the health port's answer unused
+        self.p.health.first_delta_timed_out(a.replica, self.p.clock.monotonic())
+
     def stop_watching(self, a: E.StopWatching) -> None:
         self.record.stop()
         if self.agent is not None:
             self.agent.stop()
-
-    def timed_out(self, a: E.MarkTimedOut) -> None:
-        self.p.health.first_delta_timed_out(a.replica, self.p.clock.monotonic())
 
     def await_cause(self, a: E.AwaitCause) -> None:
         self.p.causes.expect(a.attempt_id or self.aid, a.timeout_s or 0.0, lambda heard:
@@ -215,5 +214,3 @@ GateSession.ACTS = {
     E.CloseAttempt: lambda s, a: s.record.close(a),
 }
 
-
-__all__ = ["GatePorts", "GateSession"]
