@@ -21,6 +21,9 @@ from ..core.headers import ATTEMPT_ID, PREADMITTED, REQUEST_ID
 from ..gen.envoy.data.accesslog.v3 import accesslog_pb2 as al
 from .timers import LoopTimers, TimerHandle, Timers
 
+# What Envoy's word says: the cause and the response body bytes it sent, or None (silence).
+Heard = tuple[str, int] | None
+
 REPLICA_CLUSTER = "replicas"  # the cluster name extproc.envoy_config renders
 NO_GATE = "nogate:"  # key prefix of a pre-admitted attempt that no gate ever saw
 
@@ -69,9 +72,8 @@ class CauseRegistry:
         self.on_attempt = on_attempt
         # key -> (cause, response body bytes sent, arrival time)
         self._early: OrderedDict[str, tuple[str, int, float]] = OrderedDict()
-        self._waiting: dict[str, asyncio.Future[tuple[str, int] | None]] = {}
-        # key -> who expects its entry (the gate's AwaitCause), answered once
-        self._expecting: dict[str, tuple[Callable[[str | None], None], TimerHandle]] = {}
+        # key -> who expects its entry (a role's AwaitCause) and its deadline, answered once
+        self._expecting: dict[str, tuple[Callable[[Heard], None], TimerHandle]] = {}
         self._timers: Timers = timers or LoopTimers()
         self._keep = keep
         self._ttl = ttl_s
@@ -102,11 +104,7 @@ class CauseRegistry:
         expected = self._expecting.pop(rid, None)
         if expected is not None:
             expected[1].cancel()
-            expected[0](got[0])
-            return
-        fut = self._waiting.pop(rid, None)
-        if fut is not None and not fut.done():
-            fut.set_result(got)
+            expected[0](got)
             return
         now = time.monotonic()
         self._early[rid] = (*got, now)
@@ -122,13 +120,14 @@ class CauseRegistry:
         """Envoy's entry says the pre-admitted attempt `attempt_id` never reached a gate."""
         return self.seen(NO_GATE + attempt_id)
 
-    def expect(self, rid: str, timeout_s: float, answer: Callable[[str | None], None]) -> None:
-        """Call `answer` once: with the cause from `rid`'s entry (at once if it came
-        already), or with None if Envoy said nothing within `timeout_s` (on the Timers
-        port, so a hermetic test moves a fake clock instead of sleeping)."""
+    def expect(self, rid: str, timeout_s: float, answer: Callable[[Heard], None]) -> None:
+        """The one wait for Envoy's word: call `answer` once, with the cause and the
+        response body bytes Envoy sent (`body_bytes_sent`) from `rid`'s entry (at once if
+        it came already), or with None if Envoy said nothing within `timeout_s` (on the
+        Timers port, so a hermetic test moves a fake clock instead of sleeping)."""
         early = self._early.pop(rid, None)
         if early is not None:
-            answer(early[0])
+            answer((early[0], early[1]))
             return
 
         def timed_out() -> None:
@@ -136,28 +135,13 @@ class CauseRegistry:
                 answer(None)
         self._expecting[rid] = (answer, self._timers.start(timeout_s, timed_out))
 
-    async def wait(self, rid: str, timeout_s: float) -> str:
-        entry = await self.wait_entry(rid, timeout_s)
-        return "unknown" if entry is None else entry
-
-    async def wait_entry(self, rid: str, timeout_s: float) -> str | None:
-        """The cause from `rid`'s entry, or None if Envoy said nothing within the time."""
-        got = await self.wait_sent(rid, timeout_s)
-        return None if got is None else got[0]
-
-    async def wait_sent(self, rid: str, timeout_s: float) -> tuple[str, int] | None:
-        """The cause and the response body bytes Envoy sent (`body_bytes_sent`), from
-        `rid`'s entry, or None if Envoy said nothing within the time."""
-        early = self._early.pop(rid, None)
-        if early is not None:
-            return early[0], early[1]
-        fut: asyncio.Future[tuple[str, int] | None] = asyncio.get_running_loop().create_future()
-        self._waiting[rid] = fut
-        # The deadline on the Timers port, as `expect`'s: a hermetic test moves its clock.
-        timer = self._timers.start(timeout_s,
-                                   lambda: None if fut.done() else fut.set_result(None))
+    async def wait(self, rid: str, timeout_s: float) -> Heard:
+        """`expect`, awaited (the guard's AwaitCause is answered within its batch)."""
+        fut: asyncio.Future[Heard] = asyncio.get_running_loop().create_future()
+        self.expect(rid, timeout_s, fut.set_result)
         try:
             return await fut
-        finally:
-            timer.cancel()
-            self._waiting.pop(rid, None)
+        except asyncio.CancelledError:
+            if (gone := self._expecting.pop(rid, None)) is not None:
+                gone[1].cancel()  # nobody waits any more: no deadline left behind
+            raise

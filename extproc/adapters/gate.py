@@ -1,12 +1,11 @@
 """The gate's session: the upstream ext_proc stream of one attempt, a plain executor.
 
-Envoy's messages become events for `core.gate.GateMachine`; the actions it answers with
-become codec writes (`WRITES`) and port calls (`ACTS`), and what a port answers is fed back
-as the next event (at once, or later under the stream's lock: a timer, the revocation
-watch, Envoy's word). Every decision (wait for the intake, admit, send a write again, hold,
-fence, release, fail, how the attempt ends) is a row of the machine's table; the attempt's
-journal calls are its record port's (`attempt_record`), a replica agent's its link's
-(`agent_link`); logs, spans and metrics come from `observer.gate`.
+Every decision and every wait of the attempt (the intake, the admission, a write sent
+again, the hold, the fence, the release or failure, the close and the end) is a row of
+`core.gate.GateMachine`, so `extproc replay` and the property tests see them all: Envoy's
+messages become its events, its actions codec writes (`WRITES`) or port calls (`ACTS`:
+`attempt_record`, `agent_link`, `causes`) whose answers are fed back, at once or later
+under the stream's lock. Logs, spans and metrics are `observer.gate`'s.
 """
 
 from __future__ import annotations
@@ -68,10 +67,13 @@ class GateSession(Session):
     async def on_message(self, which: str, msg: ep.ProcessingRequest) -> None:
         if which == "request_headers":
             return await self.started(msg)
-        if which == "response_headers" and UNSAFE_RELEASE_WITHOUT_FENCE:
+        if which == "response_headers" and UNSAFE_RELEASE_WITHOUT_FENCE and self.m is not None:
             # Test-only sabotage (docs/sweep.md): release at once, no hold, no fence.
             # The fault sweep must catch what this breaks; never set it in production.
+            # Without a machine no close row runs: what would feed it stops here.
             self.m = None
+            self.timers.stop()
+            self.stop_watching(E.StopWatching())
         read = _EVENTS.get(which)
         if self.m is None or self.rec is None or read is None:  # not gated, or not an event
             return await self.write(codec.passed_by_gate(which))
@@ -90,13 +92,9 @@ class GateSession(Session):
         await self.feed(ev)
 
     async def on_closed(self) -> None:
-        self.timers.stop()
-        if self.agent is not None:
-            self.agent.stop()
-        if self.rec is not None:
-            self.rec.stop()
         if self.m is not None:
-            # Its end (a revoke, Envoy's word, the record) outlives the stream's handler.
+            # What the close stops and how the attempt ends (a revoke, Envoy's word, the
+            # record) are its rows'; that end outlives the stream's handler.
             self.later(lambda c: E.StreamClosed(c.monotonic(), c.wall()), f"gate-end-{self.aid}")
 
     # --- events -> the machine -> actions ---------------------------------------------
@@ -112,7 +110,7 @@ class GateSession(Session):
             actions = m.handle(e)
             observer.gate(self, before, e, actions)
             for a in actions:
-                if (nxt := await self.act(a)) is not None:
+                if (c := self.act(a)) is not None and (nxt := await c) is not None:
                     queue.append(nxt)
 
     # --- actions -> port calls --------------------------------------------------------
@@ -154,12 +152,17 @@ class GateSession(Session):
             await self.write(codec.continue_response_body())
         self.detach = a.hand_off
 
-    def timed_out(self, a: E.MarkTimedOut) -> None:
+    def timed_out(self, a: E.MarkTimedOut) -> None:  # the health port's answer unused
         self.p.health.first_delta_timed_out(a.replica, self.p.clock.monotonic())
 
+    def stop_watching(self, a: E.StopWatching) -> None:
+        self.record.stop()
+        if self.agent is not None:
+            self.agent.stop()
+
     def await_cause(self, a: E.AwaitCause) -> None:
-        self.p.causes.expect(a.attempt_id or self.aid, a.timeout_s or 0.0, lambda entry:
-                             self.later(lambda c: word(entry, c.wall()), f"gate-word-{self.aid}"))
+        self.p.causes.expect(a.attempt_id or self.aid, a.timeout_s or 0.0, lambda heard:
+                             self.later(lambda c: word(heard, c.wall()), f"gate-word-{self.aid}"))
 
 
 _Event = Callable[[AttemptRecord, ep.ProcessingRequest], E.Event]
@@ -198,6 +201,7 @@ GateSession.ACTS = {
     E.AwaitAck: lambda s, a: s.link().await_ack(a),
     E.AckSettled: lambda s, a: s.link().settled(a),
     E.LoseLease: lambda s, a: s.record.lose(a.why),
+    E.StopWatching: GateSession.stop_watching,
     **Session.TIMER_ACTS,
     E.Overloaded: lambda s, a: s.p.health.overloaded(
         s.replica or "", s.p.clock.monotonic() + a.seconds),
@@ -210,5 +214,3 @@ GateSession.ACTS = {
     E.CloseAttempt: lambda s, a: s.record.close(a),
 }
 
-
-__all__ = ["GatePorts", "GateSession"]

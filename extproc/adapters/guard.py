@@ -1,12 +1,10 @@
 """The guard: the downstream ext_proc stream that owns a logical request.
 
-A plain executor of `core.guard.GuardMachine`: Envoy's messages become events (the machine
-reads the headers and the body, `core.guard.request_started` and `read_body`), each action
-is a codec write (`WRITES`) or a port call (`ACTS`), and a port's answer is fed back as the
-next event. The request's journal record is `request_record`'s (the intake in flight,
-`IntakeRun`, and the intake flow's actions), the released attempt `released`'s, the tool
-route `tools`'s, the timers a `timers.TimerSet`; logs, spans and metrics are
-`observer.guard`'s.
+A plain executor of `core.guard.GuardMachine`, so that every decision, the order of its
+waits and its close included, is a row `extproc replay` and the property tests see: Envoy's
+messages become events, each action a codec write (`WRITES`) or a port call (`ACTS`) whose
+answer is the next event. The ports: `request_record` (the intake, the record), `released`,
+`tools`, `causes`; logs, spans and metrics are `observer.guard`'s.
 """
 
 from __future__ import annotations
@@ -17,7 +15,7 @@ from ..core import events as E
 from ..core import guard as G
 from ..core import headers as H
 from ..core.guard import GuardMachine
-from ..core.intake import Generation, Prepared, StatusLookup, ToolCall, Verdict
+from ..core.intake import Generation, Prepared, ToolCall, Verdict
 from ..core.journal import Rerun
 from ..gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from . import envoy_codec as codec
@@ -77,9 +75,8 @@ class GuardSession(Session):
     FAST = "response_body"
 
     def fast(self, msg: ep.ProcessingRequest) -> ep.ProcessingResponse | None:
-        """The common chunk, by the core's fast path (core.guard.streaming_chunk): no event,
-        no table, no action list; the row's Send is the answer, its StartTimer `fast_done`.
-        Once the first delta is out the observer has nothing to say about such a chunk."""
+        """The common chunk by the core's fast path (core.guard.streaming_chunk), the row's
+        Send as the answer, its StartTimer `fast_done` (the observer is done by then)."""
         m = self.m
         if m is None or not self.first_delta_evented or self.tool is not None:
             return None
@@ -104,17 +101,8 @@ class GuardSession(Session):
         await self.feed(got.event)
 
     async def on_closed(self) -> None:
-        self.timers.stop()
-        p, rid = self.p, self.rid
-        late = self._tx.closed() if self._tx is not None else None
-        if self.released is not None:
-            self.released.stop_watching()
-        if self.m is not None:
-            self.later(E.StreamClosed(), f"guard-close-{rid}")
-        if late is not None:  # closed while the intake was in flight: its answer still counts
-            self.later(late, f"guard-opened-{rid}")
-        if self.tool is not None:
-            p.spawn(self.tool.on_closed(), f"tool-close-{rid}")
+        if self.m is not None:  # what the close stops, closes and ends: its rows' actions
+            self.later(E.StreamClosed(), f"guard-close-{self.rid}")
 
     # --- events -> the machine -> actions ---------------------------------------------
 
@@ -124,14 +112,8 @@ class GuardSession(Session):
         actions = self.m.handle(ev)
         observer.guard(self, ev, actions)
         for a in actions:
-            if (nxt := await self.act(a)) is not None:
+            if (c := self.act(a)) is not None and (nxt := await c) is not None:
                 await self.feed(nxt)
-
-    @property
-    def tx(self) -> R.IntakeRun:
-        """The intake in flight (every intake action has one)."""
-        assert self._tx is not None
-        return self._tx
 
     # --- actions -> codec writes and port calls ---------------------------------------
 
@@ -149,10 +131,6 @@ class GuardSession(Session):
             self._tx = R.IntakeRun(p, self.gen, self.intake, cred, self.envoy_request_id)
         # The intake's order (open, register, answer the body, wait) is the machine's rows.
         return ev
-
-    def look_up_status(self, a: E.LookUpStatus) -> Awaitable[E.Event]:
-        assert isinstance(self.verdict, StatusLookup)
-        return R.read_status(self.p, self.verdict)
 
     async def start_tool_call(self, a: E.StartToolCall) -> None:
         assert isinstance(self.verdict, ToolCall)
@@ -172,10 +150,14 @@ class GuardSession(Session):
         """The released attempt's `live` key was revoked or replaced: the machine says it."""
         self.later(E.Fenced("revoked or replaced"), f"guard-fenced-{self.rid}", open_only=True)
 
+    def close_tool(self, a: E.CloseTool) -> None:
+        assert self.tool is not None  # started by the row's StartToolCall
+        self.spawn(self.tool.on_closed(), f"tool-close-{self.rid}")
+
     async def await_cause(self, a: E.AwaitCause) -> E.Event:
         # Why it ended, and how much of the body Envoy sent the client (decision 0025).
-        got = await self.p.causes.wait_sent(self.rid or "", self.cfg.timeouts.access_log_wait_s)
-        return E.CauseLearned("unknown", None) if got is None else E.CauseLearned(got[0], got[1])
+        heard = await self.p.causes.wait(self.rid or "", self.cfg.timeouts.access_log_wait_s)
+        return G.word(heard)
 
 
 def _body(s: GuardSession, msg: ep.ProcessingRequest) -> Awaitable[None]:
@@ -207,13 +189,14 @@ GuardSession.WRITES = {
 }
 
 # The other actions' executors: a port call, whose answer (if it waits) is the next event.
-# IntakeFailed (the gate gives the client its error;
-# nothing ran) and UnreadableHandOff (nothing to own) are the observer's alone.
+# IntakeFailed (its gate answers; nothing ran) and UnreadableHandOff (nothing to own) are
+# the observer's alone. Every intake action has its IntakeRun (`_tx`): ReadBody made it.
 GuardSession.ACTS = {
     **Session.TIMER_ACTS,
-    E.LookUpStatus: GuardSession.look_up_status, E.StartToolCall: GuardSession.start_tool_call,
-    E.OpenIntake: lambda s, a: s.tx.open(), E.RegisterIntake: lambda s, a: s.tx.register(),
-    E.AnswerBody: GuardSession.answer_body, E.AwaitIntake: lambda s, a: s.tx.opened(),
+    E.LookUpStatus: lambda s, a: R.read_status(s.p, s.verdict),  # a StatusLookup's
+    E.StartToolCall: GuardSession.start_tool_call,
+    E.OpenIntake: lambda s, a: s._tx.open(), E.RegisterIntake: lambda s, a: s._tx.register(),
+    E.AnswerBody: GuardSession.answer_body, E.AwaitIntake: lambda s, a: s._tx.opened(),
     # In flight for the retry budget from its acceptance until the stream's end.
     E.Accepted: lambda s, a: s.p.budget.request_started(s.rid or "", s.p.clock.monotonic(),
                                                         s.aid1),
@@ -221,6 +204,11 @@ GuardSession.ACTS = {
     E.TakeOver: lambda s, a: setattr(s, "released", Released.take_over(
         s.p, s.rid or "", a.handoff, s.fenced)),
     E.LoseLease: lambda s, a: s.released.lose(a.why) if s.released is not None else None,
+    # The close's (each after what the rows put before it).
+    E.StopWatching: lambda s, a: s.released.stop_watching() if s.released is not None else None,
+    E.CloseIntake: lambda s, a: s._tx.close(),
+    E.AwaitLateIntake: lambda s, a: s.later(s._tx.late(), f"guard-opened-{s.rid}"),
+    E.CloseTool: GuardSession.close_tool,
     E.WriteProgress: lambda s, a: s.later(R.write_progress(s.p, s.rid or "", a.delivered),
                                           f"guard-progress-{s.rid}"),
     E.AwaitCause: GuardSession.await_cause, E.ReadBody: GuardSession.read_body,

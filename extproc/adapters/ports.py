@@ -95,15 +95,6 @@ class Ledger(Protocol):
     async def record(self, key: str, entry: Mapping[str, Any]) -> None: ...
 
 
-class CauseLog(Protocol):
-    """Envoy's access-log entries, met halfway (causes.CauseRegistry)."""
-
-    def seen(self, rid: str) -> bool: ...
-    async def wait(self, rid: str, timeout_s: float) -> str: ...
-    async def wait_entry(self, rid: str, timeout_s: float) -> str | None: ...
-    async def wait_sent(self, rid: str, timeout_s: float) -> tuple[str, int] | None: ...
-
-
 class GateJournal(Protocol):
     """The journal calls one attempt's gate makes: its lease or admission, the fence, the
     take-backs, its end (the consumer's own port: what `Journal` offers beyond is not its)."""
@@ -175,17 +166,17 @@ class SentLog(Protocol):
     """Envoy's downstream access-log word, as the guard asks for it: why the stream ended and
     how many body bytes it sent (decision 0025)."""
 
-    async def wait_sent(self, rid: str, timeout_s: float) -> tuple[str, int] | None: ...
+    async def wait(self, rid: str, timeout_s: float) -> tuple[str, int] | None: ...
 
 
 class EntryLog(Protocol):
     """Envoy's per-attempt access-log entries, as the gate asks for them: whether a
-    pre-admitted attempt never reached a gate, and (AwaitCause) the cause of one that did,
-    answered once, or None when Envoy said nothing in time."""
+    pre-admitted attempt never reached a gate, and (AwaitCause) the cause of one that did
+    (with the body bytes sent), answered once, or None when Envoy said nothing in time."""
 
     def no_gate_ran(self, attempt_id: str) -> bool: ...
-    def expect(self, rid: str, timeout_s: float, answer: Callable[[str | None], None]
-               ) -> None: ...
+    def expect(self, rid: str, timeout_s: float,
+               answer: Callable[[tuple[str, int] | None], None]) -> None: ...
 
 
 # --- the process's shared state, as the sessions reach it ------------------------------

@@ -67,13 +67,15 @@ class IntakeRun:
         self.opening = None
         return E.RequestOpened(err is None, err)
 
-    def closed(self) -> Awaitable[E.RequestOpened] | None:
-        """The stream closed. A failed intake waited for its gates, none comes after the
-        stream; one still in flight answers the machine all the same (returned)."""
+    def close(self) -> None:
+        """The stream closed after the answer (CloseIntake): a failed intake was offered
+        to the request's gates while its stream was open; none comes after it."""
+        self.p.intakes.take(self.rid)
+
+    def late(self) -> Awaitable[E.RequestOpened]:
+        """The stream closed with the intake in flight (AwaitLateIntake): its answer."""
         opening, self.opening = self.opening, None
-        if opening is None:
-            self.p.intakes.take(self.rid)
-            return None
+        assert opening is not None
         return self._late(opening)
 
     async def _late(self, opening: asyncio.Task[GatewayError | None]) -> E.RequestOpened:

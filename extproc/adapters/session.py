@@ -153,12 +153,14 @@ class Session:
         except WRITE_GONE:
             self.closed = True
 
-    async def act(self, a: Action) -> Event | None:
-        """One action: its codec write, or its port call and that call's answer, if any."""
+    def act(self, a: Action) -> Awaitable[Event | None] | None:
+        """One action: its codec write, or its port call; what to await for it (the
+        write, or the call's answer), None when it is done already (a call that returns
+        nothing: no coroutine made for it)."""
         if (w := self.WRITES.get(type(a))) is not None:
-            await self.write(w(self, a))
-        elif (do := self.ACTS.get(type(a))) is not None and (c := do(self, a)) is not None:
-            return await c
+            return self.write(w(self, a))
+        if (do := self.ACTS.get(type(a))) is not None:
+            return do(self, a)
         return None
 
     async def feed(self, ev: Event) -> None:
@@ -171,9 +173,14 @@ class Session:
         a machine (and is open, if `open_only`); a callable is given the clock then."""
         async def fire() -> None:
             ev = await answer if inspect.isawaitable(answer) else answer
-            async with self.lock:
+            lock = self.lock
+            if not lock.take():  # `async with lock`, without its two coroutines when free
+                await lock.acquire()
+            try:
                 if self.m is not None and not (open_only and self.closed):
                     await self.feed(ev(self.p.clock) if callable(ev) else ev)
+            finally:
+                lock.release()
         self.spawn(fire(), name)
 
     def fired(self, kind: TimerKind) -> None:

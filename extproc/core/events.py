@@ -397,6 +397,14 @@ class StopTimers:
 
 
 @dataclass(frozen=True, slots=True)
+class StopWatching:
+    """The stream closed: stop the watches that feed its machine (the gate's on its
+    attempt's `live` key and its replica agent's word, the guard's on the released
+    attempt's `live` key). A closed stream has nothing more to fence, and its own end
+    deletes `live`."""
+
+
+@dataclass(frozen=True, slots=True)
 class MarkSlow:
     """Gate: the first delta is slower than the soft expectation (recorded, not failed)."""
 
@@ -628,6 +636,20 @@ class AwaitIntake:
 
 
 @dataclass(frozen=True, slots=True)
+class CloseIntake:
+    """Guard: the stream closed after its intake answered. A failed intake stays offered
+    to the request's gates while its stream is open (each one gives the client its
+    error); none comes after the stream, so the offer ends."""
+
+
+@dataclass(frozen=True, slots=True)
+class AwaitLateIntake:
+    """Guard: the stream closed with its intake in flight: its answer still counts. Feed
+    RequestOpened when it comes, after the close (a failed one's offer to the gates
+    ends then)."""
+
+
+@dataclass(frozen=True, slots=True)
 class Accepted:
     """Guard: the request is ours: in flight for the retry budget until its stream ends."""
 
@@ -707,6 +729,11 @@ class StartToolCall:
 
 
 @dataclass(frozen=True, slots=True)
+class CloseTool:
+    """Guard: the stream closed: the tool route's machine hears it (its own task)."""
+
+
+@dataclass(frozen=True, slots=True)
 class WatchSource:
     """Gate: listen for the replica's agent saying the first content left it; feed
     SourceSent (the session stops listening at release or close)."""
@@ -759,7 +786,8 @@ Action: TypeAlias = (WatchSource | MarkPathLost | PutCancel | AwaitAck | AckSett
                      | RegisterIntake | AnswerBody | AwaitIntake | Accepted | RequestEnded
                      | IntakeFailed | TakeOver | UnreadableHandOff | PassAside | WriteProgress
                      | AnswerHeaders | PassRequest | LookUpStatus | AnswerStatus
-                     | StartToolCall | LoseLease | ReadBody | PassBody)
+                     | StartToolCall | LoseLease | ReadBody | PassBody | StopWatching
+                     | CloseIntake | AwaitLateIntake | CloseTool)
 
 
 class State(StrEnum):

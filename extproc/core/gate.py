@@ -73,6 +73,7 @@ from .events import (
     StartTimer,
     State,
     StopTimers,
+    StopWatching,
     StoreDown,
     StreamClosed,
     TakeLease,
@@ -689,7 +690,9 @@ def _gate_live(m: GateMachine, ev: LiveChanged) -> list[Action]:
 def _gate_closed(m: GateMachine, ev: StreamClosed) -> list[Action]:
     prev = m.state
     m.stream_closed = True
-    acts: list[Action] = [StopTimers()]
+    # First, nothing fed by the stream runs on: its timers, the watch on `live` (our own
+    # revoke below would be heard as a fence), the agent's word.
+    acts: list[Action] = [StopTimers(), StopWatching()]
     if m.start is not None and prev is not State.GATE_RELEASED:
         acts.append(RetryEnded())
     if prev is State.GATE_RELEASED or not m.leased:
@@ -796,9 +799,10 @@ def _gate_ack(m: GateMachine, ev: AckLearned) -> list[Action]:
     return [KeepTrace(*attempt_trace(settled, m.attempt_id, replica)), settled]
 
 
-def word(entry: str | None, wall: float) -> CauseLearned:
-    """Envoy's per-attempt word as the gate's event: its cause, or none within the wait."""
-    return CauseLearned(entry or "unknown", None, entry is not None, wall)
+def word(heard: tuple[str, int] | None, wall: float) -> CauseLearned:
+    """Envoy's per-attempt word (its cause and the body bytes it sent, or None: nothing
+    within the wait) as the gate's event: the cause only."""
+    return CauseLearned(heard[0] if heard else "unknown", None, heard is not None, wall)
 
 
 def _gate_closed_again(m: GateMachine, ev: StreamClosed) -> list[Action]:
@@ -806,7 +810,7 @@ def _gate_closed_again(m: GateMachine, ev: StreamClosed) -> list[Action]:
         return []
     # Refused (never leased): its stream's end ends nothing but its count in the budget.
     m.stream_closed = True
-    return [StopTimers(), RetryEnded()]
+    return [StopTimers(), StopWatching(), RetryEnded()]
 
 
 def attempt_trace(a: CloseAttempt | AckSettled, attempt_id: str, replica: str | None

@@ -34,7 +34,10 @@ from .events import (
     AnswerStatus,
     AwaitCause,
     AwaitIntake,
+    AwaitLateIntake,
     CauseLearned,
+    CloseIntake,
+    CloseTool,
     Fenced,
     Finish,
     IntakeFailed,
@@ -63,6 +66,7 @@ from .events import (
     State,
     StatusRead,
     StopTimers,
+    StopWatching,
     StreamClosed,
     TakeOver,
     TimerFired,
@@ -152,6 +156,7 @@ class GuardMachine(Machine):
     withheld: int = 0  # content units the guard forwarded that Envoy never sent
     lease_lost: bool = False  # the released attempt's permission ended (LoseLease, once)
     released_id: str | None = None  # the attempt the gate handed over (TakeOver)
+    tool_route: bool = False  # the tool route serves the stream (StartToolCall)
 
     @classmethod
     def new(cls, request_id: str, stall_after_first_delta_s: float,
@@ -524,7 +529,9 @@ def _guard_body_after_end(m: GuardMachine, ev: ResponseBody) -> list[Action]:
 
 
 def _guard_closed(m: GuardMachine, ev: StreamClosed) -> list[Action]:
-    return _ended(m) + _closed_how(m)
+    acts = _closing(m)
+    acts += _closed_how(m)
+    return acts
 
 
 def _closed_how(m: GuardMachine) -> list[Action]:
@@ -532,17 +539,35 @@ def _closed_how(m: GuardMachine) -> list[Action]:
         m.state = State.GUARD_CLOSED
         ok = m.status == 200
         return [m._finish(Outcome.COMPLETED if ok else Outcome.UPSTREAM_FAILED,
-                          None if ok else f"http {m.status}"), StopTimers()]
+                          None if ok else f"http {m.status}")]
     if m.state is State.GUARD_TERMINATED:
         m.state = State.GUARD_CLOSED
         return []
     if m.done_seen:
         # `[DONE]` reached the client before the reset: its answer is complete.
         m.state = State.GUARD_CLOSED
-        return [m._finish(Outcome.COMPLETED, "reset after [DONE]"), StopTimers()]
+        return [m._finish(Outcome.COMPLETED, "reset after [DONE]")]
     # Ended without an end of stream: the client left, or the upstream was reset.
     m.state = State.GUARD_AWAIT_CAUSE
-    return [StopTimers(), AwaitCause()]
+    return [AwaitCause()]
+
+
+# The close's actions have no fields: one shared instance each (an end costs less).
+_STOP_TIMERS, _STOP_WATCHING, _CLOSE_INTAKE = StopTimers(), StopWatching(), CloseIntake()
+_REQUEST_ENDED = RequestEnded()
+
+
+def _closing(m: GuardMachine) -> list[Action]:
+    """What the stream's close does first, in every state: nothing fed by the stream
+    runs on (its timers, the released attempt's watch), and an intake that answered
+    is offered to the request's gates no more (one still in flight: _guard_closed_opening);
+    then the request ends for the retry budget (`_ended`)."""
+    acts: list[Action] = [_STOP_TIMERS]
+    if m.released_id is not None:
+        acts.append(_STOP_WATCHING)
+    if m.intake_read:
+        acts += (_CLOSE_INTAKE, _REQUEST_ENDED)
+    return acts
 
 
 def _guard_cause(m: GuardMachine, ev: CauseLearned) -> list[Action]:
@@ -558,6 +583,12 @@ def _guard_cause(m: GuardMachine, ev: CauseLearned) -> list[Action]:
             return [m._finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, "unknown")]
         return [m._finish(Outcome.UPSTREAM_DECODE_INTERRUPTED, ev.cause)]
     return [m._finish(Outcome.UPSTREAM_FAILED, ev.cause)]
+
+
+def word(heard: tuple[str, int] | None) -> CauseLearned:
+    """Envoy's downstream word (its cause and the body bytes it sent, or None: nothing
+    within the wait) as the guard's event."""
+    return CauseLearned("unknown", None) if heard is None else CauseLearned(*heard)
 
 
 def _guard_cause_late(m: GuardMachine, ev: CauseLearned) -> list[Action]:
@@ -600,6 +631,7 @@ def _guard_request_headers(m: GuardMachine, ev: RequestHeadersSeen) -> list[Acti
     m.trace_budget = 0  # not a request of ours: what passes by is not traced
     if ev.error is not None:
         return [Refuse(ev.error)]  # refused by the intake ("rejected", "misrouted")
+    m.tool_route = ev.kind == "tool"
     answer = _ASIDE_ANSWER.get(ev.kind)
     return [answer()] if answer is not None else []
 
@@ -709,22 +741,24 @@ def _guard_send_aside(m: GuardMachine, ev: ResponseBody) -> list[Action]:
 
 
 def _guard_closed_early(m: GuardMachine, ev: StreamClosed) -> list[Action]:
-    # Before the intake (or refused by it) there is no record to finish.
+    # Before the intake (or refused by it) there is no record to finish; the tool route,
+    # if it served the stream, hears the close last.
     m.state = State.GUARD_CLOSED
-    return _ended(m)
+    return _closing(m) + ([CloseTool()] if m.tool_route else [])
 
 
 def _guard_closed_opening(m: GuardMachine, ev: StreamClosed) -> list[Action]:
-    # The intake goes on (its own task): what it answers decides whether there is a
-    # record to finish. The request is over for the retry budget all the same.
+    # The intake goes on (its own task): what it answers, after the close, decides
+    # whether there is a record to finish. The request is over for the retry budget all
+    # the same.
     m.state = State.GUARD_LEFT_OPENING
-    return _ended(m)
+    return [_STOP_TIMERS, AwaitLateIntake(), *_ended(m)]
 
 
 def _ended(m: GuardMachine) -> list[Action]:
     """The stream's end ends a request whose body was read for its intake: it, and with
     it its re-prefills (the released one too), stop counting in the retry budget."""
-    return [RequestEnded()] if m.intake_read else []
+    return [_REQUEST_ENDED] if m.intake_read else []
 
 
 def _guard_opened_after_close(m: GuardMachine, ev: RequestOpened) -> list[Action]:

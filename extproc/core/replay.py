@@ -64,7 +64,12 @@ from .usage import UsageMode
 # UnreadableHandOff, and one Send it recorded where the rows now decide none is taken as that
 # empty chunk; a Finish it recorded last in its batch comes first now (the session started
 # its write before the batch's bytes, now the rows' order says so).
-FORMAT = 4
+# 5: the stream's close is rows: every close stops what feeds the stream first (StopTimers,
+# StopWatching), the guard's closes its intake (CloseIntake; AwaitLateIntake when it is in
+# flight) and its tool route (CloseTool); the session did these before feeding the close.
+# An older trace is compared without those four actions, and a guard's close without its
+# StopTimers (it now opens every close; its end put it elsewhere, or nowhere, before).
+FORMAT = 5
 # Actions a guard's rows took from format 3 on, absent from the decisions of older traces.
 _GUARD_FORMAT_3 = frozenset({"AnswerHeaders", "PassRequest", "LookUpStatus", "StartToolCall",
                              "LoseLease"})
@@ -72,17 +77,27 @@ _GUARD_FORMAT_3 = frozenset({"AnswerHeaders", "PassRequest", "LookUpStatus", "St
 # one an older trace recorded under another name (a TakeOver of nothing).
 _FORMAT_4 = frozenset({"MarkTimedOut", "KeepTrace", "RequestEnded"})
 _RENAMED_4 = {"UnreadableHandOff": "TakeOver"}
+# Actions the close's rows took from format 5 on, absent from the decisions of older traces.
+_FORMAT_5 = frozenset({"StopWatching", "CloseIntake", "AwaitLateIntake", "CloseTool"})
 
 
-def _same(got: str, want: str | None, fmt: int, guard: bool) -> bool:
-    """Whether a replayed decision is the recorded one, as a trace of format `fmt` said it."""
+def _same(got: str, want: str | None, fmt: int, guard: bool, closed: bool = False) -> bool:
+    """Whether a replayed decision is the recorded one, as a trace of format `fmt` said it
+    (`closed`: the decision on the stream's close)."""
     if got == want or want is None or fmt >= FORMAT:
         return got == want
-    drop = _FORMAT_4 | (_GUARD_FORMAT_3 if guard and fmt < 3 else frozenset())
+    old4 = fmt < 4
+    drop = (_FORMAT_5 | (_FORMAT_4 if old4 else frozenset())
+            | (_GUARD_FORMAT_3 if guard and fmt < 3 else frozenset()))
     state, _, acts = got.partition(":")
     w_state, _, w_acts = want.partition(":")
-    mine = [_RENAMED_4.get(a, a) for a in acts.split(",") if a and a not in drop]
+    mine = [_RENAMED_4.get(a, a) if old4 else a for a in acts.split(",") if a and a not in drop]
     theirs = [a for a in w_acts.split(",") if a]
+    if guard and closed:
+        mine = [a for a in mine if a != "StopTimers"]
+        theirs = [a for a in theirs if a != "StopTimers"]
+    if not old4:
+        return state == w_state and mine == theirs
     if guard and "Send" not in mine and theirs.count("Send") == 1:
         theirs.remove("Send")  # an empty chunk's: written as nothing then too
     if guard and mine.count("Finish") == theirs.count("Finish") == 1:
@@ -287,7 +302,7 @@ def replay(trace: Mapping[str, Any]) -> ReplayResult:
             return ReplayResult(False, i, f"event {i} ({d.get('type')}) cannot be replayed: {e}")
         want = recorded[i] if i < len(recorded) else None
         got = m.decisions[-1]
-        if not _same(got, want, fmt, m.role == "guard"):
+        if not _same(got, want, fmt, m.role == "guard", d.get("type") == "StreamClosed"):
             return ReplayResult(False, i + 1, f"event {i} ({d.get('type')}): recorded "
                                 f"{want!r}, replay decided {got!r}")
     if len(recorded) != len(m.decisions):

@@ -45,15 +45,14 @@ async def test_an_entry_before_the_wait_is_kept_for_it_and_taken_once() -> None:
     reg.offer(entry({H.REQUEST_ID: "req_1"}, flag="downstream_connection_termination",
                     body_bytes=17))
     assert reg.seen("req_1")
-    assert await reg.wait_sent("req_1", 1.0) == ("client", 17)
+    assert await reg.wait("req_1", 1.0) == ("client", 17)
     assert not reg.seen("req_1")  # taken: a second wait hears nothing
-    assert await reg.wait_entry("req_1", 0.01) is None
-    assert await reg.wait("req_1", 0.01) == "unknown"
+    assert await reg.wait("req_1", 0.01) is None
 
 
 async def test_a_wait_before_the_entry_is_answered_when_it_comes() -> None:
     reg = CauseRegistry()
-    waiting = asyncio.ensure_future(reg.wait_sent("req_2", 5.0))
+    waiting = asyncio.ensure_future(reg.wait("req_2", 5.0))
     await asyncio.sleep(0)
     assert not waiting.done()
     reg.offer(entry({H.REQUEST_ID: "req_2"}, flag="upstream_connection_failure",
@@ -65,44 +64,58 @@ async def test_a_wait_before_the_entry_is_answered_when_it_comes() -> None:
 async def test_the_guards_wait_ends_on_the_timers_port_not_the_loops_clock() -> None:
     timers = FakeTimers(FakeClock())
     reg = CauseRegistry(timers=timers)
-    silent = asyncio.ensure_future(reg.wait_sent("req_3", 0.5))
+    silent = asyncio.ensure_future(reg.wait("req_3", 0.5))
     await asyncio.sleep(0)
     timers.advance(0.4)
     await asyncio.sleep(0)
     assert not silent.done()  # no real time passes: only the fake clock's
     timers.advance(0.2)
     assert await silent is None
-    answered = asyncio.ensure_future(reg.wait_sent("req_4", 0.5))
+    answered = asyncio.ensure_future(reg.wait("req_4", 0.5))
     await asyncio.sleep(0)
     reg.offer(entry({H.REQUEST_ID: "req_4"}, flag="downstream_remote_reset", body_bytes=5))
     assert await answered == ("client", 5)
     assert timers.pending() == 0  # its deadline cancelled, not left to fire
 
 
+async def test_a_wait_given_up_leaves_no_deadline_and_the_entry_is_kept() -> None:
+    timers = FakeTimers(FakeClock())
+    reg = CauseRegistry(timers=timers)
+    waiting = asyncio.ensure_future(reg.wait("req_5", 0.5))
+    await asyncio.sleep(0)
+    assert timers.pending() == 1
+    waiting.cancel()  # the stream's end task was cancelled mid-wait
+    await asyncio.sleep(0)
+    assert waiting.cancelled() and timers.pending() == 0
+    reg.offer(entry({H.REQUEST_ID: "req_5"}, flag="downstream_remote_reset"))
+    assert reg.seen("req_5")  # nobody took it: kept for a later wait
+
+
 def test_expect_answers_once_with_the_cause_or_with_none_when_envoy_is_silent() -> None:
     timers = FakeTimers(FakeClock())
     reg = CauseRegistry(timers=timers)
-    heard: list[str | None] = []
+    heard: list[tuple[str, int] | None] = []
     reg.expect("att_1", 0.5, heard.append)
-    reg.offer(entry({H.ATTEMPT_ID: "att_1"}, upstream=True, flag="upstream_remote_reset"))
+    reg.offer(entry({H.ATTEMPT_ID: "att_1"}, upstream=True, flag="upstream_remote_reset",
+                    body_bytes=9))
     assert timers.pending() == 0  # its timer was cancelled, not left to fire
     timers.advance(1.0)
-    assert heard == ["upstream"]  # no second answer
+    assert heard == [("upstream", 9)]  # no second answer
     reg.expect("att_2", 0.5, heard.append)
     timers.advance(0.4)
-    assert heard == ["upstream"]
+    assert heard == [("upstream", 9)]
     timers.advance(0.2)
-    assert heard == ["upstream", None]
+    assert heard == [("upstream", 9), None]
     reg.offer(entry({H.ATTEMPT_ID: "att_2"}, upstream=True))  # late: kept, not answered
-    assert heard == ["upstream", None] and reg.seen("att_2")
+    assert heard == [("upstream", 9), None] and reg.seen("att_2")
 
 
 def test_expect_after_the_entry_answers_at_once() -> None:
     reg = CauseRegistry(timers=FakeTimers(FakeClock()))
     reg.offer(entry({H.REQUEST_ID: "req_3"}, flag="duration_timeout"))
-    heard: list[str | None] = []
+    heard: list[tuple[str, int] | None] = []
     reg.expect("req_3", 1.0, heard.append)
-    assert heard == ["timeout"]
+    assert heard == [("timeout", 0)]
 
 
 def test_only_the_replicas_cluster_speaks_of_attempts_and_of_replica_health() -> None:

@@ -101,6 +101,30 @@ async def test_an_ended_attempt_is_settled_from_envoys_word_through_the_port() -
         "replica_dead", "upstream", True, "revoked")
 
 
+async def test_the_close_row_stops_the_watch_before_the_attempts_own_revoke() -> None:
+    # The session stops nothing by itself: the close's StopWatching does, before the early
+    # revoke deletes `live` (heard, that delete would be fed as someone else's fence).
+    timers = FakeTimers(FakeClock())
+    p, store = proc(None, timers)
+    await open_request(store, p)
+    ctx, s, task = start(GateSession, p)
+    ctx.send(gate_headers(1, p.clock.wall()))
+    await ctx.wait_for(1)
+    assert s.rec is not None and s.rec.unwatch is not None
+    ctx.close()  # before any response: a confirmed end, revoked at once
+    await asyncio.wait_for(task, 3)
+    await idle()
+    p.causes.offer(attempt_entry("att_pre"))
+    await p.drain()
+    assert s.rec.unwatch is None and s.m is not None
+    kinds = [e["type"] for e in s.m.trace]
+    assert "LiveChanged" not in kinds
+    assert s.m.decisions[kinds.index("StreamClosed")].split(":")[1].startswith(
+        "StopTimers,StopWatching")
+    view = await store.get(RID)
+    assert view is not None and view.live_attempt_id is None
+
+
 async def test_a_replaced_live_ends_the_attempts_permission_once(
         caplog: pytest.LogCaptureFixture) -> None:
     timers = FakeTimers(FakeClock())

@@ -110,10 +110,12 @@ async def test_a_detached_stream_reads_no_more() -> None:
 async def test_an_action_is_a_write_or_a_port_call_answered_by_an_event() -> None:
     ctx = Stream([])
     s = Toy(ctx)
-    assert await s.act(Write("hello")) is None
+    write = s.act(Write("hello"))
+    assert write is not None and await write is None
     assert ctx.out[0].immediate_response.details == "hello"
-    assert await s.act(Ask()) == LeaseLost()
-    assert await s.act(TimerFired(TimerKind.STALL)) is None  # not an action of this role
+    ask = s.act(Ask())
+    assert ask is not None and await ask == LeaseLost()
+    assert s.act(TimerFired(TimerKind.STALL)) is None  # not an action of this role
 
 
 async def test_a_write_to_a_stream_envoy_closed_closes_it_quietly() -> None:

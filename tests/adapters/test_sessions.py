@@ -597,7 +597,8 @@ async def test_a_stream_reset_during_its_intake_still_gets_an_outcome(
     rid = set_headers((await guard.wait_for(1))[0], "request_headers")[H.REQUEST_ID]
     guard.send(req_body(CHAT))
     await idle()
-    assert gs.tx.opening is not None  # its intake is in flight, held by the store
+    # Its intake is in flight, held by the store.
+    assert gs._tx is not None and gs._tx.opening is not None
     gtask.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await gtask

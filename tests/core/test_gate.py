@@ -52,6 +52,7 @@ from extproc.core.events import (
     StartTimer,
     State,
     StopTimers,
+    StopWatching,
     StoreDown,
     StreamClosed,
     TakeLease,
@@ -151,7 +152,7 @@ def test_gate_happy_path_holds_until_fenced_then_releases_in_order() -> None:
     assert g.handle(ResponseBody(ERROR, False)) == [PassChunk()]  # the guard handles it
     assert g.handle(ResponseBody(FINISH + DONE_EVENT, True)) == [PassChunk()]
     # Released: the guard ends it; the gate only stops its timers.
-    assert g.handle(StreamClosed()) == [StopTimers()]
+    assert g.handle(StreamClosed()) == [StopTimers(), StopWatching()]
     assert g.state is State.GATE_CLOSED
     assert g.handle(StreamClosed()) == []
 
@@ -179,8 +180,8 @@ def test_gate_fence_lost_fails_the_attempt_and_drops_the_rest() -> None:
     assert g.handle(ResponseBody(content("y"), False)) == [DropChunk()]
     assert g.handle(ResponseBody(DONE_EVENT, True)) == [DropChunk()]
     # Failed on purpose with a 503 (the fence said no): confirmed, no word needed.
-    stop, ended, keep, close = g.handle(StreamClosed())
-    assert (stop, ended) == (StopTimers(), RetryEnded())
+    stop, unwatch, ended, keep, close = g.handle(StreamClosed())
+    assert (stop, unwatch, ended) == (StopTimers(), StopWatching(), RetryEnded())
     assert isinstance(close, CloseAttempt) and close.record["upstream_finished"] is True
     assert keep == KeepTrace("attempt-002", {
         "attempt_id": "att_2", "replica": None, "failure_class": close.failure_class,
@@ -215,7 +216,7 @@ def test_gate_done_without_content_is_an_empty_complete_answer() -> None:
     assert names(g.handle(ResponseBody(b"", True))) == HOLD_FENCE
     # The whole response is held already: nothing left to hand off.
     assert released(g.handle(FenceDecided(True)), 3, False)
-    assert g.handle(StreamClosed()) == [StopTimers()]
+    assert g.handle(StreamClosed()) == [StopTimers(), StopWatching()]
 
 
 def test_gate_done_and_end_of_stream_in_one_message() -> None:
@@ -317,7 +318,7 @@ def test_gate_admission_refused() -> None:
     assert g.handle(AdmissionDecided(error=err)) == [Refuse(err)]
     assert g.state is State.GATE_CLOSED
     # Never leased: nothing to end but the budget's count.
-    assert g.handle(StreamClosed()) == [StopTimers(), RetryEnded()]
+    assert g.handle(StreamClosed()) == [StopTimers(), StopWatching(), RetryEnded()]
     assert g.handle(StreamClosed()) == []
     with pytest.raises(ProtocolViolation):
         g.handle(ResponseHeaders(200, SSE))
@@ -331,8 +332,8 @@ def test_gate_stream_closed_mid_hold_and_mid_fence_is_not_released() -> None:
         g.handle(ResponseBody(body, eos))
         assert g.state == state
         # Before the limit, not failed by us: a confirmed end, revoked at once.
-        stop, ended, revoke = g.handle(StreamClosed(mono=1.0, wall=WALL0 + 1.0))
-        assert (stop, ended) == (StopTimers(), RetryEnded())
+        stop, unwatch, ended, revoke = g.handle(StreamClosed(mono=1.0, wall=WALL0 + 1.0))
+        assert (stop, unwatch, ended) == (StopTimers(), StopWatching(), RetryEnded())
         assert isinstance(revoke, RevokeEarly) and revoke.record["failure_class"] == "pending"
         assert g.state is State.GATE_REVOKING
 
@@ -871,7 +872,7 @@ def run_gate(s: Stream, committed: bool, fence_delay: int, max_buffer: int) -> G
         account(g.handle(FenceDecided(committed)), s.eos)
     end = g.handle(StreamClosed())
     # Released: the guard ends it. Otherwise its end is planned here (a row of its own).
-    assert (end == [StopTimers()]) is run.released
+    assert (end == [StopTimers(), StopWatching()]) is run.released
     if run.failed is None:
         assert g.ended == s.eos
     return run
@@ -922,7 +923,7 @@ def test_replay_of_a_refused_attempt() -> None:
     g.handle(StreamClosed())
     assert_replays(g)
     assert g.decisions == ["gate_awaiting_intake:AwaitIntakeCommit", "gate_deciding:Decide",
-                           "gate_closed:Refuse", "gate_closed:StopTimers,RetryEnded"]
+                           "gate_closed:Refuse", "gate_closed:StopTimers,StopWatching,RetryEnded"]
 
 
 def test_replay_rejects_a_trace_out_of_order() -> None:

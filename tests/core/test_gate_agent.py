@@ -53,6 +53,7 @@ from extproc.core.events import (
     StartTimer,
     State,
     StopTimers,
+    StopWatching,
     StreamClosed,
     TimerFired,
     TimerKind,
@@ -127,7 +128,7 @@ def test_the_agents_word_and_no_content_within_the_grace_fail_the_attempt_and_ca
         MarkPathLost(failed=True), PutCancel()]
     assert m.state is State.GATE_FAILED and m.path_lost and m.cancel_sent
     # Its end is uncertain, as a timed-out attempt's: Envoy's word is awaited.
-    assert m.handle(StreamClosed(1.6, WALL0 + 1.6)) == [StopTimers(), RetryEnded(),
+    assert m.handle(StreamClosed(1.6, WALL0 + 1.6)) == [StopTimers(), StopWatching(), RetryEnded(),
                                                        AwaitCause("att_1", 0.5)]
     (mark, close, wait) = m.handle(CauseLearned("unknown", None, False, WALL0 + 2.1))
     assert isinstance(close, CloseAttempt) and isinstance(mark, MarkTimedOut)
@@ -285,8 +286,8 @@ def test_envoys_word_revokes_and_the_acknowledgement_adds_the_engines_evidence()
 def test_an_uncertain_end_the_gate_did_not_fail_still_puts_the_cancel() -> None:
     # No headers; Envoy's per-try timeout closed it and said so: the engine may decode on.
     m, _ = gate()
-    assert m.handle(StreamClosed(10.3, WALL0 + 10.3)) == [StopTimers(), RetryEnded(),
-                                                         AwaitCause("att_1", 0.5)]
+    assert m.handle(StreamClosed(10.3, WALL0 + 10.3)) == [
+        StopTimers(), StopWatching(), RetryEnded(), AwaitCause("att_1", 0.5)]
     (close, cancel, wait) = m.handle(CauseLearned("timeout", None, True, WALL0 + 10.4))
     assert isinstance(close, CloseAttempt) and close.ack_follows
     assert close.failure_class == "network_uncertain"

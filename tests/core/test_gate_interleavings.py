@@ -4,8 +4,10 @@ A small executor plays the session on a fake clock: each step either answers the
 machine asked for (the intake, the verdict, the lease or the admission, the fence, the early
 revoke, Envoy's word; etcd may be away, or not answer a try: then the rows' resend timer
 decides), or sends Envoy's next message, or fires a timer the machine started, or lets the
-revocation watch speak, or closes the stream. Whatever the order, the machine never refuses an event
-the session can feed, never lets the request go upstream before its intake committed and its
+revocation watch speak, or closes the stream (the close's own row stops the timers and the
+watch: the executor here, as the session, stops nothing by itself). Whatever the order, the
+machine never refuses an event the session can feed, leaves nothing running once its stream
+closed, never lets the request go upstream before its intake committed and its
 admission said yes, never releases before the fence committed, answers every body message
 once, ends an attempt over before release with exactly one record, and replays from its trace.
 """
@@ -54,6 +56,7 @@ from extproc.core.events import (
     StartTimer,
     State,
     StopTimers,
+    StopWatching,
     StoreDown,
     StreamClosed,
     TakeLease,
@@ -81,6 +84,7 @@ class Run:
     timers: dict[TimerKind, float] = field(default_factory=dict)  # kind -> due
     envoy: list[Event] = field(default_factory=list)  # Envoy's response, still to send
     closed: bool = False
+    watching: bool = False  # the revocation watch, from Watch until StopWatching
     fed: list[Event] = field(default_factory=list)
     acts: list[Action] = field(default_factory=list)
     intake_ok: bool = False
@@ -115,6 +119,10 @@ class Run:
             self.timers[a.kind] = self.now + a.seconds
         elif isinstance(a, StopTimers):
             self.timers.clear()
+        elif isinstance(a, Watch):
+            self.watching = True
+        elif isinstance(a, StopWatching):
+            self.watching = False
         elif isinstance(a, ContinueRequest):
             # The healthy request refused because attempt 2 went before its intake
             # committed: never again.
@@ -192,8 +200,8 @@ def test_every_interleaving_keeps_the_gates_promises(data: Any, kind: int, pread
                 choices.append("envoy")
             if r.timers and not r.closed:
                 choices.append("timer")
-            if any(isinstance(a, Watch) for a in r.acts) and not r.closed:
-                choices.append("watch")  # the revocation watch may speak at any time
+            if r.watching:
+                choices.append("watch")  # the revocation watch may speak until stopped
         if not r.closed:
             choices.append("close")  # Envoy may reset the stream at any time
         if not choices:
@@ -226,8 +234,12 @@ def test_every_interleaving_keeps_the_gates_promises(data: Any, kind: int, pread
             r.closed = True
             r.pending = None if not isinstance(r.pending, RevokeEarly | AwaitCause) else (
                 r.pending)
-            r.timers.clear()
+            n = len(r.acts)
             r.feed(StreamClosed(r.now + 0.1, WALL0 + r.now + 0.1))
+            # The close's row stops what feeds the stream before anything else it does.
+            assert r.acts[n:n + 2] == [StopTimers(), StopWatching()], r.acts[n:]
+    # Once closed, nothing the stream started runs on: no timer, no watch.
+    assert not (r.closed and (r.timers or r.watching)), (r.timers, r.watching)
     m = r.m
     # At most one answer to the request's headers, and a refusal only of an attempt that
     # never went upstream (or its last attempt, timed out).

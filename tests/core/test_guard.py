@@ -36,7 +36,10 @@ from extproc.core.events import (
     AnswerStatus,
     AwaitCause,
     AwaitIntake,
+    AwaitLateIntake,
     CauseLearned,
+    CloseIntake,
+    CloseTool,
     Event,
     Fenced,
     Finish,
@@ -66,6 +69,7 @@ from extproc.core.events import (
     State,
     StatusRead,
     StopTimers,
+    StopWatching,
     StreamClosed,
     TakeOver,
     TimerFired,
@@ -103,6 +107,11 @@ from .exhaustive import Chooser, every
 from .sse_streams import UPSTREAM_ERROR_MARK, Stream, assert_replays, decode, streams, texts
 
 RID = "req_0123456789abcdefghjkmnpqrs"
+
+# The close's actions from trace format 5 on (core.replay): absent from older traces.
+FORMAT_5 = ("StopWatching", "CloseIntake", "AwaitLateIntake", "CloseTool")
+# What a close does before its end: stop what feeds the stream, close its intake.
+CLOSING = (StopTimers, StopWatching, CloseIntake, AwaitLateIntake)
 SSE = "text/event-stream"
 HANDOFF = '{"attempt":1,"attempt_id":"att_x","lease_id":7}'
 REFUSED = request_in_progress(RID, "prefill")
@@ -143,7 +152,8 @@ def test_a_key_less_intake_that_fails_is_answered_by_its_gate() -> None:
     # The gate's error comes back through the guard's response path, untouched.
     assert m.handle(ResponseHeaders(503, "application/json", ours=True)) == [PassAside()]
     assert m.handle(ResponseBody(b"{}", True)) == [Send(b"{}", True)]
-    assert m.handle(StreamClosed()) == [RequestEnded()]  # its intake read, if failed
+    # Its intake read, if failed: no more offered to its gates, and ended for the budget.
+    assert m.handle(StreamClosed()) == [StopTimers(), CloseIntake(), RequestEnded()]
 
 
 def test_the_released_attempt_is_taken_over_before_its_headers_go_on() -> None:
@@ -166,7 +176,7 @@ def test_an_unreadable_hand_off_is_taken_over_as_nothing() -> None:
     rec = record(m, {}, 1 << 20)
     old = {**rec, "format": 3, "decisions": [
         d.replace("UnreadableHandOff", "TakeOver") for d in without(
-            rec["decisions"], "RequestEnded")]}
+            rec["decisions"], "RequestEnded", *FORMAT_5)]}
     assert replay(rec).ok and replay(old).ok and not replay({**old, "format": 4}).ok
 
 
@@ -210,8 +220,9 @@ def test_the_stall_watchdog_is_a_timer_row() -> None:
     assert isinstance(send, Send) and send.end_of_stream
     assert isinstance(fin, Finish) and fin.cause == "stall"
     assert m.state is State.GUARD_TERMINATED
-    # The stream's end stops it; a late one changes nothing.
-    assert m.handle(StreamClosed()) == []
+    # The stream's end stops what is left (a checkpoint, had one started); a late one
+    # changes nothing.
+    assert m.handle(StreamClosed()) == [StopTimers()]
     assert m.handle(TimerFired(TimerKind.STALL, 30.0)) == []
 
 
@@ -290,14 +301,16 @@ class Run(Chooser):
 
 def play(run: Run) -> GuardMachine:
     """After the body: the intake's answer, Envoy's response (headers, two body messages)
-    and the stream's close come in any order; Envoy's word comes when it is awaited."""
+    and the stream's close come in any order; Envoy's word comes when it is awaited, and
+    after the close the intake's answer only if the close awaits it (AwaitLateIntake: the
+    session feeds nothing else of a closed stream)."""
     m, acts = body_seen(run.keyed)
     run.log.append((RequestBodySeen(None, keyed=run.keyed), acts))
-    answered = closed = awaiting_cause = False
+    answered = closed = awaiting_cause = late = False
     headers = bodies = 0
     while True:
         options: list[Event] = []
-        if not answered:
+        if not answered and (late or not closed):
             options.append(RequestOpened(True) if run.accept else RequestOpened(False, REFUSED))
         if not closed:
             if not headers:
@@ -322,6 +335,7 @@ def play(run: Run) -> GuardMachine:
             awaiting_cause = False
         acts = m.handle(ev)
         awaiting_cause = awaiting_cause or any(isinstance(a, AwaitCause) for a in acts)
+        late = late or AwaitLateIntake() in acts
         run.log.append((ev, acts))
     return m
 
@@ -371,10 +385,42 @@ def test_every_run_ends_its_request_for_the_retry_budget_once_at_its_streams_end
         ends = [(ev, acts) for ev, acts in r.log if RequestEnded() in acts]
         assert len(ends) == 1, r.choices
         ev, acts = ends[0]
-        assert isinstance(ev, StreamClosed) and acts[0] == RequestEnded(), r.choices
+        end = [a for a in acts if not isinstance(a, CLOSING)]
+        assert isinstance(ev, StreamClosed) and end[0] == RequestEnded(), r.choices
         # And no chunk with nothing in it is a Send (the two bodies here are empty).
         assert not any(isinstance(a, Send) and not (a.data or a.end_of_stream)
                        for a in actions(r)), r.choices
+
+
+def test_the_close_stops_the_stream_and_closes_its_intake_first_whatever_the_order() -> None:
+    # What the session did by itself before it fed the close is the close's row: first
+    # the timers, the released attempt's watch (if one was taken over), then the intake:
+    # offered to the gates no more once answered, awaited after the close while in flight.
+    # The intake's answer is heard once in every run: after the close only because the row
+    # awaited it.
+    for r in RUNS:
+        [i] = [i for i, (ev, _) in enumerate(r.log) if isinstance(ev, StreamClosed)]
+        before = [a for _, acts in r.log[:i] for a in acts]
+        answered = any(isinstance(ev, RequestOpened) for ev, _ in r.log[:i])
+        took_over = any(isinstance(a, TakeOver) for a in before)
+        want = [StopTimers(), *([StopWatching()] if took_over else []),
+                CloseIntake() if answered else AwaitLateIntake()]
+        acts = r.log[i][1]
+        assert acts[:len(want)] == want and not any(
+            isinstance(a, CLOSING) for a in acts[len(want):]), r.choices
+        assert sum(isinstance(ev, RequestOpened) for ev, _ in r.log) == 1, r.choices
+        later = [a for _, acts in r.log[i + 1:] for a in acts]
+        assert not any(isinstance(a, CLOSING) for a in later), r.choices
+
+
+def test_the_tool_route_hears_the_close_last() -> None:
+    m = GuardMachine.new(RID, 15.0, at_request=True)
+    assert m.handle(RequestHeadersSeen("tool")) == [StartToolCall()]
+    assert m.handle(StreamClosed()) == [StopTimers(), CloseTool()]
+    assert m.handle(StreamClosed()) == []  # closed once
+    m = GuardMachine.new(RID, 15.0, at_request=True)
+    m.handle(RequestHeadersSeen("passthrough"))
+    assert m.handle(StreamClosed()) == [StopTimers()]
 
 
 def test_a_refused_intake_is_answered_once_by_the_right_role() -> None:
@@ -699,7 +745,7 @@ def test_guard_counts_content_units_and_completes() -> None:
     assert m.handle(ResponseBody(tail, True)) == [Send(tail, True), StopTimers()]
     assert m.state is State.GUARD_COMPLETE
     assert m.handle(StreamClosed()) == [
-        Finish(Outcome.COMPLETED, 3, None, exact=False), StopTimers()]
+        StopTimers(), Finish(Outcome.COMPLETED, 3, None, exact=False)]
     assert m.finished == Finish(Outcome.COMPLETED, 3, None, exact=False)
     assert m.handle(StreamClosed()) == []
 
@@ -716,7 +762,7 @@ def test_guard_error_after_delivery_is_replaced_by_our_terminal_event() -> None:
     # Whatever comes afterwards goes nowhere.
     assert m.handle(ResponseBody(content("d") + DONE_EVENT, True)) == []
     assert m.handle(TimerFired(TimerKind.STALL)) == []
-    assert m.handle(StreamClosed()) == []
+    assert m.handle(StreamClosed()) == [StopTimers()]
     assert m.state is State.GUARD_CLOSED
     assert m.finished == fin
     assert m.handle(CauseLearned("upstream")) == []
@@ -822,7 +868,7 @@ def test_guard_non_200_completes_as_upstream_failed() -> None:
     body = b'{"error":{"code":"upstream_unavailable"}}'
     assert m.handle(ResponseBody(body, True)) == [Send(body, True)]
     assert m.handle(StreamClosed()) == [
-        Finish(Outcome.UPSTREAM_FAILED, 0, "http 503"), StopTimers()]
+        StopTimers(), Finish(Outcome.UPSTREAM_FAILED, 0, "http 503")]
 
 
 def test_guard_headers_only_response() -> None:
@@ -838,8 +884,8 @@ def test_guard_non_streaming_counts_completion_tokens() -> None:
     m.handle(ResponseHeaders(200, "application/json"))
     assert m.handle(ResponseBody(body[:5], False)) == [Send(body[:5], False)]
     assert m.handle(ResponseBody(body[5:], True)) == [Send(body[5:], True)]
-    assert m.handle(StreamClosed()) == [Finish(
-        Outcome.COMPLETED, 7, None, exact=True, source="engine"), StopTimers()]
+    assert m.handle(StreamClosed()) == [StopTimers(), Finish(
+        Outcome.COMPLETED, 7, None, exact=True, source="engine")]
 
 
 def test_the_guard_request_phase_is_in_the_table() -> None:
@@ -864,7 +910,8 @@ def test_the_guard_request_phase_is_in_the_table() -> None:
         # (refused by it) ends the request for the retry budget all the same.
         if not m.accepted:
             read = kind == "generation" and body is None
-            assert m.handle(StreamClosed()) == ([RequestEnded()] if read else [])
+            assert m.handle(StreamClosed()) == [StopTimers(), *(
+                [CloseIntake(), RequestEnded()] if read else [])]
             assert m.state is State.GUARD_CLOSED
 
 
@@ -880,7 +927,8 @@ def test_a_stream_closed_during_its_intake_is_finished_if_the_intake_commits() -
     # The intake commits after the stream closed: the record is ours to finish, from
     # Envoy's cause, or a repeat of its key would be "in progress" for as long as we live.
     m = opening_guard()
-    assert m.handle(StreamClosed()) == [RequestEnded()]
+    # Its answer still counts: awaited after the close.
+    assert m.handle(StreamClosed()) == [StopTimers(), AwaitLateIntake(), RequestEnded()]
     assert m.state is State.GUARD_LEFT_OPENING and not m.accepted
     assert m.handle(StreamClosed()) == [] and m.state is State.GUARD_LEFT_OPENING
     assert m.handle(RequestOpened(True)) == [AwaitCause()]
@@ -1100,11 +1148,12 @@ def test_a_format_2_guard_trace_replays_without_the_new_answers() -> None:
     m.handle(Fenced())
     m.handle(StreamClosed())
     rec = record(m, {}, 1 << 20)
-    assert rec["format"] == 4 and replay(rec).ok
+    assert rec["format"] == 5 and replay(rec).ok
     # As a format-2 core recorded it: no AnswerHeaders, no LoseLease, no RequestEnded, a
-    # bare Fenced.
+    # bare Fenced, none of the close's rows.
     old = {**rec, "format": 2,
-           "decisions": without(rec["decisions"], "AnswerHeaders", "LoseLease", "RequestEnded"),
+           "decisions": without(rec["decisions"], "AnswerHeaders", "LoseLease", "RequestEnded",
+                                *FORMAT_5),
            "events": [{"type": "Fenced"} if e["type"] == "Fenced" else e
                       for e in rec["events"]]}
     assert old["decisions"] != rec["decisions"] and replay(old).ok
@@ -1121,17 +1170,18 @@ def without(decisions: list[str], *names: str) -> list[str]:
 
 
 def test_a_stream_end_ends_the_request_for_the_retry_budget_once() -> None:
-    # Accepted, answered, closed: RequestEnded once, first, whatever else the end says.
+    # Accepted, answered, closed: RequestEnded once, first after the close's stops,
+    # whatever else the end says.
     m, _ = body_seen(keyed=False)
     m.handle(RequestOpened(True))
     m.handle(ResponseHeaders(200, "application/json"))
     m.handle(ResponseBody(b"{}", True))
-    assert m.handle(StreamClosed())[0] == RequestEnded()
+    assert m.handle(StreamClosed())[:3] == [StopTimers(), CloseIntake(), RequestEnded()]
     assert RequestEnded() not in m.handle(StreamClosed())
     # No body read for an intake (a pass-through, the tool route): nothing to end.
     m = GuardMachine.new(RID, 15.0, at_request=True)
     m.handle(RequestHeadersSeen("passthrough"))
-    assert m.handle(StreamClosed()) == []
+    assert m.handle(StreamClosed()) == [StopTimers()]
 
 
 def test_a_chunk_with_nothing_to_forward_is_no_send() -> None:
@@ -1159,7 +1209,7 @@ def test_format_3_traces_recorded_before_these_rows_replay() -> None:
 def test_a_finish_says_whether_the_upstreams_answer_was_whole() -> None:
     m = streaming_guard()
     m.handle(ResponseBody(ROLE + content("a") + DONE_EVENT, False))
-    [fin, _] = m.handle(StreamClosed())
+    [_, fin] = m.handle(StreamClosed())
     assert isinstance(fin, Finish) and fin.upstream_finished  # reset after [DONE]
     m = streaming_guard()
     m.handle(ResponseBody(ROLE + content("a"), False))
