@@ -83,6 +83,12 @@ class FakeTimers:
     def pending(self) -> int:
         return sum(1 for _, _, h, _ in self._due if not h.cancelled)
 
+    def next_due(self) -> float | None:
+        """The clock's reading when the next timer falls due (None: none pending)."""
+        while self._due and self._due[0][2].cancelled:
+            heapq.heappop(self._due)
+        return self._due[0][0] if self._due else None
+
     def advance(self, seconds: float) -> int:
         """Move the clock by `seconds`; returns how many timers fired."""
         until = self.clock.now + seconds

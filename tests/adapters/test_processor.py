@@ -18,7 +18,7 @@ from extproc.core.config import load_config
 from extproc.core.errors import journal_unavailable
 from extproc.core.guard import GuardMachine
 
-from .support import FakeClock, FakeTimers
+from .support import FakeClock, FakeTimers, run_on
 from .test_sessions import proc
 
 
@@ -54,27 +54,53 @@ class Flaky:
 
 
 async def test_a_write_is_retried_until_etcd_answers(caplog: pytest.LogCaptureFixture) -> None:
+    timers = FakeTimers(FakeClock())
     fn = Flaky(fails=2)
     with caplog.at_level(logging.INFO, logger="extproc"):
-        assert await retrying(fn, "write the outcome", "req_1", None, limit_s=5.0)
+        assert await run_on(timers, retrying(fn, "write the outcome", "req_1", None,
+                                             limit_s=5.0, timers=timers,
+                                             now=timers.clock.monotonic))
     assert fn.calls == 3
+    assert timers.clock.now == pytest.approx(0.1 + 0.2)  # its pauses double from 0.1 s
     msgs = [r.getMessage() for r in caplog.records]
     assert msgs.count("pending until etcd answers: write the outcome") == 1  # said once
     assert "done after etcd came back: write the outcome" in msgs
 
 
 async def test_a_write_etcd_never_answers_is_given_up_within_the_limit() -> None:
+    timers = FakeTimers(FakeClock())
     fn = Flaky(fails=10**6)
-    loop = asyncio.get_running_loop()
-    t0 = loop.time()
-    assert await retrying(fn, "write", None, None, limit_s=0.35) is False
-    assert loop.time() - t0 < 0.35 + 0.3 and fn.calls >= 2  # (a loaded loop wakes late)
+    assert await run_on(timers, retrying(fn, "write", None, None, limit_s=0.35,
+                                         timers=timers, now=timers.clock.monotonic)) is False
+    # Tries at 0, 0.1 and 0.3 s; the next pause (0.4 s) would end past the limit.
+    assert fn.calls == 3 and timers.clock.now == pytest.approx(0.3)
+
+
+async def test_a_write_under_the_pause_cap_lands_within_it_of_etcd_s_return() -> None:
+    timers = FakeTimers(FakeClock())
+    fn = Flaky(fails=6)
+    assert await run_on(timers, retrying(fn, "write", None, None, limit_s=5.0,
+                                         timers=timers, now=timers.clock.monotonic))
+    # 0.1, 0.2, 0.4, then RETRY_MAX_DELAY_S (0.5) between tries.
+    assert fn.calls == 7 and timers.clock.now == pytest.approx(0.1 + 0.2 + 0.4 + 3 * 0.5)
 
 
 async def test_a_take_back_is_applied_again_while_it_settles() -> None:
+    timers = FakeTimers(FakeClock())
     fn = Flaky(fails=0)
-    assert await retrying(fn, "undo", None, None, settle_s=0.3)
-    assert fn.calls >= 2  # once, then again: a late write applied after it is caught
+    assert await run_on(timers, retrying(fn, "undo", None, None, settle_s=0.3,
+                                         timers=timers, now=timers.clock.monotonic))
+    # Once, then every 0.25 s while it settles: a late write applied after it is caught.
+    assert fn.calls == 3 and timers.clock.now == pytest.approx(0.5)
+
+
+async def test_by_default_it_pauses_on_the_loop() -> None:
+    """No port given (production): the loop's timers and clock."""
+    fn = Flaky(fails=1)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    assert await retrying(fn, "write", None, None, limit_s=5.0)
+    assert fn.calls == 2 and loop.time() - t0 >= 0.1
 
 
 def _cfg(mode: str) -> Any:
