@@ -6,6 +6,7 @@ health. (The sessions over it: test_sessions.py.)"""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import Any
 
@@ -18,7 +19,7 @@ from extproc.core.config import load_config
 from extproc.core.errors import journal_unavailable
 from extproc.core.guard import GuardMachine
 
-from .support import FakeClock, FakeTimers, run_on
+from .support import FakeClock, FakeTimers, idle, run_on
 from .test_sessions import proc
 
 
@@ -158,3 +159,33 @@ def test_envoy_s_failed_attempts_eject_a_replica_and_a_200_restores_it() -> None
     assert not p.health.healthy(b, p.clock.monotonic())
     p.attempt_seen("127.0.0.1:3", "client", 200)  # a client's leaving says nothing bad
     assert p.host_order(["127.0.0.1:3", a]) == ["127.0.0.1:3", a]
+
+
+async def test_the_retry_budget_is_exchanged_once_a_second_on_the_timers_port() -> None:
+    timers = FakeTimers(FakeClock())
+    p, store = proc(timers=timers)
+    sent: list[tuple[str, int, int, float]] = []
+    real = store.exchange_budget
+
+    async def exchange(gid: str, requests: int, retries: int) -> dict[str, tuple[int, int]]:
+        sent.append((gid, requests, retries, timers.clock.now))
+        await real(gid, requests, retries)
+        return {"gw-2": (7, 1)}
+    store.exchange_budget = exchange  # type: ignore[method-assign]
+    task = asyncio.ensure_future(p.share_budget())
+    try:
+        await idle()
+        assert sent == [] and timers.next_due() == 1.0  # first after a second, not at once
+        timers.advance(0.999)
+        await idle()
+        assert sent == []
+        for step in (0.001, 1.0, 1.0):
+            assert timers.advance(step) == 1
+            await idle()
+        gid = p.cfg.server.gateway_id
+        assert sent == [(gid, 0, 0, pytest.approx(t)) for t in (1.0, 2.0, 3.0)]
+        assert p.budget.others == {"gw-2": (7, 1)}
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
