@@ -52,6 +52,7 @@ from .kv import KV, Get, KeyValue, Put, Txn, WatchEvent
 from .leases import StoreUnavailable
 from .shards import shard_of
 from .telemetry import Telemetry, end_span
+from .timers import LoopTimers, Timers, sleep, wait_for
 
 __all__ = ["DEFAULT_METRICS", "AgentMetrics", "EngineSpec", "ReplicaAgent"]
 
@@ -202,7 +203,8 @@ class ReplicaAgent:
                  ack_timeout_s: float = 5.0,
                  clock: Callable[[], float] = time.monotonic,
                  wall: Callable[[], float] = time.time,
-                 telemetry: Telemetry | None = None) -> None:
+                 telemetry: Telemetry | None = None,
+                 timers: Timers | None = None) -> None:
         # One KV per journal shard (decision 0042): a request's keys are on the cluster
         # `shard_of(request id)` names, as the processor computes it from the same config.
         self.kvs: tuple[KV, ...] = tuple(kv) if isinstance(kv, Sequence) else (kv,)
@@ -214,6 +216,7 @@ class ReplicaAgent:
         self.ack_timeout_s = ack_timeout_s
         self.clock = clock
         self.wall = wall
+        self.timers: Timers = timers or LoopTimers()  # every wait, on `clock`'s time
         self.metrics = AgentMetrics()
         self.engine_healthy = False
         self.engine_open = 0  # engine generation requests still forwarding (not aborting)
@@ -280,7 +283,7 @@ class ReplicaAgent:
                 await self._ticker
         for t in list(self._tasks):
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(t, self.ack_timeout_s + 1.0)
+                await wait_for(self.timers, t, self.ack_timeout_s + 1.0)
         if self.session is not None:
             await self.session.close()
 
@@ -385,7 +388,7 @@ class ReplicaAgent:
         """Every _TICK_S: deadlines passed without a chunk, Envoy's connection gone, and
         the time-to-live of each lease in use once per TTL/3. Ends with the agent."""
         while True:
-            await asyncio.sleep(_TICK_S)
+            await sleep(self.timers, _TICK_S)
             now = self.clock()
             used: set[tuple[int, int]] = set()
             for ts in list(self._by_rid.values()):
@@ -496,7 +499,7 @@ class ReplicaAgent:
             while evidence is None and self.clock() < end:
                 evidence = await self._engine_let_go()
                 if evidence is None:
-                    await asyncio.sleep(_POLL_S)
+                    await sleep(self.timers, _POLL_S)
         now = self.clock()
         if evidence is None:
             f.step(Input.NO_EVIDENCE, now)

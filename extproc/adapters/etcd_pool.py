@@ -19,6 +19,7 @@ from aetcd import rpc
 
 from .etcd_store import EtcdStore, _prefix_end
 from .leases import StoreUnavailable
+from .timers import sleep
 
 log = logging.getLogger("extproc.pool")
 _NOID = {"request_id": None, "attempt_id": None}
@@ -100,7 +101,7 @@ class EtcdPoolRegistry:
             except Exception as e:  # etcd away: keep the last pool, list again when back
                 log.warning("pool registrations watch lost; listing again",
                             extra={**_NOID, "error": repr(e)})
-            await asyncio.sleep(backoff)
+            await sleep(self.s.timers, backoff)
             backoff = min(backoff * 2, 2.0)
 
     async def close(self) -> None:

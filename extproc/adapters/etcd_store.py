@@ -22,6 +22,7 @@ from .kv import prefix_end
 from .kv_etcd import EtcdKV
 from .leases import ProcessLease, StoreUnavailable
 from .ports import SystemClock
+from .timers import Timers
 
 __all__ = ["EtcdStore", "ToolLedger"]
 
@@ -34,9 +35,10 @@ _prefix_end = prefix_end
 
 
 class EtcdStore(JournalStore):
-    def __init__(self, cfg: EtcdConfig, owner: str = "gw") -> None:
-        self.etcd = EtcdKV(cfg)
-        super().__init__(cfg, self.etcd, SystemClock(), owner)
+    def __init__(self, cfg: EtcdConfig, owner: str = "gw",
+                 timers: Timers | None = None) -> None:
+        self.etcd = EtcdKV(cfg, timers)
+        super().__init__(cfg, self.etcd, SystemClock(), owner, timers)
         self.timeout = cfg.timeout_s
         self._session_lock = asyncio.Lock()
         self._attempts_lock = asyncio.Lock()
@@ -107,6 +109,7 @@ class EtcdStore(JournalStore):
     async def _session_loop(self) -> None:
         period = max(0.5, self.cfg.session_ttl_s / 3)
         while True:
+            # On the loop, not the Timers port: it races etcd's lease TTL, on etcd's clock.
             await asyncio.sleep(period)
             if self._session and await self._keep_alive(self._session, "session") == 0:
                 # Our session expired (etcd unreachable longer than its TTL): the next
@@ -176,6 +179,7 @@ class EtcdStore(JournalStore):
         period = self._renew_period()
         delay = period
         while True:
+            # On the loop, not the Timers port: it races etcd's lease TTL, on etcd's clock.
             await asyncio.sleep(delay)
             lease = self._attempts
             if lease is None or lease.deadline <= 0:

@@ -28,6 +28,7 @@ from ..gen.envoy.service.accesslog.v3 import als_pb2
 from ..gen.envoy.service.discovery.v3 import discovery_pb2 as ds
 from ..gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from .membership import EndpointDiscovery
+from .timers import LoopTimers, Timers, sleep
 
 PROCESS = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
 ACCESS_LOGS = "/envoy.service.accesslog.v3.AccessLogService/StreamAccessLogs"
@@ -191,8 +192,9 @@ def _unix_path(listen: str) -> str:
 class GrpclibServer:
     """The running server: its address, its health statuses, and its drain."""
 
-    def __init__(self, services: Services) -> None:
+    def __init__(self, services: Services, timers: Timers | None = None) -> None:
         self.health = services.health
+        self.timers: Timers = timers or LoopTimers()  # the drain's polls
         self._server = _Server([services])
         self.address = ""
         # Set once `stop` closed the listener: no new connection from then on.
@@ -223,6 +225,6 @@ class GrpclibServer:
         for _ in range(max(1, int(grace_s / 0.05))):  # polled: the count lives in Processor
             if open_streams() == 0 and self.health.delivered():
                 break
-            await asyncio.sleep(0.05)
+            await sleep(self.timers, 0.05)
         self._server.close()
         await self._server.wait_closed()

@@ -59,6 +59,7 @@ from .kv import (
 )
 from .leases import AdmitResult, AttemptLease, LiveListeners, ProcessLease, StoreUnavailable
 from .ports import Clock
+from .timers import LoopTimers, Timers, wait_for
 
 if TYPE_CHECKING:
     from .ports import Journal, Ledger
@@ -104,10 +105,12 @@ class JournalStore:
     """The journal and the fence over a `KV`; the process's session and process leases
     come from the subclass (`session_lease`, `process_lease`)."""
 
-    def __init__(self, cfg: EtcdConfig, kv: KV, clock: Clock, owner: str) -> None:
+    def __init__(self, cfg: EtcdConfig, kv: KV, clock: Clock, owner: str,
+                 timers: Timers | None = None) -> None:
         self.cfg = cfg
         self.kv = kv
         self.clock = clock
+        self.timers: Timers = timers or LoopTimers()  # the waits, on `clock`'s time
         self.owner = owner
         self.prefix = cfg.prefix.encode()
         self.live_prefix = self.prefix + b"/live/"
@@ -541,8 +544,8 @@ class JournalStore:
                 if verdict == WAIT:
                     # Never run two attempts at once: wait for its revocation or expiry.
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(gone.wait(),
-                                               admission_poll_s(waited, fence_wait_s))
+                        await wait_for(self.timers, gone.wait(),
+                                       admission_poll_s(waited, fence_wait_s))
                     continue
                 return AdmitResult(False, verdict, None, waited)
         finally:

@@ -36,6 +36,7 @@ from .kv import (
     prefix_end,
 )
 from .leases import StoreUnavailable
+from .timers import LoopTimers, Timers, sleep
 
 __all__ = ["EtcdKV"]
 
@@ -113,8 +114,9 @@ def _kv(kv: Any) -> KeyValue:
 
 
 class EtcdKV:
-    def __init__(self, cfg: EtcdConfig) -> None:
+    def __init__(self, cfg: EtcdConfig, timers: Timers | None = None) -> None:
         self.cfg = cfg
+        self.timers: Timers = timers or LoopTimers()  # a lost watch's backoff
         self.timeout = cfg.timeout_s
         self.client: EtcdClient | None = None
         # Monotonic time etcd last answered any call of ours (None: never): readiness.
@@ -241,5 +243,5 @@ class EtcdKV:
             except Exception as e:  # etcd down: the local lease deadlines still protect
                 log.warning(f"{name} lost; re-creating", extra={**_NOID, "error": repr(e)})
             on_state(False)
-            await asyncio.sleep(backoff)
+            await sleep(self.timers, backoff)
             backoff = min(backoff * 2, 2.0)

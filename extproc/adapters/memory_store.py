@@ -35,6 +35,7 @@ from .journal_store import JournalStore, ToolLedger
 from .kv_memory import MemoryKV
 from .leases import ProcessLease, StoreUnavailable
 from .ports import Clock, SystemClock
+from .timers import Timers
 
 __all__ = ["MemoryLedger", "MemoryStore"]
 
@@ -45,10 +46,11 @@ MemoryLedger = ToolLedger
 class MemoryStore(JournalStore):
     """EtcdStore's journal, fence and leases over an in-memory etcd (one process's)."""
 
-    def __init__(self, cfg: EtcdConfig, clock: Clock | None = None, owner: str = "gw") -> None:
+    def __init__(self, cfg: EtcdConfig, clock: Clock | None = None, owner: str = "gw",
+                 timers: Timers | None = None) -> None:
         clock = clock if clock is not None else SystemClock()
         self.memory = MemoryKV(clock)
-        super().__init__(cfg, self.memory, clock, owner)
+        super().__init__(cfg, self.memory, clock, owner, timers)
         self._lost_intake_answers = 0
         self._watch_live()  # callbacks run inline from the first transaction on
 

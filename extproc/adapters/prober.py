@@ -4,6 +4,8 @@ Envoy probes them too, but its verdict cannot reach the override_host list the g
 writes (Envoy picks a listed host whatever its health), so the processor keeps its own,
 with the same path, interval and thresholds (`pool.health_check`). One plain HTTP/1.1 GET
 per replica per interval, no client library: the answer's status line is all it reads.
+The interval and a probe's timeout are waited on the `Timers` port (the loop's in
+production), the verdicts timed by the injected clock.
 """
 
 from __future__ import annotations
@@ -16,16 +18,18 @@ from collections.abc import Callable, Sequence
 
 from ..core.config import HealthCheckConfig
 from ..core.health import HostHealth
+from .timers import LoopTimers, Timers, sleep, timeout
 
 log = logging.getLogger("extproc.prober")
 
 
-async def probe_once(address: str, path: str, timeout_s: float) -> bool:
+async def probe_once(address: str, path: str, timeout_s: float,
+                     timers: Timers | None = None) -> bool:
     host, _, port = address.rpartition(":")
     host = host.strip("[]")
     writer = None
     try:
-        async with asyncio.timeout(timeout_s):
+        async with timeout(timers or LoopTimers(), timeout_s):
             reader, writer = await asyncio.open_connection(host, int(port))
             writer.write(f"GET {path} HTTP/1.1\r\nHost: {address}\r\n"
                          f"User-Agent: llm-failover-extproc\r\nConnection: close\r\n\r\n"
@@ -44,13 +48,15 @@ async def probe_once(address: str, path: str, timeout_s: float) -> bool:
 
 
 async def probe_forever(pool: Callable[[], Sequence[str]], cfg: HealthCheckConfig,
-                        health: HostHealth) -> None:
+                        health: HostHealth, timers: Timers | None = None,
+                        clock: Callable[[], float] = time.monotonic) -> None:
     """Probe every replica the pool holds now (a live pool changes between rounds)."""
+    timers = timers or LoopTimers()
     while True:
         addresses = list(pool())
-        results = await asyncio.gather(*(probe_once(a, cfg.path, cfg.timeout_s)
+        results = await asyncio.gather(*(probe_once(a, cfg.path, cfg.timeout_s, timers)
                                          for a in addresses))
-        now = time.monotonic()
+        now = clock()
         for addr, ok in zip(addresses, results, strict=True):
             was = health.healthy(addr, now)
             health.probed(addr, ok, now)
@@ -58,4 +64,4 @@ async def probe_forever(pool: Callable[[], Sequence[str]], cfg: HealthCheckConfi
                 log.warning("replica health changed", extra={
                     "replica": addr, "healthy": not was, "request_id": None,
                     "attempt_id": None})
-        await asyncio.sleep(cfg.interval_s)
+        await sleep(timers, cfg.interval_s)

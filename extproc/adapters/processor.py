@@ -37,7 +37,7 @@ from .logs import rlog
 from .ports import Clock, Ids, Journal, Ledger, RandomIds, SystemClock
 from .prober import probe_forever
 from .telemetry import Telemetry, end_span
-from .timers import LoopTimers, Timers
+from .timers import LoopTimers, Timers, sleep
 from .tokenizer import load_tokenizers
 
 log = logging.getLogger("extproc")
@@ -50,14 +50,17 @@ RETRY_MAX_DELAY_S = 0.5
 
 async def retrying(fn: Callable[[], Awaitable[Any]], what: str, rid: str | None,
                    aid: str | None, limit_s: float = OUTCOME_RETRY_S,
-                   settle_s: float = 0.0) -> bool:
+                   settle_s: float = 0.0, *, timers: Timers | None = None,
+                   now: Callable[[], float] | None = None) -> bool:
     """Retry an etcd write while etcd is briefly away (frozen, electing), for a bounded time.
 
     With `settle_s` (take-backs, which are idempotent compare-and-deletes), the write is
     applied again every 0.25 s for that long after its first answer (UNDO_SETTLE_S).
+    The pauses are on `timers` and the limits on `now` (together: the loop's timers and
+    clock by default, a FakeTimers and its FakeClock in a hermetic test).
     """
-    # Real waiting, on the event loop's own clock (the one asyncio.sleep uses).
-    now = asyncio.get_running_loop().time
+    timers = timers or LoopTimers()
+    now = now or asyncio.get_running_loop().time
     delay, deadline, tries = 0.1, now() + limit_s, 0
     while True:
         try:
@@ -76,13 +79,13 @@ async def retrying(fn: Callable[[], Awaitable[Any]], what: str, rid: str | None,
                 rlog(log, logging.WARNING, f"pending until etcd answers: {what}", rid, aid,
                      error=str(e))
             tries += 1
-            await asyncio.sleep(delay)
+            await sleep(timers, delay)
             # At most RETRY_MAX_DELAY_S between tries: a pending write lands within that of
             # etcd's return (each try fails fast while etcd has no leader: decision 0026).
             delay = min(delay * 2, RETRY_MAX_DELAY_S)
     settled = now() + settle_s
     while now() < settled:
-        await asyncio.sleep(0.25)
+        await sleep(timers, 0.25)
         with contextlib.suppress(StoreUnavailable):
             await fn()
     return True
@@ -265,7 +268,8 @@ class Processor:
 
     async def probe_pool(self) -> None:
         await probe_forever(lambda: [r.address for r in self.pool.replicas],
-                            self.cfg.pool.health_check, self.health)
+                            self.cfg.pool.health_check, self.health, self.timers,
+                            self.clock.monotonic)
 
     def trace_budget(self) -> int:
         t = self.cfg.telemetry
@@ -297,7 +301,7 @@ class Processor:
         """Every second: publish our retry-budget counts (requests and re-prefills in
         flight), learn the other gateways'."""
         while True:
-            await asyncio.sleep(1.0)
+            await sleep(self.timers, 1.0)
             req, ret = self.budget.snapshot(self.clock.monotonic())
             # On failure keep the last view of the others; our own counts stay exact.
             with contextlib.suppress(StoreUnavailable):

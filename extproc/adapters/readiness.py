@@ -23,6 +23,7 @@ from typing import Any, Protocol
 from grpc_health.v1 import health_pb2
 
 from ..core.readiness import Readiness, Verdict
+from .timers import LoopTimers, Timers, sleep
 
 log = logging.getLogger("extproc.readiness")
 
@@ -51,10 +52,12 @@ class HealthStatuses(Protocol):
 
 class HealthReporter:
     def __init__(self, hs: HealthStatuses, source: AnswerSource, grace_s: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 timers: Timers | None = None) -> None:
         self.hs = hs
         self.source = source
         self.clock = clock
+        self.timers: Timers = timers or LoopTimers()  # the loop's pauses (clock's time)
         self.state = Readiness(grace_s)
         # Evaluate at least this often (and exactly when the verdict would flip).
         self.tick_s = min(0.25, grace_s / 4)
@@ -121,7 +124,7 @@ class HealthReporter:
             flip = self.state.next_change(self.clock())
             if flip is not None:
                 delay = min(delay, max(0.0, flip - self.clock()) + 0.005)
-            await asyncio.sleep(delay)
+            await sleep(self.timers, delay)
 
     async def drain(self) -> None:
         """Shutting down: readiness NOT_SERVING now; liveness stays SERVING."""

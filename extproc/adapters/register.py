@@ -23,6 +23,7 @@ from .etcd_pool import EtcdPoolRegistry
 from .etcd_store import EtcdStore
 from .leases import StoreUnavailable
 from .prober import probe_once
+from .timers import LoopTimers, Timers, wait_for
 
 log = logging.getLogger("extproc.register")
 _NOID = {"request_id": None, "attempt_id": None}
@@ -31,9 +32,12 @@ _NOID = {"request_id": None, "attempt_id": None}
 async def run_agent(cfg: Config, record: Mapping[str, Any], probe_address: str,
                     stop: asyncio.Event | None = None,
                     on_probe: Callable[[bool], None] | None = None,
-                    signals: bool = True) -> int:
+                    signals: bool = True, timers: Timers | None = None,
+                    clock: Callable[[], float] = time.monotonic) -> int:
     """Register, keep and withdraw. `on_probe` hears every probe's verdict (the replica
-    agent's /healthz follows it); `signals` False leaves SIGTERM to the caller."""
+    agent's /healthz follows it); `signals` False leaves SIGTERM to the caller. The probe
+    interval and timeout are waited on `timers` (the loop's by default), read on `clock`."""
+    timers = timers or LoopTimers()
     address = str(record["address"])
     hc = cfg.pool.health_check
     store = EtcdStore(cfg.etcd, owner=f"register/{address}")
@@ -80,21 +84,21 @@ async def run_agent(cfg: Config, record: Mapping[str, Any], probe_address: str,
     try:
         while not stop.is_set():
             ok = True if not hc.enabled else await probe_once(probe_address, hc.path,
-                                                               hc.timeout_s)
+                                                               hc.timeout_s, timers)
             if on_probe is not None:
                 on_probe(ok)
-            now = time.monotonic()
+            now = clock()
             action = agent.probed(ok, now)
             if action is not None:
                 if action is AgentAction.DEREGISTER:
                     log.warning("model server failed its health checks",
                                 extra={**info, "failed": agent.bad})
-                agent.done(action, await execute(action), time.monotonic())
+                agent.done(action, await execute(action), clock())
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), hc.interval_s)
+                await wait_for(timers, stop.wait(), hc.interval_s)
         final = agent.stop()
         if final is not None:
-            agent.done(final, await execute(final), time.monotonic())
+            agent.done(final, await execute(final), clock())
     finally:
         await store.close()
     return 0

@@ -4,7 +4,9 @@
 on a `FakeClock` the test advances, so a hermetic test of a session never sleeps real time.
 A timer fires by calling its callback; the session turns that into `TimerFired(kind)`.
 `TimerSet` is a session's bookkeeping of its machine's timers (one per kind), `sleep` a
-plain wait on the port.
+plain wait on the port, `timeout` and `wait_for` a deadline on an awaitable (asyncio's, on
+the port): every background loop of the process waits through these, so a hermetic test
+of one moves a FakeClock instead of sleeping.
 """
 
 from __future__ import annotations
@@ -12,10 +14,11 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Generic, Protocol, TypeVar
 
 K = TypeVar("K")
+T = TypeVar("T")
 
 
 class TimerHandle(Protocol):
@@ -79,6 +82,12 @@ class FakeTimers:
 
     def pending(self) -> int:
         return sum(1 for _, _, h, _ in self._due if not h.cancelled)
+
+    def next_due(self) -> float | None:
+        """The clock's reading when the next timer falls due (None: none pending)."""
+        while self._due and self._due[0][2].cancelled:
+            heapq.heappop(self._due)
+        return self._due[0][0] if self._due else None
 
     def advance(self, seconds: float) -> int:
         """Move the clock by `seconds`; returns how many timers fired."""
@@ -152,3 +161,53 @@ async def sleep(timers: Timers, seconds: float) -> None:
     fired: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     timers.start(seconds, lambda: None if fired.done() else fired.set_result(None))
     await fired
+
+
+class Timeout:
+    """`async with timeout(timers, s):` asyncio.timeout's deadline on the Timers port: when
+    it falls due the task is cancelled, and the block ends in TimeoutError (a cancel from
+    anyone else stays a cancel)."""
+
+    __slots__ = ("_cancelling", "_expired", "_handle", "_seconds", "_task", "_timers")
+
+    def __init__(self, timers: Timers, seconds: float) -> None:
+        self._timers, self._seconds = timers, seconds
+        self._expired = False
+        self._task: asyncio.Task[object] | None = None
+        self._handle: TimerHandle | None = None
+        self._cancelling = 0
+
+    async def __aenter__(self) -> Timeout:
+        task = asyncio.current_task()
+        if task is None:
+            raise RuntimeError("timeout() is used inside a task")
+        self._task, self._cancelling = task, task.cancelling()
+        self._handle = self._timers.start(self._seconds, self._fire)
+        return self
+
+    def _fire(self) -> None:
+        if self._task is not None and not self._expired:
+            self._expired = True
+            self._task.cancel()
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: object) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+        task, self._task = self._task, None
+        # (uncancel() is called whenever this deadline cancelled, as asyncio.timeout does)
+        if (self._expired and task is not None and task.uncancel() <= self._cancelling
+                and exc_type is asyncio.CancelledError):
+            raise TimeoutError from exc
+
+
+def timeout(timers: Timers, seconds: float) -> Timeout:
+    """asyncio.timeout(seconds) on the Timers port."""
+    return Timeout(timers, seconds)
+
+
+async def wait_for(timers: Timers, aw: Awaitable[T], seconds: float) -> T:
+    """asyncio.wait_for with its deadline on the Timers port: `aw`'s result, or TimeoutError
+    once `seconds` passed on the injected clock (`aw` cancelled then)."""
+    async with timeout(timers, seconds):
+        return await aw

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from extproc.adapters.kv import KV, Lease, Txn, TxnResult, WatchEvent
 from extproc.adapters.timers import FakeClock, FakeTimers
 
 __all__ = ["RID", "SSE_CONTENT", "SSE_DONE", "SSE_ROLE", "FakeClock", "FakeTimers",
-           "FixedIds", "KVTap", "idle"]
+           "FixedIds", "KVTap", "idle", "run_on"]
 
 RID = "req_0123456789abcdefghjkmnpqrs"
 SSE_ROLE = (b'data: {"id":"x","object":"chat.completion.chunk","choices":[{"index":0,'
@@ -61,6 +62,28 @@ async def idle(turns: int = 50) -> None:
     not happen for want of a turn of the loop."""
     for _ in range(turns):
         await asyncio.sleep(0)
+
+
+T = TypeVar("T")
+
+
+async def run_on(timers: FakeTimers, aw: Awaitable[T], turns: int = 20,
+                 limit_s: float = 3600.0) -> T:
+    """Run `aw` to its end on the fake clock: whenever every task that can run has run,
+    move the clock to the next timer's deadline (time passes only when nothing else can
+    happen, as on an idle loop). A wait no timer ends fails the test at once."""
+    task = asyncio.ensure_future(aw)
+    try:
+        while True:
+            await idle(turns)
+            if task.done():
+                return task.result()
+            due = timers.next_due()
+            if due is None or due > limit_s:
+                raise AssertionError(f"stuck at {timers.clock.now} s: no timer ends the wait")
+            timers.advance(due - timers.clock.now)
+    finally:
+        task.cancel()
 
 
 class KVTap:

@@ -8,6 +8,7 @@ tests/vllm/test_04_agent.py.)"""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from extproc.adapters.kv import Put, Txn
 from extproc.adapters.kv_memory import MemoryKV
 from extproc.core import headers as H
 
-from .support import FakeClock
+from .support import FakeClock, FakeTimers, idle
 
 PREFIX = "/llmgw/v1"
 RID, AID = "req_" + "a" * 26, "att_" + "b" * 26
@@ -154,3 +155,23 @@ async def test_healthz_follows_the_engine_s_last_probe(rig: Rig) -> None:
         rig.agent.engine_healthy = True
         async with s.get(rig.url + "/healthz") as r:
             assert r.status == 200
+
+
+async def test_close_waits_for_its_work_bounded_on_the_timers_port() -> None:
+    """Work still running at close (an ack being confirmed) gets ack_timeout_s + 1 on the
+    agent's Timers port, then is cancelled."""
+    timers = FakeTimers(FakeClock())
+    kv = MemoryKV(timers.clock)
+    agent = ReplicaAgent(kv, PREFIX, 10.0, EngineSpec.make("127.0.0.1:1", "openai"),
+                         ack_timeout_s=2.0, clock=timers.clock.monotonic, timers=timers)
+    stuck = asyncio.Event()
+    agent._spawn(stuck.wait())
+    closing = asyncio.ensure_future(agent.close())
+    await idle()
+    assert timers.advance(2.999) == 0
+    await idle()
+    assert not closing.done() and len(agent._tasks) == 1
+    assert timers.advance(0.001) == 1
+    await asyncio.wait_for(closing, 5)
+    assert not agent._tasks and timers.pending() == 0  # cancelled, its deadline gone
+    await kv.close()

@@ -26,6 +26,8 @@ from extproc.gen.envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from extproc.gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from extproc.gen.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
+from .support import FakeClock, FakeTimers, idle
+
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 UNKNOWN = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
@@ -186,15 +188,14 @@ def _refused(address: str) -> bool:
 
 async def test_drain_lets_open_streams_end_then_cancels_the_rest() -> None:
     echo, board = Echo(), HealthBoard()
-    server = GrpclibServer(Services(echo.process, echo.access_logs, None, board))
+    timers = FakeTimers(FakeClock())
+    server = GrpclibServer(Services(echo.process, echo.access_logs, None, board), timers)
     await server.start("127.0.0.1:0")
     async with grpc.aio.insecure_channel(server.address) as ch:
         stub = ep_grpc.ExternalProcessorStub(ch)
         finishing, stuck = _Stream(stub), _Stream(stub)
         await finishing.ask()
         await stuck.ask()
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
         stop = asyncio.ensure_future(server.stop(1.5, lambda: echo.open))
         await asyncio.wait_for(server.draining.wait(), 5)
         assert _refused(server.address)  # no new connection once the drain began
@@ -202,11 +203,16 @@ async def test_drain_lets_open_streams_end_then_cancels_the_rest() -> None:
         assert r.WhichOneof("response") == "request_headers"
         assert await finishing.end() == grpc.StatusCode.OK  # ...to its end
         assert not stop.done()  # the other one is still open
+        # The grace is on the Timers port (a fake clock here: no time passed while real
+        # clients spoke over the socket): the drain polls the open streams every 0.05 s
+        # and cancels the rest once the whole grace has passed, not a poll sooner.
+        for _ in range(29):
+            assert timers.advance(0.05) == 1
+            await idle()
+            assert not stop.done() and echo.open == 1
+        assert timers.advance(0.05) == 1
         await asyncio.wait_for(stop, 5)
-        waited = loop.time() - t0
-        # The grace is real time: the drain polls the count of open streams on the loop's
-        # clock while real clients end theirs over a socket (decision 0032 lists it).
-        assert 1.4 <= waited < 3.0  # the grace, then the rest is cancelled
+        assert timers.clock.now == pytest.approx(1.5) and timers.pending() == 0
         assert sorted(echo.ended) == ["cancelled", "eof"] and echo.open == 0
         # The stuck stream's client hears nothing more: grpclib's close cancels the handler
         # without resetting its stream, and the connection stays until the process exits.

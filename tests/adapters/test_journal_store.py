@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 import pytest
 
 from devkit.devstack import _http_ok, free_port, wait_until
+from extproc.adapters import timers
 from extproc.adapters.etcd_store import EtcdStore, ToolLedger
 from extproc.adapters.leases import AdmitResult
 from extproc.adapters.memory_store import MemoryLedger, MemoryStore
@@ -35,7 +36,7 @@ from extproc.adapters.shards import ShardedJournal, ShardedLedger, shard_of
 from extproc.core.config import EtcdConfig, load_config
 from extproc.core.credentials import digest
 
-from .support import idle
+from .support import FakeTimers, idle
 
 OWNER = "contract/1"
 TTL_S = 2  # attempt_lease_ttl_s: a `fenced:` marker lives this long (etcd's minimum)
@@ -44,18 +45,12 @@ BOUND_S = 8.0  # no wait in this module is longer
 T = TypeVar("T")
 
 
-class FakeClock:
+class FakeClock(timers.FakeClock):
     """The injected clock of the memory store: time moves only when a test says so."""
 
     def __init__(self) -> None:
+        super().__init__(1_700_000_000.0)
         self.now = 1000.0
-        self.epoch = 1_700_000_000.0
-
-    def monotonic(self) -> float:
-        return self.now
-
-    def wall(self) -> float:
-        return round(self.epoch + self.now, 6)
 
     def advance(self, s: float) -> None:
         self.now += s
@@ -113,6 +108,7 @@ class Env:
     ledger: Ledger
     clock: FakeClock | None
     raws: tuple[MemoryStore, ...] | tuple[EtcdStore]
+    timers: FakeTimers | None = None  # the memory stores' waits, on `clock`
 
     @property
     def raw(self) -> MemoryStore | EtcdStore:
@@ -120,14 +116,14 @@ class Env:
         return self.raws[shard_of("req_a", len(self.raws))]
 
     async def pass_time(self, s: float) -> None:
-        """s seconds go by: on the fake clock, advanced and expired; on etcd, real ones
-        (EtcdStore's clock is the system's and a real lease ends on etcd's own time:
-        decision 0032 lists this wait)."""
-        if self.clock is None:
+        """s seconds go by: on the fake clock, advanced (the stores' timers that fell due
+        fire) and expired; on etcd, real ones (EtcdStore's clock is the system's and a real
+        lease ends on etcd's own time: decision 0032 lists this wait)."""
+        if self.clock is None or self.timers is None:
             await asyncio.sleep(s)
             return
         await idle()  # waiting tasks reach their wait first (turns of the loop, no time)
-        self.clock.advance(s)
+        self.timers.advance(s)
         for raw in self.raws:
             assert isinstance(raw, MemoryStore)
             raw.expire_leases()
@@ -147,21 +143,23 @@ class Env:
 async def env(request: pytest.FixtureRequest) -> AsyncIterator[Env]:
     if request.param == "memory":
         clock = FakeClock()
-        mem = MemoryStore(_cfg("127.0.0.1:1"), clock, owner=OWNER)
+        ft = FakeTimers(clock)
+        mem = MemoryStore(_cfg("127.0.0.1:1"), clock, owner=OWNER, timers=ft)
         await mem.connect()
         mem.start_background()
-        yield Env("memory", mem, MemoryLedger(mem, 3600), clock, (mem,))
+        yield Env("memory", mem, MemoryLedger(mem, 3600), clock, (mem,), ft)
         await mem.close()
         return
     if request.param == "sharded":
         clock = FakeClock()
-        mems = (MemoryStore(_cfg("127.0.0.1:1"), clock, owner=OWNER),
-                MemoryStore(_cfg("127.0.0.1:2"), clock, owner=OWNER))
+        ft = FakeTimers(clock)
+        mems = (MemoryStore(_cfg("127.0.0.1:1"), clock, owner=OWNER, timers=ft),
+                MemoryStore(_cfg("127.0.0.1:2"), clock, owner=OWNER, timers=ft))
         for m in mems:
             await m.connect()
             m.start_background()
         yield Env("sharded", ShardedJournal(mems),
-                  ShardedLedger([MemoryLedger(m, 3600) for m in mems]), clock, mems)
+                  ShardedLedger([MemoryLedger(m, 3600) for m in mems]), clock, mems, ft)
         for m in mems:
             await m.close()
         return

@@ -11,7 +11,7 @@ import pytest
 from extproc.adapters.leases import StoreUnavailable
 from extproc.adapters.memory_store import MemoryLedger, MemoryStore
 
-from .support import idle
+from .support import FakeTimers, idle
 from .test_journal_store import META, OWNER, TTL_S, FakeClock, _cfg, _rec, _within
 
 # --- the memory store's own controls (no etcd counterpart) ----------------------------------
@@ -45,13 +45,15 @@ async def test_memory_fail_next_and_unavailable_raise_and_apply_nothing() -> Non
 
 
 async def test_memory_etcd_down_mid_wait_ends_the_admission() -> None:
-    s, clock = _memory()
+    clock = FakeClock()
+    timers = FakeTimers(clock)
+    s = MemoryStore(_cfg("127.0.0.1:1"), clock, owner=OWNER, timers=timers)
     await s.open_request("req_a", META, ("att_1", _rec(1, "att_1")))
     task = asyncio.create_task(s.admit_attempt("req_a", 2, "att_2", _rec(2, "att_2"), 5.0))
     await idle()
     assert not task.done()  # waiting for att_1's `live` to go
     s.unavailable = True
-    clock.advance(0.25)  # a poll's worth of time: the admission looks again, etcd is away
+    assert timers.advance(0.25) == 1  # a poll's worth: the admission looks again, etcd away
     s.expire_leases()
     with pytest.raises(StoreUnavailable):
         await _within(task, 2.0)

@@ -15,6 +15,8 @@ from extproc.adapters.prober import probe_forever, probe_once
 from extproc.core.config import HealthCheckConfig
 from extproc.core.health import HealthPolicy, HostHealth
 
+from .support import FakeClock, FakeTimers, idle
+
 
 @contextlib.asynccontextmanager
 async def replica(answer: bytes | None, seen: list[bytes] | None = None
@@ -57,12 +59,30 @@ async def test_only_a_200_status_line_is_healthy(answer: bytes, ok: bool) -> Non
 
 async def test_a_refused_or_silent_replica_is_unhealthy_within_the_timeout() -> None:
     assert await probe_once(f"127.0.0.1:{free_port()}", "/health", 2.0) is False
+    timers = FakeTimers(FakeClock())
+    seen: list[bytes] = []
+    async with replica(None, seen) as addr:
+        task = asyncio.ensure_future(probe_once(addr, "/health", 0.2, timers))
+        for _ in range(5000):  # until the request reached the silent replica (I/O)
+            if seen:
+                break
+            await asyncio.sleep(0.001)
+        assert seen
+        assert timers.advance(0.199) == 0
+        await idle()
+        assert not task.done()  # silent, but not yet for the whole timeout
+        assert timers.advance(0.001) == 1
+        assert await asyncio.wait_for(task, 5) is False
+        assert timers.pending() == 0
+    assert await probe_once("not-an-address", "/health", 0.5) is False
+
+
+async def test_by_default_a_probe_times_out_on_the_loop() -> None:
     async with replica(None) as addr:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
-        assert await probe_once(addr, "/health", 0.2) is False
-        assert loop.time() - t0 < 1.5
-    assert await probe_once("not-an-address", "/health", 0.5) is False
+        assert await probe_once(addr, "/health", 0.05) is False
+        assert loop.time() - t0 >= 0.05
 
 
 class CountingHealth(HostHealth):
@@ -87,22 +107,34 @@ class CountingHealth(HostHealth):
 
 
 async def test_the_loop_probes_the_pool_as_it_is_now_and_marks_health() -> None:
-    cfg = HealthCheckConfig(interval_s=0.01, timeout_s=1.0, unhealthy_threshold=2)
+    """Round by round on a fake clock: a round probes what the pool holds then, and the
+    next one starts when the interval has passed on the Timers port, not before."""
+    cfg = HealthCheckConfig(interval_s=5.0, timeout_s=1.0, unhealthy_threshold=2)
     health = CountingHealth(HealthPolicy(unhealthy_threshold=2, healthy_threshold=1))
+    timers = FakeTimers(FakeClock())
+    clock = timers.clock
     dead = f"127.0.0.1:{free_port()}"
     async with replica(b"HTTP/1.1 200 OK\r\n\r\n") as good:
         pool = [good, dead]
-        task = asyncio.ensure_future(probe_forever(lambda: pool, cfg, health))
+        task = asyncio.ensure_future(probe_forever(lambda: pool, cfg, health, timers,
+                                                   clock.monotonic))
         try:
-            await health.until(lambda: sum(a == dead for a, _ in health.probes) >= 2)
-            now = asyncio.get_running_loop().time()
-            assert health.healthy(good, now) and not health.healthy(dead, now)
+            await health.until(lambda: len(health.probes) == 2)
+            assert sorted(health.probes) == sorted([(good, True), (dead, False)])
+            assert health.healthy(dead, clock.now)  # one failure: not yet the threshold
+            await idle()
+            assert len(health.probes) == 2 and timers.next_due() == 5.0  # waits the interval
+            timers.advance(4.999)
+            await idle()
+            assert len(health.probes) == 2
+            timers.advance(0.001)
+            await health.until(lambda: len(health.probes) == 4)
+            assert health.healthy(good, clock.now) and not health.healthy(dead, clock.now)
             assert all(ok is (a == good) for a, ok in health.probes)
             pool.remove(dead)  # a live pool changes between rounds
-            n = len(health.probes)
-            # (a round under way when it changed may still probe it)
-            await health.until(lambda: len(health.probes) >= n + 2 + 3)
-            assert {a for a, _ in health.probes[-3:]} == {good}
+            timers.advance(5.0)
+            await health.until(lambda: len(health.probes) == 5)
+            assert health.probes[-1] == (good, True) and clock.now == 10.0
         finally:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -6,6 +6,7 @@ health. (The sessions over it: test_sessions.py.)"""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import Any
 
@@ -18,7 +19,7 @@ from extproc.core.config import load_config
 from extproc.core.errors import journal_unavailable
 from extproc.core.guard import GuardMachine
 
-from .support import FakeClock, FakeTimers
+from .support import FakeClock, FakeTimers, idle, run_on
 from .test_sessions import proc
 
 
@@ -54,27 +55,53 @@ class Flaky:
 
 
 async def test_a_write_is_retried_until_etcd_answers(caplog: pytest.LogCaptureFixture) -> None:
+    timers = FakeTimers(FakeClock())
     fn = Flaky(fails=2)
     with caplog.at_level(logging.INFO, logger="extproc"):
-        assert await retrying(fn, "write the outcome", "req_1", None, limit_s=5.0)
+        assert await run_on(timers, retrying(fn, "write the outcome", "req_1", None,
+                                             limit_s=5.0, timers=timers,
+                                             now=timers.clock.monotonic))
     assert fn.calls == 3
+    assert timers.clock.now == pytest.approx(0.1 + 0.2)  # its pauses double from 0.1 s
     msgs = [r.getMessage() for r in caplog.records]
     assert msgs.count("pending until etcd answers: write the outcome") == 1  # said once
     assert "done after etcd came back: write the outcome" in msgs
 
 
 async def test_a_write_etcd_never_answers_is_given_up_within_the_limit() -> None:
+    timers = FakeTimers(FakeClock())
     fn = Flaky(fails=10**6)
-    loop = asyncio.get_running_loop()
-    t0 = loop.time()
-    assert await retrying(fn, "write", None, None, limit_s=0.35) is False
-    assert loop.time() - t0 < 0.35 + 0.3 and fn.calls >= 2  # (a loaded loop wakes late)
+    assert await run_on(timers, retrying(fn, "write", None, None, limit_s=0.35,
+                                         timers=timers, now=timers.clock.monotonic)) is False
+    # Tries at 0, 0.1 and 0.3 s; the next pause (0.4 s) would end past the limit.
+    assert fn.calls == 3 and timers.clock.now == pytest.approx(0.3)
+
+
+async def test_a_write_under_the_pause_cap_lands_within_it_of_etcd_s_return() -> None:
+    timers = FakeTimers(FakeClock())
+    fn = Flaky(fails=6)
+    assert await run_on(timers, retrying(fn, "write", None, None, limit_s=5.0,
+                                         timers=timers, now=timers.clock.monotonic))
+    # 0.1, 0.2, 0.4, then RETRY_MAX_DELAY_S (0.5) between tries.
+    assert fn.calls == 7 and timers.clock.now == pytest.approx(0.1 + 0.2 + 0.4 + 3 * 0.5)
 
 
 async def test_a_take_back_is_applied_again_while_it_settles() -> None:
+    timers = FakeTimers(FakeClock())
     fn = Flaky(fails=0)
-    assert await retrying(fn, "undo", None, None, settle_s=0.3)
-    assert fn.calls >= 2  # once, then again: a late write applied after it is caught
+    assert await run_on(timers, retrying(fn, "undo", None, None, settle_s=0.3,
+                                         timers=timers, now=timers.clock.monotonic))
+    # Once, then every 0.25 s while it settles: a late write applied after it is caught.
+    assert fn.calls == 3 and timers.clock.now == pytest.approx(0.5)
+
+
+async def test_by_default_it_pauses_on_the_loop() -> None:
+    """No port given (production): the loop's timers and clock."""
+    fn = Flaky(fails=1)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    assert await retrying(fn, "write", None, None, limit_s=5.0)
+    assert fn.calls == 2 and loop.time() - t0 >= 0.1
 
 
 def _cfg(mode: str) -> Any:
@@ -132,3 +159,33 @@ def test_envoy_s_failed_attempts_eject_a_replica_and_a_200_restores_it() -> None
     assert not p.health.healthy(b, p.clock.monotonic())
     p.attempt_seen("127.0.0.1:3", "client", 200)  # a client's leaving says nothing bad
     assert p.host_order(["127.0.0.1:3", a]) == ["127.0.0.1:3", a]
+
+
+async def test_the_retry_budget_is_exchanged_once_a_second_on_the_timers_port() -> None:
+    timers = FakeTimers(FakeClock())
+    p, store = proc(timers=timers)
+    sent: list[tuple[str, int, int, float]] = []
+    real = store.exchange_budget
+
+    async def exchange(gid: str, requests: int, retries: int) -> dict[str, tuple[int, int]]:
+        sent.append((gid, requests, retries, timers.clock.now))
+        await real(gid, requests, retries)
+        return {"gw-2": (7, 1)}
+    store.exchange_budget = exchange  # type: ignore[method-assign]
+    task = asyncio.ensure_future(p.share_budget())
+    try:
+        await idle()
+        assert sent == [] and timers.next_due() == 1.0  # first after a second, not at once
+        timers.advance(0.999)
+        await idle()
+        assert sent == []
+        for step in (0.001, 1.0, 1.0):
+            assert timers.advance(step) == 1
+            await idle()
+        gid = p.cfg.server.gateway_id
+        assert sent == [(gid, 0, 0, pytest.approx(t)) for t in (1.0, 2.0, 3.0)]
+        assert p.budget.others == {"gw-2": (7, 1)}
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

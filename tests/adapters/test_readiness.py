@@ -8,6 +8,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
+import pytest
 from grpc_health.v1 import health_pb2
 
 from extproc.adapters.readiness import (
@@ -17,9 +18,11 @@ from extproc.adapters.readiness import (
     export_gauges,
 )
 
+from .support import FakeClock, FakeTimers, idle
+
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-GRACE_S = 0.4
+GRACE_S = 0.5  # its tick (a quarter) and the times below are exact in binary
 
 
 class Statuses:
@@ -58,23 +61,49 @@ class Source:
         return self.probe_answers
 
 
+async def until(timers: FakeTimers, hs: Statuses, service: str, status: int) -> None:
+    """Move the fake clock, timer by timer, until the service has the status."""
+    for _ in range(1000):
+        await idle()
+        if hs.now.get(service) == status:
+            return
+        due = timers.next_due()
+        assert due is not None, "no timer pending: the loop stopped"
+        timers.advance(due - timers.clock.now)
+    raise AssertionError(f"{service!r} never became {status}: {hs.sets}")
+
+
 async def test_readiness_follows_etcd_and_liveness_never_does() -> None:
+    timers = FakeTimers(FakeClock())
+    clock = timers.clock
     hs, src = Statuses(), Source()
-    r = HealthReporter(hs, src, GRACE_S)
+    r = HealthReporter(hs, src, GRACE_S, clock=clock.monotonic, timers=timers)
     await r.start()
     try:
         assert hs.sets[:2] == [(LIVENESS_SERVICE, SERVING), (READINESS_SERVICE, NOT_SERVING)]
         assert not r.ready and r.last_answer_age() is None
-        src.last_answer = time.monotonic()  # a call of ours was answered
-        await hs.until(READINESS_SERVICE, SERVING)
-        assert r.ready
-        # Silent past the grace, and the probe gets no answer either: not ready.
-        await hs.until(READINESS_SERVICE, NOT_SERVING)
+        await idle()
+        assert src.probes == 1  # never answered: it asks etcd itself at once
+        timers.advance(1.0)  # (one tick, late: the loop re-arms when it runs)
+        await idle()
+        src.last_answer = clock.now  # a call of ours was answered
+        await until(timers, hs, READINESS_SERVICE, SERVING)
+        assert r.ready and clock.now == pytest.approx(1.0 + r.tick_s)  # on the next tick
+        assert r.last_answer_age() == pytest.approx(r.tick_s)
+        # Silent past the grace, and the probe gets no answer either: not ready, within a
+        # few milliseconds of the grace's end (the loop wakes at the flip, not a tick later).
+        await until(timers, hs, READINESS_SERVICE, NOT_SERVING)
+        assert clock.now == pytest.approx(1.0 + GRACE_S + 0.005)
         age = r.last_answer_age()
-        assert age is not None and age >= GRACE_S
+        assert age is not None and age == pytest.approx(GRACE_S + 0.005)
+        probes = src.probes
+        # It asked etcd itself while no call of ours had answered (at 0 and 1.0), then at
+        # each wake-up from half the grace of silence on (1.25, 1.375, 1.5, 1.505).
+        assert probes == 6
         src.probe_answers = True  # etcd answers the probe again: no call of ours did
-        await hs.until(READINESS_SERVICE, SERVING)
-        assert src.probes >= 1  # it asked etcd itself once calls stopped being answered
+        await until(timers, hs, READINESS_SERVICE, SERVING)
+        assert src.probes == probes + 1
+        assert clock.now == pytest.approx(1.0 + GRACE_S + 0.005 + r.tick_s)
         assert all(st == SERVING for sv, st in hs.sets if sv == LIVENESS_SERVICE)
     finally:
         await r.drain()

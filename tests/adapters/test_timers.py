@@ -1,10 +1,24 @@
-"""timers.TimerSet (a session's timers, one per kind) and timers.sleep, on a fake clock."""
+"""timers.TimerSet (a session's timers, one per kind), timers.sleep and the deadline on an
+awaitable (timers.timeout, timers.wait_for), on a fake clock; the deadline also on the loop's
+own timers, against asyncio.wait_for."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
+from typing import Any
 
-from extproc.adapters.timers import FakeClock, FakeTimers, TimerSet, sleep
+import pytest
+
+from extproc.adapters.timers import (
+    FakeClock,
+    FakeTimers,
+    LoopTimers,
+    TimerSet,
+    sleep,
+    timeout,
+    wait_for,
+)
 
 
 def _set() -> tuple[FakeTimers, TimerSet[str], list[tuple[str, float]]]:
@@ -62,3 +76,89 @@ async def test_sleep_waits_for_the_port_not_the_loop() -> None:
     timers.advance(0.1)
     await asyncio.wait_for(task, 1)
     assert timers.clock.now == 0.5
+
+
+async def _turns(n: int = 5) -> None:
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
+async def test_wait_for_answers_what_came_in_time_and_leaves_no_timer() -> None:
+    timers = FakeTimers(FakeClock())
+    got: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    task = asyncio.ensure_future(wait_for(timers, got, 2.0))
+    await _turns()
+    assert timers.pending() == 1
+    timers.advance(1.9)
+    await _turns()
+    assert not task.done()
+    got.set_result("word")
+    assert await task == "word"
+    assert timers.pending() == 0  # its deadline cancelled with the answer
+    assert timers.advance(5.0) == 0
+
+
+async def test_wait_for_times_out_on_the_port_and_cancels_what_it_waited_for() -> None:
+    timers = FakeTimers(FakeClock())
+    inner: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    task = asyncio.ensure_future(wait_for(timers, inner, 2.0))
+    await _turns()
+    timers.advance(1.999)
+    await _turns()
+    assert not task.done() and not inner.done()
+    assert timers.advance(0.001) == 1
+    with pytest.raises(TimeoutError):
+        await task
+    assert inner.cancelled()
+    assert timers.clock.now == 2.0
+
+
+async def test_a_cancel_from_elsewhere_stays_a_cancel_and_the_deadline_goes() -> None:
+    timers = FakeTimers(FakeClock())
+    task = asyncio.ensure_future(wait_for(timers, asyncio.Event().wait(), 2.0))
+    await _turns()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert timers.pending() == 0
+
+
+async def test_timeout_ends_the_block_not_the_task() -> None:
+    """The deadline's own cancel is taken back (the task goes on, and a later await in it
+    is not cancelled), as asyncio.timeout's is."""
+    timers = FakeTimers(FakeClock())
+    seen: list[str] = []
+
+    async def body() -> str:
+        try:
+            async with timeout(timers, 1.0):
+                await asyncio.Event().wait()
+        except TimeoutError:
+            seen.append("timed out")
+        await sleep(timers, 1.0)
+        return "went on"
+
+    task = asyncio.ensure_future(body())
+    await _turns()
+    timers.advance(1.0)
+    await _turns()
+    assert seen == ["timed out"] and not task.done()
+    timers.advance(1.0)
+    assert await task == "went on"
+    assert task.cancelling() == 0  # the deadline's cancel was taken back
+
+
+@pytest.mark.parametrize("ours", [True, False])
+async def test_on_the_loop_it_behaves_as_asyncio_wait_for(ours: bool) -> None:
+    """LoopTimers (production): the same answers as asyncio.wait_for, on the loop's clock."""
+    async def waited(aw: Awaitable[Any], s: float) -> Any:
+        return await (wait_for(LoopTimers(), aw, s) if ours else asyncio.wait_for(aw, s))
+    loop = asyncio.get_running_loop()
+    assert await waited(asyncio.sleep(0, "now"), 5.0) == "now"
+    t0 = loop.time()
+    inner = asyncio.ensure_future(asyncio.Event().wait())
+    with pytest.raises(TimeoutError):
+        await waited(inner, 0.02)
+    assert loop.time() - t0 >= 0.02
+    await _turns()
+    assert inner.cancelled()
