@@ -12,8 +12,13 @@ every stream is past its first delta with its stall watchdog armed, as a real op
 The streams stay open while the processor's resident memory (VmRSS) is read; per-stream cost =
 (RSS with N open - RSS before) / N, at several N to show it is linear. Then 1,000 of them go
 on for 200 more token messages each (what a stream a few hundred tokens in holds: its event
-trace grows up to `telemetry.max_trace_bytes`), and the RSS growth per long stream is read
-too. The processor runs its
+trace grows up to `telemetry.max_trace_bytes`, its delivery marks by 32 bytes per content
+event, decision 0025), and the RSS growth per long stream is read too. That growth is the
+whole process's over the phase divided by the streams that went on: every other open stream
+takes a CHECKPOINT timer's TimerFired record into its own trace every
+`timeouts.progress_interval_s` meanwhile (until its trace budget is spent), so the figure
+grows with the streams held and the phase's length, both printed with it (docs/benchmarks.md,
+"Memory per long stream"). The processor runs its
 default configuration except `stall_after_first_delta_s` (raised so that the watchdog does
 not end streams that the driver keeps silent while it opens the rest).
 """
@@ -154,17 +159,22 @@ async def hold(stack: Stack, n: int, checkpoints: list[int], log: Any) -> dict[s
                 f"{(rss - base) / max(1, ok):.2f} KiB/stream ({time.monotonic() - t0:.0f} s)")
         long = [h for h in held if h.ok][:LONG_STREAMS]
         before = rss_kib(pid)
+        t_long = time.monotonic()
         went_on = 0
         for i in range(0, len(long), 100):  # 100 at a time: bounded concurrency
             went_on += sum(await asyncio.gather(*(h.more(LONG_TOKENS)
                                                   for h in long[i:i + 100])))
+        seconds = time.monotonic() - t_long
         await asyncio.sleep(1.0)
         after = rss_kib(pid)
         longer = {"streams": len(long), "went_on": went_on, "tokens_each": LONG_TOKENS,
                   "rss_before_kib": before, "rss_after_kib": after,
-                  "extra_kib_per_stream": (after - before) / max(1, went_on)}
+                  "extra_kib_per_stream": (after - before) / max(1, went_on),
+                  "seconds": round(seconds, 1), "others_open": sum(1 for h in held if h.ok)
+                  - went_on}
         log(f"  {went_on} streams went on for {LONG_TOKENS} more tokens: "
-            f"+{longer['extra_kib_per_stream']:.2f} KiB/stream")
+            f"+{longer['extra_kib_per_stream']:.2f} KiB/stream ({seconds:.0f} s, "
+            f"{longer['others_open']} other streams open meanwhile)")
         release.set()
         await asyncio.gather(*tasks, return_exceptions=True)
     return {"baseline_rss_kib": base, "points": points, "long": longer}
