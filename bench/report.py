@@ -246,8 +246,9 @@ def render_extras(x: dict[str, Any]) -> str:
     if lg:
         lines.append(f"  then {lg['went_on']} of them {lg['tokens_each']} token messages further "
                      f"on: +{lg['extra_kib_per_stream']:.2f} KiB per stream (the process's "
-                     "growth over them: their traces, bounded by telemetry.max_trace_bytes, and delivery "
-                     "marks; the other open streams' checkpoint records meanwhile)")
+                     "growth over them: their traces, bounded by telemetry.max_trace_bytes, "
+                     "and delivery marks; the other open streams' checkpoint records "
+                     "meanwhile)")
     f = x["floor"]
     lines += ["", "floor: bare grpc.aio ext_proc server (no processor logic), same machine:",
               f"  one stream ping-pong: {f['pingpong']['msgs_per_s']:.0f} msgs/s, "
