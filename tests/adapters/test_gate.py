@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
 import pytest
 
@@ -76,13 +77,20 @@ async def test_an_unconfirmed_admission_is_sent_again_on_the_rows_timer_with_one
     await asyncio.wait_for(task, 3)
 
 
-async def test_an_ended_attempt_is_settled_from_envoys_word_through_the_port() -> None:
-    timers = FakeTimers(FakeClock())
-    p, store = proc(None, timers)
+async def admitted(timers: FakeTimers | None = None) -> tuple[Any, Any, Any, GateSession,
+                                                               asyncio.Task[None]]:
+    """A gate stream for attempt 1 of a recorded request, its request headers answered."""
+    p, store = proc(None, timers) if timers is not None else proc()
     await open_request(store, p)
-    ctx, _, task = start(GateSession, p)
+    ctx, s, task = start(GateSession, p)
     ctx.send(gate_headers(1, p.clock.wall()))
     await ctx.wait_for(1)
+    return p, store, ctx, s, task
+
+
+async def test_an_ended_attempt_is_settled_from_envoys_word_through_the_port() -> None:
+    timers = FakeTimers(FakeClock())
+    p, store, ctx, _, task = await admitted(timers)
     ctx.send(resp_headers({":status": "200", "content-type": "text/event-stream"}))
     ctx.send(resp_body(SSE_ROLE))  # held: no content yet
     await idle()
@@ -104,12 +112,7 @@ async def test_an_ended_attempt_is_settled_from_envoys_word_through_the_port() -
 async def test_the_close_row_stops_the_watch_before_the_attempts_own_revoke() -> None:
     # The session stops nothing by itself: the close's StopWatching does, before the early
     # revoke deletes `live` (heard, that delete would be fed as someone else's fence).
-    timers = FakeTimers(FakeClock())
-    p, store = proc(None, timers)
-    await open_request(store, p)
-    ctx, s, task = start(GateSession, p)
-    ctx.send(gate_headers(1, p.clock.wall()))
-    await ctx.wait_for(1)
+    p, store, ctx, s, task = await admitted(FakeTimers(FakeClock()))
     assert s.rec is not None and s.rec.unwatch is not None
     ctx.close()  # before any response: a confirmed end, revoked at once
     await asyncio.wait_for(task, 3)
@@ -149,11 +152,7 @@ async def test_a_replaced_live_ends_the_attempts_permission_once(
 
 
 async def test_the_gate_asks_the_replicas_address_from_envoys_attributes() -> None:
-    p, store = proc()
-    await open_request(store, p)
-    ctx, s, task = start(GateSession, p)
-    ctx.send(gate_headers(1, p.clock.wall()))
-    await ctx.wait_for(1)
+    _, _, ctx, s, task = await admitted()
     assert s.replica == REPLICA and s.m.start.replica == REPLICA
     ctx.close()
     await asyncio.wait_for(task, 3)
