@@ -474,9 +474,13 @@ def _history(run: int = 1) -> dict[str, Any]:
 
 async def test_reopen_runs_a_failed_request_again_and_only_once(env: Env) -> None:
     s = env.store
-    before = await _failed_twice(env)
     seen: list[str | None] = []
     off = s.on_live_change("req_a", seen.append)
+    before = await _failed_twice(env)
+    # etcd's watch delivers after the transaction returns: hear run 1's changes first, so
+    # none of them arrives after the re-open's own.
+    await _until(lambda: seen == ["att_1", None, "att_2", None], "run 1's changes of live")
+    seen.clear()
     # Two repeats at once: one transaction wins, the other finds the record re-opened.
     got = await _within(asyncio.gather(*(
         s.reopen_request("req_a", FAILED, (1, _history()), (3, aid, _rec(3, aid)))
@@ -724,10 +728,8 @@ async def test_an_attempts_listener_hears_only_changes_of_its_own_value(env: Env
     # sweep's partition case did). Subscribed before the revocation, as a late delivery is.
     s = env.store
     mine: list[str | None] = []
-    every: list[str | None] = []
-    await _open(env)
+    every, off_every = await _open_watched(env)  # the open's own put heard and cleared
     off_mine = s.on_live_change("req_a", mine.append, "att_2")
-    off_every = s.on_live_change("req_a", every.append)
     await s.end_attempt("req_a", 1, "att_1", _rec(1, "att_1"), expire=False)  # not att_2's
     await _within(s.admit_attempt("req_a", 2, "att_2", _rec(2, "att_2"), 5.0))
     await s.end_attempt("req_a", 2, "att_2", _rec(2, "att_2"), expire=True)  # att_2 fenced
