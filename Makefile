@@ -25,7 +25,7 @@ help:
 	@echo "make bench      plain Envoy vs Envoy + processor vs the floor, ratios (docs/benchmarks.md)"
 	@echo "make bench-pool pool availability: replicas dead / frozen / two down, etcd leader killed / member frozen / quorum lost; plain vs ours"
 	@echo "make bench-floors  message-path floors side by side: grpc.aio, tuned, grpclib (docs/benchmarks.md)"
-	@echo "make bench-etcd-transport  one journal txn's client CPU over grpc.aio vs etcd's HTTP/JSON gateway"
+	@echo "make bench-etcd-transport  one journal txn's client CPU over grpc.aio, grpclib and etcd's HTTP/JSON gateway"
 	@echo "make bench-split   processor CPU per chunk split into per-chunk and per-request parts (two stream lengths)"
 	@echo "make bench-transports  the real processor on grpc.aio and on grpclib vs plain Envoy"
 	@echo "make bench-timeline  where a request's time to first delta goes, step by step"
