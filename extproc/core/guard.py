@@ -148,9 +148,11 @@ class GuardMachine(Machine):
     # stream handed to Envoy so far; `marks` holds, per content event forwarded, MARK_STRIDE
     # numbers: the offset just past its last byte, then `delivered`, `engine_tokens` (-1:
     # none) and len(`kept`) as of that event. Marks more than `max_buffer` bytes behind
-    # `sent` are folded into `floor` (bounded memory on a long stream).
+    # `sent` are folded into `floor` (bounded memory on a long stream). They are 32-bit
+    # while every number fits (16 bytes an event), 64-bit from the first one that does not
+    # (`add_marks`; decision 0053).
     sent: int = 0
-    marks: array[int] = field(default_factory=lambda: array("q"))
+    marks: array[int] = field(default_factory=lambda: array("i"))
     floor: tuple[int, int, int, int] = (0, 0, -1, 0)
     bound: str | None = None  # "upper": Envoy did not say what it sent (see Finish)
     withheld: int = 0  # content units the guard forwarded that Envoy never sent
@@ -199,13 +201,25 @@ class GuardMachine(Machine):
         """A content event forwarded: its last byte ends at body offset `end`."""
         et = self.engine_tokens
         # (fromlist: half of extend's cost with a tuple, measured)
-        self.marks.fromlist([end, self.delivered, -1 if et is None else et, len(self.kept)])
+        mark = [end, self.delivered, -1 if et is None else et, len(self.kept)]
+        try:
+            self.marks.fromlist(mark)
+        except OverflowError:
+            self.add_marks(mark)
+
+    def add_marks(self, numbers: list[int]) -> None:
+        """`numbers` that do not fit the 32-bit marks (a fromlist that failed added none):
+        the marks become 64-bit, for the rest of the stream."""
+        marks = self.marks
+        if marks.typecode == "i":
+            self.marks = marks = array("q", marks)
+        marks.fromlist(numbers)
 
     def sent_downstream(self, n: int) -> None:
         """`n` more body bytes handed to Envoy; old marks folded once far enough behind."""
         self.sent += n
         marks = self.marks
-        if len(marks) >= MARK_STRIDE * MARKS_KEPT:
+        if len(marks) >= _MARKS_FOLD:
             keep_from = self.sent - self.max_buffer
             i = 0
             while i < len(marks) and marks[i] < keep_from:
@@ -258,6 +272,7 @@ class GuardMachine(Machine):
 # GuardMachine.marks: numbers per content event; events kept before folding is considered.
 MARK_STRIDE = 4
 MARKS_KEPT = 4096
+_MARKS_FOLD = MARK_STRIDE * MARKS_KEPT  # the numbers held when folding is considered
 
 
 GuardFn = Callable[[GuardMachine, Any], list[Action]]
@@ -460,8 +475,12 @@ def streaming_chunk(m: GuardMachine, data: bytes, end_of_stream: bool,
     # m.mark(m.sent + len(out)) and m.sent_downstream(len(out)), inlined (a call each)
     m.sent = sent = m.sent + len(out)
     marks = m.marks
-    marks.fromlist([sent, delivered, -1 if et is None else et, len(kept)])
-    if len(marks) >= MARK_STRIDE * MARKS_KEPT:
+    try:
+        marks.fromlist([sent, delivered, -1 if et is None else et, len(kept)])
+    except OverflowError:  # (a try costs nothing on 3.11 until it raises)
+        m.add_marks([sent, delivered, -1 if et is None else et, len(kept)])
+        marks = m.marks
+    if len(marks) >= _MARKS_FOLD:
         m.sent_downstream(0)  # folds old marks
     return out
 

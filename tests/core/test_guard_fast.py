@@ -196,7 +196,7 @@ def test_long_runs_of_one_event_messages_then_anything(
 
 def test_old_marks_fold_the_same_way(monkeypatch: pytest.MonkeyPatch) -> None:
     """A long stream's marks folded (decision 0025's bounded memory), on both paths."""
-    monkeypatch.setattr(guard, "MARKS_KEPT", 2)
+    monkeypatch.setattr(guard, "_MARKS_FOLD", guard.MARK_STRIDE * 2)  # 2 marks held
     chunks = [atom("token", i) for i in range(12)]
     row, _ = both_ways(chunks, False, [False] * len(chunks), UsageMode.STRIP_ALL, False,
                           1 << 40, max_buffer=300)
