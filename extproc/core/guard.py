@@ -138,6 +138,12 @@ class GuardMachine(Machine):
     progress_every: float = 0.0
     progress_sent: int = 0
     progress_inflight: bool = False
+    # The CHECKPOINT timer is not armed: its last tick found nothing new to write, and the
+    # next content event forwarded arms it again (decision 0053; an idle stream is not woken).
+    checkpoint_off: bool = False
+    # Replay of a trace older than format 6: a tick that writes nothing arms the next one,
+    # as the cores that recorded it did (never set on a live machine).
+    idle_ticks: bool = False
     done_seen: bool = False  # `[DONE]` forwarded: the client has a complete answer
     keyed: bool = False  # its intake is answered before its body goes on (decision 0021)
     intake_read: bool = False  # its body was read for an intake (RequestEnded at its end)
@@ -375,6 +381,10 @@ def _sse_forward(m: GuardMachine, events: list[SseEvent], end: bool) -> list[Act
     elif m.delivered > 0:
         if m.state is not _S_STREAMING and m.progress_every > 0:
             acts.append(StartTimer(_T_CHECKPOINT, m.progress_every))
+        elif m.checkpoint_off and m.delivered > m.progress_sent:
+            # Content again after a tick that found nothing to write: the next tick.
+            m.checkpoint_off = False
+            acts.append(StartTimer(_T_CHECKPOINT, m.progress_every))
         m.state = _S_STREAMING
         acts.append(StartTimer(_T_STALL, m.stall_after_first_delta_s))
     return acts
@@ -441,8 +451,8 @@ def streaming_chunk(m: GuardMachine, data: bytes, end_of_stream: bool,
     the same counts, marks and bytes (tests/core/test_guard_fast.py compares both paths).
     """
     if (m.state is not _S_STREAMING or end_of_stream or lease_expired or m.done_seen
-            or m.status != 200 or not m.streaming):
-        return None
+            or m.checkpoint_off or m.status != 200 or not m.streaming):
+        return None  # (checkpoint_off: the table's row arms the checkpoint again)
     dec = m.decoder
     units = dec.whole_run(data)
     if not units:
@@ -512,7 +522,11 @@ def _guard_timer(m: GuardMachine, ev: TimerFired) -> list[Action]:
 
 def _guard_checkpoint(m: GuardMachine, ev: TimerFired) -> list[Action]:
     # Now and then the delivered count is recorded, in case this process dies mid-stream
-    # (one write at a time; none when nothing more went out).
+    # (one write at a time; none when nothing more went out). A tick that finds nothing
+    # more arms no other: the next content event does (`_sse_forward`; decision 0053).
+    if m.delivered <= m.progress_sent and not m.idle_ticks:
+        m.checkpoint_off = True
+        return []
     acts: list[Action] = [StartTimer(TimerKind.CHECKPOINT, m.progress_every)]
     if m.delivered > m.progress_sent and not m.progress_inflight:
         m.progress_sent, m.progress_inflight = m.delivered, True

@@ -236,14 +236,24 @@ def test_the_delivered_count_is_checkpointed_on_a_timer_row() -> None:
         b'data: {"choices":[{"delta":{"content":"b"}}]}\n\n', False))
     assert m.handle(TimerFired(TimerKind.CHECKPOINT, 2.0)) == [
         WriteProgress(2), StartTimer(TimerKind.CHECKPOINT, 2.0)]
-    # One write at a time: unanswered, the next tick writes nothing; nor with nothing new.
+    # One write at a time: unanswered, the next tick writes nothing but ticks on while
+    # more went out than was written.
+    m.handle(ResponseBody(b'data: {"choices":[{"delta":{"content":"c"}}]}\n\n', False))
     assert m.handle(TimerFired(TimerKind.CHECKPOINT, 4.0)) == [
         StartTimer(TimerKind.CHECKPOINT, 2.0)]
     assert m.handle(ProgressWritten()) == []
     assert m.handle(TimerFired(TimerKind.CHECKPOINT, 6.0)) == [
-        StartTimer(TimerKind.CHECKPOINT, 2.0)]
-    m.handle(ResponseBody(b'data: {"choices":[{"delta":{"content":"c"}}]}\n\n', False))
-    assert m.handle(TimerFired(TimerKind.CHECKPOINT, 8.0))[0] == WriteProgress(3)
+        WriteProgress(3), StartTimer(TimerKind.CHECKPOINT, 2.0)]
+    assert m.handle(ProgressWritten()) == []
+    # Nothing new: the tick arms no other (an idle stream is not woken, decision 0053) ...
+    assert m.handle(TimerFired(TimerKind.CHECKPOINT, 8.0)) == [] and m.checkpoint_off
+    # ... a chunk of no content arms none either; the next content event does.
+    assert m.handle(ResponseBody(b": keep-alive\n\n", False)) == [
+        Send(b": keep-alive\n\n", False), StartTimer(TimerKind.STALL, 15.0)]
+    acts = m.handle(ResponseBody(b'data: {"choices":[{"delta":{"content":"d"}}]}\n\n', False))
+    assert acts[1:] == [StartTimer(TimerKind.CHECKPOINT, 2.0), StartTimer(TimerKind.STALL, 15.0)]
+    assert not m.checkpoint_off
+    assert m.handle(TimerFired(TimerKind.CHECKPOINT, 12.0))[0] == WriteProgress(4)
     assert m.state is State.GUARD_STREAMING
     # Never without an interval; a late answer after the end changes nothing.
     assert not any(isinstance(a, StartTimer) and a.kind is TimerKind.CHECKPOINT
@@ -1149,7 +1159,7 @@ def test_a_format_2_guard_trace_replays_without_the_new_answers() -> None:
     m.handle(Fenced())
     m.handle(StreamClosed())
     rec = record(m, {}, 1 << 20)
-    assert rec["format"] == 5 and replay(rec).ok
+    assert rec["format"] == 6 and replay(rec).ok
     # As a format-2 core recorded it: no AnswerHeaders, no LoseLease, no RequestEnded, a
     # bare Fenced, none of the close's rows.
     old = {**rec, "format": 2,
