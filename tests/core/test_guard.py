@@ -1265,19 +1265,24 @@ class ReferenceMarks:
     st.booleans(),                                        # kept
     st.integers(0, 3)), max_size=60),                     # events before bytes go out
     max_buffer=st.sampled_from([50, 5000, 1 << 33]), kept_at=st.integers(1, 6),
-    cut=st.integers(0, 100))
+    cut=st.integers(0, 100), counted=st.booleans(), keeping=st.booleans())
 def test_the_packed_marks_answer_as_plain_ones_would(
         steps: list[tuple[int, int, int | None, bool, int]], max_buffer: int, kept_at: int,
-        cut: int) -> None:
+        cut: int, counted: bool, keeping: bool) -> None:
     """Random streams of content events (offsets and counts below and beyond 32 bits),
     folds considered at several sizes: at every step the machine's marks, floor and then
     a cut anywhere in the stream answer exactly as the reference does."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(G, "_MARKS_FOLD", G.MARK_STRIDE * kept_at)
+        mp.setattr(G, "_NARROW_FOLD", 2 * kept_at)
         m = GuardMachine.new(RID, STALL, max_buffer=max_buffer)
         ref = ReferenceMarks(max_buffer, kept_at)
         pending = 0
-        for size, units, et, keep, flush in steps:
+        wide = False
+        for size, units, count, keep, flush in steps:
+            # Streams with no engine count or no kept text at all (narrow marks) too.
+            et = count if counted else None
+            keep = keep and keeping
             m.delivered += units
             m.engine_tokens = et
             if keep:
@@ -1286,11 +1291,14 @@ def test_the_packed_marks_answer_as_plain_ones_would(
             m.mark(m.sent + pending)
             ref.marks.append((m.sent + pending, m.delivered, -1 if et is None else et,
                               len(m.kept)))
-            if flush == 0 or len(m.marks) >= G._MARKS_FOLD:
+            if flush == 0:
                 m.sent_downstream(pending)
                 ref.sent_downstream(pending)
                 pending = 0
-            assert [tuple(m.marks[i:i + 4]) for i in range(0, len(m.marks), 4)] == ref.marks
+            # Narrow until an event has an engine count or kept text, wide from then on.
+            wide = wide or et is not None or bool(m.kept)
+            assert m.marks_wide is wide
+            assert plain_marks(m) == ref.marks
             assert m.floor == ref.floor and m.sent == ref.sent
         m.sent_downstream(pending)
         ref.sent_downstream(pending)
@@ -1300,6 +1308,14 @@ def test_the_packed_marks_answer_as_plain_ones_would(
         m.cut_to(body_bytes)
         assert (m.delivered, m.engine_tokens, len(m.kept), m.bound == "upper") == want
         assert m.withheld == (before - m.delivered if want[0] != before else 0)
-        # The narrow marks widen only when a number does not fit them.
-        wide = any(n >= 1 << 31 for mk in [*ref.marks, ref.floor] for n in mk)
-        assert m.marks.typecode == "q" or not wide
+        # 32-bit numbers turn 64-bit only when a number does not fit them.
+        big = any(n >= 1 << 31 for mk in [*ref.marks, ref.floor] for n in mk)
+        assert m.marks.typecode == "q" or not big
+
+
+def plain_marks(m: GuardMachine) -> list[tuple[int, int, int, int]]:
+    """The machine's marks as 4-tuples, whatever their width."""
+    if m.marks_wide:
+        mk = m.marks
+        return [(mk[i], mk[i + 1], mk[i + 2], mk[i + 3]) for i in range(0, len(mk), 4)]
+    return [(m.marks[i], m.marks[i + 1], -1, 0) for i in range(0, len(m.marks), 2)]

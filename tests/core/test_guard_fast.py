@@ -201,6 +201,7 @@ def test_long_runs_of_one_event_messages_then_anything(
 def test_old_marks_fold_the_same_way(monkeypatch: pytest.MonkeyPatch) -> None:
     """A long stream's marks folded (decision 0025's bounded memory), on both paths."""
     monkeypatch.setattr(guard, "_MARKS_FOLD", guard.MARK_STRIDE * 2)  # 2 marks held
+    monkeypatch.setattr(guard, "_NARROW_FOLD", 2 * 2)
     chunks = [atom("token", i) for i in range(12)]
     row, _ = both_ways(chunks, False, [False] * len(chunks), UsageMode.STRIP_ALL, False,
                           1 << 40, max_buffer=300)
@@ -303,3 +304,18 @@ def test_checkpoint_ticks_between_chunks_on_both_paths(
             assert armed is not fast.checkpoint_off
             # Content forwarded since the last write always has a tick coming.
             assert armed or fast.delivered == fast.progress_sent, i
+
+
+def test_text_kept_from_mid_stream_widens_the_marks_on_both_paths() -> None:
+    """Narrow marks (no engine count, no kept text) turn wide at the first event with kept
+    text, whichever path takes it (decision 0053)."""
+    chunks = [atom("token", i) for i in range(6)]
+    row, fast = machine(UsageMode.OFF, False, 1 << 40), machine(UsageMode.OFF, False, 1 << 40)
+    for i, data in enumerate(chunks):
+        if i == 3:
+            row.count_text = fast.count_text = len
+        ev = ResponseBody(data, False)
+        assert fast_or_row(fast, ev)[0] == row.handle(ev)
+        assert state_of(fast) == state_of(row)
+    assert fast.marks_wide and len(fast.marks) == 4 * len(chunks)
+    assert list(fast.marks[2::4]) == [-1] * 6 and list(fast.marks[3::4]) == [0] * 3 + [1, 2, 3]
