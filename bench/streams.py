@@ -12,13 +12,14 @@ every stream is past its first delta with its stall watchdog armed, as a real op
 The streams stay open while the processor's resident memory (VmRSS) is read; per-stream cost =
 (RSS with N open - RSS before) / N, at several N to show it is linear. Then 1,000 of them go
 on for 200 more token messages each (what a stream a few hundred tokens in holds: its event
-trace grows up to `telemetry.max_trace_bytes`, its delivery marks by 32 bytes per content
-event, decision 0025), and the RSS growth per long stream is read too. That growth is the
-whole process's over the phase divided by the streams that went on: every other open stream
-takes a CHECKPOINT timer's TimerFired record into its own trace every
-`timeouts.progress_interval_s` meanwhile (until its trace budget is spent), so the figure
-grows with the streams held and the phase's length, both printed with it (docs/benchmarks.md,
-"Memory per long stream"). The processor runs its
+trace grows up to `telemetry.max_trace_bytes`, its delivery marks by 8 bytes per content
+event here, 16 with running usage, decisions 0025, 0053), and the RSS growth per long
+stream is read too. That growth is the whole process's over the phase divided by the
+streams that went on, so anything the other open streams add meanwhile counts in it; the
+phase's length and the streams held are printed with it (docs/benchmarks.md, "Memory per
+long stream": before decision 0053 every open stream took a CHECKPOINT tick's record into
+its trace every `timeouts.progress_interval_s`; now an idle stream is woken once after its
+last write and not again). The processor runs its
 default configuration except `stall_after_first_delta_s` (raised so that the watchdog does
 not end streams that the driver keeps silent while it opens the rest).
 """

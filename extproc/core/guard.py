@@ -138,6 +138,12 @@ class GuardMachine(Machine):
     progress_every: float = 0.0
     progress_sent: int = 0
     progress_inflight: bool = False
+    # The CHECKPOINT timer is not armed: its last tick found nothing new to write, and the
+    # next content event forwarded arms it again (decision 0053; an idle stream is not woken).
+    checkpoint_off: bool = False
+    # Replay of a trace older than format 6: a tick that writes nothing arms the next one,
+    # as the cores that recorded it did (never set on a live machine).
+    idle_ticks: bool = False
     done_seen: bool = False  # `[DONE]` forwarded: the client has a complete answer
     keyed: bool = False  # its intake is answered before its body goes on (decision 0021)
     intake_read: bool = False  # its body was read for an intake (RequestEnded at its end)
@@ -148,9 +154,13 @@ class GuardMachine(Machine):
     # stream handed to Envoy so far; `marks` holds, per content event forwarded, MARK_STRIDE
     # numbers: the offset just past its last byte, then `delivered`, `engine_tokens` (-1:
     # none) and len(`kept`) as of that event. Marks more than `max_buffer` bytes behind
-    # `sent` are folded into `floor` (bounded memory on a long stream).
+    # `sent` are folded into `floor` (bounded memory on a long stream). Decision 0053: until
+    # a content event has an engine count or kept text (`marks_wide`), only the first two
+    # numbers are held (the others are -1 and 0); 32-bit numbers while every one fits,
+    # 64-bit from the first that does not (`add_marks`). 8 bytes an event on a usual stream.
     sent: int = 0
-    marks: array[int] = field(default_factory=lambda: array("q"))
+    marks: array[int] = field(default_factory=lambda: array("i"))
+    marks_wide: bool = False
     floor: tuple[int, int, int, int] = (0, 0, -1, 0)
     bound: str | None = None  # "upper": Envoy did not say what it sent (see Finish)
     withheld: int = 0  # content units the guard forwarded that Envoy never sent
@@ -199,20 +209,51 @@ class GuardMachine(Machine):
         """A content event forwarded: its last byte ends at body offset `end`."""
         et = self.engine_tokens
         # (fromlist: half of extend's cost with a tuple, measured)
-        self.marks.fromlist([end, self.delivered, -1 if et is None else et, len(self.kept)])
+        if self.marks_wide:
+            mark = [end, self.delivered, -1 if et is None else et, len(self.kept)]
+        elif et is None and not self.kept:
+            mark = [end, self.delivered]
+        else:
+            self.add_marks([end, self.delivered, -1 if et is None else et, len(self.kept)])
+            return
+        try:
+            self.marks.fromlist(mark)
+        except OverflowError:
+            self.add_marks(mark)
+
+    def add_marks(self, numbers: list[int]) -> None:
+        """One mark: 2 numbers while the marks are narrow, else 4 (4 make them wide: every
+        mark held so far gets its -1 and 0); the marks become 64-bit, for the rest of the
+        stream, once a number does not fit 32 bits (a fromlist that fails adds nothing)."""
+        marks = self.marks
+        if len(numbers) == MARK_STRIDE and not self.marks_wide:
+            self.marks_wide = True
+            if marks:
+                wide = array(marks.typecode, [-1, 0] * (len(marks) // 2) * 2)
+                wide[0::4] = marks[0::2]
+                wide[1::4] = marks[1::2]
+                self.marks = marks = wide
+        try:
+            marks.fromlist(numbers)
+        except OverflowError:
+            self.marks = marks = array("q", marks)
+            marks.fromlist(numbers)
 
     def sent_downstream(self, n: int) -> None:
         """`n` more body bytes handed to Envoy; old marks folded once far enough behind."""
         self.sent += n
         marks = self.marks
-        if len(marks) >= MARK_STRIDE * MARKS_KEPT:
+        wide = self.marks_wide
+        if len(marks) >= (_MARKS_FOLD if wide else _NARROW_FOLD):
+            stride = MARK_STRIDE if wide else 2
             keep_from = self.sent - self.max_buffer
             i = 0
             while i < len(marks) and marks[i] < keep_from:
-                i += MARK_STRIDE
+                i += stride
             if i:
-                j = i - MARK_STRIDE
-                self.floor = (marks[j], marks[j + 1], marks[j + 2], marks[j + 3])
+                j = i - stride
+                self.floor = ((marks[j], marks[j + 1], marks[j + 2], marks[j + 3]) if wide
+                              else (marks[j], marks[j + 1], -1, 0))
                 del marks[:i]
 
     def cut_to(self, body_bytes: int | None) -> None:
@@ -223,13 +264,15 @@ class GuardMachine(Machine):
                 self.bound = "upper"
             return
         marks = self.marks
-        ends = marks[0::MARK_STRIDE]
+        stride = MARK_STRIDE if self.marks_wide else 2
+        ends = marks[0::stride]
         if body_bytes >= self.sent or not ends or body_bytes >= ends[-1]:
             return  # every content event forwarded went out
         i = bisect_right(ends, body_bytes)
         if i:
-            j = (i - 1) * MARK_STRIDE
-            end, units, et, kept = marks[j], marks[j + 1], marks[j + 2], marks[j + 3]
+            j = (i - 1) * stride
+            end, units = marks[j], marks[j + 1]
+            et, kept = (marks[j + 2], marks[j + 3]) if self.marks_wide else (-1, 0)
         else:
             end, units, et, kept = self.floor
             if end > body_bytes:
@@ -258,6 +301,8 @@ class GuardMachine(Machine):
 # GuardMachine.marks: numbers per content event; events kept before folding is considered.
 MARK_STRIDE = 4
 MARKS_KEPT = 4096
+# The numbers held when folding is considered, wide marks and narrow (2 an event).
+_MARKS_FOLD, _NARROW_FOLD = MARK_STRIDE * MARKS_KEPT, 2 * MARKS_KEPT
 
 
 GuardFn = Callable[[GuardMachine, Any], list[Action]]
@@ -360,6 +405,10 @@ def _sse_forward(m: GuardMachine, events: list[SseEvent], end: bool) -> list[Act
     elif m.delivered > 0:
         if m.state is not _S_STREAMING and m.progress_every > 0:
             acts.append(StartTimer(_T_CHECKPOINT, m.progress_every))
+        elif m.checkpoint_off and m.delivered > m.progress_sent:
+            # Content again after a tick that found nothing to write: the next tick.
+            m.checkpoint_off = False
+            acts.append(StartTimer(_T_CHECKPOINT, m.progress_every))
         m.state = _S_STREAMING
         acts.append(StartTimer(_T_STALL, m.stall_after_first_delta_s))
     return acts
@@ -426,8 +475,8 @@ def streaming_chunk(m: GuardMachine, data: bytes, end_of_stream: bool,
     the same counts, marks and bytes (tests/core/test_guard_fast.py compares both paths).
     """
     if (m.state is not _S_STREAMING or end_of_stream or lease_expired or m.done_seen
-            or m.status != 200 or not m.streaming):
-        return None
+            or m.checkpoint_off or m.status != 200 or not m.streaming):
+        return None  # (checkpoint_off: the table's row arms the checkpoint again)
     dec = m.decoder
     units = dec.whole_run(data)
     if not units:
@@ -460,9 +509,26 @@ def streaming_chunk(m: GuardMachine, data: bytes, end_of_stream: bool,
     # m.mark(m.sent + len(out)) and m.sent_downstream(len(out)), inlined (a call each)
     m.sent = sent = m.sent + len(out)
     marks = m.marks
-    marks.fromlist([sent, delivered, -1 if et is None else et, len(kept)])
-    if len(marks) >= MARK_STRIDE * MARKS_KEPT:
-        m.sent_downstream(0)  # folds old marks
+    if m.marks_wide:
+        try:
+            marks.fromlist([sent, delivered, -1 if et is None else et, len(kept)])
+        except OverflowError:  # (a try costs nothing on 3.11 until it raises)
+            m.add_marks([sent, delivered, -1 if et is None else et, len(kept)])
+            marks = m.marks
+        if len(marks) >= _MARKS_FOLD:
+            m.sent_downstream(0)  # folds old marks
+    elif et is None and not kept:  # narrow marks (decision 0053)
+        try:
+            marks.fromlist([sent, delivered])
+        except OverflowError:
+            m.add_marks([sent, delivered])
+            marks = m.marks
+        if len(marks) >= _NARROW_FOLD:
+            m.sent_downstream(0)
+    else:
+        m.add_marks([sent, delivered, -1 if et is None else et, len(kept)])
+        if len(m.marks) >= _MARKS_FOLD:
+            m.sent_downstream(0)
     return out
 
 
@@ -493,7 +559,11 @@ def _guard_timer(m: GuardMachine, ev: TimerFired) -> list[Action]:
 
 def _guard_checkpoint(m: GuardMachine, ev: TimerFired) -> list[Action]:
     # Now and then the delivered count is recorded, in case this process dies mid-stream
-    # (one write at a time; none when nothing more went out).
+    # (one write at a time; none when nothing more went out). A tick that finds nothing
+    # more arms no other: the next content event does (`_sse_forward`; decision 0053).
+    if m.delivered <= m.progress_sent and not m.idle_ticks:
+        m.checkpoint_off = True
+        return []
     acts: list[Action] = [StartTimer(TimerKind.CHECKPOINT, m.progress_every)]
     if m.delivered > m.progress_sent and not m.progress_inflight:
         m.progress_sent, m.progress_inflight = m.delivered, True

@@ -69,7 +69,10 @@ from .usage import UsageMode
 # flight) and its tool route (CloseTool); the session did these before feeding the close.
 # An older trace is compared without those four actions, and a guard's close without its
 # StopTimers (it now opens every close; its end put it elsewhere, or nowhere, before).
-FORMAT = 5
+# 6: the guard's CHECKPOINT tick that finds nothing new to write arms no other; the next
+# content event arms it (decision 0053). An older guard trace is replayed by a machine that
+# ticks on as its core did (`GuardMachine.idle_ticks`), so its decisions compare as they are.
+FORMAT = 6
 # Actions a guard's rows took from format 3 on, absent from the decisions of older traces.
 _GUARD_FORMAT_3 = frozenset({"AnswerHeaders", "PassRequest", "LookUpStatus", "StartToolCall",
                              "LoseLease"})
@@ -291,6 +294,7 @@ def replay(trace: Mapping[str, Any]) -> ReplayResult:
                              int(params.get("max_buffer", 4 << 20)),
                              at_request=params.get("initial_state") == str(State.GUARD_NEW),
                              progress_every=float(params.get("progress_every", 0.0)))
+        m.idle_ticks = int(trace.get("format", 1)) < 6
     else:
         return ReplayResult(False, 0, f"unknown role {trace['role']!r}")
     recorded = list(trace.get("decisions") or [])

@@ -19,6 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from extproc.core import guard as G
 from extproc.core.errors import (
     ErrorCode,
     GatewayError,
@@ -235,14 +236,24 @@ def test_the_delivered_count_is_checkpointed_on_a_timer_row() -> None:
         b'data: {"choices":[{"delta":{"content":"b"}}]}\n\n', False))
     assert m.handle(TimerFired(TimerKind.CHECKPOINT, 2.0)) == [
         WriteProgress(2), StartTimer(TimerKind.CHECKPOINT, 2.0)]
-    # One write at a time: unanswered, the next tick writes nothing; nor with nothing new.
+    # One write at a time: unanswered, the next tick writes nothing but ticks on while
+    # more went out than was written.
+    m.handle(ResponseBody(b'data: {"choices":[{"delta":{"content":"c"}}]}\n\n', False))
     assert m.handle(TimerFired(TimerKind.CHECKPOINT, 4.0)) == [
         StartTimer(TimerKind.CHECKPOINT, 2.0)]
     assert m.handle(ProgressWritten()) == []
     assert m.handle(TimerFired(TimerKind.CHECKPOINT, 6.0)) == [
-        StartTimer(TimerKind.CHECKPOINT, 2.0)]
-    m.handle(ResponseBody(b'data: {"choices":[{"delta":{"content":"c"}}]}\n\n', False))
-    assert m.handle(TimerFired(TimerKind.CHECKPOINT, 8.0))[0] == WriteProgress(3)
+        WriteProgress(3), StartTimer(TimerKind.CHECKPOINT, 2.0)]
+    assert m.handle(ProgressWritten()) == []
+    # Nothing new: the tick arms no other (an idle stream is not woken, decision 0053) ...
+    assert m.handle(TimerFired(TimerKind.CHECKPOINT, 8.0)) == [] and m.checkpoint_off
+    # ... a chunk of no content arms none either; the next content event does.
+    assert m.handle(ResponseBody(b": keep-alive\n\n", False)) == [
+        Send(b": keep-alive\n\n", False), StartTimer(TimerKind.STALL, 15.0)]
+    acts = m.handle(ResponseBody(b'data: {"choices":[{"delta":{"content":"d"}}]}\n\n', False))
+    assert acts[1:] == [StartTimer(TimerKind.CHECKPOINT, 2.0), StartTimer(TimerKind.STALL, 15.0)]
+    assert not m.checkpoint_off
+    assert m.handle(TimerFired(TimerKind.CHECKPOINT, 12.0))[0] == WriteProgress(4)
     assert m.state is State.GUARD_STREAMING
     # Never without an interval; a late answer after the end changes nothing.
     assert not any(isinstance(a, StartTimer) and a.kind is TimerKind.CHECKPOINT
@@ -1148,7 +1159,7 @@ def test_a_format_2_guard_trace_replays_without_the_new_answers() -> None:
     m.handle(Fenced())
     m.handle(StreamClosed())
     rec = record(m, {}, 1 << 20)
-    assert rec["format"] == 5 and replay(rec).ok
+    assert rec["format"] == 6 and replay(rec).ok
     # As a format-2 core recorded it: no AnswerHeaders, no LoseLease, no RequestEnded, a
     # bare Fenced, none of the close's rows.
     old = {**rec, "format": 2,
@@ -1215,3 +1226,96 @@ def test_a_finish_says_whether_the_upstreams_answer_was_whole() -> None:
     m.handle(ResponseBody(ROLE + content("a"), False))
     fin = m.handle(TimerFired(TimerKind.STALL))[0]
     assert isinstance(fin, Finish) and not fin.upstream_finished
+
+
+@dataclass
+class ReferenceMarks:
+    """Decision 0025's delivery marks, written the plain way (a list of 4-tuples, folded
+    and cut as the decision says): what GuardMachine's packed marks must answer."""
+    max_buffer: int
+    fold_at: int  # marks held when folding is considered
+    sent: int = 0
+    marks: list[tuple[int, int, int, int]] = field(default_factory=list)
+    floor: tuple[int, int, int, int] = (0, 0, -1, 0)
+
+    def sent_downstream(self, n: int) -> None:
+        self.sent += n
+        if len(self.marks) >= self.fold_at:
+            old = [mk for mk in self.marks if mk[0] < self.sent - self.max_buffer]
+            if old:
+                self.floor = old[-1]
+                self.marks = self.marks[len(old):]
+
+    def cut_to(self, body_bytes: int, delivered: int, et: int | None, kept: int
+               ) -> tuple[int, int | None, int, bool]:
+        """(delivered, engine_tokens, len(kept), an upper bound) once Envoy says it sent
+        `body_bytes`."""
+        if body_bytes >= self.sent or not self.marks or body_bytes >= self.marks[-1][0]:
+            return delivered, et, kept, False
+        within = [mk for mk in self.marks if mk[0] <= body_bytes]
+        end, units, e, k = within[-1] if within else self.floor
+        return units, None if e < 0 else e, k, end > body_bytes
+
+
+@settings(max_examples=300, deadline=None)
+@given(steps=st.lists(st.tuples(
+    st.sampled_from([1, 7, 120, 4000, 1 << 31, 1 << 40]),  # bytes an event (32 bits, not)
+    st.integers(0, 3),                                    # content units
+    st.one_of(st.none(), st.integers(0, 1 << 33)),        # the engine's count
+    st.booleans(),                                        # kept
+    st.integers(0, 3)), max_size=60),                     # events before bytes go out
+    max_buffer=st.sampled_from([50, 5000, 1 << 33]), kept_at=st.integers(1, 6),
+    cut=st.integers(0, 100), counted=st.booleans(), keeping=st.booleans())
+def test_the_packed_marks_answer_as_plain_ones_would(
+        steps: list[tuple[int, int, int | None, bool, int]], max_buffer: int, kept_at: int,
+        cut: int, counted: bool, keeping: bool) -> None:
+    """Random streams of content events (offsets and counts below and beyond 32 bits),
+    folds considered at several sizes: at every step the machine's marks, floor and then
+    a cut anywhere in the stream answer exactly as the reference does."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(G, "_MARKS_FOLD", G.MARK_STRIDE * kept_at)
+        mp.setattr(G, "_NARROW_FOLD", 2 * kept_at)
+        m = GuardMachine.new(RID, STALL, max_buffer=max_buffer)
+        ref = ReferenceMarks(max_buffer, kept_at)
+        pending = 0
+        wide = False
+        for size, units, count, keep, flush in steps:
+            # Streams with no engine count or no kept text at all (narrow marks) too.
+            et = count if counted else None
+            keep = keep and keeping
+            m.delivered += units
+            m.engine_tokens = et
+            if keep:
+                m.kept.append(b"x")
+            pending += size
+            m.mark(m.sent + pending)
+            ref.marks.append((m.sent + pending, m.delivered, -1 if et is None else et,
+                              len(m.kept)))
+            if flush == 0:
+                m.sent_downstream(pending)
+                ref.sent_downstream(pending)
+                pending = 0
+            # Narrow until an event has an engine count or kept text, wide from then on.
+            wide = wide or et is not None or bool(m.kept)
+            assert m.marks_wide is wide
+            assert plain_marks(m) == ref.marks
+            assert m.floor == ref.floor and m.sent == ref.sent
+        m.sent_downstream(pending)
+        ref.sent_downstream(pending)
+        body_bytes = m.sent * cut // 100
+        want = ref.cut_to(body_bytes, m.delivered, m.engine_tokens, len(m.kept))
+        before = m.delivered
+        m.cut_to(body_bytes)
+        assert (m.delivered, m.engine_tokens, len(m.kept), m.bound == "upper") == want
+        assert m.withheld == (before - m.delivered if want[0] != before else 0)
+        # 32-bit numbers turn 64-bit only when a number does not fit them.
+        big = any(n >= 1 << 31 for mk in [*ref.marks, ref.floor] for n in mk)
+        assert m.marks.typecode == "q" or not big
+
+
+def plain_marks(m: GuardMachine) -> list[tuple[int, int, int, int]]:
+    """The machine's marks as 4-tuples, whatever their width."""
+    if m.marks_wide:
+        mk = m.marks
+        return [(mk[i], mk[i + 1], mk[i + 2], mk[i + 3]) for i in range(0, len(mk), 4)]
+    return [(m.marks[i], m.marks[i + 1], -1, 0) for i in range(0, len(m.marks), 2)]

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from extproc.core import guard
 from extproc.core.events import (
     Action,
+    ProgressWritten,
     RequestBodySeen,
     RequestHeadersSeen,
     RequestOpened,
@@ -29,8 +30,11 @@ from extproc.core.events import (
     Send,
     StartTimer,
     State,
+    StopTimers,
     StreamClosed,
+    TimerFired,
     TimerKind,
+    WriteProgress,
 )
 from extproc.core.guard import GuardMachine, streaming_chunk
 from extproc.core.replay import event_from_record
@@ -196,7 +200,8 @@ def test_long_runs_of_one_event_messages_then_anything(
 
 def test_old_marks_fold_the_same_way(monkeypatch: pytest.MonkeyPatch) -> None:
     """A long stream's marks folded (decision 0025's bounded memory), on both paths."""
-    monkeypatch.setattr(guard, "MARKS_KEPT", 2)
+    monkeypatch.setattr(guard, "_MARKS_FOLD", guard.MARK_STRIDE * 2)  # 2 marks held
+    monkeypatch.setattr(guard, "_NARROW_FOLD", 2 * 2)
     chunks = [atom("token", i) for i in range(12)]
     row, _ = both_ways(chunks, False, [False] * len(chunks), UsageMode.STRIP_ALL, False,
                           1 << 40, max_buffer=300)
@@ -254,3 +259,63 @@ def test_the_fast_path_takes_the_common_chunk_and_counts_it() -> None:
                ResponseBody(DONE_EVENT, False)):
         assert streaming_chunk(m, ev.data, ev.end_of_stream, ev.lease_expired) is None
     assert m.decisions[-1] == "guard_streaming:Send,StartTimer"
+
+
+@settings(max_examples=300, deadline=None)
+@given(got=chunked(), mode=st.sampled_from(list(UsageMode)), between=st.lists(
+    st.lists(st.sampled_from(["tick", "written"]), max_size=4), max_size=30))
+def test_checkpoint_ticks_between_chunks_on_both_paths(
+        got: tuple[list[bytes], bool, list[bool]], mode: UsageMode,
+        between: list[list[str]]) -> None:
+    """The CHECKPOINT timer run as the adapter runs it (a tick only while armed, one write
+    answered at a time) between chunks taken by the fast path or the row: both machines
+    decide and hold the same, and the timer is armed exactly while a count not yet written
+    went out (decision 0053: a tick with nothing to write arms none, the next content event
+    does)."""
+    chunks, eos, _ = got
+    row, fast = machine(mode, False, 1 << 40), machine(mode, False, 1 << 40)
+    row.progress_every = fast.progress_every = 2.0
+    armed = inflight = False
+    for i, data in enumerate(chunks):
+        ev = ResponseBody(data, eos and i == len(chunks) - 1, False)
+        want = row.handle(ev)
+        acts, _ = fast_or_row(fast, ev)
+        assert acts == want
+        for a in acts:
+            if isinstance(a, StopTimers):
+                armed = False
+            elif isinstance(a, StartTimer) and a.kind is TimerKind.CHECKPOINT:
+                armed = True
+        for what in between[i] if i < len(between) else []:
+            if what == "tick" and armed:
+                tick = TimerFired(TimerKind.CHECKPOINT, 2.0 * i)
+                acts = row.handle(tick)
+                assert fast.handle(tick) == acts
+                armed = StartTimer(TimerKind.CHECKPOINT, 2.0) in acts
+                if any(isinstance(a, WriteProgress) for a in acts):
+                    inflight = True
+                elif row.delivered == row.progress_sent:
+                    assert not armed  # nothing new to write: no tick after it
+            elif what == "written" and inflight:
+                assert row.handle(ProgressWritten()) == fast.handle(ProgressWritten()) == []
+                inflight = False
+        assert state_of(fast) == state_of(row)
+        if fast.state is State.GUARD_STREAMING and not fast.done_seen:
+            assert armed is not fast.checkpoint_off
+            # Content forwarded since the last write always has a tick coming.
+            assert armed or fast.delivered == fast.progress_sent, i
+
+
+def test_text_kept_from_mid_stream_widens_the_marks_on_both_paths() -> None:
+    """Narrow marks (no engine count, no kept text) turn wide at the first event with kept
+    text, whichever path takes it (decision 0053)."""
+    chunks = [atom("token", i) for i in range(6)]
+    row, fast = machine(UsageMode.OFF, False, 1 << 40), machine(UsageMode.OFF, False, 1 << 40)
+    for i, data in enumerate(chunks):
+        if i == 3:
+            row.count_text = fast.count_text = len
+        ev = ResponseBody(data, False)
+        assert fast_or_row(fast, ev)[0] == row.handle(ev)
+        assert state_of(fast) == state_of(row)
+    assert fast.marks_wide and len(fast.marks) == 4 * len(chunks)
+    assert list(fast.marks[2::4]) == [-1] * 6 and list(fast.marks[3::4]) == [0] * 3 + [1, 2, 3]

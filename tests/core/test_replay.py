@@ -159,3 +159,18 @@ def test_an_error_reads_back_as_what_the_client_was_told() -> None:
         assert got is not None, ev
         assert (got.code, got.message, got.http_status, got.request_id) == \
             (err.code, err.message, err.http_status, err.request_id), ev
+
+
+def test_an_idle_checkpoint_tick_replays_as_its_format_decided_it() -> None:
+    """format5_guard_idle: recorded by a core whose idle CHECKPOINT tick armed the next;
+    format6_guard_idle: the same stream as this core runs it (the idle tick arms none, the
+    next content event does; decision 0053). Each replays by its own format's rule only."""
+    old, new = _old("format5_guard_idle.json"), _old("format6_guard_idle.json")
+    assert (old["format"], new["format"]) == (5, 6)
+    assert "guard_streaming:StartTimer" in old["decisions"]
+    assert "guard_streaming:" in new["decisions"]
+    assert len(new["events"]) == len(old["events"]) - 1  # the tick nothing armed
+    assert R.replay(old).ok and R.replay(new).ok
+    res = R.replay({**old, "format": 6})
+    assert not res.ok and "recorded 'guard_streaming:StartTimer'" in str(res.divergence)
+    assert not R.replay({**new, "format": 5}).ok
