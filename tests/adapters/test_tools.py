@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from extproc.adapters.processor import Processor, retrying
+from extproc.adapters.processor import Processor
 from extproc.adapters.tools import ToolCallHandler
 from extproc.core import headers as H
 from extproc.gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
@@ -29,8 +29,7 @@ def _handler(p: Processor) -> tuple[ToolCallHandler, list[ep.ProcessingResponse]
     async def write(r: ep.ProcessingResponse) -> None:
         out.append(r)
     timers = FakeTimers(FakeClock())
-    return ToolCallHandler(p.cfg, p.ledger, write, p.spawn, retrying, timers.clock,
-                           timers), out
+    return ToolCallHandler(p.cfg, p.ledger, write, p.spawn, timers.clock, timers), out
 
 
 async def test_a_call_runs_once_is_recorded_and_a_repeat_gets_the_result(
