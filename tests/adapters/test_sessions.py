@@ -133,12 +133,13 @@ def immediate(r: ep.ProcessingResponse) -> tuple[int, dict[str, Any]]:
 
 def proc(raw: dict[str, Any] | None = None, timers: FakeTimers | None = None
          ) -> tuple[Processor, MemoryStore]:
-    """A processor on the in-memory store; with `timers`, its clock and timers are fake."""
+    """A processor on the in-memory store, its clock and timers fake (`timers`, or its own:
+    `p.timers`): no time passes unless the test moves the clock."""
+    timers = timers if timers is not None else FakeTimers(FakeClock())
     cfg: Config = load_config({"timeouts": {"access_log_wait_s": 0.05}, **(raw or {})})
     store = MemoryStore(cfg.etcd, owner="gw-1/test")
     return Processor(cfg, store, MemoryLedger(store, cfg.tools.ledger_ttl_s),
-                     ids=FixedIds(), clock=timers.clock if timers else None,
-                     timers=timers), store
+                     ids=FixedIds(), clock=timers.clock, timers=timers), store
 
 
 def start(session_cls: Callable[[Processor, Any], Any], p: Processor
@@ -312,7 +313,8 @@ async def test_a_sampled_chunk_is_timed_and_still_goes_the_fast_way(
     from extproc.adapters import session
 
     monkeypatch.setattr(session, "CHUNK_TIME_SAMPLE", 1)
-    p, _ = proc()
+    timers = FakeTimers(FakeClock())
+    p, _ = proc(timers=timers)
     timed: list[float] = []
     monkeypatch.setattr(p.tel, "enabled", True)
     monkeypatch.setattr(p.tel, "chunk_time", type("H", (), {"record": staticmethod(
@@ -337,7 +339,8 @@ async def test_a_sampled_chunk_is_timed_and_still_goes_the_fast_way(
     assert s.m.delivered == 3 and "stall" in s.timers
     ctx.close()
     await asyncio.wait_for(task, 3)
-    await p.drain()
+    await run_on(timers, p.drain())
+    assert timers.clock.now == 0.05  # the outcome waited for its access-log entry
 
 
 async def test_guard_checkpoints_the_delivered_count_on_its_timer() -> None:
@@ -507,13 +510,16 @@ async def test_an_intake_whose_answer_was_lost_is_confirmed_by_its_own_record() 
     # The intake applied but its answer never came (a member frozen or electing past the
     # call's deadline); sent again it finds the record with its own attempt 1: success, not
     # a repeat answered 409 request_in_progress (issue 24, findings 3 and 4).
-    p, store = proc()
+    timers = FakeTimers(FakeClock())
+    p, store = proc(timers=timers)
+    tries = counted(store, "open_request", timers)
     store.lose_next_intake_answer()
     guard, gs, gtask = start(GuardSession, p)
     guard.send(req_headers(DOWN))
     rid = set_headers((await guard.wait_for(1))[0], "request_headers")[H.REQUEST_ID]
     guard.send(req_body(CHAT))
-    r = (await guard.wait_for(2))[1]
+    r = (await run_on(timers, guard.wait_for(2)))[1]
+    assert tries == [0.0, 0.05]  # sent again after the intake's first pause
     assert r.WhichOneof("response") == "request_body", r
     sent = set_headers(r, "request_body")
     view = await store.get(rid)
@@ -628,7 +634,8 @@ async def test_a_stream_reset_during_its_intake_still_gets_an_outcome(
     # Envoy resets the stream (the client left) while the intake is in flight; grpc.aio
     # cancels the handler. The intake commits anyway: the request must be finished, or a
     # repeat of its key would be answered request_in_progress for as long as we run.
-    p, store = proc()
+    timers = FakeTimers(FakeClock())
+    p, store = proc(timers=timers)
     release = held_intake(store)
     guard, gs, gtask = start(GuardSession, p)
     guard.send(req_headers(headers))
@@ -641,7 +648,9 @@ async def test_a_stream_reset_during_its_intake_still_gets_an_outcome(
     with contextlib.suppress(asyncio.CancelledError):
         await gtask
     release.set()
-    await p.drain()
+    await run_on(timers, p.drain())
+    # Finished once its attempt's access-log entry was waited for (access_log_wait_s).
+    assert timers.clock.now == 0.05
     view = await store.get(rid)
     assert view is not None and view.outcome is not None
     assert view.outcome["outcome"] == "upstream_failed"  # no access-log cause here
@@ -1151,7 +1160,8 @@ async def test_an_unreadable_hand_off_is_said_once_and_nothing_taken_over(
     # The row reads the header (UnreadableHandOff); the observer says it, the session owns
     # nothing, and the headers go on as any accepted request's.
     caplog.set_level(logging.INFO, logger="extproc")
-    p, _ = proc()
+    timers = FakeTimers(FakeClock())
+    p, _ = proc(timers=timers)
     ctx, s, task = start(GuardSession, p)
     ctx.send(req_headers(DOWN))
     ctx.send(req_body(CHAT))
@@ -1165,4 +1175,5 @@ async def test_an_unreadable_hand_off_is_said_once_and_nothing_taken_over(
             if "hand-off" in rec.getMessage()] == ["unreadable attempt hand-off"]
     ctx.close()
     await asyncio.wait_for(task, 3)
-    await p.drain()
+    await run_on(timers, p.drain())
+    assert timers.clock.now == 0.05  # the outcome waited for its access-log entry
