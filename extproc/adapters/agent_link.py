@@ -48,7 +48,8 @@ class AgentLink:
         self._unack = p.journal.on_ack(rid, aid, heard)
         rec = {"at": p.clock.wall(), "gateway_id": gateway_id, "processor": p.instance_id}
         p.work.spawn(retrying(lambda: p.journal.put_cancel(rid, aid, rec), "put the cancel",
-                              rid, aid, limit_s=bound_s), f"gate-cancel-{aid}")
+                              rid, aid, limit_s=bound_s, timers=p.timers,
+                              now=p.clock.monotonic), f"gate-cancel-{aid}")
 
     async def await_ack(self, a: E.AwaitAck) -> E.Event:
         """The acknowledgement, or none within `a.seconds` (a Timers timer)."""
@@ -77,10 +78,12 @@ class AgentLink:
         n, rec = a.attempt, a.record
         if a.revoke:
             await retrying(lambda: p.journal.revoke_fenced(rid, n, aid, rec),
-                           "end the acknowledged attempt's fence", rid, aid)
+                           "end the acknowledged attempt's fence", rid, aid, timers=p.timers,
+                           now=p.clock.monotonic)
         else:
             await retrying(lambda: p.journal.update_attempt(rid, n, rec),
-                           "add the engine's acknowledgement", rid, aid)
+                           "add the engine's acknowledgement", rid, aid, timers=p.timers,
+                           now=p.clock.monotonic)
 
 
 __all__ = ["AgentLink", "LinkPorts"]

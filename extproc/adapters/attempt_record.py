@@ -99,14 +99,17 @@ class AttemptRecord:
         rid, journal = self.rid, self.p.journal
         if a.update_only:
             await retrying(lambda: journal.update_attempt(rid, a.attempt, a.record),
-                           "close the attempt record", rid, self.aid)
+                           "close the attempt record", rid, self.aid, timers=self.p.timers,
+                           now=self.p.clock.monotonic)
         else:
             await self.ended(a.attempt, a.record, a.expire)
 
     async def ended(self, n: int, rec: Mapping[str, Any], expire: bool) -> bool:
-        rid, aid, journal = self.rid, self.aid, self.p.journal
+        rid, aid, p = self.rid, self.aid, self.p
+        journal = p.journal
         return await retrying(lambda: journal.end_attempt(rid, n, aid, rec, expire),
-                              "fence the ended attempt", rid, aid)
+                              "fence the ended attempt", rid, aid, timers=p.timers,
+                              now=p.clock.monotonic)
 
     def undo_admission(self, a: E.UndoAdmission) -> None:
         self.settle(lambda j, rid, aid: j.undo_admission(rid, a.attempt, aid),
@@ -125,7 +128,8 @@ class AttemptRecord:
         """A take-back or give-back, retried in the background while etcd is away."""
         p, rid, aid = self.p, self.rid, self.aid
         p.work.spawn(retrying(lambda: call(p.journal, rid, aid), what, rid, aid,
-                              settle_s=settle_s), f"gate-{name}-{aid}")
+                              settle_s=settle_s, timers=p.timers, now=p.clock.monotonic),
+                     f"gate-{name}-{aid}")
 
 
 __all__ = ["AttemptRecord"]

@@ -50,17 +50,16 @@ RETRY_MAX_DELAY_S = 0.5
 
 async def retrying(fn: Callable[[], Awaitable[Any]], what: str, rid: str | None,
                    aid: str | None, limit_s: float = OUTCOME_RETRY_S,
-                   settle_s: float = 0.0, *, timers: Timers | None = None,
-                   now: Callable[[], float] | None = None) -> bool:
+                   settle_s: float = 0.0, *, timers: Timers, now: Callable[[], float]
+                   ) -> bool:
     """Retry an etcd write while etcd is briefly away (frozen, electing), for a bounded time.
 
     With `settle_s` (take-backs, which are idempotent compare-and-deletes), the write is
     applied again every 0.25 s for that long after its first answer (UNDO_SETTLE_S).
-    The pauses are on `timers` and the limits on `now` (together: the loop's timers and
-    clock by default, a FakeTimers and its FakeClock in a hermetic test).
+    The pauses are on `timers` and the limits on `now`: the caller's process's Timers port
+    and clock (`Processor.timers` and `Processor.clock.monotonic`, which a hermetic test
+    makes a FakeTimers and its FakeClock); there is no default.
     """
-    timers = timers or LoopTimers()
-    now = now or asyncio.get_running_loop().time
     delay, deadline, tries = 0.1, now() + limit_s, 0
     while True:
         try:

@@ -138,7 +138,8 @@ def take_back(p: RecordPorts, rid: str, a: G.TakeBackIntake | G.UndoReopenLater)
         what, (history, (n, aid)) = "reopen", (a.history, a.first)
         undo = lambda: journal.undo_reopen(rid, history, (n, aid))  # noqa: E731
     p.spawn(retrying(undo, "take back an unconfirmed " + what.replace("reo", "re-o"),
-                     rid, aid, settle_s=UNDO_SETTLE_S), f"guard-undo-{what}-{rid}")
+                     rid, aid, settle_s=UNDO_SETTLE_S, timers=p.timers, now=p.clock.monotonic),
+            f"guard-undo-{what}-{rid}")
 
 
 async def read_status(p: RecordPorts, q: StatusLookup) -> E.StatusRead:
@@ -175,4 +176,5 @@ async def write_outcome(p: RecordPorts, rid: str, f: E.Finish, m: GuardMachine |
     # etcd may be briefly away (frozen, electing a leader): keep trying for a bounded time.
     # Until it lands, the record shows no outcome rather than a wrong one.
     return E.RecordWritten(await retrying(lambda: p.journal.finish(rid, body, end),
-                                          "record the outcome", rid, None))
+                                          "record the outcome", rid, None, timers=p.timers,
+                                          now=p.clock.monotonic))

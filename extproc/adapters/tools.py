@@ -52,16 +52,17 @@ from ..gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from . import envoy_codec as codec
 from .leases import UNDO_SETTLE_S, StoreUnavailable
 from .logs import rlog
-from .ports import Clock, Ledger, SystemClock
-from .processor import retrying
-from .timers import LoopTimers, Timers, sleep
+from .ports import Clock, Ledger
+from .processor import OUTCOME_RETRY_S, retrying
+from .timers import Timers, sleep
 
 log = logging.getLogger("extproc.tools")
 
 
 class ToolPorts(Protocol):
     """What the tool route needs from its process, declared here by its consumer: the
-    configuration, the ledger, the clock and the Timers port of its bounded wait, and
+    configuration, the ledger, the clock and the Timers port of its bounded wait and its
+    retried ledger writes, and
     background work for the writes that outlive the stream."""
 
     @property
@@ -80,23 +81,29 @@ class ToolCallHandler:
     def __init__(self, cfg: Config, ledger: Ledger,
                  write: Callable[[ep.ProcessingResponse], Awaitable[None]],
                  spawn: Callable[[Awaitable[Any], str], Any],
-                 retrying: Callable[..., Awaitable[bool]],
-                 clock: Clock | None = None, timers: Timers | None = None) -> None:
+                 clock: Clock, timers: Timers) -> None:
         t = cfg.tools
         self.m = ToolRoute(t.path_prefix, t.wait_s, t.max_result_bytes)
         self.ledger = ledger
         self.write = write
         self.spawn = spawn
-        self.retrying = retrying
-        self.clock: Clock = clock or SystemClock()
-        # The timers of the bounded wait, on the injected clock's time.
-        self.timers: Timers = timers or LoopTimers()
+        self.clock = clock
+        # The timers of the bounded wait and of the ledger's retried writes, on the clock's
+        # time (the process's: `over`).
+        self.timers = timers
 
     @classmethod
     def over(cls, p: ToolPorts, write: Callable[[ep.ProcessingResponse], Awaitable[None]]
              ) -> ToolCallHandler:
         """A tool call's handler on its process's ports (the tool listener's guard)."""
-        return cls(p.cfg, p.ledger, write, p.spawn, retrying, p.clock, p.timers)
+        return cls(p.cfg, p.ledger, write, p.spawn, p.clock, p.timers)
+
+    def retrying(self, fn: Callable[[], Awaitable[Any]], what: str,
+                 limit_s: float | None = None, settle_s: float = 0.0) -> Awaitable[bool]:
+        """`processor.retrying` for this call's ledger write, on its Timers port and clock."""
+        return retrying(fn, what, self.rid, self.aid,
+                        OUTCOME_RETRY_S if limit_s is None else limit_s, settle_s,
+                        timers=self.timers, now=self.clock.monotonic)
 
     @property
     def rid(self) -> str | None:
@@ -163,17 +170,16 @@ class ToolCallHandler:
             return TimerFired(a.kind)
         if isinstance(a, Record):
             key, entry = a.key, a.entry
-            ok = await self.retrying(lambda: ledger.record(key, entry), a.what, self.rid,
-                                     self.aid, *(() if a.limit_s is None else (a.limit_s,)))
+            ok = await self.retrying(lambda: ledger.record(key, entry), a.what, a.limit_s)
             return Recorded(ok)
         if isinstance(a, RecordLater):
             key, entry = a.key, a.entry
-            self.spawn(self.retrying(lambda: ledger.record(key, entry), a.what, self.rid,
-                                     self.aid), f"tool-record-{key}")
+            self.spawn(self.retrying(lambda: ledger.record(key, entry), a.what),
+                       f"tool-record-{key}")
         elif isinstance(a, UndoClaimLater):
             key, entry = a.key, a.entry
             self.spawn(self.retrying(lambda: ledger.undo_claim(key, entry),
-                                     "undo an unconfirmed tool claim", self.rid, self.aid,
+                                     "undo an unconfirmed tool claim",
                                      settle_s=UNDO_SETTLE_S), f"tool-undo-{key}")
         elif isinstance(a, Forward):
             await self.write(codec.continue_request_headers(a.set_headers, remove=a.remove))

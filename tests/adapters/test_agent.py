@@ -98,8 +98,11 @@ async def rig() -> AsyncIterator[Rig]:
     engine_app = web.Application()
     engine_app.router.add_post("/v1/completions", complete)
     engine, engine_addr = await _serve(engine_app)
-    kv = MemoryKV(FakeClock())
-    agent = ReplicaAgent(kv, PREFIX, 10.0, EngineSpec.make(engine_addr, "openai"))
+    clock = FakeClock()
+    kv = MemoryKV(clock)
+    # Its ticker and waits on the same fake clock as the KV: nothing here needs them to run.
+    agent = ReplicaAgent(kv, PREFIX, 10.0, EngineSpec.make(engine_addr, "openai"),
+                         clock=clock.monotonic, timers=FakeTimers(clock))
     await agent.start()
     runner, addr = await _serve(agent.app())
     try:

@@ -11,6 +11,8 @@ import json
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from extproc.adapters.agent_link import AgentLink
 from extproc.adapters.kv import Get, Put, Txn
 from extproc.adapters.memory_store import MemoryStore
@@ -61,6 +63,24 @@ async def test_the_cancel_is_written_and_its_acknowledgement_awaited() -> None:
     # Bounded here too: an acknowledgement not heard would wait on the fake timers forever.
     ev = await asyncio.wait_for(link.await_ack(E.AwaitAck(seconds=3.0)), 5)
     assert ev == E.AckLearned(True, {"engine": "aborted"}, ev.wall)
+
+
+async def test_the_cancel_is_put_again_on_the_timers_port_within_its_bound() -> None:
+    link, store, timers = _link()
+    tries: list[float] = []
+    real = store.put_cancel
+
+    async def put_cancel(*args: Any) -> Any:
+        tries.append(timers.clock.now)
+        return await real(*args)
+    store.put_cancel = put_cancel  # type: ignore[method-assign]
+    store.unavailable = True
+    link.put_cancel("gw-1", bound_s=0.35)
+    for pause in (0.1, 0.2):  # on the fake clock; the next (0.4 s) would end past the bound
+        await idle()
+        assert timers.advance(pause) == 1
+    await idle()
+    assert tries == [0.0, 0.1, pytest.approx(0.3)] and timers.pending() == 0  # given up
 
 
 async def test_no_acknowledgement_within_the_bound_is_none_heard() -> None:

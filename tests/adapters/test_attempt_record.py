@@ -4,12 +4,14 @@ time)."""
 
 from __future__ import annotations
 
+import asyncio
+
 from extproc.adapters.attempt_record import AttemptRecord
 from extproc.core import events as E
 from extproc.core.credentials import digest
 from extproc.core.records import AttemptFacts
 
-from .support import RID
+from .support import RID, FakeClock, FakeTimers, idle
 from .test_sessions import proc
 
 AID = "att_test_2"
@@ -48,3 +50,21 @@ async def test_without_a_lease_there_is_no_permission_to_fence() -> None:
     facts = AttemptFacts(2, AID, "127.0.0.1:8001", "gw-1", 1_700_000_000.0)
     got = await rec.confirmed(rec.fence(E.Fence(facts)))
     assert got == E.FenceDecided(False)
+
+
+async def test_the_attempt_s_end_is_retried_on_the_processor_s_timers() -> None:
+    timers = FakeTimers(FakeClock())
+    p, store = proc(timers=timers)
+    await store.open_request(RID, {"request_id": RID}, (AID, {"attempt": 1, "attempt_id": AID}))
+    rec = AttemptRecord(p, RID, AID, None)
+    store.fail_next(2)
+    end = asyncio.ensure_future(rec.ended(1, {"attempt": 1, "attempt_id": AID, "ended": 1},
+                                          False))
+    for pause in (0.1, 0.2):  # each on the fake clock: no real time passes
+        await idle()
+        assert not end.done() and timers.pending() == 1
+        assert timers.advance(pause) == 1
+    assert await asyncio.wait_for(end, 1) is True
+    view = await store.get(RID)
+    assert view is not None and view.live_attempt_id is None
+    assert view.attempts[0]["ended"] == 1

@@ -10,7 +10,7 @@ from extproc.adapters.causes import NO_GATE, REPLICA_CLUSTER, CauseRegistry, cau
 from extproc.core import headers as H
 from extproc.gen.envoy.data.accesslog.v3 import accesslog_pb2 as al
 
-from .support import FakeClock, FakeTimers
+from .support import FakeClock, FakeTimers, idle
 
 
 def entry(headers: dict[str, str], *, upstream: bool = False, cluster: str = REPLICA_CLUSTER,
@@ -41,13 +41,17 @@ def test_flags_map_to_client_timeout_upstream_or_unknown() -> None:
 
 
 async def test_an_entry_before_the_wait_is_kept_for_it_and_taken_once() -> None:
-    reg = CauseRegistry()
+    timers = FakeTimers(FakeClock())
+    reg = CauseRegistry(timers=timers)
     reg.offer(entry({H.REQUEST_ID: "req_1"}, flag="downstream_connection_termination",
                     body_bytes=17))
     assert reg.seen("req_1")
     assert await reg.wait("req_1", 1.0) == ("client", 17)
-    assert not reg.seen("req_1")  # taken: a second wait hears nothing
-    assert await reg.wait("req_1", 0.01) is None
+    assert not reg.seen("req_1")  # taken: a second wait hears nothing ...
+    again = asyncio.ensure_future(reg.wait("req_1", 0.01))
+    await idle()
+    assert not again.done() and timers.advance(0.01) == 1  # ... for its whole bound
+    assert await again is None
 
 
 async def test_a_wait_before_the_entry_is_answered_when_it_comes() -> None:

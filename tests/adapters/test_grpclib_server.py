@@ -220,18 +220,20 @@ async def test_drain_lets_open_streams_end_then_cancels_the_rest() -> None:
 
 async def test_drain_returns_as_soon_as_the_last_stream_ends() -> None:
     echo, board = Echo(), HealthBoard()
-    server = GrpclibServer(Services(echo.process, echo.access_logs, None, board))
+    timers = FakeTimers(FakeClock())
+    server = GrpclibServer(Services(echo.process, echo.access_logs, None, board), timers)
     await server.start("127.0.0.1:0")
     async with grpc.aio.insecure_channel(server.address) as ch:
         s = _Stream(ep_grpc.ExternalProcessorStub(ch))
         await s.ask()
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
         stop = asyncio.ensure_future(server.stop(5.0, lambda: echo.open))
         await asyncio.wait_for(server.draining.wait(), 5)  # the stream ends during the drain
-        assert await s.end() == grpc.StatusCode.OK
+        assert await s.end() == grpc.StatusCode.OK  # (its handler returned before its status)
+        assert echo.open == 0 and not stop.done() and timers.pending() == 1
+        assert timers.advance(0.05) == 1  # the drain's next poll sees no stream open ...
         await asyncio.wait_for(stop, 5)
-        assert loop.time() - t0 < 1.0 and echo.ended == ["eof"]
+        # ... and it is over then, 0.05 s into a 5 s grace.
+        assert timers.clock.now == 0.05 and timers.pending() == 0 and echo.ended == ["eof"]
 
 
 async def test_a_unix_socket_with_a_stale_file_and_ipv6(tmp_path: Path) -> None:

@@ -19,13 +19,16 @@ from .support import FakeClock, FakeTimers, idle
 
 
 @contextlib.asynccontextmanager
-async def replica(answer: bytes | None, seen: list[bytes] | None = None
-                  ) -> AsyncIterator[str]:
-    """A loopback server answering `answer` to every request (None: never answering)."""
+async def replica(answer: bytes | None, seen: list[bytes] | None = None,
+                  heard: asyncio.Event | None = None) -> AsyncIterator[str]:
+    """A loopback server answering `answer` to every request (None: never answering);
+    each request's head is added to `seen`, and `heard` is set when one came."""
     async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         head = await r.readuntil(b"\r\n\r\n")
         if seen is not None:
             seen.append(head)
+        if heard is not None:
+            heard.set()
         if answer is not None:
             w.write(answer)
             await w.drain()
@@ -61,13 +64,12 @@ async def test_a_refused_or_silent_replica_is_unhealthy_within_the_timeout() -> 
     assert await probe_once(f"127.0.0.1:{free_port()}", "/health", 2.0) is False
     timers = FakeTimers(FakeClock())
     seen: list[bytes] = []
-    async with replica(None, seen) as addr:
+    heard = asyncio.Event()
+    async with replica(None, seen, heard) as addr:
         task = asyncio.ensure_future(probe_once(addr, "/health", 0.2, timers))
-        for _ in range(5000):  # until the request reached the silent replica (I/O)
-            if seen:
-                break
-            await asyncio.sleep(0.001)
-        assert seen
+        # Until the request reached the silent replica (loopback I/O; no clock moves).
+        await asyncio.wait_for(heard.wait(), 5)
+        assert len(seen) == 1 and timers.clock.now == 0.0
         assert timers.advance(0.199) == 0
         await idle()
         assert not task.done()  # silent, but not yet for the whole timeout

@@ -95,15 +95,6 @@ async def test_a_take_back_is_applied_again_while_it_settles() -> None:
     assert fn.calls == 3 and timers.clock.now == pytest.approx(0.5)
 
 
-async def test_by_default_it_pauses_on_the_loop() -> None:
-    """No port given (production): the loop's timers and clock."""
-    fn = Flaky(fails=1)
-    loop = asyncio.get_running_loop()
-    t0 = loop.time()
-    assert await retrying(fn, "write", None, None, limit_s=5.0)
-    assert fn.calls == 2 and loop.time() - t0 >= 0.1
-
-
 def _cfg(mode: str) -> Any:
     return load_config({"telemetry": {"record_traces": mode}})
 

@@ -5,7 +5,6 @@ answered for half the grace), drains to NOT_SERVING on shutdown; the gauges read
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 
 import pytest
@@ -113,14 +112,19 @@ async def test_readiness_follows_etcd_and_liveness_never_does() -> None:
 
 
 async def test_draining_is_not_ready_whatever_etcd_says() -> None:
+    timers = FakeTimers(FakeClock())
+    clock = timers.clock
     hs, src = Statuses(), Source()
-    src.last_answer = time.monotonic()
-    r = HealthReporter(hs, src, 30.0)
+    src.last_answer = clock.now
+    r = HealthReporter(hs, src, 30.0, clock=clock.monotonic, timers=timers)
     await r.start()
     try:
-        await hs.until(READINESS_SERVICE, SERVING)
+        await until(timers, hs, READINESS_SERVICE, SERVING)
+        assert clock.now == 0.0  # answered: serving at once, no tick needed
         await r.drain()
-        src.last_answer = time.monotonic()
+        src.last_answer = clock.now
+        timers.advance(r.tick_s)  # the loop's next tick: etcd answered, still draining
+        await idle()
         assert hs.now[READINESS_SERVICE] == NOT_SERVING and not r.ready
     finally:
         await r.stop()

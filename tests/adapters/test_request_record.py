@@ -120,3 +120,20 @@ async def test_the_checkpoint_and_the_outcome_are_written_exactly() -> None:
     assert view.progress["delivered_output_tokens"] == 3
     assert (view.outcome["outcome"], view.outcome["delivered_output_tokens"],
             view.outcome["finished_at"]) == ("completed", 5, timers.clock.wall())
+
+
+async def test_the_outcome_is_written_again_on_the_processor_s_timers_while_etcd_is_away(
+        ) -> None:
+    p, store, timers = setup()
+    await R.run_intake(p, RID, GEN, prepared(p), None, None)
+    store.fail_next(3)
+    f = E.Finish(outcome=Outcome.COMPLETED, delivered_output_tokens=5, cause=None)
+    task = asyncio.ensure_future(R.write_outcome(p, RID, f, None, None))
+    for pause in (0.1, 0.2, 0.4):  # on the fake clock, doubling from 0.1 s
+        await idle()
+        assert not task.done() and timers.pending() == 1
+        assert timers.advance(pause) == 1
+    assert await asyncio.wait_for(task, 1) == E.RecordWritten(True)
+    view = await store.get(RID)
+    assert view is not None and view.outcome is not None
+    assert view.outcome["finished_at"] == timers.clock.wall() - 0.7  # when it was asked for

@@ -21,6 +21,7 @@ from google.protobuf import struct_pb2
 
 from extproc.adapters.gate import GateSession
 from extproc.adapters.guard import GuardSession
+from extproc.adapters.leases import UNDO_SETTLE_S
 from extproc.adapters.memory_store import MemoryLedger, MemoryStore
 from extproc.adapters.processor import Processor
 from extproc.core import guard as G
@@ -41,6 +42,7 @@ from .support import (
     FakeTimers,
     FixedIds,
     idle,
+    run_on,
     sse_vllm_usage,
 )
 
@@ -131,12 +133,13 @@ def immediate(r: ep.ProcessingResponse) -> tuple[int, dict[str, Any]]:
 
 def proc(raw: dict[str, Any] | None = None, timers: FakeTimers | None = None
          ) -> tuple[Processor, MemoryStore]:
-    """A processor on the in-memory store; with `timers`, its clock and timers are fake."""
+    """A processor on the in-memory store, its clock and timers fake (`timers`, or its own:
+    `p.timers`): no time passes unless the test moves the clock."""
+    timers = timers if timers is not None else FakeTimers(FakeClock())
     cfg: Config = load_config({"timeouts": {"access_log_wait_s": 0.05}, **(raw or {})})
     store = MemoryStore(cfg.etcd, owner="gw-1/test")
     return Processor(cfg, store, MemoryLedger(store, cfg.tools.ledger_ttl_s),
-                     ids=FixedIds(), clock=timers.clock if timers else None,
-                     timers=timers), store
+                     ids=FixedIds(), clock=timers.clock, timers=timers), store
 
 
 def start(session_cls: Callable[[Processor, Any], Any], p: Processor
@@ -310,7 +313,8 @@ async def test_a_sampled_chunk_is_timed_and_still_goes_the_fast_way(
     from extproc.adapters import session
 
     monkeypatch.setattr(session, "CHUNK_TIME_SAMPLE", 1)
-    p, _ = proc()
+    timers = FakeTimers(FakeClock())
+    p, _ = proc(timers=timers)
     timed: list[float] = []
     monkeypatch.setattr(p.tel, "enabled", True)
     monkeypatch.setattr(p.tel, "chunk_time", type("H", (), {"record": staticmethod(
@@ -335,7 +339,8 @@ async def test_a_sampled_chunk_is_timed_and_still_goes_the_fast_way(
     assert s.m.delivered == 3 and "stall" in s.timers
     ctx.close()
     await asyncio.wait_for(task, 3)
-    await p.drain()
+    await run_on(timers, p.drain())
+    assert timers.clock.now == 0.05  # the outcome waited for its access-log entry
 
 
 async def test_guard_checkpoints_the_delivered_count_on_its_timer() -> None:
@@ -380,16 +385,38 @@ async def test_guard_checkpoints_the_delivered_count_on_its_timer() -> None:
     await p.drain()
 
 
+def counted(store: MemoryStore, name: str, timers: FakeTimers) -> list[float]:
+    """The fake clock's reading at each call of the store's `name` (the call goes on)."""
+    at: list[float] = []
+    real = getattr(store, name)
+
+    async def call(*args: Any, **kw: Any) -> Any:
+        at.append(timers.clock.now)
+        return await real(*args, **kw)
+    setattr(store, name, call)
+    return at
+
+
+# The intake's tries with etcd away for good and the default 3 s resend deadline: pauses of
+# 0.05, 0.1, 0.2, then 0.4 s; at 2.75 s the next pause would end past the deadline.
+INTAKE_TRIES_DOWN = [0.0, 0.05, 0.15, 0.35, 0.75, 1.15, 1.55, 1.95, 2.35, 2.75]
+
+
 async def test_guard_fails_closed_when_the_journal_is_down() -> None:
-    p, store = proc()
+    timers = FakeTimers(FakeClock())
+    p, store = proc(timers=timers)
+    tries, undos = counted(store, "open_request", timers), counted(store, "undo_intake", timers)
     ctx, _, task = start(GuardSession, p)
     ctx.send(req_headers(DOWN))
     await ctx.wait_for(1)
     store.unavailable = True
     ctx.send(req_body(CHAT))
-    status, body = immediate((await ctx.wait_for(2))[1])
+    status, body = immediate((await run_on(timers, ctx.wait_for(2)))[1])
     assert status == 503 and body["error"]["code"] == "journal_unavailable"
     assert body["error"]["retryable"] is True
+    assert tries == pytest.approx(INTAKE_TRIES_DOWN) and timers.clock.now == tries[-1]
+    # Given up: its take-back is tried at once and pauses while etcd is away.
+    assert undos == [tries[-1]] and timers.pending() == 1
     ctx.close()
     await asyncio.wait_for(task, 3)
 
@@ -444,12 +471,16 @@ async def test_a_fresh_request_goes_on_while_its_intake_commits_and_its_gate_wai
 
 
 async def test_a_fresh_request_whose_intake_fails_is_refused_by_its_gate() -> None:
-    p, store = proc()
+    timers = FakeTimers(FakeClock())
+    p, store = proc(timers=timers)
+    tries, undos = counted(store, "open_request", timers), counted(store, "undo_intake", timers)
     release = held_intake(store)
     guard, gs, gtask, rid, _, gate = await fresh_request_at_its_gate(p)
     store.unavailable = True
     release.set()
-    status, body = immediate((await gate.wait_for(1))[0])
+    status, body = immediate((await run_on(timers, gate.wait_for(1)))[0])
+    assert tries == pytest.approx(INTAKE_TRIES_DOWN) and timers.clock.now == tries[-1]
+    assert undos == [tries[-1]]
     assert status == 503 and body["error"]["code"] == "journal_unavailable"
     assert body["error"]["request_id"] == rid and body["error"]["retryable"] is True
     assert rid not in p.reached  # it never went upstream
@@ -460,7 +491,13 @@ async def test_a_fresh_request_whose_intake_fails_is_refused_by_its_gate() -> No
     assert r.WhichOneof("response") == "response_headers"
     assert set_headers(r, "response_headers") == {}
     store.unavailable = False
-    await p.drain()
+    await run_on(timers, p.drain())
+    # The take-back: tried again after its 0.1 s pause, then applied every 0.25 s while
+    # it settles (UNDO_SETTLE_S, 3 s).
+    gave_up = tries[-1]
+    assert undos == pytest.approx([gave_up, gave_up + 0.1,
+                                   *(gave_up + 0.1 + 0.25 * k for k in range(1, 13))])
+    assert timers.clock.now == pytest.approx(gave_up + 0.1 + UNDO_SETTLE_S)
     assert await store.get(rid) is None  # nothing recorded, nothing to give back
     assert p.intakes.get(rid) is not None  # kept for any later attempt's gate ...
     gate.close()
@@ -473,13 +510,16 @@ async def test_an_intake_whose_answer_was_lost_is_confirmed_by_its_own_record() 
     # The intake applied but its answer never came (a member frozen or electing past the
     # call's deadline); sent again it finds the record with its own attempt 1: success, not
     # a repeat answered 409 request_in_progress (issue 24, findings 3 and 4).
-    p, store = proc()
+    timers = FakeTimers(FakeClock())
+    p, store = proc(timers=timers)
+    tries = counted(store, "open_request", timers)
     store.lose_next_intake_answer()
     guard, gs, gtask = start(GuardSession, p)
     guard.send(req_headers(DOWN))
     rid = set_headers((await guard.wait_for(1))[0], "request_headers")[H.REQUEST_ID]
     guard.send(req_body(CHAT))
-    r = (await guard.wait_for(2))[1]
+    r = (await run_on(timers, guard.wait_for(2)))[1]
+    assert tries == [0.0, 0.05]  # sent again after the intake's first pause
     assert r.WhichOneof("response") == "request_body", r
     sent = set_headers(r, "request_body")
     view = await store.get(rid)
@@ -494,20 +534,23 @@ async def test_a_given_up_intake_that_applied_late_is_taken_back() -> None:
     # The intake applied, then etcd stayed away past resend_deadline_s: the client is told
     # `503 journal_unavailable`, nothing was run; when etcd answers again the record is
     # taken back, so a repeat of the key runs instead of 409 request_in_progress forever
-    # (issue 24, finding 5). The intake's pauses run on a fake clock; the take-back is
-    # waited for as it lands, not by sleeping.
+    # (issue 24, finding 5). The intake's pauses and the take-back's run on a fake clock.
     timers = FakeTimers(FakeClock())
     p, store = proc({"etcd": {"timeout_s": 0.1, "resend_deadline_s": 0.3}}, timers)
     store.lose_next_intake_answer()
     real, real_undo, undone = store.open_request, store.undo_intake, asyncio.Event()
+    intake_tries: list[float] = []
+    undo_tries: list[float] = []
 
     async def then_down(*args: Any, **kw: Any) -> Any:
+        intake_tries.append(timers.clock.now)
         try:
             return await real(*args, **kw)
         finally:
             store.unavailable = True
 
     async def undo(*args: Any, **kw: Any) -> Any:
+        undo_tries.append(timers.clock.now)
         res = await real_undo(*args, **kw)
         undone.set()
         return res
@@ -517,20 +560,21 @@ async def test_a_given_up_intake_that_applied_late_is_taken_back() -> None:
     guard.send(req_headers(DOWN))
     rid = set_headers((await guard.wait_for(1))[0], "request_headers")[H.REQUEST_ID]
     guard.send(req_body(CHAT))
-    pauses = 0
-    while len(guard.out) < 2 and pauses < 10:  # sent again after 0.05 s, 0.1 s, then given up
-        await idle()
-        pauses += timers.advance(0.05)
-    assert pauses == 2
-    status, body = immediate((await guard.wait_for(2))[1])
+    # Sent again after 0.05 s and 0.1 s; the next pause (0.2 s) would end past the 0.3 s
+    # deadline: given up at 0.15 s.
+    status, body = immediate((await run_on(timers, guard.wait_for(2)))[1])
+    assert intake_tries == [0.0, pytest.approx(0.05), pytest.approx(0.15)]
+    assert timers.clock.now == pytest.approx(0.15)
     assert status == 503 and body["error"]["code"] == "journal_unavailable"
     assert body["error"]["retryable"] is True
     guard.close()
     await asyncio.wait_for(gtask, 3)
     store.open_request = real  # type: ignore[method-assign]
+    assert undo_tries == [pytest.approx(0.15)]  # tried at the give-up: etcd still away
     store.unavailable = False
     assert await store.get(rid) is not None and not undone.is_set()  # the late apply ...
-    await asyncio.wait_for(undone.wait(), 3)  # ... until the take-back lands
+    await run_on(timers, undone.wait())  # ... until the take-back lands, after its pause
+    assert undo_tries == [pytest.approx(0.15), pytest.approx(0.25)]
     assert await store.get(rid) is None
     again, _, atask = start(GuardSession, p)
     again.send(req_headers(DOWN))
@@ -590,7 +634,8 @@ async def test_a_stream_reset_during_its_intake_still_gets_an_outcome(
     # Envoy resets the stream (the client left) while the intake is in flight; grpc.aio
     # cancels the handler. The intake commits anyway: the request must be finished, or a
     # repeat of its key would be answered request_in_progress for as long as we run.
-    p, store = proc()
+    timers = FakeTimers(FakeClock())
+    p, store = proc(timers=timers)
     release = held_intake(store)
     guard, gs, gtask = start(GuardSession, p)
     guard.send(req_headers(headers))
@@ -603,7 +648,9 @@ async def test_a_stream_reset_during_its_intake_still_gets_an_outcome(
     with contextlib.suppress(asyncio.CancelledError):
         await gtask
     release.set()
-    await p.drain()
+    await run_on(timers, p.drain())
+    # Finished once its attempt's access-log entry was waited for (access_log_wait_s).
+    assert timers.clock.now == 0.05
     view = await store.get(rid)
     assert view is not None and view.outcome is not None
     assert view.outcome["outcome"] == "upstream_failed"  # no access-log cause here
@@ -1069,7 +1116,6 @@ async def test_a_repeat_of_a_running_tool_call_waits_on_timers_then_gets_the_res
     """The bounded wait runs on the executor's Timers port over a fake clock (no real
     time): the second call of a key waits while the first runs, and replays its result
     once recorded."""
-    from extproc.adapters.processor import retrying
     from extproc.adapters.tools import ToolCallHandler
     p, _ = await two_live_requests()
     timers = FakeTimers(FakeClock())
@@ -1077,7 +1123,7 @@ async def test_a_repeat_of_a_running_tool_call_waits_on_timers_then_gets_the_res
 
     async def w1(r: ep.ProcessingResponse) -> None:
         first_out.append(r)
-    first = ToolCallHandler(p.cfg, p.ledger, w1, p.spawn, retrying, timers.clock, timers)
+    first = ToolCallHandler(p.cfg, p.ledger, w1, p.spawn, timers.clock, timers)
     hd = {":method": "POST", ":path": "/tools/demo_tool", H.REQUEST_ID: TOOL_RID,
           H.ATTEMPT_ID: TOOL_AID, "x-tool-call-id": "call_w", H.ATTEMPT_SECRET: SECRET_A}
     await first.on_request_headers(dict(hd))
@@ -1086,7 +1132,7 @@ async def test_a_repeat_of_a_running_tool_call_waits_on_timers_then_gets_the_res
 
     async def w2(r: ep.ProcessingResponse) -> None:
         second_out.append(r)
-    second = ToolCallHandler(p.cfg, p.ledger, w2, p.spawn, retrying, timers.clock, timers)
+    second = ToolCallHandler(p.cfg, p.ledger, w2, p.spawn, timers.clock, timers)
     waiting = asyncio.ensure_future(second.on_request_headers(dict(hd)))
     await idle()
     assert timers.pending() == 1 and second_out == []  # it waits, on a timer
@@ -1114,7 +1160,8 @@ async def test_an_unreadable_hand_off_is_said_once_and_nothing_taken_over(
     # The row reads the header (UnreadableHandOff); the observer says it, the session owns
     # nothing, and the headers go on as any accepted request's.
     caplog.set_level(logging.INFO, logger="extproc")
-    p, _ = proc()
+    timers = FakeTimers(FakeClock())
+    p, _ = proc(timers=timers)
     ctx, s, task = start(GuardSession, p)
     ctx.send(req_headers(DOWN))
     ctx.send(req_body(CHAT))
@@ -1128,4 +1175,5 @@ async def test_an_unreadable_hand_off_is_said_once_and_nothing_taken_over(
             if "hand-off" in rec.getMessage()] == ["unreadable attempt hand-off"]
     ctx.close()
     await asyncio.wait_for(task, 3)
-    await p.drain()
+    await run_on(timers, p.drain())
+    assert timers.clock.now == 0.05  # the outcome waited for its access-log entry

@@ -6,17 +6,18 @@ credential's refusals, on the hermetic harness: test_sessions.py.)"""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
 import pytest
 
-from extproc.adapters.processor import Processor, retrying
+from extproc.adapters.processor import Processor
 from extproc.adapters.tools import ToolCallHandler
 from extproc.core import headers as H
 from extproc.gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
-from .support import FakeClock, FakeTimers
+from .support import FakeClock, FakeTimers, idle
 from .test_sessions import SECRET_A, TOOL_AID, TOOL_RID, immediate, two_live_requests
 
 HD = {":method": "POST", ":path": "/tools/demo_tool", H.REQUEST_ID: TOOL_RID,
@@ -29,8 +30,7 @@ def _handler(p: Processor) -> tuple[ToolCallHandler, list[ep.ProcessingResponse]
     async def write(r: ep.ProcessingResponse) -> None:
         out.append(r)
     timers = FakeTimers(FakeClock())
-    return ToolCallHandler(p.cfg, p.ledger, write, p.spawn, retrying, timers.clock,
-                           timers), out
+    return ToolCallHandler(p.cfg, p.ledger, write, p.spawn, timers.clock, timers), out
 
 
 async def test_a_call_runs_once_is_recorded_and_a_repeat_gets_the_result(
@@ -81,3 +81,24 @@ async def test_the_request_body_passes_untouched() -> None:
     assert out[-1].WhichOneof("response") == "request_body"
     assert not out[-1].request_body.response.HasField("body_mutation")
     assert (h.rid, h.aid) == (TOOL_RID, TOOL_AID)
+
+
+async def test_the_result_is_recorded_again_on_the_handler_s_timers_while_etcd_is_away(
+        ) -> None:
+    p, store = await two_live_requests()
+    first, out = _handler(p)
+    timers = first.timers
+    assert isinstance(timers, FakeTimers)
+    await first.on_request_headers(dict(HD))
+    await first.on_response_headers({":status": "200", "content-type": "application/json"},
+                                    end_of_stream=False)
+    store.fail_next(2)
+    body = asyncio.ensure_future(first.on_response_body(b'{"ok":true}', end_of_stream=True))
+    for pause in (0.1, 0.2):  # processor.retrying's pauses, on the handler's fake clock
+        await idle()
+        assert not body.done() and timers.pending() == 1
+        assert timers.advance(pause) == 1
+    await asyncio.wait_for(body, 1)
+    entry, _ = await p.ledger.get(f"{TOOL_RID}:call_1")
+    assert entry is not None and entry["state"] == "done"
+    assert out[-1].WhichOneof("response") == "response_body"

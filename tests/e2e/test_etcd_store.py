@@ -12,6 +12,7 @@ from devkit.devstack import Stack
 from extproc.adapters.etcd_store import EtcdStore, ToolLedger
 from extproc.adapters.leases import UNDO_SETTLE_S
 from extproc.adapters.processor import retrying
+from extproc.adapters.timers import LoopTimers
 from extproc.core.config import EtcdConfig, load_config
 
 
@@ -76,7 +77,9 @@ def test_a_take_back_catches_the_write_etcd_applies_after_it(stack: Stack) -> No
                     claimed, _, _, _ = await ledger.claim(key, rid, aid, entry, cred_rev)
                     assert claimed
 
-            assert await retrying(undo, "undo a claim", rid, aid, settle_s=UNDO_SETTLE_S)
+            # On the loop's own time: what it catches is a real etcd applying a queued write.
+            assert await retrying(undo, "undo a claim", rid, aid, settle_s=UNDO_SETTLE_S,
+                                  timers=LoopTimers(), now=asyncio.get_running_loop().time)
             assert answers[0] is False and True in answers[1:]
             assert await ledger.get(key) == (None, False)  # no claim, no executor marker
         finally:
