@@ -51,7 +51,10 @@ class _Envoy:
         self.out.put_nowait(ds.DiscoveryRequest(type_url=CLA_TYPE, resource_names=names,
                                                 version_info=version, response_nonce=nonce))
 
-    async def answer(self, within_s: float = 2.0) -> ds.DiscoveryResponse | None:
+    async def answer(self, within_s: float = 10.0) -> ds.DiscoveryResponse | None:
+        """The next answer, or None after `within_s`. An answer that must come has a bound
+        far above its real time (a busy CI machine once took over 2 s); an answer that must
+        not come is asked with a short one."""
         try:
             return await asyncio.wait_for(self.answers.get(), within_s)
         except TimeoutError:
