@@ -53,6 +53,9 @@ class IntakeRun:
         """The intake, to its answer: None when the request is recorded (or re-opened)."""
         got = await run_intake(self.p, self.rid, self.gen, self.prep, self.cred,
                                self.envoy_request_id)
+        # The credential's digest is written with the record (or the re-open) and read
+        # nowhere else: not held for the rest of the stream (decision 0055).
+        self.cred = ""
         if got.rerun is not None:
             self.rerun = got.rerun
         return got.error
