@@ -41,7 +41,8 @@ class IntakeRun:
 
     def __init__(self, p: RecordPorts, gen: Generation, prep: Prepared, cred: str,
                  envoy_request_id: str | None) -> None:
-        self.p, self.rid, self.gen, self.prep, self.cred = p, gen.request_id, gen, prep, cred
+        self.p, self.rid, self.gen, self.cred = p, gen.request_id, gen, cred
+        self.prep: Prepared | None = prep
         self.envoy_request_id = envoy_request_id
         self.opening: asyncio.Task[GatewayError | None] | None = None
         self.rerun: Rerun | None = None
@@ -51,11 +52,12 @@ class IntakeRun:
 
     async def _run(self) -> GatewayError | None:
         """The intake, to its answer: None when the request is recorded (or re-opened)."""
+        assert self.prep is not None
         got = await run_intake(self.p, self.rid, self.gen, self.prep, self.cred,
                                self.envoy_request_id)
-        # The credential's digest is written with the record (or the re-open) and read
-        # nowhere else: not held for the rest of the stream (decision 0055).
-        self.cred = ""
+        # What the intake wrote (the record, attempt 1, the credential's digest) is read
+        # nowhere else from here: not held for the rest of the stream (decision 0055).
+        self.prep, self.cred = None, ""
         if got.rerun is not None:
             self.rerun = got.rerun
         return got.error

@@ -7,6 +7,7 @@ hermetic harness. (Both sessions played as Envoy plays them: test_sessions.py.)"
 from __future__ import annotations
 
 import ast
+import json
 import typing
 from pathlib import Path
 
@@ -15,7 +16,8 @@ import pytest
 from extproc.adapters.guard import GuardSession
 from extproc.core import events as E
 
-from .test_sessions import immediate, proc, req_headers, start
+from .support import idle
+from .test_sessions import CHAT, DOWN, immediate, proc, req_body, req_headers, start
 
 CORE_GUARD = Path(E.__file__).with_name("guard.py")
 # Said by the rows for the record and the logs only (adapters/guard.py says why).
@@ -61,3 +63,26 @@ async def test_a_status_lookup_is_answered_from_the_journal(down: bool, status: 
     got_status, body = await _lookup(rid, down)
     assert (got_status, body["error"]["code"], body["error"]["request_id"]) == (status, code,
                                                                                 rid)
+
+
+async def test_the_body_sent_upstream_is_held_no_longer_than_its_answer() -> None:
+    """The gateway asks the engine for its running usage by rewriting the body (core.usage):
+    the rewritten body goes out in the body's answer and is then let go, with the intake's
+    own copy once it wrote the record (decision 0055); an open stream holds the prompt's
+    size otherwise."""
+    p, _ = proc()
+    ctx, s, task = start(GuardSession, p)
+    ctx.send(req_headers(DOWN))
+    await ctx.wait_for(1)
+    ctx.send(req_body(CHAT))
+    r = (await ctx.wait_for(2))[1]
+    sent = r.request_body.response.body_mutation.body
+    assert json.loads(sent)["stream_options"]["include_usage"] is True
+    assert json.loads(sent)["messages"] == json.loads(CHAT)["messages"]
+    assert s.intake is not None and s.intake.meta.upstream_body is None
+    assert s.intake.meta.body_bytes == len(CHAT)  # the rest of what it read stays
+    await idle()
+    assert s._tx is not None and s._tx.prep is None and s._tx.cred == ""
+    ctx.close()
+    await task
+    await p.drain()

@@ -75,16 +75,16 @@ async def test_a_new_request_is_recorded_with_attempt_1_and_its_credential() -> 
     assert p.intakes.get(RID) is None  # recorded: a gate need not wait any more
 
 
-async def test_the_intake_run_keeps_the_credential_no_longer_than_its_write() -> None:
-    """An open stream keeps its IntakeRun until it closes; the credential's digest is
-    written with the record and then let go (decision 0055)."""
+async def test_the_intake_run_keeps_what_it_wrote_no_longer_than_its_write() -> None:
+    """An open stream keeps its IntakeRun until it closes; the credential's digest and the
+    prepared record are written and then let go (decision 0055)."""
     p, _, _ = setup()
     tx = R.IntakeRun(p, GEN, prepared(p), "digest-1", "envoy-1")
     tx.open()
     tx.register()
-    assert tx.cred == "digest-1"
+    assert tx.cred == "digest-1" and tx.prep is not None
     assert await tx.opened() == E.RequestOpened(True, None)
-    assert tx.cred == ""
+    assert tx.cred == "" and tx.prep is None
     stored, _ = await p.ledger.credential(RID, "att_test_1")
     assert stored == "digest-1"
 
