@@ -10,7 +10,6 @@ answer is the next event. The ports: `request_record` (the intake, the record), 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from dataclasses import replace
 
 from ..core import events as E
 from ..core import guard as G
@@ -147,10 +146,7 @@ class GuardSession(Session):
         await self.write(codec.continue_request_body_with(set_headers, lb,
                                                           self.intake.meta.upstream_body))
         if self.intake.meta.upstream_body is not None:
-            # Answered: the body sent upstream (the prompt's size) is read nowhere else,
-            # not held to the stream's end (decision 0055).
-            self.intake = replace(self.intake, meta=replace(self.intake.meta,
-                                                            upstream_body=None))
+            self.intake.meta.answered()  # the body sent upstream: held no longer
 
     def fenced(self) -> None:
         """The released attempt's `live` key was revoked or replaced: the machine says it."""

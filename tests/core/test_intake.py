@@ -235,3 +235,15 @@ def test_the_request_id_a_verdict_runs_under() -> None:
     assert request_id_of(Rejected(bad_request(ErrorCode.INVALID_HEADER, "x"))) == ""
     assert request_id_of(Misrouted(tool_route_not_here("/tools/x", False), "/tools/x")) == ""
     assert request_id_of(PassThrough()) == "" and request_id_of(ToolCall({})) == ""
+
+
+def test_an_answered_meta_lets_go_of_the_body_sent_upstream_and_keeps_the_rest() -> None:
+    """RequestMeta.answered (decision 0055): the rewritten body is dropped, nothing else."""
+    body = json.dumps({"model": "m-1", "stream": True, "max_tokens": 64,
+                       "messages": [{"role": "user", "content": "hi"}]}).encode()
+    meta = parse_body(body, CFG, RID, "/v1/chat/completions")
+    assert isinstance(meta, RequestMeta) and meta.upstream_body is not None
+    before = (meta.to_dict(), meta.usage_mode)
+    meta.answered()
+    assert meta.upstream_body is None
+    assert (meta.to_dict(), meta.usage_mode) == before
