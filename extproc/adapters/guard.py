@@ -145,8 +145,7 @@ class GuardSession(Session):
                                         traceparent=self.p.tel.traceparent(self.span))
         await self.write(codec.continue_request_body_with(set_headers, lb,
                                                           self.intake.meta.upstream_body))
-        if self.intake.meta.upstream_body is not None:
-            self.intake.meta.answered()  # the body sent upstream: held no longer
+        G.body_answered(self.intake)
 
     def fenced(self) -> None:
         """The released attempt's `live` key was revoked or replaced: the machine says it."""

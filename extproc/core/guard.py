@@ -765,6 +765,13 @@ def body_answer(prep: Prepared, *, secret: str | None, rerun: Rerun | None,
     return body_headers(prep, secret=secret, rerun=rerun, traceparent=traceparent)
 
 
+def body_answered(prep: Prepared) -> None:
+    """The body's answer was written: the body it carried upstream is held no longer
+    (core.intake's RequestMeta.answered, decision 0055)."""
+    if prep.meta.upstream_body is not None:
+        prep.meta.answered()
+
+
 def _guard_read_body(m: GuardMachine, ev: RequestBody) -> list[Action]:
     return [ReadBody()]  # a generation's body: read, then answered as RequestBodySeen
 
