@@ -150,6 +150,10 @@ class GuardMachine(Machine):
     # Envoy's own plain-text 5xx (e.g. no healthy upstream, overflow): replaced by our JSON
     # error so every client sees the same contract.
     replaced_error: bytes | None = None
+    # A key-less intake that failed after its body went on (IntakeFailed): its gate answers
+    # the client with it, and when no gate could (every attempt refused or reset before
+    # one ran), Envoy's own reply is answered with it here (nothing was recorded).
+    intake_error: GatewayError | None = None
     # Delivery is what left toward the client (decision 0025): `sent` is the body bytes of a
     # stream handed to Envoy so far; `marks` holds, per content event forwarded, MARK_STRIDE
     # numbers: the offset just past its last byte, then `delivered`, `engine_tokens` (-1:
@@ -804,16 +808,30 @@ def _guard_opened(m: GuardMachine, ev: RequestOpened) -> list[Action]:
         return []
     # Keyed: the repeat's answer (or the journal's trouble) is ours to give. Key-less: the
     # body went on already; its gate gives the client this error, and nothing ran.
-    return [Refuse(ev.error)] if m.keyed else [IntakeFailed(ev.error)]
+    if m.keyed:
+        return [Refuse(ev.error)]
+    m.intake_error = ev.error
+    return [IntakeFailed(ev.error)]
 
 
 def _guard_pass_aside(m: GuardMachine, ev: ResponseHeaders) -> list[Action]:
+    if (m.intake_error is not None and ev.envoy_reply and not ev.ours and ev.status >= 500
+            and not ev.end_of_stream):
+        # Its intake failed and no gate answered (Envoy gave up on every attempt before
+        # one ran): the client gets the intake's error, as from a gate, not Envoy's word
+        # that no replica answered, which a lookup of a request never recorded would
+        # contradict (404).
+        m.replaced_error = m.family.error_json(m.intake_error)
+        return [PassHeaders(as_json=True)]
     # Not a request of ours (or not yet: an answer Envoy made before the intake was):
     # its response goes on as it came.
     return [PassAside()]
 
 
 def _guard_send_aside(m: GuardMachine, ev: ResponseBody) -> list[Action]:
+    if m.replaced_error is not None:  # Envoy's reply to a failed intake: its error instead
+        data, m.replaced_error = m.replaced_error, b""
+        return _send(data, ev.end_of_stream)
     return _send(ev.data, ev.end_of_stream)
 
 

@@ -72,6 +72,10 @@ from .usage import UsageMode
 # 6: the guard's CHECKPOINT tick that finds nothing new to write arms no other; the next
 # content event arms it (decision 0053). An older guard trace is replayed by a machine that
 # ticks on as its core did (`GuardMachine.idle_ticks`), so its decisions compare as they are.
+# Also from 6 on, Envoy's own 5xx reply to a request whose key-less intake failed is answered
+# with that intake's error (PassHeaders as JSON, its body replaced; decision 0056): an older
+# trace that recorded it passed aside replays as a difference (the core now decides
+# otherwise; none of tests/core/traces has one).
 FORMAT = 6
 # Actions a guard's rows took from format 3 on, absent from the decisions of older traces.
 _GUARD_FORMAT_3 = frozenset({"AnswerHeaders", "PassRequest", "LookUpStatus", "StartToolCall",

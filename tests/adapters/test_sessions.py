@@ -506,6 +506,38 @@ async def test_a_fresh_request_whose_intake_fails_is_refused_by_its_gate() -> No
     assert p.intakes.get(rid) is None  # ... until the guard's stream is over
 
 
+async def test_envoy_s_reply_to_a_request_whose_intake_failed_carries_the_intake_s_error(
+        ) -> None:
+    # Every attempt was refused or reset before its gate answered (the chaos slice: the
+    # pool down while a journal shard was): Envoy's own 503 reaches the guard, the intake
+    # failed and nothing was recorded, so the client is told so, not "upstream_unavailable"
+    # for a request whose lookup would say 404.
+    timers = FakeTimers(FakeClock())
+    p, store = proc(timers=timers)
+    release = held_intake(store)
+    guard, gs, gtask, rid, _, gate = await fresh_request_at_its_gate(p)
+    store.unavailable = True
+    release.set()
+    await run_on(timers, gate.wait_for(1))  # the intake gave up
+    assert gs.m is not None and not gs.m.accepted
+    guard.send(resp_headers({":status": "503", "content-type": "application/json",
+                             H.ENVOY_REPLY: "URX,UF"}))
+    r = (await guard.wait_for(3))[2]
+    assert set_headers(r, "response_headers") == {H.REQUEST_ID: rid,
+                                                  "content-type": "application/json"}
+    guard.send(resp_body(b'{"error":{"code":"upstream_unavailable"}}', True))
+    r = (await guard.wait_for(4))[3]
+    body = json.loads(r.response_body.response.body_mutation.streamed_response.body)
+    assert body["error"]["code"] == "journal_unavailable"
+    assert body["error"]["request_id"] == rid and body["error"]["retryable"] is True
+    store.unavailable = False
+    await run_on(timers, p.drain())
+    assert await store.get(rid) is None  # nothing recorded: the lookup's 404 agrees
+    gate.close()
+    guard.close()
+    await asyncio.wait_for(gtask, 3)
+
+
 async def test_an_intake_whose_answer_was_lost_is_confirmed_by_its_own_record() -> None:
     # The intake applied but its answer never came (a member frozen or electing past the
     # call's deadline); sent again it finds the record with its own attempt 1: success, not

@@ -157,6 +157,29 @@ def test_a_key_less_intake_that_fails_is_answered_by_its_gate() -> None:
     assert m.handle(StreamClosed()) == [StopTimers(), CloseIntake(), RequestEnded()]
 
 
+def test_envoy_s_own_reply_to_a_failed_key_less_intake_is_answered_with_its_error() -> None:
+    # No gate ran (every attempt refused before one did): Envoy's reply says no replica
+    # answered, but nothing was recorded; the client gets the intake's error instead, as a
+    # gate would have given it (the chaos slice's record_missing: 503 upstream_unavailable
+    # for a request whose lookup is 404).
+    err = journal_unavailable(RID)
+    m, _ = body_seen(keyed=False)
+    assert m.handle(RequestOpened(False, err)) == [IntakeFailed(err)]
+    assert m.handle(ResponseHeaders(503, "application/json", envoy_reply=True)) == [
+        PassHeaders(as_json=True)]
+    want = m.family.error_json(err)
+    assert json.loads(want)["error"]["code"] == "journal_unavailable"
+    assert m.handle(ResponseBody(b'{"error":{"code":"upstream_unavailable"', False)) == [
+        Send(want, False)]
+    assert m.handle(ResponseBody(b"}}", True)) == [Send(b"", True)]
+    assert m.state is State.GUARD_ASIDE
+    # Envoy's reply to a request whose intake did not fail goes on as it came.
+    m, _ = body_seen(keyed=False)
+    assert m.handle(ResponseHeaders(503, "application/json", envoy_reply=True)) == [
+        PassAside()]
+    assert m.handle(ResponseBody(b"x", True)) == [Send(b"x", True)]
+
+
 def test_the_released_attempt_is_taken_over_before_its_headers_go_on() -> None:
     m, _ = body_seen(keyed=False)
     m.handle(RequestOpened(True))
@@ -306,6 +329,9 @@ class Run(Chooser):
     keyed: bool
     accept: bool
     choices: list[int]
+    # Envoy's own reply (every attempt refused before a gate ran) instead of the released
+    # attempt's stream.
+    envoy: bool = False
     at: int = 0
     log: list[tuple[Event, list[Action]]] = field(default_factory=list)
 
@@ -325,9 +351,10 @@ def play(run: Run) -> GuardMachine:
             options.append(RequestOpened(True) if run.accept else RequestOpened(False, REFUSED))
         if not closed:
             if not headers:
-                options.append(ResponseHeaders(200, SSE, handoff=HANDOFF))
+                options.append(ResponseHeaders(503, "application/json", envoy_reply=True)
+                               if run.envoy else ResponseHeaders(200, SSE, handoff=HANDOFF))
             elif bodies < 2:
-                options.append(ResponseBody(b"", bodies == 1))
+                options.append(ResponseBody(ENVOY_503 if run.envoy else b"", bodies == 1))
             options.append(StreamClosed())
         if awaiting_cause:
             options.append(CauseLearned("client", 0))
@@ -351,11 +378,16 @@ def play(run: Run) -> GuardMachine:
     return m
 
 
+ENVOY_503 = b'{"error":{"code":"upstream_unavailable"}}'
+
+
 def every_run() -> list[Run]:
     runs: list[Run] = []
     for keyed in (False, True):
         for accept in (False, True):
-            runs += every(lambda c, k=keyed, a=accept: Run(k, a, c), play)
+            for envoy in (False, True):
+                runs += every(lambda c, k=keyed, a=accept, e=envoy: Run(k, a, c, envoy=e),
+                              play)
     return runs
 
 
@@ -453,6 +485,34 @@ def test_a_refused_intake_is_answered_once_by_the_right_role() -> None:
         assert not any(isinstance(a, (Accepted, Finish, TakeOver)) for a in acts), r.choices
 
 
+def test_envoy_s_reply_after_a_failed_key_less_intake_carries_its_error() -> None:
+    # Whatever the order: Envoy's reply that reaches the guard after the intake failed is
+    # answered with the intake's error (nothing recorded, no gate ran); before the answer
+    # (the session awaits the intake before reading on, so only the model has this order)
+    # or to any other request it goes on as it came.
+    seen = 0
+    for r in RUNS:
+        if not r.envoy:
+            continue
+        failed = accepted = replaced = False
+        for ev, acts in r.log:
+            failed = failed or IntakeFailed(REFUSED) in acts
+            accepted = accepted or Accepted() in acts
+            if isinstance(ev, ResponseHeaders):
+                # Accepted first: a request of ours, Envoy's 503 in our error's shape too.
+                want = [PassHeaders(as_json=True)] if failed or accepted else [PassAside()]
+                assert acts == want, r.choices
+                replaced = failed
+                seen += failed
+            elif isinstance(ev, ResponseBody) and replaced:
+                error = GuardMachine.new(RID, 15.0).family.error_json(REFUSED)
+                first = not any(isinstance(a, Send) and a.data == error
+                                for _, earlier in r.log[:r.log.index((ev, acts))]
+                                for a in earlier)
+                assert acts == [Send(error if first else b"", ev.end_of_stream)], r.choices
+    assert seen > 0
+
+
 def test_an_accepted_request_is_finished_exactly_once_whatever_the_order() -> None:
     for r in RUNS:
         finishes = [a for a in actions(r) if isinstance(a, Finish)]
@@ -463,15 +523,20 @@ def test_an_accepted_request_is_finished_exactly_once_whatever_the_order() -> No
 
 
 def test_only_an_accepted_request_takes_over_and_stamps_its_headers() -> None:
+    # (Or, with our error's shape, one whose key-less intake failed: Envoy's own reply.)
     for r in RUNS:
-        accepted = False
+        accepted = failed = False
         for ev, acts in r.log:
             accepted = accepted or Accepted() in acts or (
                 isinstance(ev, RequestOpened) and ev.accepted)
+            failed = failed or IntakeFailed(REFUSED) in acts
             for a in acts:
-                if isinstance(a, (TakeOver, PassHeaders)):
+                if isinstance(a, TakeOver):
                     assert accepted and isinstance(ev, ResponseHeaders), r.choices
-            if isinstance(ev, ResponseHeaders):
+                if isinstance(a, PassHeaders):
+                    assert (accepted or (failed and r.envoy and a.as_json)) and isinstance(
+                        ev, ResponseHeaders), r.choices
+            if isinstance(ev, ResponseHeaders) and not r.envoy:
                 assert acts in ([PassAside()], [PassHeaders()],
                                 [TakeOver(HandOff.from_header(HANDOFF)), PassHeaders()]), \
                     r.choices
