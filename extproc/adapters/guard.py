@@ -29,10 +29,26 @@ from .tools import ToolCallHandler
 _STALL = E.TimerKind.STALL  # a module global: an enum member read costs more (decision 0041)
 
 
+class Kept:
+    """What an accepted request's stream reads of its intake after the body's answer: the
+    observer's model, stream flag, fingerprint and start, and attempt 1's id (the retry
+    budget's). The intake's `Prepared` (record, attempt 1, parsed body, hosts) is let go
+    once the body is answered and the intake wrote it (decision 0055)."""
+
+    __slots__ = ("aid1", "created_at", "fingerprint", "model", "stream")
+
+    def __init__(self, prep: Prepared) -> None:
+        meta, route = prep.meta, prep.route
+        self.model, self.stream = meta.model, meta.stream
+        self.fingerprint = route[0] if route else None
+        self.created_at = float(prep.record["created_at"])
+        self.aid1 = str(prep.first["attempt_id"])
+
+
 class GuardSession(Session):
     TIMED, ROLE = "response_body", "guard"
-    __slots__ = ("_tx", "body", "envoy_request_id", "first_delta_evented", "gen", "intake", "m",
-                 "released", "secret1", "tool", "tools_listener", "verdict")
+    __slots__ = ("_tx", "body", "envoy_request_id", "first_delta_evented", "gen", "intake", "kept",
+                 "m", "released", "secret1", "tool", "tools_listener", "verdict")
 
     def __init__(self, proc: GuardPorts, ctx: Messages, tools: bool = False) -> None:
         super().__init__(proc, ctx, proc.spawn)
@@ -43,7 +59,9 @@ class GuardSession(Session):
         self.m: GuardMachine | None = None
         self.verdict: Verdict | None = None  # what core.intake read from the headers
         self.gen: Generation | None = None
-        self.intake: Prepared | None = None  # the body, the route, the record, attempt 1
+        # The body, the route, the record, attempt 1: until the body's answer carried them.
+        self.intake: Prepared | None = None
+        self.kept: Kept | None = None  # what is read of them later (an accepted body's)
         self.tool: ToolCallHandler | None = None
         self._tx: R.IntakeRun | None = None  # the intake transaction (decision 0021)
         self.first_delta_evented = False
@@ -55,7 +73,7 @@ class GuardSession(Session):
 
     @property
     def aid1(self) -> str:
-        return str(self.intake.first["attempt_id"]) if self.intake is not None else ""
+        return self.kept.aid1 if self.kept is not None else ""
 
     @property
     def rerun(self) -> Rerun | None:
@@ -125,6 +143,7 @@ class GuardSession(Session):
             order_hosts=p.host_order, new_attempt_id=p.ids.attempt_id, wall=p.clock.wall(),
             tokenizers=p.tokenizers)
         if self.intake is not None:
+            self.kept = Kept(self.intake)
             # Attempt 1's credential (decision 0028): its digest is recorded with it, the
             # secret goes to its gate (and on to its replica) in the body answer.
             self.secret1, cred = credential(p.ids)
@@ -146,6 +165,9 @@ class GuardSession(Session):
         await self.write(codec.continue_request_body_with(set_headers, lb,
                                                           self.intake.meta.upstream_body))
         G.body_answered(self.intake)
+        # Read no more here: the intake's run holds its own until it wrote them (decision
+        # 0055), the observer and the budget read `kept`.
+        self.intake = None
 
     def fenced(self) -> None:
         """The released attempt's `live` key was revoked or replaced: the machine says it."""

@@ -306,26 +306,26 @@ def _guard_refused(s: GuardSession, ev: Event, a: Refuse) -> None:
 
 
 def _guard_span(s: GuardSession) -> None:
-    if s.span is not INVALID or s.gen is None or s.intake is None:
+    if s.span is not INVALID or s.gen is None or s.kept is None:
         return
-    meta, route = s.intake.meta, s.intake.route
+    k = s.kept
     gen, tel = s.gen, s.p.tel
     if not tel.tracing:  # no attributes to gather for a span that records nothing
         s.span = tel.unrecorded()
         return
     s.span = tel.start("llm.request", tel.parent_from(s.md), SpanKind.SERVER, {
-        "llmgw.request_id": s.rid or "", "gen_ai.request.model": meta.model,
+        "llmgw.request_id": s.rid or "", "gen_ai.request.model": k.model,
         "gen_ai.operation.name": family_for_path(gen.path).operation,
         "http.request.method": "POST", "url.path": gen.path,
-        "llmgw.stream": meta.stream, "llmgw.fingerprint": route[0] if route else None,
+        "llmgw.stream": k.stream, "llmgw.fingerprint": k.fingerprint,
         "llmgw.gateway_id": s.cfg.server.gateway_id})
 
 
 def _guard_accepted(s: GuardSession) -> None:
-    assert s.intake is not None
-    meta, route = s.intake.meta, s.intake.route
-    rlog(log, logging.INFO, "request accepted", s.rid, None, stream=meta.stream,
-         model=meta.model, fingerprint=route[0] if route else None)
+    k = s.kept
+    assert k is not None
+    rlog(log, logging.INFO, "request accepted", s.rid, None, stream=k.stream,
+         model=k.model, fingerprint=k.fingerprint)
     s.span.add_event("request.accepted")
     if s.rerun is not None:
         s.span.add_event("request.rerun", {"llmgw.run": s.rerun.run,
@@ -352,8 +352,8 @@ def _guard_finished(s: GuardSession, f: Finish) -> None:
             tel.interruptions.add(1, {"cause": f.cause or "unknown", "model": model,
                                       "replica": replica})
         tel.outcomes.add(1, {"outcome": str(f.outcome), "model": model})
-        if s.intake is not None:  # accepted: the request's figures (a refusal has none)
-            took = s.p.clock.wall() - float(s.intake.record["created_at"])
+        if s.kept is not None:  # accepted: the request's figures (a refusal has none)
+            took = s.p.clock.wall() - s.kept.created_at
             done = semconv if f.outcome is Outcome.COMPLETED else {
                 **semconv, "error.type": str(f.outcome)}
             tel.duration.record(max(0.0, took), done)
@@ -373,9 +373,9 @@ def _request_labels(s: GuardSession) -> tuple[str, str, dict[str, str]]:
     """The request's bounded `model` and `replica` (the attempt that delivered; `none`
     before one did), and the same as the GenAI conventions' attributes."""
     tel, pool = s.p.tel, s.p.pool
-    meta = s.intake.meta if s.intake is not None else None
+    k = s.kept
     ho = s.released.handoff if s.released is not None else None
-    model = tel.labels.model(meta.model if meta else None, pool)
+    model = tel.labels.model(k.model if k else None, pool)
     replica = tel.labels.replica(ho.replica if ho else None, pool)
     op = family_for_path(s.gen.path).operation if s.gen is not None else NONE
     return model, replica, {"gen_ai.operation.name": op, "gen_ai.request.model": model,
@@ -386,12 +386,13 @@ def _first_delta(s: GuardSession) -> None:
     """The first delta went downstream: the request's time to it, and what failover cost.
     Only figures and a span attribute: nothing to do when neither is exported (the labels
     are not even learnt, as no figure will ever carry them)."""
-    if s.intake is None or not s.p.tel.enabled:
+    k = s.kept
+    if k is None or not s.p.tel.enabled:
         return
     tel, ho = s.p.tel, s.released.handoff if s.released is not None else None
-    start = float(s.intake.record["created_at"])
+    start = k.created_at
     model, replica, semconv = _request_labels(s)
-    if s.intake.meta.stream:  # the conventions: streaming calls only
+    if k.stream:  # the conventions: streaming calls only
         took = max(0.0, s.p.clock.wall() - start)
         tel.ttfc.record(took, semconv)
         s.span.set_attribute("gen_ai.response.time_to_first_chunk", round(took, 6))

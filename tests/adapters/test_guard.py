@@ -65,11 +65,13 @@ async def test_a_status_lookup_is_answered_from_the_journal(down: bool, status: 
                                                                                 rid)
 
 
-async def test_the_body_sent_upstream_is_held_no_longer_than_its_answer() -> None:
+async def test_the_body_sent_upstream_is_held_no_longer_than_its_answer(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """The gateway asks the engine for its running usage by rewriting the body (core.usage):
     the rewritten body goes out in the body's answer and is then let go, with the intake's
     own copy once it wrote the record (decision 0055); an open stream holds the prompt's
     size otherwise."""
+    prepared = _capture(monkeypatch)
     p, _ = proc()
     ctx, s, task = start(GuardSession, p)
     ctx.send(req_headers(DOWN))
@@ -79,10 +81,60 @@ async def test_the_body_sent_upstream_is_held_no_longer_than_its_answer() -> Non
     sent = r.request_body.response.body_mutation.body
     assert json.loads(sent)["stream_options"]["include_usage"] is True
     assert json.loads(sent)["messages"] == json.loads(CHAT)["messages"]
-    assert s.intake is not None and s.intake.meta.upstream_body is None
-    assert s.intake.meta.body_bytes == len(CHAT)  # the rest of what it read stays
+    assert s.intake is None and s.kept is not None  # the session's own copy: let go
+    assert prepared and prepared[0].meta.upstream_body is None  # and the intake's
+    assert prepared[0].meta.body_bytes == len(CHAT)  # the rest of what it read stays
     await idle()
     assert s._tx is not None and s._tx.prep is None and s._tx.cred == ""
     ctx.close()
     await task
     await p.drain()
+
+
+def _slots(o: object) -> list[object]:
+    return [getattr(o, n) for c in type(o).__mro__ for n in getattr(c, "__slots__", ())
+            if hasattr(o, n)]
+
+
+async def test_an_open_stream_holds_nothing_its_intake_wrote(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once the body is answered and the intake wrote the record, the open stream holds
+    neither the intake's `Prepared` nor its record or attempt 1 (decision 0055): only what
+    is read later (`Kept`), the same values."""
+    prepared = _capture(monkeypatch)
+    p, _ = proc()
+    ctx, s, task = start(GuardSession, p)
+    ctx.send(req_headers(DOWN))
+    await ctx.wait_for(1)
+    ctx.send(req_body(CHAT))
+    await ctx.wait_for(2)
+    await idle()
+    (prep,) = prepared
+    held = _slots(s) + _slots(s._tx)
+    assert not [v for v in held if v is prep or v is prep.record or v is prep.first
+                or v is prep.meta]
+    k = s.kept
+    assert k is not None and (k.model, k.stream, k.created_at, k.aid1) == (
+        prep.meta.model, prep.meta.stream, prep.record["created_at"],
+        prep.first["attempt_id"])
+    assert k.fingerprint == (prep.route[0] if prep.route else None)
+    assert s.aid1 == prep.first["attempt_id"]
+    ctx.close()
+    await task
+    await p.drain()
+
+
+def _capture(monkeypatch: pytest.MonkeyPatch) -> list[typing.Any]:
+    """Each `Prepared` the guard's ReadBody makes, kept by the test."""
+    from extproc.adapters import guard
+
+    got: list[typing.Any] = []
+    real = guard.G.read_body
+
+    def read_body(*a: typing.Any, **kw: typing.Any) -> typing.Any:
+        prep, ev = real(*a, **kw)
+        got.append(prep)
+        return prep, ev
+
+    monkeypatch.setattr(guard.G, "read_body", read_body)
+    return got

@@ -91,12 +91,11 @@ def test_with_nothing_exported_the_guard_s_figures_and_their_labels_are_skipped(
         tel = Telemetry(TelemetryConfig(), "gw-1")
         assert not tel.enabled
         tel.enabled = exported  # the no-op instruments either way: only the labels differ
-        meta = SimpleNamespace(model="demo-model", stream=True)
-        intake = SimpleNamespace(meta=meta, record={"created_at": 1.0})
+        kept = SimpleNamespace(model="demo-model", stream=True, created_at=1.0)
         ho = SimpleNamespace(replica=REPLICA, attempt=2, started_at=2.0)
         m = SimpleNamespace(withheld=0, delivered=3, status=200)
         clock = SimpleNamespace(wall=lambda: 5.0)
-        s = SimpleNamespace(intake=intake, released=SimpleNamespace(handoff=ho), rerun=None,
+        s = SimpleNamespace(kept=kept, released=SimpleNamespace(handoff=ho), rerun=None,
                             gen=SimpleNamespace(path="/v1/chat/completions"), span=INVALID,
                             rid="req_1", m=m, p=SimpleNamespace(tel=tel, pool=POOL,
                                                                 clock=clock))
