@@ -71,13 +71,7 @@ async def test_the_body_sent_upstream_is_held_no_longer_than_its_answer(
     the rewritten body goes out in the body's answer and is then let go, with the intake's
     own copy once it wrote the record (decision 0055); an open stream holds the prompt's
     size otherwise."""
-    prepared = _capture(monkeypatch)
-    p, _ = proc()
-    ctx, s, task = start(GuardSession, p)
-    ctx.send(req_headers(DOWN))
-    await ctx.wait_for(1)
-    ctx.send(req_body(CHAT))
-    r = (await ctx.wait_for(2))[1]
+    prepared, p, ctx, s, task, r = await _body_answered(monkeypatch)
     sent = r.request_body.response.body_mutation.body
     assert json.loads(sent)["stream_options"]["include_usage"] is True
     assert json.loads(sent)["messages"] == json.loads(CHAT)["messages"]
@@ -91,6 +85,19 @@ async def test_the_body_sent_upstream_is_held_no_longer_than_its_answer(
     await p.drain()
 
 
+async def _body_answered(monkeypatch: pytest.MonkeyPatch) -> tuple[typing.Any, ...]:
+    """A guard stream past its request body's answer, each `Prepared` it made captured:
+    (prepared, processor, Envoy's side, session, its task, the body's answer)."""
+    prepared = _capture(monkeypatch)
+    p, _ = proc()
+    ctx, s, task = start(GuardSession, p)
+    ctx.send(req_headers(DOWN))
+    await ctx.wait_for(1)
+    ctx.send(req_body(CHAT))
+    r = (await ctx.wait_for(2))[1]
+    return prepared, p, ctx, s, task, r
+
+
 def _slots(o: object) -> list[object]:
     return [getattr(o, n) for c in type(o).__mro__ for n in getattr(c, "__slots__", ())
             if hasattr(o, n)]
@@ -101,13 +108,7 @@ async def test_an_open_stream_holds_nothing_its_intake_wrote(
     """Once the body is answered and the intake wrote the record, the open stream holds
     neither the intake's `Prepared` nor its record or attempt 1 (decision 0055): only what
     is read later (`Kept`), the same values."""
-    prepared = _capture(monkeypatch)
-    p, _ = proc()
-    ctx, s, task = start(GuardSession, p)
-    ctx.send(req_headers(DOWN))
-    await ctx.wait_for(1)
-    ctx.send(req_body(CHAT))
-    await ctx.wait_for(2)
+    prepared, p, ctx, s, task, _ = await _body_answered(monkeypatch)
     await idle()
     (prep,) = prepared
     held = _slots(s) + _slots(s._tx)
