@@ -19,6 +19,7 @@ from ..core.credentials import digest
 from .leases import UNDO_SETTLE_S, AttemptLease, StoreUnavailable
 from .ports import GateJournal, GatePorts
 from .processor import retrying
+from .telemetry import end_span
 
 
 class AttemptRecord:
@@ -53,8 +54,12 @@ class AttemptRecord:
         self.secret = self.secret or p.ids.attempt_secret()
         res = await p.journal.admit_attempt(
             self.rid, a.attempt, self.aid, a.record, a.fence_wait_s, never_started,
-            first_attempt=a.first_attempt, credential=digest(self.secret))
+            first_attempt=a.first_attempt, credential=digest(self.secret),
+            cancel_ack=p.gate_params.cancel_ack)
         self.lease = res.lease
+        if res.reclaimed is not None and (lost := p.handoffs.take(res.reclaimed)):
+            # Its release never reached the guard, which would have ended its span.
+            end_span(lost.span, "release_lost")
         return E.AdmitDecided(res.admitted, res.reason, res.waited_s, p.clock.monotonic(),
                               p.clock.wall())
 

@@ -21,8 +21,9 @@ from ..core.headers import ATTEMPT_ID, PREADMITTED, REQUEST_ID
 from ..gen.envoy.data.accesslog.v3 import accesslog_pb2 as al
 from .timers import LoopTimers, TimerHandle, Timers
 
-# What Envoy's word says: the cause and the response body bytes it sent, or None (silence).
-Heard = tuple[str, int] | None
+# What Envoy's word says: the cause, the response body bytes it sent and the response
+# status (0: none), or None (silence).
+Heard = tuple[str, int, int] | None
 
 REPLICA_CLUSTER = "replicas"  # the cluster name extproc.envoy_config renders
 NO_GATE = "nogate:"  # key prefix of a pre-admitted attempt that no gate ever saw
@@ -70,8 +71,8 @@ class CauseRegistry:
         # on_attempt(replica address, cause, HTTP status) for every per-attempt entry of the
         # replicas cluster, attempts that never reached a gate included (pool health).
         self.on_attempt = on_attempt
-        # key -> (cause, response body bytes sent, arrival time)
-        self._early: OrderedDict[str, tuple[str, int, float]] = OrderedDict()
+        # key -> (cause, response body bytes sent, response status, arrival time)
+        self._early: OrderedDict[str, tuple[str, int, int, float]] = OrderedDict()
         # key -> who expects its entry (a role's AwaitCause) and its deadline, answered once
         self._expecting: dict[str, tuple[Callable[[Heard], None], TimerHandle]] = {}
         self._timers: Timers = timers or LoopTimers()
@@ -100,7 +101,7 @@ class CauseRegistry:
             rid = hdrs.get(REQUEST_ID)
         if not rid:
             return
-        got = (cause_of(entry), body_bytes_sent(entry))
+        got = (cause_of(entry), body_bytes_sent(entry), entry.response.response_code.value)
         expected = self._expecting.pop(rid, None)
         if expected is not None:
             expected[1].cancel()
@@ -109,7 +110,7 @@ class CauseRegistry:
         now = time.monotonic()
         self._early[rid] = (*got, now)
         while self._early and (len(self._early) > self._keep
-                               or now - next(iter(self._early.values()))[2] > self._ttl):
+                               or now - next(iter(self._early.values()))[3] > self._ttl):
             self._early.popitem(last=False)
 
     def seen(self, rid: str) -> bool:
@@ -127,7 +128,7 @@ class CauseRegistry:
         Timers port, so a hermetic test moves a fake clock instead of sleeping)."""
         early = self._early.pop(rid, None)
         if early is not None:
-            answer((early[0], early[1]))
+            answer(early[:3])
             return
 
         def timed_out() -> None:

@@ -38,12 +38,22 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..core import records
-from ..core.admission import TAKE_OVER, WAIT, admission_poll_s, after_failed_admission
+from ..core.admission import (
+    RECLAIM,
+    TAKE_OVER,
+    WAIT,
+    admission_poll_s,
+    after_failed_admission,
+    lost_release_fence,
+    release_lost,
+)
 from ..core.config import EtcdConfig
-from ..core.journal import JournalView, assemble, own_write
+from ..core.failure import Fence
+from ..core.journal import JournalView, assemble, delivered_by, own_write
 from .kv import (
     KV,
     LEASE_NOT_FOUND,
+    Compare,
     Delete,
     Get,
     KeyValue,
@@ -478,7 +488,8 @@ class JournalStore:
                             record: Mapping[str, Any], fence_wait_s: float,
                             never_started: Callable[[str], bool] | None = None,
                             first_attempt: int = 1,
-                            credential: str | None = None) -> AdmitResult:
+                            credential: str | None = None,
+                            cancel_ack: bool = True) -> AdmitResult:
         """Admit attempt n only if nothing was delivered and no other attempt is live.
 
         `credential` (the digest of the attempt's secret, decision 0028) is put at
@@ -494,6 +505,12 @@ class JournalStore:
         connection failed before any byte was sent): it is taken over at once, in one
         transaction conditioned on `live` still naming it (decision 0007). That attempt is
         `first_attempt`: 1, or a re-run's first (decision 0027).
+
+        A `delivery` an earlier attempt wrote whose release never left Envoy (this gate
+        runs, so Envoy retried, so nothing reached the client) is taken back and that
+        attempt fenced (`_reclaim`, decision 0057): revoked with this admission in one
+        transaction when `cancel_ack` (Envoy's retry is its confirmed close), else marked
+        fenced until its lease runs out, which this admission then waits for.
         """
         pl = await self.process_lease()
         rl = await self._retention_lease()
@@ -507,6 +524,7 @@ class JournalStore:
                     *self._cred_put(rid, attempt_id, credential, rl)]
 
         start = self.clock.monotonic()
+        lost: str | None = None  # an earlier attempt whose release never left, taken back
         gone = asyncio.Event()
         off = self.on_live_change(rid, lambda v: gone.set() if v is None else None)
         self._waiters.add(gone)
@@ -518,18 +536,36 @@ class JournalStore:
                     admit(), [Get(meta_k), Get(deliv_k), Get(live_k), Get(att_k)]))
                 waited = self.clock.monotonic() - start
                 if res.succeeded:
-                    return AdmitResult(True, "admitted", AttemptLease(pl), waited)
+                    return AdmitResult(True, "admitted", AttemptLease(pl), waited, lost)
                 has = [bool(r) for r in res.reads]
                 live = res.reads[2][0].value if res.reads[2] else None
                 if has[3] and live == attempt_id.encode():
                     # Sent again after a lost answer: this attempt is admitted already.
                     return AdmitResult(True, "admitted (an earlier try applied)",
                                        AttemptLease(pl), waited)
+                deliv = res.reads[1][0].value if res.reads[1] else None
+                by = delivered_by(deliv)
                 verdict = after_failed_admission(
                     attempt=attempt, has_meta=has[0], delivered=has[1], attempt_taken=has[3],
                     live_never_started=bool(never_started is not None and live is not None
                                             and never_started(live.decode())),
-                    waited_s=waited, fence_wait_s=fence_wait_s)
+                    waited_s=waited, fence_wait_s=fence_wait_s,
+                    release_lost=release_lost(by, None if live is None else live.decode(),
+                                              attempt, attempt_id, _FENCED.decode()))
+                if verdict == RECLAIM:
+                    assert deliv is not None and by is not None
+                    fence = lost_release_fence(cancel_ack)
+                    with_admit = live is None or fence is Fence.REVOKE
+                    if await self._reclaim(rid, deliv, by, live, attempt_id, fence,
+                                           admit() if with_admit else None,
+                                           present(meta_k), absent(att_k)):
+                        lost = by[1]
+                        if with_admit:
+                            return AdmitResult(
+                                True, f"admitted (attempt {by[0]}'s release never left "
+                                      "Envoy: its delivery taken back)",
+                                AttemptLease(pl), self.clock.monotonic() - start, lost)
+                    continue  # the fence's lease to run out, or a record that changed
                 if verdict == TAKE_OVER:
                     assert live is not None
                     taken = records.taken_over_first_attempt(
@@ -551,6 +587,50 @@ class JournalStore:
         finally:
             self._waiters.discard(gone)
             off()
+
+    async def _reclaim(self, rid: str, deliv: bytes, by: tuple[int, str],
+                       live: bytes | None, attempt_id: str, fence: Fence,
+                       admit: list[Op] | None, *admit_compares: Compare) -> bool:
+        """Take back a `delivery` whose release never left (decision 0057), in one
+        transaction conditioned on `delivery` and `live` being what the failed admission
+        read: close the attempt's record as `release_lost` and fence it. With `admit` (the
+        attempt revoked, or its `live` already gone) this attempt is admitted in the same
+        transaction; else `live` becomes `fenced:<id>` on a fresh lease (or stays so), and
+        the caller waits for it to go. False: something changed; the caller reads again."""
+        n, aid = by
+        rl = await self._retention_lease()
+        live_k, deliv_k = self._live(rid), self._k(rid, "delivery")
+        rec = await self._lost_release(rid, deliv, n, str(fence), attempt_id, rl,
+                                       envoy_cause="retried")
+        compares = [value_is(deliv_k, deliv),
+                    absent(live_k) if live is None else value_is(live_k, live)]
+        ops: list[Op] = [Delete(deliv_k), rec]
+        if admit is not None:
+            compares += list(admit_compares)
+            ops += admit
+        elif live == aid.encode():
+            lease = await self.kv.grant(self.cfg.attempt_lease_ttl_s)
+            ops.append(Put(live_k, _FENCED + live, lease.id))
+        res = await self.kv.txn(Txn(compares, ops))
+        log.warning("attempt %d's release never left Envoy: its delivery %s",
+                    n, "taken back" if res.succeeded else "changed meanwhile",
+                    extra={"request_id": rid, "attempt_id": aid, "reclaimed_by": attempt_id,
+                           "fence": str(fence)})
+        return res.succeeded
+
+    async def _lost_release(self, rid: str, deliv: bytes, n: int, fence: str, by: str,
+                            rl: int, **extra: Any) -> Put:
+        """The put that closes attempt n's record as a release that never left."""
+        att_k = self._att(rid, n)
+        found = (await self.kv.txn(Txn(success=[Get(att_k)]))).reads[0]
+        try:
+            admitted = json.loads(found[0].value) if found else {}
+        except ValueError:
+            admitted = {}
+        rec = records.lost_release_end(
+            admitted if isinstance(admitted, dict) else {}, json.loads(deliv), fence=fence,
+            at=round(self.clock.wall(), 6), by=by)
+        return Put(att_k, _dumps({**rec, **extra}), rl)
 
     async def fence_first_delta(self, rid: str, attempt_id: str,
                                 record: Mapping[str, Any]) -> bool:
@@ -636,22 +716,49 @@ class JournalStore:
         await self.kv.txn(Txn(success=[Put(self._k(rid, "progress"), _dumps(record), rl)]))
 
     async def finish(self, rid: str, outcome: Mapping[str, Any],
-                     attempt_end: tuple[int, Mapping[str, Any]] | None = None) -> bool:
+                     attempt_end: tuple[int, Mapping[str, Any]] | None = None,
+                     nothing_released: bool = False) -> bool:
         """Write the outcome once, drop the guard key and end what is still live; one txn.
 
         `attempt_end` is the record of the attempt the gate handed over at release (the
         guard saw its end). When the request is over, every upstream request of it is over
         too, so a `live` key still naming an attempt is deleted; a `fenced:` marker (an
         attempt of uncertain liveness) is left to expire ("att_..." < "fenced:").
+
+        `nothing_released`: the client's response was not a 200, so no release reached it;
+        a `delivery` found now is one that never left Envoy (decision 0057). It goes with
+        the outcome, and its attempt's record says so.
         """
         rl = await self._retention_lease()
         key, live_k = self._k(rid, "outcome"), self._live(rid)
         end_live = Txn([value_below(live_k, _FENCED)], [Delete(live_k)])
         ops: list[Op] = [Put(key, _dumps(outcome), rl), Delete(self._k(rid, "guard")),
                          end_live]
+        lost: tuple[bytes, tuple[int, str]] | None = None
+        if nothing_released:
+            deliv_k = self._k(rid, "delivery")
+            found = (await self.kv.txn(Txn(success=[Get(deliv_k)]))).reads[0]
+            by = delivered_by(found[0].value) if found else None
+            if found and by is not None:
+                lost = found[0].value, by
+                log.warning("attempt %d's release never left Envoy: its delivery taken "
+                            "back with the outcome", by[0],
+                            extra={"request_id": rid, "attempt_id": by[1]})
         if attempt_end is not None:
             n, record = attempt_end
-            ops.append(Put(self._att(rid, n), _dumps(record), rl))
+            if lost is not None and lost[1][0] == n:
+                # The released attempt the guard took over is the one whose headers Envoy
+                # replaced with its own reply: one record, saying both.
+                ops.append(Put(self._att(rid, n), _dumps(records.lost_release_end(
+                    record, json.loads(lost[0]), fence="ended_with_request",
+                    at=round(self.clock.wall(), 6), by="request_end")), rl))
+            else:
+                ops.append(Put(self._att(rid, n), _dumps(record), rl))
+        if lost is not None:
+            ops.append(Delete(self._k(rid, "delivery")))
+            if attempt_end is None or lost[1][0] != attempt_end[0]:
+                ops.append(await self._lost_release(rid, lost[0], lost[1][0],
+                                                    "ended_with_request", "request_end", rl))
         return (await self.kv.txn(Txn([absent(key)], ops, [end_live]))).succeeded
 
     async def exchange_budget(self, gateway_id: str, requests: int, retries: int

@@ -115,6 +115,8 @@ class AdmitResult:
     reason: str
     lease: AttemptLease | None = None
     waited_s: float = 0.0
+    # The earlier attempt whose release never left Envoy, taken back on the way (0057).
+    reclaimed: str | None = None
 
 
 class LiveListeners:

@@ -180,6 +180,7 @@ async def write_outcome(p: RecordPorts, rid: str, f: E.Finish, m: GuardMachine |
     end = released.end(f.upstream_finished, f.cause, wall) if released is not None else None
     # etcd may be briefly away (frozen, electing a leader): keep trying for a bounded time.
     # Until it lands, the record shows no outcome rather than a wrong one.
-    return E.RecordWritten(await retrying(lambda: p.journal.finish(rid, body, end),
+    return E.RecordWritten(await retrying(lambda: p.journal.finish(rid, body, end,
+                                                                   f.nothing_released),
                                           "record the outcome", rid, None, timers=p.timers,
                                           now=p.clock.monotonic))

@@ -86,9 +86,11 @@ class ShardedJournal:
                             record: Mapping[str, Any], fence_wait_s: float,
                             never_started: Callable[[str], bool] | None = None,
                             first_attempt: int = 1,
-                            credential: str | None = None) -> AdmitResult:
+                            credential: str | None = None,
+                            cancel_ack: bool = True) -> AdmitResult:
         return await self.of(rid).admit_attempt(rid, attempt, attempt_id, record, fence_wait_s,
-                                                never_started, first_attempt, credential)
+                                                never_started, first_attempt, credential,
+                                                cancel_ack)
 
     async def fence_first_delta(self, rid: str, attempt_id: str,
                                 record: Mapping[str, Any]) -> bool:
@@ -114,8 +116,9 @@ class ShardedJournal:
         await self.of(rid).progress(rid, record)
 
     async def finish(self, rid: str, outcome: Mapping[str, Any],
-                     attempt_end: tuple[int, Mapping[str, Any]] | None = None) -> bool:
-        return await self.of(rid).finish(rid, outcome, attempt_end)
+                     attempt_end: tuple[int, Mapping[str, Any]] | None = None,
+                     nothing_released: bool = False) -> bool:
+        return await self.of(rid).finish(rid, outcome, attempt_end, nothing_released)
 
     async def settle_orphan(self, rid: str, outcome: Mapping[str, Any]) -> bool:
         return await self.of(rid).settle_orphan(rid, outcome)

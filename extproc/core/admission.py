@@ -27,6 +27,7 @@ from .errors import (
     upstream_timeout,
     upstream_unavailable,
 )
+from .failure import Fence
 
 # An attempt that would have less than this left of the request's budget is not started:
 # it could not produce a first delta in time, and it would cost a prefill.
@@ -137,16 +138,27 @@ def retry_after_s(value: str | None, limit_s: float) -> float | None:
 
 TAKE_OVER = "take_over"  # attempt 1 never reached a gate: replace its `live` (decision 0007)
 WAIT = "wait"  # another attempt still holds `live`: wait for its revocation or expiry
+# An earlier attempt's first delta was fenced but its release never left Envoy: take the
+# `delivery` back, fence that attempt, then admit (decision 0057).
+RECLAIM = "reclaim"
 
 
 def after_failed_admission(*, attempt: int, has_meta: bool, delivered: bool,
                            attempt_taken: bool, live_never_started: bool, waited_s: float,
-                           fence_wait_s: float) -> str:
+                           fence_wait_s: float, release_lost: bool = False) -> str:
     """What a journal store does when its admission transaction's compare failed: refuse
-    (the reason), take over a never-started attempt 1, or wait for `live` to go. Every
-    store (etcd, in memory) asks this, so they refuse alike."""
+    (the reason), take over a never-started attempt 1, reclaim a release that never left,
+    or wait for `live` to go. Every store (etcd, in memory) asks this, so they refuse alike.
+
+    `release_lost`: `delivery` names an earlier attempt of this request, and `live` names
+    that attempt, its fenced mark, or nothing. A gate runs for attempt n only because
+    Envoy's router retried, and the router retries only while it has sent nothing of the
+    response downstream; so the earlier attempt's released headers never reached the
+    client, and its `delivery` records a first delta that never left (decision 0057)."""
     if not has_meta:
         return "unknown request (no journal record)"
+    if delivered and release_lost and not attempt_taken:
+        return RECLAIM
     if delivered:
         return "first delta already sent: no second attempt"
     if attempt_taken:
@@ -156,6 +168,30 @@ def after_failed_admission(*, attempt: int, has_meta: bool, delivered: bool,
     if waited_s >= fence_wait_s:
         return "previous attempt is not fenced (lease still live)"
     return WAIT
+
+
+def release_lost(delivered_by: tuple[int, str] | None, live: str | None, attempt: int,
+                 attempt_id: str, fenced_prefix: str = "fenced:") -> bool:
+    """Whether a `delivery` found by attempt `attempt`'s admission is a release that never
+    left (see `after_failed_admission`): written by an earlier attempt (by number and id,
+    `journal.delivered_by`), with `live` still that attempt's, its fenced mark, or gone
+    (its process's lease lapsed). Anything else (no readable `delivery`, a later attempt's,
+    `live` held by a third attempt) is refused as delivered."""
+    if delivered_by is None:
+        return False
+    n, aid = delivered_by
+    if aid == attempt_id or n >= attempt:
+        return False
+    return live is None or live in (aid, fenced_prefix + aid)
+
+
+def lost_release_fence(cancel_ack: bool) -> Fence:
+    """How a reclaimed attempt is fenced. Envoy retried only after it closed the earlier
+    attempt's upstream stream (a reset it saw, or its own per-try timeout's reset): that
+    is Envoy's confirmed close, which `cancel_ack_or_lease_expiry` takes as the cancel's
+    acknowledgement (revoke now); under `lease_expiry` the attempt's `live` is marked
+    fenced and the new attempt waits for its lease to run out, as for any uncertain end."""
+    return Fence.REVOKE if cancel_ack else Fence.EXPIRE
 
 
 def admission_poll_s(waited_s: float, fence_wait_s: float) -> float:

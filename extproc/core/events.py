@@ -277,6 +277,10 @@ class CauseLearned:
     # Gate: whether an entry came at all (False: Envoy said nothing in time), and when.
     heard: bool = True
     wall: float = 0.0
+    # Guard: the response status Envoy's entry says the client got (None: not said). Not
+    # the guard's when Envoy replaced a response whose headers had not left yet with its
+    # own reply (an upstream reset while the guard held them): then no release left.
+    status: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -610,6 +614,10 @@ class Finish:
     # attempt's own record ends (core.records.released_end). Derived from the rest of the
     # machine's state, so not part of what makes two Finishes the same.
     upstream_finished: bool = field(default=False, compare=False)
+    # The client's response is not a 200: no attempt's release reached it, so a `delivery`
+    # the journal holds is one that never left Envoy, taken back with the outcome
+    # (decision 0057). Derived from the response's status, so not compared either.
+    nothing_released: bool = field(default=False, compare=False)
 
 
 # --- guard: the intake order (decision 0021) and the take-over of a hand-off ------------

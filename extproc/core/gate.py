@@ -799,7 +799,7 @@ def _gate_ack(m: GateMachine, ev: AckLearned) -> list[Action]:
     return [KeepTrace(*attempt_trace(settled, m.attempt_id, replica)), settled]
 
 
-def word(heard: tuple[str, int] | None, wall: float) -> CauseLearned:
+def word(heard: tuple[str, int, int] | None, wall: float) -> CauseLearned:
     """Envoy's per-attempt word (its cause and the body bytes it sent, or None: nothing
     within the wait) as the gate's event: the cause only."""
     return CauseLearned(heard[0] if heard else "unknown", None, heard is not None, wall)

@@ -298,7 +298,8 @@ class GuardMachine(Machine):
                                exact=exact, source=source,
                                bound=self.bound if n > 0 else None,
                                upstream_finished=self.done_seen
-                               or outcome is Outcome.COMPLETED)
+                               or outcome is Outcome.COMPLETED,
+                               nothing_released=self.status != 200)
         return self.finished
 
 
@@ -646,6 +647,11 @@ def _closing(m: GuardMachine) -> list[Action]:
 
 def _guard_cause(m: GuardMachine, ev: CauseLearned) -> list[Action]:
     m.state = State.GUARD_CLOSED
+    if ev.status and ev.status != 200 and m.status == 200:
+        # Envoy answered the client itself (an upstream reset while the released headers
+        # were still ours to pass): what the client got is its reply, and no release left
+        # (decision 0057).
+        m.status = ev.status
     # What the client got is what Envoy sent, not what we handed it (decision 0025): a
     # reset can destroy the stream with our last chunks still unwritten.
     if m.status == 200 and m.streaming:
@@ -659,10 +665,12 @@ def _guard_cause(m: GuardMachine, ev: CauseLearned) -> list[Action]:
     return [m._finish(Outcome.UPSTREAM_FAILED, ev.cause)]
 
 
-def word(heard: tuple[str, int] | None) -> CauseLearned:
-    """Envoy's downstream word (its cause and the body bytes it sent, or None: nothing
-    within the wait) as the guard's event."""
-    return CauseLearned("unknown", None) if heard is None else CauseLearned(*heard)
+def word(heard: tuple[str, int, int] | None) -> CauseLearned:
+    """Envoy's downstream word (its cause, the body bytes it sent and the response status
+    the client got, or None: nothing within the wait) as the guard's event."""
+    if heard is None:
+        return CauseLearned("unknown", None)
+    return CauseLearned(heard[0], heard[1], status=heard[2] or None)
 
 
 def _guard_cause_late(m: GuardMachine, ev: CauseLearned) -> list[Action]:

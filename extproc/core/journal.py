@@ -425,3 +425,20 @@ def own_write(raw: bytes | None, attempt_id: str) -> bool:
     except ValueError:
         return False
     return isinstance(value, dict) and value.get("attempt_id") == attempt_id
+
+
+def delivered_by(raw: bytes | None) -> tuple[int, str] | None:
+    """The attempt (journal number, id) a `delivery` record names; None if it names none
+    readably (then nothing may be inferred from it)."""
+    if raw is None:
+        return None
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(value, dict):
+        return None
+    n, aid = value.get("attempt"), value.get("attempt_id")
+    if not isinstance(n, int) or isinstance(n, bool) or not isinstance(aid, str) or not aid:
+        return None
+    return n, aid

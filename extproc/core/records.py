@@ -131,6 +131,19 @@ def taken_over_first_attempt(attempt_id: str, at: float, attempt: int = 1) -> di
             "failure_class": "never_started", "fence": "taken_over"}
 
 
+def lost_release_end(admitted: Mapping[str, Any], delivery: Mapping[str, Any], *,
+                     fence: str, at: float, by: str) -> dict[str, Any]:
+    """The record of an attempt whose fenced release never left Envoy (decision 0057),
+    written by whoever took its `delivery` back (`by`: the admission of a retry, its
+    attempt id, or the request's end): its admission record, when its first delta was
+    fenced, and how it was fenced."""
+    rec = {**admitted, **{k: delivery[k] for k in ("attempt", "attempt_id") if k in delivery}}
+    rec.update({"released": False, "release_lost": True, "first_delta_fenced_at":
+                delivery.get("at"), "ended_at": at, "failure_class": "release_lost",
+                "fence": fence, "reclaimed_by": by})
+    return rec
+
+
 # --- an attempt's end -----------------------------------------------------------------
 
 

@@ -46,7 +46,7 @@ async def test_an_entry_before_the_wait_is_kept_for_it_and_taken_once() -> None:
     reg.offer(entry({H.REQUEST_ID: "req_1"}, flag="downstream_connection_termination",
                     body_bytes=17))
     assert reg.seen("req_1")
-    assert await reg.wait("req_1", 1.0) == ("client", 17)
+    assert await reg.wait("req_1", 1.0) == ("client", 17, 200)
     assert not reg.seen("req_1")  # taken: a second wait hears nothing ...
     again = asyncio.ensure_future(reg.wait("req_1", 0.01))
     await idle()
@@ -60,8 +60,8 @@ async def test_a_wait_before_the_entry_is_answered_when_it_comes() -> None:
     await asyncio.sleep(0)
     assert not waiting.done()
     reg.offer(entry({H.REQUEST_ID: "req_2"}, flag="upstream_connection_failure",
-                    body_bytes=3))
-    assert await waiting == ("upstream", 3)
+                    body_bytes=3, status=502))  # Envoy's own reply: its status is said
+    assert await waiting == ("upstream", 3, 502)
     assert not reg.seen("req_2")  # handed over, not also kept
 
 
@@ -78,7 +78,7 @@ async def test_the_guards_wait_ends_on_the_timers_port_not_the_loops_clock() -> 
     answered = asyncio.ensure_future(reg.wait("req_4", 0.5))
     await asyncio.sleep(0)
     reg.offer(entry({H.REQUEST_ID: "req_4"}, flag="downstream_remote_reset", body_bytes=5))
-    assert await answered == ("client", 5)
+    assert await answered == ("client", 5, 200)
     assert timers.pending() == 0  # its deadline cancelled, not left to fire
 
 
@@ -104,14 +104,14 @@ def test_expect_answers_once_with_the_cause_or_with_none_when_envoy_is_silent() 
                     body_bytes=9))
     assert timers.pending() == 0  # its timer was cancelled, not left to fire
     timers.advance(1.0)
-    assert heard == [("upstream", 9)]  # no second answer
+    assert heard == [("upstream", 9, 200)]  # no second answer
     reg.expect("att_2", 0.5, heard.append)
     timers.advance(0.4)
-    assert heard == [("upstream", 9)]
+    assert heard == [("upstream", 9, 200)]
     timers.advance(0.2)
-    assert heard == [("upstream", 9), None]
+    assert heard == [("upstream", 9, 200), None]
     reg.offer(entry({H.ATTEMPT_ID: "att_2"}, upstream=True))  # late: kept, not answered
-    assert heard == [("upstream", 9), None] and reg.seen("att_2")
+    assert heard == [("upstream", 9, 200), None] and reg.seen("att_2")
 
 
 def test_expect_after_the_entry_answers_at_once() -> None:
@@ -119,7 +119,7 @@ def test_expect_after_the_entry_answers_at_once() -> None:
     reg.offer(entry({H.REQUEST_ID: "req_3"}, flag="duration_timeout"))
     heard: list[tuple[str, int] | None] = []
     reg.expect("req_3", 1.0, heard.append)
-    assert heard == [("timeout", 0)]
+    assert heard == [("timeout", 0, 200)]
 
 
 def test_only_the_replicas_cluster_speaks_of_attempts_and_of_replica_health() -> None:

@@ -365,6 +365,88 @@ async def test_an_attempt_that_never_started_is_taken_over_at_once(env: Env) -> 
     off()
 
 
+async def _released_then_lost(env: Env) -> dict[str, Any]:
+    """req_a's attempt 1 fenced its first delta (as the gate's fence writes it) and then its
+    release never left Envoy: Envoy's router retried, so attempt 2's gate asks."""
+    await _open(env)
+    deliv = {"attempt": 1, "attempt_id": "att_1", "replica": "r1", "model_revision": None,
+             "at": 12.5}
+    assert await env.store.fence_first_delta("req_a", "att_1", deliv)
+    return deliv
+
+
+async def test_a_release_that_never_left_is_taken_back_and_the_retry_admitted(
+        env: Env) -> None:
+    # Decision 0057: a gate runs for attempt 2 only because Envoy retried, which it does
+    # only while nothing of the response went downstream. Attempt 1's `delivery` recorded
+    # a first delta that never left: it is taken back, attempt 1 revoked (Envoy's retry is
+    # its confirmed close) and attempt 2 admitted, in one transaction.
+    s = env.store
+    await _released_then_lost(env)
+    res = await _within(s.admit_attempt("req_a", 2, "att_2", _rec(2, "att_2"), 5.0))
+    assert res.admitted and res.lease is not None and res.reclaimed == "att_1"
+    assert res.reason == ("admitted (attempt 1's release never left Envoy: its delivery "
+                          "taken back)")
+    view = await s.get("req_a")
+    assert view is not None and view.live_attempt_id == "att_2"
+    assert view.delivery is None and not view.first_delta_sent
+    first = dict(view.attempts[0])
+    assert isinstance(first.pop("ended_at"), float)
+    assert first == {**_rec(1, "att_1"), "released": False, "release_lost": True,
+                     "first_delta_fenced_at": 12.5, "failure_class": "release_lost",
+                     "envoy_cause": "retried", "fence": "revoked", "reclaimed_by": "att_2"}
+    assert view.attempts[1] == {**_rec(2, "att_2"), "admitted_at": _admitted_at(view, 2)}
+    # Attempt 1 is fenced: its tool calls and its own fence fail from here on.
+    assert not await s.fence_first_delta("req_a", "att_1", {"attempt": 1,
+                                                            "attempt_id": "att_1"})
+    # Attempt 2 releases as any attempt does.
+    assert await s.fence_first_delta("req_a", "att_2", {"attempt": 2, "attempt_id": "att_2"})
+    view = await s.get("req_a")
+    assert view is not None and view.first_delta_sent
+
+
+async def test_under_lease_expiry_a_lost_release_waits_for_its_attempts_lease(
+        env: Env) -> None:
+    # policy.uncertain_source_liveness.wait_for: lease_expiry. The delivery is taken back
+    # at once, attempt 1 marked fenced on a fresh lease, and attempt 2 admitted only when
+    # that lease has run out.
+    s = env.store
+    await _released_then_lost(env)
+    task = asyncio.create_task(s.admit_attempt("req_a", 2, "att_2", _rec(2, "att_2"), 5.0,
+                                               cancel_ack=False))
+    try:
+        await env.pass_time(0.3)
+        assert not task.done()
+        view = await s.get("req_a")
+        assert view is not None and view.live_attempt_id == "fenced:att_1"
+        assert view.delivery is None and view.attempts[0]["fence"] == "expiry"
+        await env.pass_time(TTL_S + 0.5)
+        res = await _within(task, TTL_S + 3.0)
+    finally:
+        task.cancel()
+    assert res.admitted and res.reason == "admitted" and res.reclaimed == "att_1"
+    assert res.waited_s >= TTL_S - 0.5
+    view = await s.get("req_a")
+    assert view is not None and view.live_attempt_id == "att_2" and view.delivery is None
+
+
+async def test_a_delivery_that_is_not_a_lost_release_is_still_refused(env: Env) -> None:
+    s = env.store
+    await _released_then_lost(env)
+    # Attempt 1's own number again (its gate twice: not a retry after it), ...
+    res = await _within(s.admit_attempt("req_a", 1, "att_1b", _rec(1, "att_1b"), 5.0))
+    assert res == AdmitResult(False, "first delta already sent: no second attempt", None,
+                              res.waited_s)
+    view = await s.get("req_a")
+    assert view is not None and view.first_delta_sent and view.live_attempt_id == "att_1"
+    # ... and a delivery that names no attempt: nothing may be inferred from it.
+    await _open(env, "req_b")
+    assert await s.fence_first_delta("req_b", "att_1", {"at": 1.0, "attempt_id": "att_1"})
+    res = await _within(s.admit_attempt("req_b", 2, "att_2", _rec(2, "att_2"), 5.0))
+    assert res == AdmitResult(False, "first delta already sent: no second attempt", None,
+                              res.waited_s)
+
+
 # --- the first-delta fence and the take-backs ---------------------------------------------
 
 
@@ -653,6 +735,44 @@ async def test_finish_writes_the_outcome_once_and_ends_a_live_attempt(env: Env) 
     assert not await s.finish("req_a", oc)
     view = await s.get("req_a")
     assert view is not None and view.live_attempt_id is None
+
+
+async def test_a_finish_with_nothing_released_takes_a_lost_release_back(env: Env) -> None:
+    # Decision 0057: the client's response was not a 200 (here Envoy's own 503: the retry
+    # never reached a gate), so attempt 1's fenced release never left; the outcome takes
+    # its `delivery` back and closes its record.
+    s = env.store
+    await _released_then_lost(env)
+    failed = {"outcome": "upstream_failed", "delivered_output_tokens": 0}
+    assert await s.finish("req_a", failed, None, nothing_released=True)
+    view = await s.get("req_a")
+    assert view is not None and view.outcome == failed and view.live_attempt_id is None
+    assert view.delivery is None and not view.first_delta_sent
+    first = dict(view.attempts[0])
+    assert isinstance(first.pop("ended_at"), float)
+    assert first == {**_rec(1, "att_1"), "released": False, "release_lost": True,
+                     "first_delta_fenced_at": 12.5, "failure_class": "release_lost",
+                     "fence": "ended_with_request", "reclaimed_by": "request_end"}
+    # The guard took the release over, but Envoy replaced its headers with its own reply
+    # (an upstream reset while the guard held them): the attempt's one record says both.
+    await _open(env, "req_c")
+    assert await s.fence_first_delta("req_c", "att_1", {"attempt": 1, "attempt_id": "att_1",
+                                                        "at": 3.0})
+    end = _rec(1, "att_1", released=True, envoy_cause="upstream")
+    assert await s.finish("req_c", failed, (1, end), nothing_released=True)
+    view = await s.get("req_c")
+    assert view is not None and not view.first_delta_sent and len(view.attempts) == 1
+    only = dict(view.attempts[0])
+    assert isinstance(only.pop("ended_at"), float)
+    assert only == {**end, "released": False, "release_lost": True,
+                    "first_delta_fenced_at": 3.0, "failure_class": "release_lost",
+                    "fence": "ended_with_request", "reclaimed_by": "request_end"}
+    # A 200 (the release reached the client's side): the delivery stays, whatever came.
+    await _open(env, "req_b")
+    assert await s.fence_first_delta("req_b", "att_1", {"attempt": 1, "attempt_id": "att_1"})
+    assert await s.finish("req_b", failed)
+    view = await s.get("req_b")
+    assert view is not None and view.first_delta_sent and view.attempts == (_rec(1, "att_1"),)
 
 
 async def test_finish_leaves_a_fenced_marker_to_expire(env: Env) -> None:

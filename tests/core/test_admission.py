@@ -6,9 +6,22 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from extproc.core.admission import MIN_ATTEMPT_S, Admitted, AttemptRequest, decide
+from extproc.core.admission import (
+    MIN_ATTEMPT_S,
+    RECLAIM,
+    TAKE_OVER,
+    WAIT,
+    Admitted,
+    AttemptRequest,
+    after_failed_admission,
+    decide,
+    lost_release_fence,
+    release_lost,
+)
 from extproc.core.budget import RetryBudget
 from extproc.core.errors import ErrorCode, GatewayError
+from extproc.core.failure import Fence
+from extproc.core.journal import delivered_by
 
 # --- admission ------------------------------------------------------------------------
 
@@ -106,3 +119,72 @@ def test_admission_invariants(attempt: int, max_attempts: int, reached: bool, el
         assert v.deadline_s <= total - elapsed + 1e-9
     assert 0.0 <= v.fence_wait_s <= max(0.0, v.deadline_s - MIN_ATTEMPT_S) + 1e-9
     assert v.final == (attempt >= max_attempts or total - elapsed <= first)
+
+
+# --- the journal's admission once its compare failed (every store asks this) ------------
+
+
+def _failed(**kw: object) -> str:
+    base: dict[str, object] = dict(attempt=2, has_meta=True, delivered=False,
+                                   attempt_taken=False, live_never_started=False,
+                                   waited_s=0.0, fence_wait_s=5.0, release_lost=False)
+    base.update(kw)
+    return after_failed_admission(**base)  # type: ignore[arg-type]
+
+
+@given(st.booleans(), st.booleans(), st.booleans(), st.booleans(), st.booleans(),
+       st.booleans())
+def test_after_failed_admission_precedence(has_meta: bool, delivered: bool, lost: bool,
+                                           taken: bool, never: bool, waited: bool) -> None:
+    got = _failed(has_meta=has_meta, delivered=delivered, release_lost=lost,
+                  attempt_taken=taken, live_never_started=never,
+                  waited_s=5.0 if waited else 0.0)
+    if not has_meta:
+        assert got == "unknown request (no journal record)"
+    elif delivered and lost and not taken:
+        assert got == RECLAIM  # decision 0057: Envoy retried, so nothing left
+    elif delivered:
+        assert got == "first delta already sent: no second attempt"
+    elif taken:
+        assert got == "attempt 2 was already admitted"
+    elif never:
+        assert got == TAKE_OVER
+    elif waited:
+        assert got == "previous attempt is not fenced (lease still live)"
+    else:
+        assert got == WAIT
+
+
+@pytest.mark.parametrize(("by", "live", "lost"), [
+    ((1, "att_1"), "att_1", True),  # released, nothing ended it
+    ((1, "att_1"), "fenced:att_1", True),  # fenced already: wait for its lease
+    ((1, "att_1"), None, True),  # its process's lease lapsed
+    ((1, "att_1"), "att_9", False),  # a third attempt holds `live`: not this case
+    ((2, "att_2"), "att_2", False),  # this very attempt number (its gate twice)
+    ((3, "att_3"), "att_3", False),  # a later attempt's: never a retry of it
+    ((1, "att_x"), "att_x", False),  # ... and one naming this attempt's id
+    (None, "att_1", False),  # a delivery naming no attempt: nothing inferred
+])
+def test_which_delivery_is_a_release_that_never_left(
+        by: tuple[int, str] | None, live: str | None, lost: bool) -> None:
+    aid = "att_x" if by == (1, "att_x") else "att_2"
+    assert release_lost(by, live, 2, aid) is lost
+
+
+def test_a_lost_release_is_fenced_as_envoys_confirmed_close() -> None:
+    assert lost_release_fence(cancel_ack=True) is Fence.REVOKE
+    assert lost_release_fence(cancel_ack=False) is Fence.EXPIRE
+
+
+@pytest.mark.parametrize(("raw", "by"), [
+    (b'{"attempt": 1, "attempt_id": "att_1", "at": 1.0}', (1, "att_1")),
+    (b'{"attempt_id": "att_1"}', None),
+    (b'{"attempt": true, "attempt_id": "att_1"}', None),
+    (b'{"attempt": 1, "attempt_id": ""}', None),
+    (b"[1]", None),
+    (b"not json", None),
+    (None, None),
+])
+def test_delivered_by_reads_only_a_whole_name(raw: bytes | None,
+                                              by: tuple[int, str] | None) -> None:
+    assert delivered_by(raw) == by

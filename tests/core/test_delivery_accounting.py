@@ -192,7 +192,7 @@ def test_a_trace_with_envoys_count_replays() -> None:
     ended(m, "upstream", upto)
     tr = json.loads(json.dumps(record(m, {}, 1 << 20)))
     assert tr["events"][-1] == {"type": "CauseLearned", "cause": "upstream", "body_bytes": upto,
-                                "heard": True, "wall": 0.0}
+                                "heard": True, "wall": 0.0, "status": None}
     assert replay(tr).ok
     # A trace kept before the count existed replays as "Envoy did not say".
     del tr["events"][-1]["body_bytes"]

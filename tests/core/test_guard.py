@@ -222,6 +222,39 @@ def test_envoys_own_5xx_is_answered_as_our_json_error() -> None:
     assert isinstance(send, Send) and b'"error"' in send.data
 
 
+def _finish_of(acts: list[Action]) -> Finish:
+    [fin] = [a for a in acts if isinstance(a, Finish)]
+    return fin
+
+
+def test_a_finish_says_whether_any_release_could_have_reached_the_client() -> None:
+    # Decision 0057: a response that is not a 200 carries no attempt's release, so a
+    # `delivery` the journal holds then never left Envoy.
+    m, _ = body_seen(keyed=False)
+    m.handle(RequestOpened(True))
+    m.handle(ResponseHeaders(503, "text/plain", envoy_reply=True))
+    acts = m.handle(ResponseBody(b"upstream connect error", True)) + m.handle(StreamClosed())
+    assert _finish_of(acts).nothing_released
+    m = streaming_guard()
+    acts = m.handle(ResponseBody(ROLE + content("a") + DONE_EVENT, True))
+    acts += m.handle(StreamClosed())
+    assert not _finish_of(acts).nothing_released
+    # A 200 whose content never came (reset before Envoy wrote a delta) still left.
+    m = streaming_guard()
+    acts = m.handle(StreamClosed()) + m.handle(CauseLearned("upstream"))
+    assert not _finish_of(acts).nothing_released
+    m = streaming_guard()
+    acts = m.handle(StreamClosed()) + m.handle(CauseLearned("upstream", 0, status=200))
+    assert not _finish_of(acts).nothing_released
+    # Envoy's entry says the client got its own 502: the 200 the guard passed never left
+    # (an upstream reset while Envoy still held it), so neither did the release.
+    m = streaming_guard()
+    acts = m.handle(StreamClosed()) + m.handle(CauseLearned("upstream", 303, status=502))
+    fin = _finish_of(acts)
+    assert fin.nothing_released and fin.outcome is Outcome.UPSTREAM_FAILED
+    assert fin.delivered_output_tokens == 0
+
+
 @pytest.mark.parametrize("status,handoff", [(200, None), (503, HANDOFF), (429, None)])
 def test_no_take_over_without_a_released_attempt(status: int, handoff: str | None) -> None:
     m, _ = body_seen(keyed=False)

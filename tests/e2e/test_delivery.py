@@ -158,9 +158,11 @@ def test_a_delta_the_guard_handed_envoy_after_the_reset_is_not_delivered(gw: Gat
 def test_a_reset_at_the_first_delta_leaves_a_record_that_agrees_with_the_client(
         gw: Gateway) -> None:
     """The replica resets the moment its first delta is written: the reset may beat the
-    fence (a re-run, one complete answer), beat the release (the retry is refused: 503),
-    beat Envoy's write (200 and no content), or not (one delta). Whichever it was, the
-    record counts what the client got, and nothing delivered is never partial output."""
+    fence (a re-run, one complete answer), beat the release (the fence committed but Envoy
+    retried: the delivery is taken back and the retry runs, decision 0057: one complete
+    answer), beat Envoy's write (200 and no content), or not (one delta). Whichever it
+    was, the record counts what the client got, and nothing delivered is never partial
+    output."""
     ref = reference(gw)
     seen: set[str] = set()
     deadline = time.monotonic() + 60
@@ -177,6 +179,11 @@ def test_a_reset_at_the_first_delta_leaves_a_record_that_agrees_with_the_client(
         if n == MAX:
             seen.add("re-run")
             assert j["outcome"] == "completed" and res.transport_error is None
+            lost = [a for a in j["attempts"] if a.get("release_lost")]
+            if lost:  # its fence committed, its release never left (decision 0057)
+                seen.add("re-run after a lost release")
+                assert [a["attempt"] for a in lost] == [1] and lost[0]["fence"] == "revoked"
+                assert not lost[0]["released"], j
         elif n == 1:
             seen.add("one delta")
             assert j["outcome"] == "upstream_decode_interrupted"
@@ -185,12 +192,19 @@ def test_a_reset_at_the_first_delta_leaves_a_record_that_agrees_with_the_client(
             seen.add(f"nothing ({res.status}, fenced: {j['first_delta_sent']})")
             assert j["outcome"] == "upstream_failed", j
             if j["first_delta_sent"]:
-                # The fence committed: no attempt ran after it, whatever the client saw.
+                # The fence committed and its release reached the client's side (Envoy
+                # wrote the 200): no attempt ran after it. A release that never left is
+                # taken back by the retry (decision 0057), never refused with nothing sent.
+                assert res.status == 200, (res, j)
                 assert not any(a.get("attempt", 0) > 1 and a.get("released")
                                for a in j["attempts"]), j
             else:
-                # Reset before the fence, and the re-run failed too (e.g. it met the
-                # replica the reset killed): nothing was released, a clean error.
+                # Reset before the fence, or after it with the release lost (Envoy's own
+                # reply replaced it, decision 0057), and the re-run failed too (e.g. it
+                # met the replica the reset killed): nothing was released, a clean error.
                 assert res.status != 200, (res, j)
+                if any(a.get("release_lost") for a in j["attempts"]):
+                    seen.add(f"nothing ({res.status}), a lost release taken back")
             assert len(gw.attempts_logged(res.request_id)) <= 2
+    print("branches seen:", sorted(seen))  # -s shows which ones a run met
     assert seen  # which branches ran is timing; every one of them must agree
