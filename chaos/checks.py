@@ -517,9 +517,16 @@ def _check_record(t: Transcript, v: View, out: list[Break]) -> None:
             bad.append(f"delivered_output_tokens {delivered} (exact), the client "
                        f"read {n}")
     elif v.outcome == "error":
-        # A released first delta that never reached the client keeps the fence
-        # (`first_delta_sent: true`) with nothing delivered (decision 0025).
-        if sent and not (outcome in (None, "upstream_failed") and delivered == 0):
+        # A client answered with another status than 200 got no attempt's release: a fence
+        # that committed for one is taken back, by the retry's admission or with the
+        # outcome (decision 0057), unless the processor died before either could.
+        if (sent and t.seen.status != 200 and outcome is not None
+                and not t.processor_fault):
+            bad.append(f"first_delta_sent true, the client got {t.seen.status} "
+                       f"{err.get('code')}: a release that never left is taken back")
+        # A 200 whose body is an error keeps the fence (`first_delta_sent: true`) with
+        # nothing delivered (decision 0025).
+        elif sent and not (outcome in (None, "upstream_failed") and delivered == 0):
             bad.append(f"first_delta_sent true with {delivered} delivered and outcome "
                        f"{outcome}, the client got {t.seen.status} {err.get('code')} and "
                        f"no content")

@@ -319,12 +319,21 @@ def test_the_evidence_of_a_break_names_the_client_view_record_and_log_lines(
 
 
 def test_an_error_answer_after_a_fence_whose_delta_never_left() -> None:
+    # Decision 0057: a non-200 answer carried no release, so the fence is taken back.
     s = spec()
     body = json.dumps({"error": {"code": "upstream_unavailable", "request_id": RID,
                                  "retryable": True}})
     ok = transcript(s, body, status=503, headers=JSON,
-                    rec=record("upstream_failed", 0, sent=True))
+                    rec=record("upstream_failed", 0, sent=False))
     assert check(ok) == []
+    kept = transcript(s, body, status=503, headers=JSON,
+                      rec=record("upstream_failed", 0, sent=True))
+    assert kinds(kept) == ["journal_disagrees"]
+    assert "a release that never left is taken back" in check(kept)[0].detail
+    # ... unless the processor died before the retry or the outcome could take it back.
+    died = transcript(s, body, status=503, headers=JSON, processor_fault=True,
+                      rec=record("upstream_failed", 0, sent=True))
+    assert check(died) == []
     claims = transcript(s, body, status=503, headers=JSON,
                         rec=record("upstream_decode_interrupted", 1, sent=True))
     assert kinds(claims) == ["journal_disagrees"]
