@@ -153,9 +153,10 @@ class EndpointDiscovery(eds_pb2_grpc.EndpointDiscoveryServiceServicer):  # type:
                         resources.append(packed)
                     self._nonce += 1
                     nonce = str(self._nonce)
+                    # Envoy's reply may be read before the write returns: `sent` first.
+                    sent = (version, names)
                     await write(ds.DiscoveryResponse(version_info=version, resources=resources,
                                                      type_url=CLA_TYPE, nonce=nonce))
-                    sent = (version, names)
                     answers += 1
                 log.debug("EDS requests handled", extra={
                     **_NOID, "stream": stream, "requests": handled, "answers": answers,

@@ -224,3 +224,38 @@ async def test_a_nack_is_logged_and_names_for_other_clusters_get_nothing(
     assert _hosts(resp2) == ["127.0.0.1:8001"]
     assert any("rejected" in r.message for r in caplog.records)
     envoy.out.put_nowait(None)
+
+
+async def test_a_nack_read_before_our_write_returned_is_still_a_nack(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Envoy's NACK can be read before the write of the answer it refuses has returned (on a
+    busy machine the reader can run first): it is a NACK all the same."""
+    m = LiveMembership(on_pool=lambda pool: None)
+    m.update({"127.0.0.1:8001": _reg("127.0.0.1:8001")})
+    requests: asyncio.Queue[ds.DiscoveryRequest | None] = asyncio.Queue()
+    asked = asyncio.Event()  # the service asks for a request after the NACK: it read it
+
+    async def envoy() -> AsyncIterator[ds.DiscoveryRequest]:
+        while True:
+            if requests.empty():
+                asked.set()
+            if (req := await requests.get()) is None:
+                return
+            yield req
+
+    written: list[ds.DiscoveryResponse] = []
+
+    async def write(resp: ds.DiscoveryResponse) -> None:
+        written.append(resp)
+        if len(written) == 1:  # the first answer: refused before its write returns
+            asked.clear()
+            requests.put_nowait(ds.DiscoveryRequest(type_url=CLA_TYPE, resource_names=["x"],
+                                                    response_nonce=resp.nonce))
+            await asyncio.wait_for(asked.wait(), 10.0)
+            requests.put_nowait(None)
+
+    requests.put_nowait(ds.DiscoveryRequest(type_url=CLA_TYPE, resource_names=["replicas"]))
+    await asyncio.wait_for(EndpointDiscovery(m).answer(envoy(), write), 10.0)
+    assert [r.message for r in caplog.records if "rejected" in r.message] == [
+        "Envoy rejected the replicas' endpoints"]
+    assert _hosts(written[0]) == ["127.0.0.1:8001"]
