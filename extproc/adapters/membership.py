@@ -153,7 +153,8 @@ class EndpointDiscovery(eds_pb2_grpc.EndpointDiscoveryServiceServicer):  # type:
                         resources.append(packed)
                     self._nonce += 1
                     nonce = str(self._nonce)
-                    # Envoy's reply may be read before the write returns: `sent` first.
+                    # What this answer serves, before the write: Envoy's reply to it (a NACK,
+                    # new names) can be read before the write returns.
                     sent = (version, names)
                     await write(ds.DiscoveryResponse(version_info=version, resources=resources,
                                                      type_url=CLA_TYPE, nonce=nonce))
