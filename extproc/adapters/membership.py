@@ -89,6 +89,7 @@ class EndpointDiscovery(eds_pb2_grpc.EndpointDiscoveryServiceServicer):  # type:
     def __init__(self, membership: LiveMembership) -> None:
         self.m = membership
         self._nonce = 0
+        self._streams = 0
 
     async def StreamEndpoints(self, request_iterator: AsyncIterator[Any],
                               context: grpc.aio.ServicerContext[Any, Any]) -> None:
@@ -96,18 +97,27 @@ class EndpointDiscovery(eds_pb2_grpc.EndpointDiscoveryServiceServicer):  # type:
 
     async def answer(self, request_iterator: AsyncIterator[Any],
                      write: Callable[[Any], Awaitable[None]]) -> None:
-        """One EDS stream, on either gRPC stack: its requests in, our responses out."""
+        """One EDS stream, on either gRPC stack: its requests in, our responses out.
+
+        Every request read wakes the writer, which answers or finds nothing to answer (an
+        ACK, a repeated subscription, no listing yet), then logs `EDS requests handled`
+        (debug) with the stream's counts: `requests` read and acted on, `answers` sent."""
+        self._streams += 1
+        stream = self._streams
         wake = asyncio.Event()
         unsubscribe = self.m.subscribe(wake)
         names: tuple[str, ...] | None = None
         sent: tuple[str, tuple[str, ...]] | None = None  # (version, names) last sent
         nonce = ""
+        requests = answers = 0
         closed = False
 
         async def read() -> None:
-            nonlocal names, closed
+            nonlocal names, closed, requests
             try:
                 async for req in request_iterator:
+                    requests += 1
+                    wake.set()
                     if req.type_url and req.type_url != CLA_TYPE:
                         log.warning("EDS request for another type ignored",
                                     extra={**_NOID, "type_url": req.type_url})
@@ -117,40 +127,42 @@ class EndpointDiscovery(eds_pb2_grpc.EndpointDiscoveryServiceServicer):  # type:
                         # Envoy refused our answer (NACK) and keeps its previous endpoints.
                         log.error("Envoy rejected the replicas' endpoints", extra={
                             **_NOID, "version": sent[0], "kept": req.version_info})
-                    asked = tuple(sorted(req.resource_names))
-                    if asked != names:
-                        names = asked
-                        wake.set()
+                    names = tuple(sorted(req.resource_names))
             finally:
                 closed = True
                 wake.set()
 
         reader = asyncio.ensure_future(read())
         try:
-            await self.m.ready.wait()  # never answer before the first listing
-            wake.set()
             while True:
                 await wake.wait()
                 wake.clear()
                 if closed:
                     return
-                if names is None or sent == (self.m.version, names):
-                    continue
-                version = self.m.version
-                served = [n for n in names if n == REPLICAS_CLUSTER] or (
-                    [REPLICAS_CLUSTER] if not names else [])
-                resources = []
-                for n in served:
-                    packed = any_pb2.Any()
-                    packed.Pack(self.m.load_assignment(n))
-                    resources.append(packed)
-                self._nonce += 1
-                nonce = str(self._nonce)
-                await write(ds.DiscoveryResponse(
-                    version_info=version, resources=resources, type_url=CLA_TYPE, nonce=nonce))
-                sent = (version, names)
-                log.debug("EDS answered", extra={**_NOID, "version": version,
-                                                 "replicas": len(self.m.pool.replicas)})
+                handled = requests  # each read in full: `names` is what they asked
+                # Never an answer before the first listing: Envoy waits (the listing wakes us).
+                if (self.m.ready.is_set() and names is not None
+                        and sent != (self.m.version, names)):
+                    version = self.m.version
+                    served = [n for n in names if n == REPLICAS_CLUSTER] or (
+                        [REPLICAS_CLUSTER] if not names else [])
+                    resources = []
+                    for n in served:
+                        packed = any_pb2.Any()
+                        packed.Pack(self.m.load_assignment(n))
+                        resources.append(packed)
+                    self._nonce += 1
+                    nonce = str(self._nonce)
+                    # What this answer serves, before the write: Envoy's reply to it (a NACK,
+                    # new names) can be read before the write returns.
+                    sent = (version, names)
+                    await write(ds.DiscoveryResponse(version_info=version, resources=resources,
+                                                     type_url=CLA_TYPE, nonce=nonce))
+                    answers += 1
+                log.debug("EDS requests handled", extra={
+                    **_NOID, "stream": stream, "requests": handled, "answers": answers,
+                    "version": sent[0] if sent else None,
+                    "replicas": len(self.m.pool.replicas)})
         finally:
             unsubscribe()
             reader.cancel()

@@ -2,14 +2,17 @@
 client stream.
 
 State of the world: an answer when Envoy subscribes, one per membership change, none for
-an ACK; nothing before the processor's first listing of the registrations.
+an ACK; nothing before the processor's first listing of the registrations. That nothing was
+sent is read from the service's own count (its `EDS requests handled` line), once it has acted
+on the request: no real wait for an answer that does not come.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import grpc
@@ -51,14 +54,50 @@ class _Envoy:
         self.out.put_nowait(ds.DiscoveryRequest(type_url=CLA_TYPE, resource_names=names,
                                                 version_info=version, response_nonce=nonce))
 
-    async def answer(self, within_s: float = 10.0) -> ds.DiscoveryResponse | None:
-        """The next answer, or None after `within_s`. An answer that must come has a bound
-        far above its real time (a busy CI machine once took over 2 s); an answer that must
-        not come is asked with a short one."""
+    async def answer(self) -> ds.DiscoveryResponse:
+        """The next answer, which must come: bounded far above its real time (a busy CI
+        machine once took over 2 s)."""
         try:
-            return await asyncio.wait_for(self.answers.get(), within_s)
+            return await asyncio.wait_for(self.answers.get(), 10.0)
         except TimeoutError:
-            return None
+            raise AssertionError("no EDS answer within 10 s") from None
+
+
+class _Handled(logging.Handler):
+    """The service's `EDS requests handled` lines as it logs them (its servers run on the
+    test's loop): after acting on what a stream read, its counts of requests and answers."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: asyncio.Queue[logging.LogRecord] = asyncio.Queue()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.getMessage() == "EDS requests handled":
+            self.lines.put_nowait(record)
+
+    async def after(self, requests: int) -> logging.LogRecord:
+        """The first line once the stream's first `requests` requests are handled."""
+        async def line() -> logging.LogRecord:
+            while (r := await self.lines.get()).requests < requests:
+                pass
+            return r
+        try:
+            return await asyncio.wait_for(line(), 10.0)
+        except TimeoutError:
+            raise AssertionError(f"EDS request {requests} not handled within 10 s") from None
+
+
+@pytest.fixture
+def handled() -> Iterator[_Handled]:
+    pool_log = logging.getLogger("extproc.pool")
+    h, level = _Handled(), pool_log.level
+    pool_log.addHandler(h)
+    pool_log.setLevel(logging.DEBUG)
+    try:
+        yield h
+    finally:
+        pool_log.removeHandler(h)
+        pool_log.setLevel(level)
 
 
 def _hosts(resp: ds.DiscoveryResponse) -> list[str]:
@@ -108,30 +147,35 @@ async def eds(request: pytest.FixtureRequest
 
 
 async def test_subscribe_ack_change_and_nothing_before_the_first_listing(
-        eds: tuple[LiveMembership, Any, list[Pool]]) -> None:
+        eds: tuple[LiveMembership, Any, list[Pool]], handled: _Handled) -> None:
     m, stub, pools = eds
     envoy = _Envoy(stub)
     envoy.send(["replicas"])
-    assert await envoy.answer(0.5) is None  # no listing yet: Envoy waits, as at start-up
+    line = await handled.after(1)  # no listing yet: not answered, Envoy waits (as at start-up)
+    assert (line.requests, line.answers, line.version) == (1, 0, None)
     m.update({"127.0.0.1:8001": _reg("127.0.0.1:8001")})
     first = await envoy.answer()
-    assert first is not None and first.type_url == CLA_TYPE and first.nonce
+    assert first.type_url == CLA_TYPE and first.nonce
     assert _hosts(first) == ["127.0.0.1:8001"]
     assert [r.address for r in pools[-1].replicas] == ["127.0.0.1:8001"]
     envoy.send(["replicas"], version=first.version_info, nonce=first.nonce)  # ACK
-    assert await envoy.answer(0.5) is None  # an ACK is not answered
+    line = await handled.after(2)  # an ACK is not answered
+    assert (line.requests, line.answers, line.version) == (2, 1, first.version_info)
     m.update({"127.0.0.1:8001": _reg("127.0.0.1:8001"), "[::1]:8002": _reg("[::1]:8002")})
     second = await envoy.answer()
-    assert second is not None and second.version_info != first.version_info
+    assert second.version_info != first.version_info
     assert second.nonce != first.nonce
     assert sorted(_hosts(second)) == ["127.0.0.1:8001", "::1:8002"]
     envoy.send(["replicas"], version=second.version_info, nonce=second.nonce)
-    # The same registrations listed again (the watch re-listed after a break): no answer.
+    # The same registrations listed again (the watch re-listed after a break) before the
+    # service read that ACK: no change, no answer, by the time the ACK is handled.
     m.update({"127.0.0.1:8001": _reg("127.0.0.1:8001"), "[::1]:8002": _reg("[::1]:8002")})
-    assert await envoy.answer(0.5) is None
+    assert m.version == second.version_info
+    line = await handled.after(3)
+    assert (line.requests, line.answers, line.version) == (3, 2, second.version_info)
     m.update({})  # every registration lapsed: Envoy is told the pool is empty
     third = await envoy.answer()
-    assert third is not None and _hosts(third) == []
+    assert _hosts(third) == []
     assert not pools[-1].enabled
     envoy.out.put_nowait(None)
 
@@ -144,7 +188,7 @@ async def test_a_refused_registration_reaches_neither_envoy_nor_the_pool(
     envoy = _Envoy(stub)
     envoy.send(["replicas"])
     resp = await envoy.answer()
-    assert resp is not None and _hosts(resp) == ["127.0.0.1:8001"]
+    assert _hosts(resp) == ["127.0.0.1:8001"]
     assert [r.address for r in pools[-1].replicas] == ["127.0.0.1:8001"]
     assert any("registration refused" in r.message and "8009" in str(r.__dict__)
                for r in caplog.records)
@@ -158,12 +202,11 @@ async def test_a_changed_fingerprint_is_a_change(
     envoy = _Envoy(stub)
     envoy.send(["replicas"])
     first = await envoy.answer()
-    assert first is not None
     envoy.send(["replicas"], version=first.version_info, nonce=first.nonce)
     m.update({"127.0.0.1:8001": _reg("127.0.0.1:8001", {"weights_revision": "m@sha256:2"})})
     # Same address, other weights: the pool changes (its fingerprint), Envoy is re-told.
     again = await envoy.answer()
-    assert again is not None and _hosts(again) == ["127.0.0.1:8001"]
+    assert _hosts(again) == ["127.0.0.1:8001"]
     assert pools[-1].replicas[0].fingerprint.weights_revision == "m@sha256:2"
     envoy.out.put_nowait(None)
 
@@ -175,9 +218,47 @@ async def test_a_nack_is_logged_and_names_for_other_clusters_get_nothing(
     envoy = _Envoy(stub)
     envoy.send(["other"])
     resp = await envoy.answer()
-    assert resp is not None and list(resp.resources) == []
+    assert list(resp.resources) == []
     envoy.send(["replicas"], version="", nonce=resp.nonce)  # NACK of that answer ...
     resp2 = await envoy.answer()  # ... and a subscription to ours: answered
-    assert resp2 is not None and _hosts(resp2) == ["127.0.0.1:8001"]
+    assert _hosts(resp2) == ["127.0.0.1:8001"]
     assert any("rejected" in r.message for r in caplog.records)
     envoy.out.put_nowait(None)
+
+
+async def test_envoys_reply_read_before_our_write_returned(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Envoy's reply to an answer can be read before that answer's write has returned (on a
+    busy machine the reader can run first). Here it refuses the answer (for a cluster we do
+    not serve) and subscribes to ours: a NACK all the same, and ours is answered. Without
+    gRPC: the write itself waits until the service has read the reply."""
+    m = LiveMembership(on_pool=lambda pool: None)
+    m.update({"127.0.0.1:8001": _reg("127.0.0.1:8001")})
+    requests: asyncio.Queue[ds.DiscoveryRequest | None] = asyncio.Queue()
+    asked = asyncio.Event()  # the service asks for the next request: it read the last one
+
+    async def envoy() -> AsyncIterator[ds.DiscoveryRequest]:
+        while True:
+            if requests.empty():
+                asked.set()
+            if (req := await requests.get()) is None:
+                return
+            yield req
+
+    written: list[ds.DiscoveryResponse] = []
+
+    async def write(resp: ds.DiscoveryResponse) -> None:
+        written.append(resp)
+        if len(written) == 1:  # refused, and ours asked for, before this write returns
+            asked.clear()
+            requests.put_nowait(ds.DiscoveryRequest(
+                type_url=CLA_TYPE, resource_names=["replicas"], response_nonce=resp.nonce))
+            await asyncio.wait_for(asked.wait(), 10.0)
+        else:
+            requests.put_nowait(None)  # Envoy goes
+
+    requests.put_nowait(ds.DiscoveryRequest(type_url=CLA_TYPE, resource_names=["other"]))
+    await asyncio.wait_for(EndpointDiscovery(m).answer(envoy(), write), 10.0)
+    assert [r.message for r in caplog.records if "rejected" in r.message] == [
+        "Envoy rejected the replicas' endpoints"]
+    assert [_hosts(r) for r in written] == [[], ["127.0.0.1:8001"]]
