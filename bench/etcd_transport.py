@@ -3,6 +3,7 @@
     .venv/bin/python -m bench.etcd_transport                  # 2,000 txns, 1 and 16 in flight
     .venv/bin/python -m bench.etcd_transport --txns 4000 --concurrency 1,16,64
     .venv/bin/python -m bench.etcd_transport --instructions 200,700   # callgrind, ~10 min
+    .venv/bin/python -m bench.etcd_transport --transports grpc --group 1,2,4,16  # group commit
 
 The journal makes three transactions per request over grpc.aio (decision 0007); a profile
 at saturation puts grpc.aio's unary call at about a tenth of the processor's CPU. This
@@ -25,6 +26,15 @@ in an order rotated from round to round. The gateway is not what the journal use
 (decision 0052 says why; nor is grpclib, same decision); these are the figures it rests
 on. etcd's own CPU is reported too: its gateway translates each JSON call into a gRPC call
 to itself.
+
+`--group K1,K2` adds a lever not a transport: group commit on grpc.aio. Row `groupK` sends
+the same Txns K to a call, nested (RequestOp.request_txn, etcd >= 3.3) in one outer Txn
+with no compare, each keeping its own compare and answering with its own `succeeded`: one
+gRPC call, one raft entry, one WAL write for K of them. Its figures stay per transaction
+(K of them a call); 'in flight' counts calls, so `grpc` at 16 in flight and `group16` at 1
+hold the same transactions outstanding; a call's latency is reported beside them. `group1`
+is one transaction nested alone: the cost of the nesting itself. What etcd allows in a group
+(keys siblings may share, max-txn-ops, leases) is tests/adapters/test_etcd_group_txn.py's.
 
 `--instructions N1,N2` counts instead, exactly and whatever the machine's load, the client
 process's instructions per transaction: each transport runs N1 and then N2 transactions
@@ -71,16 +81,35 @@ def http_body(key: bytes, val: bytes) -> bytes:
         "failure": [{"request_range": {"key": k}}]}, separators=(",", ":")).encode()
 
 
-def txn_request(key: bytes, i: int) -> Any:
-    """The journal-sized create-if-absent Txn as aetcd's protobuf message (both gRPC clients)."""
+def fill_txn(r: Any, key: bytes, i: int) -> Any:
+    """Fill `r` (an empty TxnRequest, top-level or nested in place) with the journal-sized
+    create-if-absent Txn."""
     from aetcd import rpc
 
-    r = rpc.TxnRequest()
     c = r.compare.add()
     c.key, c.target, c.result, c.version = key, rpc.Compare.VERSION, rpc.Compare.EQUAL, 0
     op = r.success.add()
     op.request_put.key, op.request_put.value = key, value(i)
     r.failure.add().request_range.key = key
+    return r
+
+
+def txn_request(key: bytes, i: int) -> Any:
+    """The journal-sized create-if-absent Txn as aetcd's protobuf message (both gRPC clients)."""
+    from aetcd import rpc
+
+    return fill_txn(rpc.TxnRequest(), key, i)
+
+
+def group_request(items: list[tuple[int, bytes]]) -> Any:
+    """Group commit: one outer Txn with no compare whose success branch holds each of
+    `items`' Txns nested (RequestOp.request_txn, etcd >= 3.3), built in place (no copy).
+    Each nested Txn keeps its own compare; its response says whether it held."""
+    from aetcd import rpc
+
+    r = rpc.TxnRequest()
+    for i, k in items:
+        fill_txn(r.success.add().request_txn, k, i)
     return r
 
 
@@ -162,8 +191,50 @@ async def run_http(port: int, keys: list[bytes], conc: int) -> None:
     await asyncio.gather(*(worker() for _ in range(conc)))
 
 
-RUNNERS: dict[str, Callable[[int, list[bytes], int], Coroutine[Any, Any, None]]] = {
-    "grpc": run_grpc, "grpclib": run_grpclib, "http": run_http}
+async def run_grouped(port: int, keys: list[bytes], conc: int, k: int) -> None:
+    """grpc.aio as `run_grpc`, but `k` transactions a call: `conc` groups in flight."""
+    import grpc
+    from aetcd import rpc
+
+    md = grpc.aio.Metadata(*METADATA)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        stub = rpc.KVStub(ch)
+        await stub.Range(rpc.RangeRequest(key=b"warm"), timeout=5)
+        items = list(enumerate(keys))
+        todo = [items[j:j + k] for j in range(0, len(items), k)]
+
+        async def worker() -> None:
+            while todo:
+                batch = todo.pop()
+                got = await stub.Txn(group_request(batch), timeout=5, metadata=md)
+                if len(got.responses) != len(batch) or not all(
+                        r.response_txn.succeeded for r in got.responses):
+                    raise RuntimeError(f"a key of {batch[0][1]!r}.. existed")
+
+        await asyncio.gather(*(worker() for _ in range(conc)))
+
+
+Runner = Callable[[int, list[bytes], int], Coroutine[Any, Any, None]]
+RUNNERS: dict[str, Runner] = {"grpc": run_grpc, "grpclib": run_grpclib, "http": run_http}
+
+
+def group_size(name: str) -> int:
+    """K of a `groupK` runner (grpc.aio, K transactions nested in one Txn); 1 otherwise."""
+    if name.startswith("group") and name[5:].isdigit() and int(name[5:]) >= 1:
+        return int(name[5:])
+    if name in RUNNERS:
+        return 1
+    raise ValueError(f"no runner {name!r}: {', '.join(RUNNERS)} or groupK (K >= 1)")
+
+
+def runner(name: str) -> Runner:
+    if name in RUNNERS:
+        return RUNNERS[name]
+    k = group_size(name)
+
+    def run(port: int, keys: list[bytes], conc: int) -> Coroutine[Any, Any, None]:
+        return run_grouped(port, keys, conc, k)
+    return run
 
 
 def order(names: list[str], r: int) -> list[str]:
@@ -177,11 +248,15 @@ def measure(name: str, port: int, etcd_pid: int, n: int, conc: int, tag: str) ->
 
     keys = [b"bench/%s/%d" % (tag.encode(), i) for i in range(n)]
     e0, c0, t0, w0 = proc_cpu_s(etcd_pid), time.process_time(), os.times(), time.monotonic()
-    uvloop.run(RUNNERS[name](port, keys, conc))
+    uvloop.run(runner(name)(port, keys, conc))
     wall, cpu, t1, etcd = (time.monotonic() - w0, time.process_time() - c0, os.times(),
                            proc_cpu_s(etcd_pid) - e0)
+    calls = -(-n // group_size(name))
+    # Per call: `conc` workers each always waiting on one call (a closed loop), so by
+    # Little's law a call's mean latency is the wall time x conc / calls.
     return {"client_us": cpu / n * 1e6, "sys_us": (t1.system - t0.system) / n * 1e6,
-            "wall_us": wall / n * 1e6, "etcd_us": etcd / n * 1e6}
+            "wall_us": wall / n * 1e6, "etcd_us": etcd / n * 1e6,
+            "call_us": wall * conc / calls * 1e6}
 
 
 # --- instructions: `--instructions`, the client process under callgrind --------------------
@@ -225,8 +300,8 @@ def count(name: str, port: int, n: int, conc: int, tag: str) -> int:
 def play(name: str, port: int, n: int, conc: int, tag: str) -> None:
     import uvloop
 
-    uvloop.run(RUNNERS[name](port, [b"bench/%s/%d" % (tag.encode(), i) for i in range(n)],
-                             conc))
+    uvloop.run(runner(name)(port, [b"bench/%s/%d" % (tag.encode(), i) for i in range(n)],
+                            conc))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -240,14 +315,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--instructions", metavar="N1,N2",
                     help="instead: the client's instructions per transaction under callgrind, "
                     "two runs of N1 and N2 transactions, the difference (e.g. 200,700)")
-    ap.add_argument("--play", choices=list(RUNNERS), help=argparse.SUPPRESS)
+    ap.add_argument("--group", metavar="K1,K2",
+                    help="also grpc.aio with K transactions nested in one Txn (group commit; "
+                    "rows groupK), e.g. 1,4,16; figures stay per transaction")
+    ap.add_argument("--play", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--tag", default="play", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.play:  # inside valgrind
+        group_size(a.play)
         play(a.play, a.port, a.txns, int(a.concurrency), a.tag)
         return 0
     names = [t for t in RUNNERS if t in {x.strip() for x in a.transports.split(",")}]
+    if a.group:
+        names += [f"group{max(1, min(int(x), 123))}" for x in a.group.split(",") if x.strip()]
     if not names:
         ap.error(f"--transports: none of {', '.join(RUNNERS)}")
     n = max(100, min(a.txns, 50_000))
@@ -284,10 +365,11 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{conc:>9}  {name:>9}  {per_txn(small, large, n1, n2):>12,.0f}",
                           flush=True)
             return 0
-        print("client CPU (of it, system), wall and etcd CPU per transaction (us; median of "
-              f"{rounds} rounds of {n}, min-max)")
+        print("client CPU (of it, system), wall and etcd CPU per transaction, and a call's "
+              f"latency (us; median of {rounds} rounds of {n}, min-max; groupK: K "
+              "transactions a call, 'in flight' counts calls)")
         print(f"{'in flight':>9}  {'transport':>9}  {'client CPU':>16}  {'client sys':>16}  "
-              f"{'wall':>16}  {'etcd CPU':>16}")
+              f"{'wall':>16}  {'etcd CPU':>16}  {'per call':>16}")
         for conc in concs:
             got: dict[str, list[dict[str, float]]] = {k: [] for k in names}
             for r in range(rounds):
@@ -296,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
                                              f"{name}-{conc}-{r}"))
             for name, rs in got.items():
                 cells = []
-                for k in ("client_us", "sys_us", "wall_us", "etcd_us"):
+                for k in ("client_us", "sys_us", "wall_us", "etcd_us", "call_us"):
                     xs = [x[k] for x in rs]
                     cells.append(f"{statistics.median(xs):5.0f} ({min(xs):.0f}-{max(xs):.0f})")
                 print(f"{conc:>9}  {name:>9}  " + "  ".join(f"{c:>16}" for c in cells),

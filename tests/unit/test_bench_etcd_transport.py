@@ -14,9 +14,12 @@ from bench.etcd_transport import (
     RUNNERS,
     TXN_PATH,
     callgrind_total,
+    group_request,
+    group_size,
     http_body,
     order,
     per_txn,
+    runner,
     txn_request,
     value,
 )
@@ -85,3 +88,16 @@ def test_per_txn_is_the_difference_over_the_extra_transactions() -> None:
     assert per_txn(1_600_000_000, 1_739_000_000, 200, 700) == 278_000
     with pytest.raises(ValueError):
         per_txn(1, 2, 700, 200)
+
+
+def test_a_group_nests_the_same_txns_in_one_outer_txn_with_no_compare() -> None:
+    items = [(i, b"bench/g/%d" % i) for i in (4, 5, 6)]
+    g = group_request(items)
+    assert list(g.compare) == [] and list(g.failure) == []
+    assert [op.request_txn for op in g.success] == [txn_request(k, i) for i, k in items]
+    assert rpc.TxnRequest.FromString(g.SerializeToString()) == g
+    assert [group_size(n) for n in ("grpc", "http", "group1", "group16")] == [1, 1, 1, 16]
+    assert runner("grpc") is RUNNERS["grpc"]
+    for bad in ("group0", "group", "groupx", "udp"):
+        with pytest.raises(ValueError):
+            group_size(bad)
