@@ -141,6 +141,19 @@ WAIT = "wait"  # another attempt still holds `live`: wait for its revocation or 
 # An earlier attempt's first delta was fenced but its release never left Envoy: take the
 # `delivery` back, fence that attempt, then admit (decision 0057).
 RECLAIM = "reclaim"
+# The refusals, by reason. Nothing ran for the request in the first and the last: a repeat
+# of its key may run it (`refusal_retryable`).
+UNKNOWN_REQUEST = "unknown request (no journal record)"
+DELIVERED = "first delta already sent: no second attempt"
+NOT_FENCED = "previous attempt is not fenced (lease still live)"
+
+
+def refusal_retryable(reason: str) -> bool:
+    """Whether a client refused for `reason` may send the request again: yes when no
+    attempt of it delivered anything (the record is unknown, or the previous attempt's
+    lease had not lapsed in time: its repeat waits for it, then runs); no once a first
+    delta was sent or the attempt number was taken."""
+    return reason in (UNKNOWN_REQUEST, NOT_FENCED)
 
 
 def after_failed_admission(*, attempt: int, has_meta: bool, delivered: bool,
@@ -156,17 +169,17 @@ def after_failed_admission(*, attempt: int, has_meta: bool, delivered: bool,
     response downstream; so the earlier attempt's released headers never reached the
     client, and its `delivery` records a first delta that never left (decision 0057)."""
     if not has_meta:
-        return "unknown request (no journal record)"
+        return UNKNOWN_REQUEST
     if delivered and release_lost and not attempt_taken:
         return RECLAIM
     if delivered:
-        return "first delta already sent: no second attempt"
+        return DELIVERED
     if attempt_taken:
         return f"attempt {attempt} was already admitted"
     if live_never_started:
         return TAKE_OVER
     if waited_s >= fence_wait_s:
-        return "previous attempt is not fenced (lease still live)"
+        return NOT_FENCED
     return WAIT
 
 

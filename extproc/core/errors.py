@@ -169,9 +169,10 @@ def tool_ledger_unavailable(rid: str | None) -> GatewayError:
                         request_id=rid, retryable=True)
 
 
-def attempt_not_admitted(rid: str | None, reason: str) -> GatewayError:
+def attempt_not_admitted(rid: str | None, reason: str,
+                         retryable: bool = False) -> GatewayError:
     return GatewayError(ErrorCode.ATTEMPT_NOT_ADMITTED, reason, 503, request_id=rid,
-                        retryable=False)
+                        retryable=retryable)
 
 
 def attempts_exhausted(rid: str | None, attempt: int, max_attempts: int) -> GatewayError:

@@ -19,7 +19,13 @@ from typing import Any, TypeVar
 
 from . import headers as H
 from . import records
-from .admission import Admitted, AttemptRequest, envoy_retries, retry_after_s
+from .admission import (
+    Admitted,
+    AttemptRequest,
+    envoy_retries,
+    refusal_retryable,
+    retry_after_s,
+)
 from .config import Config
 from .errors import (
     GatewayError,
@@ -388,7 +394,8 @@ def _gate_decided(m: GateMachine, ev: AdmissionDecided) -> list[Action]:
 
 def _gate_admitted(m: GateMachine, ev: AdmitDecided) -> list[Action]:
     if not ev.admitted:
-        return _refuse(m, attempt_not_admitted(m.request_id, ev.reason), ev.wall)
+        return _refuse(m, attempt_not_admitted(m.request_id, ev.reason,
+                                               refusal_retryable(ev.reason)), ev.wall)
     m.leased = True
     m.waited_for_previous_s = ev.waited_s
     m.admitted_mono = ev.mono

@@ -472,13 +472,20 @@ def test_a_later_attempt_runs_the_admission_transaction_within_its_deadline() ->
     assert isinstance(fence, Fence) and fence.until_mono == 10.0 + 16.0 - FENCE_MARGIN_S
 
 
-def test_the_journal_refusing_gives_the_reason() -> None:
+@pytest.mark.parametrize(("reason", "retryable"), [
+    ("first delta already sent: no second attempt", False),
+    ("attempt 2 was already admitted", False),
+    # Nothing ran for these: a repeat of the key may run the request.
+    ("previous attempt is not fenced (lease still live)", True),
+    ("unknown request (no journal record)", True),
+])
+def test_the_journal_refusing_gives_the_reason(reason: str, retryable: bool) -> None:
     g = started(attempt=2)
     g.handle(IntakeCommitted(wall=WALL0 + 1))
     g.handle(AdmissionDecided(ADMITTED))
-    [r] = g.handle(AdmitDecided(False, "first delta already sent: no second attempt"))
+    [r] = g.handle(AdmitDecided(False, reason))
     assert isinstance(r, Refuse) and r.error.code is ErrorCode.ATTEMPT_NOT_ADMITTED
-    assert "first delta already sent" in r.error.message
+    assert r.error.message == reason and r.error.retryable is retryable
 
 
 @pytest.mark.parametrize("preadmitted", [True, False])
