@@ -66,8 +66,7 @@ TRACE_RECORD_COST = 320
 # Records of events that repeat across requests (no request-specific data in them) are one
 # shared, never mutated dict each: an open stream holds references, not copies.
 _SHARED_RECORD_TYPES = frozenset({ResponseHeaders, FenceDecided, Fenced, LeaseLost,
-                                  RequestHeadersSeen, RequestBodySeen, RequestOpened,
-                                  RequestBody})
+                                  RequestHeadersSeen, RequestOpened, RequestBody})
 _SHARED_RECORDS: dict[Event, dict[str, Any]] = {}
 
 
@@ -86,10 +85,8 @@ def _event_record(ev: Event) -> dict[str, Any]:
         return chunk_record(ev.data, ev.end_of_stream, ev.lease_expired)
     if type(ev) in _SHARED_RECORD_TYPES and not (
             (isinstance(ev, ResponseHeaders) and (ev.handoff or ev.model_revision))
-            or (isinstance(ev, (RequestHeadersSeen, RequestBodySeen)) and ev.error is not None)):
-        # (A hand-off, a model revision or a refusal is per request: such are not shared.
-        # An accepted body's record is its usage mode and keyed flag: one per pair, not
-        # one per open stream; decision 0057.)
+            or (isinstance(ev, RequestHeadersSeen) and ev.error is not None)):
+        # (A hand-off, a model revision or a refusal is per request: such are not shared.)
         rec = _SHARED_RECORDS.get(ev)
         if rec is None:
             rec = _build_record(ev)

@@ -8,7 +8,6 @@ from typing import Any, get_args
 import pytest
 
 from extproc.core import records
-from extproc.core.errors import ErrorCode, bad_request
 from extproc.core.events import (
     AckLearned,
     AdmissionDecided,
@@ -50,9 +49,8 @@ from extproc.core.guard import (
     GUARD_TABLE,
     GuardMachine,
 )
-from extproc.core.machine import ProtocolViolation, _build_record, _event_record
+from extproc.core.machine import ProtocolViolation
 from extproc.core.sse import encode_event
-from extproc.core.usage import UsageMode
 
 from .gate_drive import ADMITTED
 
@@ -207,18 +205,3 @@ def test_every_transition_declares_where_it_may_go() -> None:
     for (role, _state, _ev), t in TABLE.items():
         assert t.next, (role, _state, _ev)
         assert t.next <= set(GATE_STATES if role == "gate" else GUARD_STATES)
-
-
-def test_an_accepted_body_s_record_is_shared_a_refused_one_is_its_own() -> None:
-    """What an open stream holds of its trace: an accepted body's record depends only on
-    its usage mode and keyed flag, so every stream's is the one shared dict (decision
-    0057), equal to the one built for it; a refusal carries its error, and is not shared."""
-    ev = RequestBodySeen(usage=UsageMode.KEEP, keyed=True)
-    a, b = _event_record(ev), _event_record(RequestBodySeen(usage=UsageMode.KEEP, keyed=True))
-    assert a is b and a == _build_record(ev) == {
-        "type": "RequestBodySeen", "error": None, "http_status": None,
-        "usage": str(UsageMode.KEEP), "keyed": True}
-    assert _event_record(RequestBodySeen(keyed=False)) is not a
-    bad = RequestBodySeen(error=bad_request(ErrorCode.INVALID_REQUEST_BODY, "no"))
-    r1, r2 = _event_record(bad), _event_record(bad)
-    assert r1 is not r2 and r1 == r2 and r1["http_status"] == 400
