@@ -118,7 +118,8 @@ class TimerSet(Generic[K]):
     handle until its time anyway), as the `spare` for a later deadline; at most two are
     pending, the later one cancelled if a third is needed. Exactly one `fire(kind)`, at the
     last deadline asked for. An open guard stream's two kinds (stall, checkpoint) hold one
-    port timer while the stream is idle, two while it streams (decision 0057)."""
+    port timer from its first delta to the checkpoint's first tick and while it is idle,
+    two while it streams on; no record per kind (decision 0058)."""
 
     __slots__ = ("_armed", "_at", "_clock", "_fire", "_handle", "_spare", "_spare_at",
                  "_timers")

@@ -123,7 +123,7 @@ class GuardMachine(Machine):
     # events it re-encodes when the engine gave no count; set by the adapter, not traced.
     count_text: Callable[[str], int] | None = None
     # (The shared empty tuple until the first is kept, `keep`: most streams keep none, and
-    # an open stream holds no empty list for it; decision 0057.)
+    # an open stream holds no empty list for it; decision 0058.)
     kept: list[bytes] | tuple[()] = ()
     uncounted: bool = False  # a whole (non-streaming) answer that reported no usage
     # Families whose terminal event refers to the stream (Responses): the data of its first

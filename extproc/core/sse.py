@@ -299,7 +299,7 @@ class SseDecoder:
         # Complete lines of the unfinished event (already parsed), and the unfinished line
         # (may end in a CR awaiting its LF). Between events (nearly always, on an open
         # stream) each is the shared empty tuple, not an empty list: 112 bytes less per
-        # open stream (decision 0057); a list is made when there is a piece to keep.
+        # open stream (decision 0058); a list is made when there is a piece to keep.
         self._head: list[bytes] | tuple[()] = ()
         self._tail: list[bytes] | tuple[()] = ()
         self._data: list[bytes] | tuple[()] = ()  # the unfinished event's data lines

@@ -199,10 +199,10 @@ class _KeepingPort:
 
 
 def test_two_kinds_cost_their_deadlines_and_one_port_timer() -> None:
-    """An open guard stream holds two timers (checkpoint, then stall, as its first delta
-    starts them) while it streams: one port timer for the earlier, the set itself its
+    """An open guard stream holds two timers, started as its first delta starts them
+    (checkpoint, then stall): one port timer for the earlier, the set itself its
     callback, no record, closure or cells per start (on this port and clock: 1,209 bytes
-    before decision 0055, 751 before decision 0057, 575 now)."""
+    before decision 0055, 751 before decision 0058, 575 now)."""
     port, clock = _KeepingPort(), FakeClock()
     keep: list[TimerSet[str]] = []
     gc.collect()

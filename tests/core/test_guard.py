@@ -253,7 +253,7 @@ def test_the_stall_watchdog_is_a_timer_row() -> None:
 def test_an_open_stream_holds_no_empty_kept_list_or_body_buffer() -> None:
     """A streaming request keeps no event text without a tokenizer and buffers no body:
     both stay the shared empties, not a list and a bytearray per open stream (decision
-    0057); with a tokenizer the text is kept, and a whole answer is buffered."""
+    0058); with a tokenizer the text is kept, and a whole answer is buffered."""
     m = GuardMachine.new(RID, 15.0)
     streaming(m)
     m.handle(ResponseBody(b'data: {"choices":[{"delta":{"content":"b"}}]}\n\n', False))

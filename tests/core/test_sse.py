@@ -771,7 +771,7 @@ def test_whole_run_one_match_takes_the_usual_message() -> None:
 def test_between_events_a_decoder_holds_no_lists() -> None:
     """An open stream's decoder sits between events nearly all the time: its unfinished
     event's lines, line and data are then the shared empty tuple, not three empty lists
-    (decision 0057: 168 bytes an open stream); a split event still builds its own."""
+    (decision 0058: 168 bytes an open stream); a split event still builds its own."""
     role = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n'
     for merge in (False, True):
         d = SseDecoder(merge_content=merge)
