@@ -103,67 +103,79 @@ class FakeTimers:
         return fired
 
 
-class _Due(Generic[K]):
-    """One kind's timer in a `TimerSet`: its deadline, its handle on the port, and the
-    port's callback itself (calling it is the timer falling due), so that a timer costs no
-    closure and no cells beside it (decision 0055: one open stream holds two)."""
-
-    __slots__ = ("at", "handle", "kind", "owner")
-
-    def __init__(self, owner: TimerSet[K], kind: K, at: float) -> None:
-        self.owner, self.kind, self.at = owner, kind, at
-        self.handle: TimerHandle | None = None
-
-    def __call__(self) -> None:
-        self.owner._fell_due(self.kind)
-
-
 class TimerSet(Generic[K]):
     """One session's timers, one per kind, on the `Timers` port: what a machine's
     `StartTimer(kind, s)` / `StopTimers` asks for, `fire(kind)` called when one falls due.
 
-    A kind started again moves its deadline: later, by keeping its one timer on the port and
-    waiting the rest when it fires (the guard's stall timer moves with every chunk, and a
-    timer per chunk was a measurable share of the per-chunk cost); earlier, by starting it
-    anew. Either way exactly one `fire(kind)`, at the last deadline asked for."""
+    The set keeps each kind's deadline, and port timers only for when one falls due: the
+    port's callback is the set itself, and when it is called every kind whose deadline has
+    come fires, earliest first (ties: the first started); then a port timer for the
+    earliest left, unless one pending comes no later. A kind started again moves its
+    deadline: later, by the number alone (the guard's stall timer moves with every chunk,
+    and a port timer per chunk was a measurable share of the per-chunk cost; a port timer
+    that then falls due early finds nothing due); earlier than every pending port timer,
+    by a new one. The one it came before is kept, not cancelled (asyncio keeps a cancelled
+    handle until its time anyway), as the `spare` for a later deadline; at most two are
+    pending, the later one cancelled if a third is needed. Exactly one `fire(kind)`, at the
+    last deadline asked for. An open guard stream's two kinds (stall, checkpoint) hold one
+    port timer from its first delta to the checkpoint's first tick and while it is idle,
+    two while it streams on; no record per kind (decision 0058)."""
 
-    __slots__ = ("_clock", "_due", "_fire", "_timers")
+    __slots__ = ("_armed", "_at", "_clock", "_fire", "_handle", "_spare", "_spare_at",
+                 "_timers")
 
     def __init__(self, timers: Timers, clock: _Clock, fire: Callable[[K], None]) -> None:
         self._timers, self._clock, self._fire = timers, clock, fire
-        self._due: dict[K, _Due[K]] = {}
+        self._at: dict[K, float] = {}  # each pending kind's deadline
+        # The earliest pending port timer and when it falls due; and a later one.
+        self._handle: TimerHandle | None = None
+        self._armed = _NEVER
+        self._spare: TimerHandle | None = None
+        self._spare_at = _NEVER
 
     def start(self, kind: K, seconds: float) -> None:
         at = self._clock.monotonic() + seconds
-        t = self._due.get(kind)
-        if t is not None and at >= t.at:
-            t.at = at
-            return
-        if t is not None:
-            assert t.handle is not None
-            t.handle.cancel()
-        t = self._due[kind] = _Due(self, kind, at)
-        t.handle = self._timers.start(seconds, t)
+        self._at[kind] = at
+        if at < self._armed:
+            self._arm(at, seconds)
 
-    def _fell_due(self, kind: K) -> None:
-        t = self._due.get(kind)
-        if t is None:
-            return
-        left = t.at - self._clock.monotonic()
-        if left > 0:  # moved later since it was started: wait the rest
-            t.handle = self._timers.start(left, t)
-            return
-        del self._due[kind]
-        self._fire(kind)
+    def _arm(self, at: float, seconds: float) -> None:
+        if self._handle is not None:
+            if self._spare is not None:
+                self._spare.cancel()
+            self._spare, self._spare_at = self._handle, self._armed
+        self._armed = at
+        self._handle = self._timers.start(seconds, self)
+
+    def __call__(self) -> None:
+        """A port timer fell due (the earliest pending): fire every kind due."""
+        self._handle, self._armed = self._spare, self._spare_at
+        self._spare, self._spare_at = None, _NEVER
+        due = self._at
+        while due:
+            kind = min(due, key=due.__getitem__)
+            at = due[kind]
+            left = at - self._clock.monotonic()
+            if left > 0:  # none due yet: a port timer for the earliest left, if needed
+                if at < self._armed:
+                    self._arm(at, left)
+                return
+            del due[kind]
+            self._fire(kind)
 
     def stop(self) -> None:
-        for t in self._due.values():
-            if t.handle is not None:
-                t.handle.cancel()
-        self._due.clear()
+        for h in (self._handle, self._spare):
+            if h is not None:
+                h.cancel()
+        self._handle = self._spare = None
+        self._armed = self._spare_at = _NEVER
+        self._at.clear()
 
     def __contains__(self, kind: object) -> bool:
-        return kind in self._due
+        return kind in self._at
+
+
+_NEVER = float("inf")
 
 
 async def sleep(timers: Timers, seconds: float) -> None:

@@ -122,14 +122,18 @@ class GuardMachine(Machine):
     # A tokenizer for the request's model (adapters.tokenizer), and the forwarded content
     # events it re-encodes when the engine gave no count; set by the adapter, not traced.
     count_text: Callable[[str], int] | None = None
-    kept: list[bytes] = field(default_factory=list)
+    # (The shared empty tuple until the first is kept, `keep`: most streams keep none, and
+    # an open stream holds no empty list for it; decision 0058.)
+    kept: list[bytes] | tuple[()] = ()
     uncounted: bool = False  # a whole (non-streaming) answer that reported no usage
     # Families whose terminal event refers to the stream (Responses): the data of its first
     # event and of the last one forwarded (references, not copies).
     first_data: bytes = b""
     last_data: bytes = b""
     status: int = 0
-    body: bytearray = field(default_factory=bytearray)  # non-streaming body (bounded)
+    # A non-streaming body (bounded); empty bytes until its first piece (no bytearray per
+    # open stream).
+    body: bytearray | bytes = b""
     max_buffer: int = 4 << 20
     finished: Finish | None = None
     recorded: bool | None = None  # Finish's write: landed, or never answered (None: not yet)
@@ -205,9 +209,16 @@ class GuardMachine(Machine):
         exact = self.bound != "upper"  # an upper bound is never called exact
         if self.engine_tokens is not None:
             return self.engine_tokens, exact, "engine"
-        if self.count_text is not None and self.kept:
-            return self.count_text(self.family.text_of(self.kept)), False, "tokenizer"
+        if self.count_text is not None and isinstance(kept := self.kept, list) and kept:
+            return self.count_text(self.family.text_of(kept)), False, "tokenizer"
         return self.delivered, False, "events"
+
+    def keep(self, raw: bytes) -> None:
+        """One more forwarded content event's bytes for `count_text`."""
+        if isinstance(kept := self.kept, list):
+            kept.append(raw)
+        else:
+            self.kept = [raw]
 
     def mark(self, end: int) -> None:
         """A content event forwarded: its last byte ends at body offset `end`."""
@@ -284,7 +295,8 @@ class GuardMachine(Machine):
         self.withheld = self.delivered - units
         self.delivered = units
         self.engine_tokens = None if et < 0 else et
-        del self.kept[kept:]
+        if isinstance(k := self.kept, list):
+            del k[kept:]
 
     def _terminal(self) -> bytes:
         """The family's terminal event: our error, in the stream's own shape."""
@@ -378,7 +390,7 @@ def _sse_forward(m: GuardMachine, events: list[SseEvent], end: bool) -> list[Act
                 out += e.raw
                 m.engine_tokens = None  # output the last count did not include
             if keep:
-                m.kept.append(e.raw)
+                m.keep(e.raw)
             m.delivered += e.content_units
             m.mark(m.sent + len(out))
         elif e.kind in (_K_ERROR, _K_MALFORMED) and m.delivered > 0:
@@ -444,7 +456,10 @@ def _guard_chunk(m: GuardMachine, ev: ResponseBody) -> list[Action]:
         return _send(data, ev.end_of_stream)
     # Non-streaming or an error status: pass bytes through; count once complete.
     if m.status == 200 and len(m.body) <= m.max_buffer:
-        m.body += ev.data
+        if m.body:
+            m.body += ev.data
+        else:
+            m.body = bytearray(ev.data)
     if ev.end_of_stream:
         m.state = _S_COMPLETE
         if m.status == 200:
@@ -507,9 +522,9 @@ def streaming_chunk(m: GuardMachine, data: bytes, end_of_stream: bool,
         et = int(found[1]) if found[1].isdigit() else None
         out = data if mode is _U_KEEP else data[:at] + b"}\n\n"
     m.engine_tokens = et
-    kept = m.kept
     if m.count_text is not None:
-        kept.append(data)
+        m.keep(data)
+    kept = m.kept
     m.delivered = delivered = m.delivered + units
     # m.mark(m.sent + len(out)) and m.sent_downstream(len(out)), inlined (a call each)
     m.sent = sent = m.sent + len(out)

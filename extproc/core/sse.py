@@ -296,9 +296,13 @@ class SseDecoder:
         self._reset()
 
     def _reset(self) -> None:
-        self._head: list[bytes] = []  # complete lines of the unfinished event (already parsed)
-        self._tail: list[bytes] = []  # the unfinished line (may end in a CR awaiting its LF)
-        self._data: list[bytes] = []
+        # Complete lines of the unfinished event (already parsed), and the unfinished line
+        # (may end in a CR awaiting its LF). Between events (nearly always, on an open
+        # stream) each is the shared empty tuple, not an empty list: 112 bytes less per
+        # open stream (decision 0058); a list is made when there is a piece to keep.
+        self._head: list[bytes] | tuple[()] = ()
+        self._tail: list[bytes] | tuple[()] = ()
+        self._data: list[bytes] | tuple[()] = ()  # the unfinished event's data lines
         self._event: str | None = None
         self._bom_pending = True
 
@@ -311,25 +315,26 @@ class SseDecoder:
             return []
         if self._bom_pending:
             buf = b"".join(self._tail) + chunk
-            self._tail = []
+            self._tail = ()
             if len(buf) < len(_BOM) and _BOM.startswith(buf):
-                self._tail.append(buf)
+                self._tail = [buf]
                 return []
             self._bom_pending = False
             if buf.startswith(_BOM):
                 # The spec strips a leading BOM; keep it in `raw` but out of the first line.
-                self._head.append(_BOM)
+                self._head = [_BOM]
                 buf = buf[len(_BOM) :]
                 if not buf:
                     return []
         elif self._tail:
             tail = self._tail
+            assert isinstance(tail, list)
             if tail[-1][-1] != _CR and b"\n" not in chunk and b"\r" not in chunk:
                 tail.append(chunk)
                 return []
             tail.append(chunk)
             buf = b"".join(tail)
-            self._tail = []
+            self._tail = ()
         else:
             buf = chunk
         return self._scan(buf, final=False)
@@ -350,7 +355,7 @@ class SseDecoder:
     def finish(self) -> list[SseEvent]:
         """End of stream: an unterminated trailing event with data still counts."""
         buf = b"".join(self._tail)
-        self._tail = []
+        self._tail = ()
         if self._bom_pending:
             buf = b""  # only a prefix of a BOM was ever fed
         events = self._scan(buf, final=True) if buf else []
@@ -365,7 +370,7 @@ class SseDecoder:
             data = lines[0] if len(lines) == 1 else b"\n".join(lines)
             fam = self._classify
             kind, units = classify(data) if fam is None else fam(data, self._event)
-            self._data = []
+            self._data = ()
         else:
             data, kind, units = b"", _NON_CONTENT, 0
         event = SseEvent(kind, data, raw, units, self._event)
@@ -383,16 +388,21 @@ class SseDecoder:
             if value[:1] == b" ":
                 value = value[1:]
         if name == b"data":
-            self._data.append(value)
+            if data := self._data:
+                assert isinstance(data, list)
+                data.append(value)
+            else:
+                self._data = [value]
         elif name == b"event":
             self._event = value.decode("utf-8", "replace")
         # `id`, `retry` and unknown fields do not affect classification.
 
     def _emit(self, buf: bytes, start: int, end: int) -> SseEvent:
-        if self._head:
-            self._head.append(buf[start:end])
-            raw = b"".join(self._head)
-            self._head = []
+        if head := self._head:
+            assert isinstance(head, list)
+            head.append(buf[start:end])
+            raw = b"".join(head)
+            self._head = ()
         else:
             raw = buf[start:end]
         return self._dispatch(raw)
@@ -511,9 +521,14 @@ class SseDecoder:
                     continue
                 if buf.startswith(b"data:", pos):
                     vstart = pos + 6 if buf[pos + 5 : pos + 6] == b" " else pos + 5
-                    data.append(buf[vstart:eol])
+                    if data:
+                        assert isinstance(data, list)
+                        data.append(buf[vstart:eol])
+                    else:
+                        data = self._data = [buf[vstart:eol]]
                 else:
                     self._field(buf[pos:eol])
+                    data = self._data  # (a bare `data` line: `_field` may have made it)
                 pos = eol + 1
         else:
             for match in _EOL.finditer(buf, pos):
@@ -533,7 +548,11 @@ class SseDecoder:
                 self._field(buf[pos:])
             pos = n
         if pos > start:
-            self._head.append(buf[start:pos])
+            if head := self._head:
+                assert isinstance(head, list)
+                head.append(buf[start:pos])
+            else:
+                self._head = [buf[start:pos]]
         if pos < n:
-            self._tail.append(buf[pos:])
+            self._tail = [buf[pos:]]  # (`feed` took the tail into `buf`: it is empty)
         return events

@@ -28,6 +28,7 @@ from extproc.core import guard as G
 from extproc.core import headers as H
 from extproc.core.config import Config, load_config
 from extproc.core.credentials import digest
+from extproc.core.events import TimerKind
 from extproc.gen.envoy.config.core.v3 import base_pb2 as core
 from extproc.gen.envoy.data.accesslog.v3 import accesslog_pb2 as al
 from extproc.gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
@@ -364,7 +365,9 @@ async def test_guard_checkpoints_the_delivered_count_on_its_timer() -> None:
     ctx.send(resp_headers({":status": "200", "content-type": "text/event-stream"}))
     ctx.send(resp_body(SSE_ROLE + SSE_CONTENT))
     await ctx.wait_for(4)
-    assert timers.pending() == 2  # the stall timer and the checkpoint's
+    # The stall timer and the checkpoint's: one port timer, for the earlier (decision 0058).
+    assert TimerKind.STALL in s.timers and TimerKind.CHECKPOINT in s.timers
+    assert timers.pending() == 1 and timers.next_due() == 2.0
     assert timers.advance(1.9) == 0
     assert timers.advance(0.1) == 1
     await idle()
@@ -823,7 +826,9 @@ async def test_gate_ends_a_silent_last_attempt_with_upstream_timeout() -> None:
     ctx, s, task = start(GateSession, p)
     ctx.send(gate_headers(1, p.clock.wall()))
     await ctx.wait_for(1)  # forwarded; the replica never sends headers
-    assert timers.pending() == 2
+    # Both first-delta limits, on one port timer for the earlier (decision 0058).
+    assert TimerKind.SOFT_FIRST_DELTA in s.timers and TimerKind.FIRST_DELTA in s.timers
+    assert timers.pending() == 1 and timers.next_due() == 5.0
     assert timers.advance(5.0) == 1  # the soft limit: slow, not failed
     await idle()
     assert len(ctx.out) == 1 and s.m.slow

@@ -48,9 +48,24 @@ def test_a_kind_started_again_earlier_is_started_anew_and_fires_once() -> None:
     timers, ts, fired = _set()
     ts.start("first_delta", 30.0)
     ts.start("first_delta", 5.0)
-    assert timers.pending() == 1  # the 30 s one was cancelled
-    timers.advance(40.0)
-    assert fired == [("first_delta", 5.0)]
+    assert timers.pending() == 2 and timers.next_due() == 5.0  # the 30 s one kept, spare
+    assert timers.advance(40.0) == 2  # the spare finds nothing due
+    assert fired == [("first_delta", 5.0)] and timers.pending() == 0
+
+
+def test_at_most_two_port_timers_the_later_cancelled_for_a_third() -> None:
+    timers, ts, fired = _set()
+    ts.start("stall", 30.0)
+    ts.start("checkpoint", 2.0)  # earlier: the 30 s port timer kept as the spare
+    assert timers.pending() == 2
+    ts.start("first_delta", 1.0)  # earlier again: the spare (30 s) cancelled
+    assert timers.pending() == 2 and timers.next_due() == 1.0
+    assert timers.advance(1.0) == 1 and fired == [("first_delta", 1.0)]
+    # The 2 s one is now the earliest; after it fires, one for the stall's 30 s.
+    assert timers.advance(1.0) == 1 and fired[-1] == ("checkpoint", 2.0)
+    assert timers.pending() == 1 and timers.next_due() == 30.0
+    timers.advance(28.0)
+    assert fired[-1] == ("stall", 30.0) and len(fired) == 3 and timers.pending() == 0
 
 
 def test_kinds_are_independent_and_stop_cancels_every_one() -> None:
@@ -183,10 +198,11 @@ class _KeepingPort:
         return _Kept(fire)
 
 
-def test_a_timer_costs_its_deadline_and_handle_and_no_closure() -> None:
-    """An open guard stream holds two timers (stall, checkpoint) for as long as it is open:
-    the port's callback is the timer's own record, no closure and cells made per start
-    (decision 0055: 1,209 bytes for two before, 665 now, on this port and clock)."""
+def test_two_kinds_cost_their_deadlines_and_one_port_timer() -> None:
+    """An open guard stream holds two timers, started as its first delta starts them
+    (checkpoint, then stall): one port timer for the earlier, the set itself its
+    callback, no record, closure or cells per start (on this port and clock: 1,209 bytes
+    before decision 0055, 751 before decision 0058, 575 now)."""
     port, clock = _KeepingPort(), FakeClock()
     keep: list[TimerSet[str]] = []
     gc.collect()
@@ -195,22 +211,46 @@ def test_a_timer_costs_its_deadline_and_handle_and_no_closure() -> None:
         before = tracemalloc.get_traced_memory()[0]
         for _ in range(500):
             ts: TimerSet[str] = TimerSet(port, clock, lambda kind: None)
-            ts.start("stall", 600.0)
             ts.start("checkpoint", 2.0)
+            ts.start("stall", 600.0)
             keep.append(ts)
         each = (tracemalloc.get_traced_memory()[0] - before) / len(keep)
     finally:
         tracemalloc.stop()
-    assert each < 900, f"{each:.0f} bytes per TimerSet with two timers"
+    assert each < 640, f"{each:.0f} bytes per TimerSet with two timers"
 
 
-def test_a_moved_timer_fires_once_through_its_own_record() -> None:
+def test_a_moved_timer_fires_once_and_a_port_timer_early_finds_nothing() -> None:
     timers, ts, fired = _set()
     ts.start("a", 1.0)
     ts.start("a", 3.0)  # later: the same port timer, waiting the rest when it fires
-    ts.start("b", 2.0)
-    ts.start("b", 0.5)  # earlier: started anew, the first one cancelled
-    assert timers.pending() == 2
-    timers.advance(5.0)
+    ts.start("b", 2.0)  # later than the port's timer: no other
+    assert timers.pending() == 1 and timers.next_due() == 1.0
+    ts.start("b", 0.5)  # earlier: a port timer for it, the first one kept as the spare
+    assert timers.pending() == 2 and timers.next_due() == 0.5
+    assert timers.advance(5.0) == 3  # 0.5 (b), 1.0 (nothing due: waits for a), 3.0 (a)
     assert fired == [("b", 0.5), ("a", 3.0)]
     assert "a" not in ts and "b" not in ts and timers.pending() == 0
+
+
+def test_kinds_due_together_fire_earliest_deadline_first_and_one_may_restart() -> None:
+    timers = FakeTimers(FakeClock())
+    fired: list[tuple[str, float]] = []
+
+    def fire(kind: str) -> None:
+        fired.append((kind, timers.clock.now))
+        if kind == "a" and len(fired) == 1:
+            ts.start("a", 4.0)  # from within a firing: due at 14.0, after b and c
+
+    ts: TimerSet[str] = TimerSet(timers, timers.clock, fire)
+    ts.start("a", 2.0)
+    ts.start("b", 1.0)
+    ts.start("c", 3.0)
+    ts.start("b", 2.5)  # b moves later: the port's timer at 1.0 finds nothing due
+    assert timers.advance(1.0) == 1 and fired == [] and timers.next_due() == 2.0
+    timers.clock.now = 10.0  # a late loop: the port's timer runs when a, b and c are due
+    assert timers.advance(0.0) == 1
+    assert fired == [("a", 10.0), ("b", 10.0), ("c", 10.0)]
+    assert "a" in ts and "b" not in ts and timers.pending() == 1 and timers.next_due() == 14.0
+    timers.advance(4.0)
+    assert fired[-1] == ("a", 14.0) and len(fired) == 4 and timers.pending() == 0

@@ -283,6 +283,23 @@ def test_the_stall_watchdog_is_a_timer_row() -> None:
     assert m.handle(TimerFired(TimerKind.STALL, 30.0)) == []
 
 
+def test_an_open_stream_holds_no_empty_kept_list_or_body_buffer() -> None:
+    """A streaming request keeps no event text without a tokenizer and buffers no body:
+    both stay the shared empties, not a list and a bytearray per open stream (decision
+    0058); with a tokenizer the text is kept, and a whole answer is buffered."""
+    m = GuardMachine.new(RID, 15.0)
+    streaming(m)
+    m.handle(ResponseBody(b'data: {"choices":[{"delta":{"content":"b"}}]}\n\n', False))
+    assert m.delivered == 2 and m.kept == () and m.body == b"" and type(m.body) is bytes
+    k = GuardMachine.new(RID, 15.0)
+    k.count_text = len
+    streaming(k)
+    raw = b'data: {"choices":[{"delta":{"content":"bc"}}]}\n\n'
+    k.handle(ResponseBody(raw, False))
+    assert type(k.kept) is list and k.kept[-1] == raw and len(k.kept) == k.delivered == 2
+    assert k.delivered_tokens() == (len("a") + len("bc"), False, "tokenizer")
+
+
 def test_the_delivered_count_is_checkpointed_on_a_timer_row() -> None:
     m = GuardMachine.new(RID, 15.0, progress_every=2.0)
     acts = streaming(m)
@@ -1384,7 +1401,7 @@ def test_the_packed_marks_answer_as_plain_ones_would(
             m.delivered += units
             m.engine_tokens = et
             if keep:
-                m.kept.append(b"x")
+                m.keep(b"x")
             pending += size
             m.mark(m.sent + pending)
             ref.marks.append((m.sent + pending, m.delivered, -1 if et is None else et,

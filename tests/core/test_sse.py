@@ -766,3 +766,21 @@ def test_whole_run_one_match_takes_the_usual_message() -> None:
     n = msg(b"x", -1)
     assert dec._rest[0].fullmatch(n) is None
     assert dec.whole_run(n) == 1 and dec.run_usage == (n.index(b',"usage":'), b"-1")
+
+
+def test_between_events_a_decoder_holds_no_lists() -> None:
+    """An open stream's decoder sits between events nearly all the time: its unfinished
+    event's lines, line and data are then the shared empty tuple, not three empty lists
+    (decision 0058: 168 bytes an open stream); a split event still builds its own."""
+    role = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n'
+    for merge in (False, True):
+        d = SseDecoder(merge_content=merge)
+        assert [e.kind for e in d.feed(role)] == [EventKind.NON_CONTENT]
+        assert (d._head, d._tail, d._data) == ((), (), ())
+        assert d.feed(role[:20]) == [] and d.pending() == role[:20]
+        assert d.feed(role[20:-2] + b"\n") == [] and d._data == [role[6:-2]]
+        assert d.feed(b"data\n") == [] and d._data == [role[6:-2], b""]  # a bare data line
+        events = d.feed(b"\n")
+        assert [(e.kind, e.data, e.raw) for e in events] == [
+            (EventKind.NON_CONTENT, role[6:-2] + b"\n", role[:-1] + b"data\n\n")]
+        assert (d._head, d._tail, d._data) == ((), (), ())
