@@ -88,6 +88,16 @@ def wait_until(pred: Any, timeout_s: float, what: str, interval_s: float = 0.05)
                        + (f" (last error: {last})" if last else ""))
 
 
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    """The JSON lines a demo process (replica, tool server, proxy) has written so far. A
+    line not yet ended by its newline is still being written (a reader can see part of a
+    write: CI read half a replica line once): it is left for the next read."""
+    if not path.exists():
+        return []
+    whole = path.read_text().split("\n")[:-1]  # the piece after the last newline
+    return [json.loads(line) for line in whole if line.strip()]
+
+
 def _http_ok(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=0.5) as r:
@@ -606,10 +616,7 @@ class Stack:
                    "tool server")
 
     def tool_log(self) -> list[dict[str, Any]]:
-        path = self.workdir / "tools.jsonl"
-        if not path.exists():
-            return []
-        return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+        return _jsonl(self.workdir / "tools.jsonl")
 
     def replica_proc(self, i: int, port: int) -> Proc:
         if self.replica_factory is not None:
@@ -774,9 +781,7 @@ class Stack:
     def proxy_log(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         for i in range(len(self.proxy_ports)):
-            path = self.workdir / f"proxy-r{i + 1}.jsonl"
-            if path.exists():
-                out += [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+            out += _jsonl(self.workdir / f"proxy-r{i + 1}.jsonl")
         return out
 
     def _start_envoy(self) -> None:
@@ -943,10 +948,7 @@ class Stack:
         return f"http://127.0.0.1:{self.tool_listen_port}"
 
     def replica_log(self, name: str) -> list[dict[str, Any]]:
-        path = self.workdir / f"replica-{name}.jsonl"
-        if not path.exists():
-            return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return _jsonl(self.workdir / f"replica-{name}.jsonl")
 
     def all_replica_logs(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
