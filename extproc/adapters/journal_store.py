@@ -619,17 +619,21 @@ class JournalStore:
         return res.succeeded
 
     async def _lost_release(self, rid: str, deliv: bytes, n: int, fence: str, by: str,
-                            rl: int, **extra: Any) -> Put:
-        """The put that closes attempt n's record as a release that never left."""
+                            rl: int, known: Mapping[str, Any] | None = None,
+                            **extra: Any) -> Put:
+        """The put that closes attempt n's record as a release that never left: over the
+        record `known` (the guard's end of the attempt it took over), else the one read."""
         att_k = self._att(rid, n)
-        found = (await self.kv.txn(Txn(success=[Get(att_k)]))).reads[0]
-        try:
-            admitted = json.loads(found[0].value) if found else {}
-        except ValueError:
-            admitted = {}
+        admitted: Any = known
+        if admitted is None:
+            found = (await self.kv.txn(Txn(success=[Get(att_k)]))).reads[0]
+            try:
+                admitted = json.loads(found[0].value) if found else {}
+            except ValueError:
+                admitted = {}
         rec = records.lost_release_end(
-            admitted if isinstance(admitted, dict) else {}, json.loads(deliv), fence=fence,
-            at=round(self.clock.wall(), 6), by=by)
+            admitted if isinstance(admitted, Mapping) else {}, json.loads(deliv),
+            fence=fence, at=round(self.clock.wall(), 6), by=by)
         return Put(att_k, _dumps({**rec, **extra}), rl)
 
     async def fence_first_delta(self, rid: str, attempt_id: str,
@@ -734,32 +738,25 @@ class JournalStore:
         end_live = Txn([value_below(live_k, _FENCED)], [Delete(live_k)])
         ops: list[Op] = [Put(key, _dumps(outcome), rl), Delete(self._k(rid, "guard")),
                          end_live]
-        lost: tuple[bytes, tuple[int, str]] | None = None
-        if nothing_released:
-            deliv_k = self._k(rid, "delivery")
-            found = (await self.kv.txn(Txn(success=[Get(deliv_k)]))).reads[0]
-            by = delivered_by(found[0].value) if found else None
-            if found and by is not None:
-                lost = found[0].value, by
-                log.warning("attempt %d's release never left Envoy: its delivery taken "
-                            "back with the outcome", by[0],
-                            extra={"request_id": rid, "attempt_id": by[1]})
-        if attempt_end is not None:
-            n, record = attempt_end
-            if lost is not None and lost[1][0] == n:
-                # The released attempt the guard took over is the one whose headers Envoy
-                # replaced with its own reply: one record, saying both.
-                ops.append(Put(self._att(rid, n), _dumps(records.lost_release_end(
-                    record, json.loads(lost[0]), fence="ended_with_request",
-                    at=round(self.clock.wall(), 6), by="request_end")), rl))
-            else:
-                ops.append(Put(self._att(rid, n), _dumps(record), rl))
-        if lost is not None:
-            ops.append(Delete(self._k(rid, "delivery")))
-            if attempt_end is None or lost[1][0] != attempt_end[0]:
-                ops.append(await self._lost_release(rid, lost[0], lost[1][0],
-                                                    "ended_with_request", "request_end", rl))
-        return (await self.kv.txn(Txn([absent(key)], ops, [end_live]))).succeeded
+        deliv_k = self._k(rid, "delivery")
+        found = ((await self.kv.txn(Txn(success=[Get(deliv_k)]))).reads[0]
+                 if nothing_released else [])
+        by = delivered_by(found[0].value) if found else None
+        # The released attempt the guard took over may be the lost one (Envoy replaced its
+        # headers with its own reply): then its one record says both.
+        own = attempt_end is not None and by is not None and by[0] == attempt_end[0]
+        if attempt_end is not None and not own:
+            ops.append(Put(self._att(rid, attempt_end[0]), _dumps(attempt_end[1]), rl))
+        if by is not None:
+            ops += [Delete(deliv_k), await self._lost_release(
+                rid, found[0].value, by[0], "ended_with_request", "request_end", rl,
+                attempt_end[1] if attempt_end is not None and own else None)]
+        done = (await self.kv.txn(Txn([absent(key)], ops, [end_live]))).succeeded
+        if done and by is not None:
+            log.warning("attempt %d's release never left Envoy: its delivery taken back "
+                        "with the outcome", by[0],
+                        extra={"request_id": rid, "attempt_id": by[1]})
+        return done
 
     async def exchange_budget(self, gateway_id: str, requests: int, retries: int
                               ) -> dict[str, tuple[int, int]]:
