@@ -250,6 +250,11 @@ class Stack:
     # When the supervisor last restarted a replica (monotonic): Envoy's active health checks
     # lag behind a death and a restart by up to (thresholds x interval).
     _restarted_at: float = 0.0
+    # What the stack did to its replicas, for a timeline (the chaos harness's report):
+    # (wall clock, replica, event), event one of `restarted` (the supervisor found it dead
+    # and started it again), `held_down` (SIGKILLed and kept down), `released`, `frozen`,
+    # `thawed`. Appended only; a death by a request's own fault shows as the restart after it.
+    replica_events: list[tuple[float, str, str]] = field(default_factory=list)
     _sup: threading.Thread | None = None
     cfg: Config | None = None
     processor_addr: str = ""
@@ -842,24 +847,29 @@ class Stack:
                     p.restarts += 1
                     p.start()
                     self._restarted_at = time.monotonic()
+                    self.replica_events.append((time.time(), p.name, "restarted"))
 
     def hold_down(self, name: str) -> None:
         """Kill a replica and keep it down (the supervisor leaves it alone)."""
         self._held.add(name)
         p = self.procs[name]
+        self.replica_events.append((time.time(), name, "held_down"))
         p.signal(signal.SIGKILL)
         if p.popen is not None:
             p.popen.wait(5)
 
     def release(self, name: str) -> None:
         self._held.discard(name)
+        self.replica_events.append((time.time(), name, "released"))
 
     def freeze(self, name: str) -> None:
         """SIGSTOP a replica: the kernel still accepts its connections, nothing answers."""
+        self.replica_events.append((time.time(), name, "frozen"))
         self.procs[name].signal(signal.SIGSTOP)
 
     def thaw(self, name: str) -> None:
         self.procs[name].signal(signal.SIGCONT)
+        self.replica_events.append((time.time(), name, "thawed"))
 
     def wait_replicas_healthy(self, timeout_s: float = 10.0) -> None:
         """Every replica answers its health path, and Envoy sees every one healthy (its
@@ -871,29 +881,44 @@ class Stack:
             if self._restarted_at and self.cfg is not None:
                 # Right after a restart Envoy may still call the replica healthy (it has not
                 # yet seen it die) and mark it down a moment later: let its checks catch up.
-                hc = self.cfg.pool.health_check
-                settle = (hc.unhealthy_threshold + hc.healthy_threshold) * hc.interval_s \
-                    + hc.timeout_s if hc.enabled else 0.0
-                left = self._restarted_at + settle - time.monotonic()
+                left = self._restarted_at + self.health_settle_s() - time.monotonic()
                 if left > 0:
                     time.sleep(left)
             wait_until(lambda: all(self.envoy_sees_replicas_healthy(a)
                                    for a in self.cell_admin_ports or [self.admin_port]),
                        timeout_s, "Envoy seeing every replica healthy")
 
-    def envoy_sees_replicas_healthy(self, admin_port: int = 0) -> bool:
+    def health_settle_s(self) -> float:
+        """How long Envoy's active health checks may lag behind a replica's death or
+        restart: (unhealthy + healthy threshold) x interval + timeout (0 without checks)."""
+        if self.cfg is None:
+            return 0.0
+        hc = self.cfg.pool.health_check
+        return ((hc.unhealthy_threshold + hc.healthy_threshold) * hc.interval_s
+                + hc.timeout_s) if hc.enabled else 0.0
+
+    def envoy_replica_flags(self, admin_port: int = 0,
+                            timeout_s: float = 2.0) -> dict[str, str] | None:
+        """Envoy's health_flags of each replica host (admin /clusters), by address; None
+        when the admin endpoint did not answer."""
         try:
             with urllib.request.urlopen(
                     f"http://127.0.0.1:{admin_port or self.admin_port}/clusters",
-                    timeout=2) as r:
+                    timeout=timeout_s) as r:
                 text = r.read().decode()
         except OSError:
-            return False
-        flags = {}
+            return None
+        flags: dict[str, str] = {}
         for line in text.splitlines():
             parts = line.split("::")
             if len(parts) == 4 and parts[0] == "replicas" and parts[2] == "health_flags":
                 flags[parts[1]] = parts[3]
+        return flags
+
+    def envoy_sees_replicas_healthy(self, admin_port: int = 0) -> bool:
+        flags = self.envoy_replica_flags(admin_port)
+        if flags is None:
+            return False
         ports = set(self.front_ports())
         seen = {int(a.rsplit(":", 1)[1]) for a in flags}
         return ports <= seen and all(f == "healthy" for f in flags.values())
