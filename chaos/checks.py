@@ -37,6 +37,10 @@ BREAK_KINDS: dict[str, str] = {
     "repeat_disagrees": "a repeat's answer disagrees with the journal",
     "retryable_key_refused": "a keyed request that ended retryable with nothing delivered "
                              "is refused when repeated",
+    "healthy_replica_passed_over": "a request without a fault of its own answered \"no "
+                                   "replica served it\" while a replica was serving "
+                                   "throughout (and its attempt budget was not spent on "
+                                   "failing replicas)",
 }
 __doc__ = (__doc__ or "") + "".join(f"\n- `{k}`: {v}" for k, v in BREAK_KINDS.items()) + "\n"
 
@@ -58,6 +62,12 @@ KNOWN_CODES = frozenset({
 REPEAT_CODES = frozenset({"request_in_progress", "request_already_completed",
                           "request_already_finished", "idempotency_key_reused"})
 INTERRUPTED_OUTCOMES = frozenset({"upstream_decode_interrupted", "gateway_interrupted"})
+# The answers that say no replica could serve the request (docs/errors.md): every attempt
+# failed or none could start (`upstream_unavailable`), the first delta never came in time
+# (`upstream_timeout`), no replica in the pool fits (`no_compatible_replica`), or the retry
+# budget refused the retry that was needed (`retry_budget_exhausted`).
+NO_REPLICA_CODES = frozenset({"upstream_unavailable", "upstream_timeout",
+                              "no_compatible_replica", "retry_budget_exhausted"})
 
 
 @dataclass(frozen=True)
@@ -133,6 +143,130 @@ class Seen:
                 "elapsed_s": round(self.elapsed_s, 4), "timed_out": self.timed_out}
 
 
+@dataclass(frozen=True)
+class ReplicaTimeline:
+    """One replica over a run (wall clock), as the harness recorded it."""
+
+    name: str
+    address: str  # host:port, as Envoy and the journal's attempts name it
+    # The sampler's view: (time, the process alive and accepting connections), in order.
+    samples: tuple[tuple[float, bool], ...]
+    # The stack's own acts on it: (time, `restarted` | `held_down` | `released` | `frozen`
+    # | `thawed`); `restarted` is the supervisor finding it dead (a request's kill fault).
+    events: tuple[tuple[float, str], ...] = ()
+    # Envoy's health_flags for it (admin /clusters), each time they changed.
+    envoy: tuple[tuple[float, str], ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "address": self.address,
+                "serving": [[round(a, 3), round(b, 3)] for a, b in serving_intervals(self)],
+                "down": _runs(self.samples, False),
+                "events": [[round(t, 3), e] for t, e in self.events],
+                "envoy": [[round(t, 3), f] for t, f in self.envoy]}
+
+
+# A supervisor restart at t: the process died at most this long before (its 50 ms poll,
+# with slack for a loaded machine).
+RESTART_DEATH_S = 0.25
+# Two samples further apart than this leave the time between them unknown (not serving).
+MAX_SAMPLE_GAP_S = 0.5
+
+
+def _runs(samples: tuple[tuple[float, bool], ...], want: bool,
+          max_gap_s: float = MAX_SAMPLE_GAP_S) -> list[list[float]]:
+    """[first, last] of each run of consecutive samples equal to `want`, no gap wider
+    than `max_gap_s` inside a run."""
+    out: list[list[float]] = []
+    prev: float | None = None
+    for t, ok in samples:
+        if ok is want:
+            if out and prev is not None and out[-1][1] == prev and t - prev <= max_gap_s:
+                out[-1][1] = t
+            else:
+                out.append([t, t])
+        prev = t
+    return [[round(a, 3), round(b, 3)] for a, b in out]
+
+
+def serving_intervals(tl: ReplicaTimeline) -> list[tuple[float, float]]:
+    """The closed intervals in which the replica is known to have been serving: every
+    sample in them saw the process alive and accepting (no gap wider than
+    MAX_SAMPLE_GAP_S), and no freeze, hold-down or supervisor restart fell in them."""
+    up: list[tuple[float, float]] = []
+    prev: float | None = None
+    for t, ok in tl.samples:
+        if ok and up and prev is not None and up[-1][1] == prev and t - prev <= \
+                MAX_SAMPLE_GAP_S:
+            up[-1] = (up[-1][0], t)
+        elif ok:
+            up.append((t, t))
+        prev = t
+    # Windows known not serving: frozen..thawed, held_down..released (open-ended when the
+    # heal never came), and the moments before each restart.
+    holes: list[tuple[float, float]] = []
+    opened: dict[str, float] = {}
+    for t, e in tl.events:
+        if e in ("frozen", "held_down"):
+            opened.setdefault(e, t)
+        elif e in ("thawed", "released"):
+            start = opened.pop("frozen" if e == "thawed" else "held_down", None)
+            if start is not None:
+                holes.append((start, t))
+        elif e == "restarted":
+            holes.append((t - RESTART_DEATH_S, t))
+    holes += [(start, float("inf")) for start in opened.values()]
+    for h0, h1 in holes:
+        cut: list[tuple[float, float]] = []
+        for a, b in up:
+            if b < h0 or a > h1:
+                cut.append((a, b))
+                continue
+            if a < h0:
+                cut.append((a, h0))
+            if b > h1:
+                cut.append((h1, b))
+        up = cut
+    return [(a, b) for a, b in up if b > a]
+
+
+@dataclass
+class Availability:
+    """Every replica's timeline over a run, and what the rule needs of the gateway's
+    config: Envoy's health-check lag and the attempt budget."""
+
+    replicas: tuple[ReplicaTimeline, ...]
+    # (unhealthy + healthy threshold) x interval + timeout: how long Envoy's view of a
+    # replica may lag behind its death or its restart (devkit Stack.health_settle_s).
+    lag_s: float
+    max_attempts: int
+    serving: dict[str, list[tuple[float, float]]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.serving = {r.address: serving_intervals(r) for r in self.replicas}
+
+    def serving_throughout(self, t0: float, t1: float) -> list[str]:
+        """The addresses of the replicas serving for the whole of [t0, t1]."""
+        return [addr for addr, ivs in self.serving.items()
+                if any(a <= t0 and t1 <= b for a, b in ivs)]
+
+    def name_of(self, address: str) -> str:
+        return next((r.name for r in self.replicas if r.address == address), address)
+
+    def envoy_flags_at(self, address: str, at: float) -> str:
+        """Envoy's last sampled health_flags for the replica at or before `at`."""
+        tl = next((r for r in self.replicas if r.address == address), None)
+        last = "unknown"
+        for t, f in (tl.envoy if tl is not None else ()):
+            if t > at:
+                break
+            last = f
+        return last
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"lag_s": self.lag_s, "max_attempts": self.max_attempts,
+                "replicas": [r.to_dict() for r in self.replicas]}
+
+
 @dataclass
 class Transcript:
     """One request, end to end, as the harness keeps it."""
@@ -152,6 +286,9 @@ class Transcript:
     # settled `gateway_interrupted` by another reader (the guard's outcome write, or the
     # whole stream, died with the process; docs/failure-classes.md).
     processor_killed_after_start: bool = False
+    # The replicas' timeline over the run (shared by every transcript of it); None: the
+    # `healthy_replica_passed_over` check is not made.
+    availability: Availability | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"index": self.index, "request_id": self.request_id,
@@ -595,6 +732,51 @@ def _check_repeats(t: Transcript, v: View, out: list[Break]) -> None:
                                       f"{last.status} {lcode or last.transport_error}"))
 
 
+def _reached(a: dict[str, Any]) -> bool:
+    """An attempt that reached a replica: named one, ran a gate (not a connection Envoy
+    could not open, `never_started`; not one its own gate refused)."""
+    return bool(a.get("replica")) and a.get("failure_class") != "never_started" \
+        and not a.get("refused")
+
+
+def _check_passed_over(t: Transcript, v: View, out: list[Break]) -> None:
+    """`healthy_replica_passed_over`: a request with no fault of its own and no processor
+    fault, answered with a "no replica served it" code, while at least one replica was
+    serving for the request's whole window extended back by Envoy's health-check lag, and
+    the record shows either an attempt sent to such a replica that failed, or fewer
+    attempts reaching a replica than the budget (`max_attempts`): the budget was not spent
+    on replicas that were failing (docs/chaos.md, decision 0060)."""
+    av = t.availability
+    if av is None or t.spec.fault is not None or t.processor_fault or v.outcome != "error":
+        return
+    code = (v.error or {}).get("code")
+    if code not in NO_REPLICA_CODES or t.record is None:
+        return  # (no record: record_missing says so; the attempts are what this rule reads)
+    t1 = t.seen.started_at + t.seen.elapsed_s
+    healthy = av.serving_throughout(t.seen.started_at - av.lag_s, t1)
+    if not healthy:
+        return
+    attempts = [a for a in t.record.get("attempts") or [] if isinstance(a, dict)]
+    reached = [a for a in attempts if _reached(a)]
+    to_healthy = [a for a in reached if a.get("replica") in healthy]
+    names = ", ".join(f"{av.name_of(h)} (Envoy: {av.envoy_flags_at(h, t.seen.started_at)})"
+                      for h in healthy)
+    tried = "; ".join(f"attempt {a.get('attempt')} -> {av.name_of(str(a.get('replica')))} "
+                      f"{a.get('failure_class')}/{a.get('envoy_cause')}" for a in reached)
+    if to_healthy:
+        a = to_healthy[0]
+        out.append(Break("healthy_replica_passed_over",
+                         f"{t.seen.status} {code}: attempt {a.get('attempt')} went to "
+                         f"{av.name_of(str(a.get('replica')))}, serving throughout, and "
+                         f"failed ({a.get('failure_class')}/{a.get('envoy_cause')}); "
+                         f"serving: {names}; attempts: {tried or 'none'}"))
+    elif len(reached) < av.max_attempts:
+        out.append(Break("healthy_replica_passed_over",
+                         f"{t.seen.status} {code} with {len(reached)} of {av.max_attempts} "
+                         f"attempts reaching a replica, while serving throughout (and "
+                         f"{av.lag_s:g} s before): {names}; attempts: {tried or 'none'}"))
+
+
 def check(t: Transcript) -> list[Break]:
     """Every break of one request, in a stable order."""
     out: list[Break] = []
@@ -618,6 +800,7 @@ def check(t: Transcript) -> list[Break]:
                          f"a fresh key answered as a repeat: {v.error.get('code')}"))
     _check_record(t, v, out)
     _check_repeats(t, v, out)
+    _check_passed_over(t, v, out)
     return out
 
 

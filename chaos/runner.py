@@ -11,12 +11,14 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import socket
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +28,15 @@ from devkit.devstack import Stack, wait_until
 from extproc.core.intake import DEFAULT_TENANT
 from extproc.core.journal import request_id_for_key
 
-from .checks import Break, Transcript, check, client_outcome, view
+from .checks import (
+    Availability,
+    Break,
+    ReplicaTimeline,
+    Transcript,
+    check,
+    client_outcome,
+    view,
+)
 from .faults import FAULT_KINDS, SHARD_FAULT_KINDS, ChaosLoop, Fault
 from .traffic import make_spec, reference, send
 
@@ -77,6 +87,8 @@ class Report:
     started_at: float
     wall_s: float
     harness_errors: list[str] = field(default_factory=list)
+    availability: Availability | None = None
+    sampler: dict[str, Any] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -116,6 +128,8 @@ class Report:
             "wall_s": round(self.wall_s, 1), "workdir": str(self.workdir),
             "summary": self.summary(),
             "faults": [f.to_dict() for f in self.faults],
+            "sampler": self.sampler,
+            "availability": self.availability.to_dict() if self.availability else None,
             "breaks": [{"kind": b.kind, "detail": b.detail, "request_id": t.request_id,
                         "index": t.index, "spec": t.spec.to_dict(),
                         "client_saw": {**t.seen.to_dict(),
@@ -153,6 +167,77 @@ def collect_logs(workdir: Path, rids: set[str], per_rid: int = 200) -> dict[str,
                     if rid in line and len(out[rid]) < per_rid:
                         out[rid].append(f"{path.name}: {line.rstrip()}")
     return out
+
+
+class _Sampler:
+    """The replicas' availability while the traffic runs: every `interval_s`, each
+    replica's process alive and accepting a connection, and Envoy's health_flags for it
+    (admin /clusters; kept when they change). Bounded: one thread, stopped with the
+    traffic; each probe has a short timeout."""
+
+    def __init__(self, stack: Stack, interval_s: float = 0.1) -> None:
+        self.stack, self.interval_s = stack, interval_s
+        self.names = [f"r{i + 1}" for i in range(len(stack.replica_ports))]
+        self.samples: dict[str, list[tuple[float, bool]]] = {n: [] for n in self.names}
+        self.envoy: dict[str, list[tuple[float, str]]] = {}
+        self.envoy_failures = 0
+        self.rounds = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="chaos-sampler", daemon=True)
+
+    @staticmethod
+    def _accepts(port: int) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return True
+        except OSError:
+            return False
+
+    def _run(self) -> None:
+        while not self.stop.wait(self.interval_s):
+            self.rounds += 1
+            for name, port in zip(self.names, self.stack.replica_ports, strict=True):
+                p = self.stack.procs.get(name)
+                ok = p is not None and p.alive() and self._accepts(port)
+                self.samples[name].append((time.time(), ok))
+            at = time.time()
+            flags = self.stack.envoy_replica_flags(timeout_s=0.5)
+            if flags is None:
+                self.envoy_failures += 1
+                continue
+            for addr, f in flags.items():
+                seen = self.envoy.setdefault(addr, [])
+                if not seen or seen[-1][1] != f:
+                    seen.append((at, f))
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def finish(self) -> None:
+        self.stop.set()
+        self.thread.join(5.0)
+
+    def stats(self) -> dict[str, Any]:
+        gaps = [b[0] - a[0] for s in self.samples.values() for a, b in pairwise(s)]
+        return {"interval_s": self.interval_s, "rounds": self.rounds,
+                "max_gap_s": round(max(gaps), 3) if gaps else None,
+                "gaps_over_0.5s": sum(1 for g in gaps if g > 0.5),
+                "envoy_admin_failures": self.envoy_failures}
+
+    def availability(self) -> Availability:
+        st = self.stack
+        events: dict[str, list[tuple[float, str]]] = {n: [] for n in self.names}
+        for at, name, ev in list(st.replica_events):
+            if name in events:
+                events[name].append((at, ev))
+        addrs = [f"127.0.0.1:{p}" for p in st.front_ports()]
+        return Availability(
+            replicas=tuple(ReplicaTimeline(n, a, tuple(self.samples[n]),
+                                           tuple(sorted(events[n])),
+                                           tuple(self.envoy.get(a, ())))
+                           for n, a in zip(self.names, addrs, strict=True)),
+            lag_s=st.health_settle_s(),
+            max_attempts=st.cfg.policy.max_attempts if st.cfg is not None else 1)
 
 
 def _overlaps(a0: float, a1: float, b0: float, b1: float) -> bool:
@@ -309,6 +394,8 @@ def run(opts: Options) -> Report:
         log(f"chaos: stack up in {workdir}; traffic and faults for {opts.duration_s:.0f}s "
             f"(seed {opts.seed})")
         stop = threading.Event()
+        sampler = _Sampler(stack)
+        sampler.start()
         deadline = time.monotonic() + opts.duration_s
         workers = [threading.Thread(target=traffic.worker, args=(k, deadline, stop),
                                     name=f"chaos-client-{k}", daemon=True)
@@ -323,6 +410,8 @@ def run(opts: Options) -> Report:
             if any(w.is_alive() for w in workers):
                 stop.set()
                 harness_errors.append("a client worker outlived its bound")
+            sampler.finish()
+        availability = sampler.availability()
         log(f"chaos: {len(traffic.transcripts)} requests sent; settling")
         _settle(stack, opts, harness_errors)
         # A processor fault covers the request if it overlaps it (the kill's wall-clock
@@ -336,6 +425,7 @@ def run(opts: Options) -> Report:
             t.processor_fault = any(_overlaps(a0, a0 + t.seen.elapsed_s, s, e)
                                     for s, e in processor_down)
             t.processor_killed_after_start = any(s >= a0 - 0.5 for s, _ in processor_down)
+            t.availability = availability
         with httpx.Client(base_url=stack.base_url) as client:
             wait_until(lambda: client.get("/v1/requests/req_" + "0" * 26).status_code == 404,
                        30.0, "the status endpoint answering")
@@ -348,7 +438,8 @@ def run(opts: Options) -> Report:
         _repeat_keys(stack, opts, transcripts)
         breaks = [(t, b) for t in transcripts for b in check(t)]
         report = Report(options, transcripts, loop.faults, breaks, workdir, started_at,
-                        time.monotonic() - t0, harness_errors)
+                        time.monotonic() - t0, harness_errors, availability,
+                        sampler.stats())
     finally:
         stack.stop()
     (out / "report.json").write_text(json.dumps(report.to_dict(), indent=1, default=str))

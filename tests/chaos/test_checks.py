@@ -10,7 +10,18 @@ from typing import Any
 
 import pytest
 
-from chaos.checks import BREAK_KINDS, Seen, Spec, Transcript, check, parse_sse, view
+from chaos.checks import (
+    BREAK_KINDS,
+    Availability,
+    ReplicaTimeline,
+    Seen,
+    Spec,
+    Transcript,
+    check,
+    parse_sse,
+    serving_intervals,
+    view,
+)
 from chaos.traffic import reference
 
 RID = "req_" + "a" * 26
@@ -368,3 +379,132 @@ def test_a_record_settled_after_its_processor_died_is_documented_only_then() -> 
     t = transcript(s, chat_stream(ref), rec={**lost, "delivered_output_tokens_bound": None})
     t.processor_killed_after_start = True
     assert "journal_disagrees" in kinds(t)
+
+
+# --- healthy_replica_passed_over: the replicas' timeline against "no replica served it" ----
+
+R1, R2, R3 = "127.0.0.1:9001", "127.0.0.1:9002", "127.0.0.1:9003"
+
+
+def samples(t0: float, t1: float, down: tuple[tuple[float, float], ...] = (),
+            step: float = 0.1) -> tuple[tuple[float, bool], ...]:
+    """A sample every `step` s from t0 to t1, False inside the `down` windows."""
+    out = []
+    n = round((t1 - t0) / step)
+    for i in range(n + 1):
+        t = round(t0 + i * step, 3)
+        out.append((t, not any(a <= t <= b for a, b in down)))
+    return tuple(out)
+
+
+def test_serving_intervals_leave_out_deaths_freezes_restarts_and_sampling_gaps() -> None:
+    tl = ReplicaTimeline("r1", R1, samples(0.0, 10.0, down=((3.0, 3.5),)),
+                         events=((6.0, "frozen"), (7.0, "thawed"), (8.5, "restarted")))
+    assert serving_intervals(tl) == [(0.0, 2.9), (3.6, 6.0), (7.0, 8.25), (8.5, 10.0)]
+    # Two samples 0.8 s apart: what happened between them is not known, so not serving.
+    gap = tuple(x for x in samples(0.0, 4.0) if not 1.1 < x[0] < 1.9)
+    assert serving_intervals(ReplicaTimeline("r1", R1, gap)) == [(0.0, 1.1), (1.9, 4.0)]
+    # Held down and never released: not serving from the hold on.
+    held = ReplicaTimeline("r1", R1, samples(0.0, 4.0), events=((2.0, "held_down"),))
+    assert serving_intervals(held) == [(0.0, 2.0)]
+
+
+def availability(r3: ReplicaTimeline | None = None, lag_s: float = 4.0,
+                 max_attempts: int = 2) -> Availability:
+    """r1 dead from 100 to 112, r2 frozen from 101 to 106, r3 serving all along (unless
+    given): a request answered `503 upstream_unavailable` at 105 had r3 to go to."""
+    return Availability(
+        replicas=(ReplicaTimeline("r1", R1, samples(90.0, 120.0, down=((100.0, 112.0),))),
+                  ReplicaTimeline("r2", R2, samples(90.0, 120.0),
+                                  events=((101.0, "frozen"), (106.0, "thawed"))),
+                  r3 or ReplicaTimeline("r3", R3, samples(90.0, 120.0),
+                                        envoy=((90.0, "healthy"),))),
+        lag_s=lag_s, max_attempts=max_attempts)
+
+
+def unavailable(attempts: list[dict[str, Any]], av: Availability | None,
+                code: str = "upstream_unavailable", status: int = 503,
+                s: Spec | None = None, processor_fault: bool = False) -> Transcript:
+    body = json.dumps({"error": {"code": code, "request_id": RID, "retryable": True,
+                                 "partial_output": False}})
+    t = transcript(s or spec(), body, status=status, headers=JSON, elapsed=3.0,
+                   rec=record("upstream_failed", 0, sent=False, attempts=attempts),
+                   processor_fault=processor_fault)
+    t.seen.started_at = 104.0
+    t.availability = av
+    return t
+
+
+def refused(n: int) -> dict[str, Any]:
+    """An attempt Envoy could not connect for (no gate ran; closed by the next one)."""
+    return {"attempt": n, "released": False, "failure_class": "never_started",
+            "fence": "taken_over"}
+
+
+def reached(n: int, replica: str, cls: str = "upstream_dead",
+            cause: str = "upstream") -> dict[str, Any]:
+    return {"attempt": n, "replica": replica, "released": False, "failure_class": cls,
+            "envoy_cause": cause, "fence": "revoke"}
+
+
+def test_a_request_with_budget_left_while_a_replica_served_is_passed_over() -> None:
+    # One attempt reached a replica (the dead r1's stale health), the other was never
+    # started, and the request ended 503 with r3 serving since 4 s before it began.
+    t = unavailable([reached(1, R1, cause="UF"), refused(2)], availability())
+    assert kinds(t) == ["healthy_replica_passed_over"]
+    detail = check(t)[0].detail
+    assert "1 of 2 attempts" in detail and "r3 (Envoy: healthy)" in detail
+    # No attempt reached a replica at all: the same.
+    assert kinds(unavailable([refused(1), refused(2)], availability())) == [
+        "healthy_replica_passed_over"]
+    # The other "no replica" answers count too.
+    for code, status in (("upstream_timeout", 504), ("no_compatible_replica", 503),
+                         ("retry_budget_exhausted", 503)):
+        assert kinds(unavailable([reached(1, R2, "upstream_timeout", "UT")],
+                                 availability(), code, status)) == [
+            "healthy_replica_passed_over"], code
+
+
+def test_an_attempt_that_failed_on_a_serving_replica_is_passed_over() -> None:
+    t = unavailable([reached(1, R1, cause="UF"), reached(2, R3, "upstream_dead", "UC")],
+                    availability())
+    assert kinds(t) == ["healthy_replica_passed_over"]
+    assert "attempt 2 went to r3, serving throughout" in check(t)[0].detail
+
+
+def test_a_budget_spent_on_failing_replicas_is_not_passed_over() -> None:
+    # Both attempts that count went to replicas that were failing (r1 dead, r2 frozen):
+    # max_attempts is the policy, r3's being there does not change it.
+    spent = [reached(1, R1, cause="UF"), reached(2, R2, "upstream_timeout", "UT")]
+    assert check(unavailable(spent, availability())) == []
+    # With a budget of 3 the same record had one left: passed over.
+    assert kinds(unavailable(spent, availability(max_attempts=3))) == [
+        "healthy_replica_passed_over"]
+
+
+def test_no_replica_serving_for_the_whole_window_and_the_lag_is_no_break() -> None:
+    attempts = [refused(1), refused(2)]
+    # r3 restarted (a request's kill fault) 2 s before the request began: Envoy may not
+    # have seen it healthy again yet (lag 4 s), so nothing was passed over ...
+    late = ReplicaTimeline("r3", R3, samples(90.0, 120.0, down=((101.5, 102.0),)),
+                           events=((101.6, "restarted"),))
+    assert check(unavailable(attempts, availability(late))) == []
+    # ... but with a 1 s lag it had been serving long enough.
+    assert kinds(unavailable(attempts, availability(late, lag_s=1.0))) == [
+        "healthy_replica_passed_over"]
+    # r3 frozen during the request: nothing served it.
+    frozen = ReplicaTimeline("r3", R3, samples(90.0, 120.0),
+                             events=((106.0, "frozen"), (109.0, "thawed")))
+    assert check(unavailable(attempts, availability(frozen))) == []
+
+
+def test_only_fault_free_no_replica_answers_are_judged() -> None:
+    attempts = [refused(1), refused(2)]
+    av = availability()
+    faulty = Spec(family="chat", stream=True, prompt="hello", seed=3, max_tokens=4,
+                  fault="overloaded:503", fault_attempt="*")
+    assert check(unavailable(attempts, av, s=faulty)) == []
+    assert check(unavailable(attempts, av, processor_fault=True)) == []
+    assert check(unavailable(attempts, None)) == []  # no timeline: no judgement
+    # Not a "no replica" answer: etcd's, not the replicas'.
+    assert check(unavailable(attempts, av, "journal_unavailable")) == []
