@@ -170,6 +170,9 @@ class ReplicaTimeline:
 RESTART_DEATH_S = 0.25
 # Two samples further apart than this leave the time between them unknown (not serving).
 MAX_SAMPLE_GAP_S = 0.5
+# Envoy's view counts when its sampled health_flags held this long either side of a
+# request's start (two sampling rounds: a change between samples is seen late).
+ENVOY_SLACK_S = 0.2
 
 
 def _runs(samples: tuple[tuple[float, bool], ...], want: bool,
@@ -248,6 +251,28 @@ class Availability:
         """The addresses of the replicas serving for the whole of [t0, t1]."""
         return [addr for addr, ivs in self.serving.items()
                 if any(a <= t0 and t1 <= b for a, b in ivs)]
+
+    def envoy_healthy_around(self, address: str, at: float,
+                             slack_s: float = ENVOY_SLACK_S) -> bool:
+        """Envoy's sampled view called the replica healthy over [at - slack, at + slack]:
+        healthy at the last change before it, and no change within it."""
+        tl = next((r for r in self.replicas if r.address == address), None)
+        if tl is None:
+            return False
+        before = [f for t, f in tl.envoy if t <= at - slack_s]
+        changed = any(at - slack_s < t <= at + slack_s for t, _ in tl.envoy)
+        return bool(before) and before[-1] == "healthy" and not changed
+
+    def healthy_for(self, t0: float, t1: float) -> dict[str, str]:
+        """The replicas a request over [t0, t1] had to go to, each with why: serving
+        since `lag_s` before it (Envoy's checks must have seen it by then), or serving
+        throughout it while Envoy's own view called it healthy as it began."""
+        out = {addr: f"serving since {self.lag_s:g} s before"
+               for addr in self.serving_throughout(t0 - self.lag_s, t1)}
+        for addr in self.serving_throughout(t0 - ENVOY_SLACK_S, t1):
+            if addr not in out and self.envoy_healthy_around(addr, t0):
+                out[addr] = "serving, and healthy in Envoy's view as it began"
+        return out
 
     def name_of(self, address: str) -> str:
         return next((r.name for r in self.replicas if r.address == address), address)
@@ -739,42 +764,59 @@ def _reached(a: dict[str, Any]) -> bool:
         and not a.get("refused")
 
 
+def no_replica_verdict(t: Transcript, v: View | None = None) -> tuple[str, str] | None:
+    """How a fault-free "no replica served it" answer is judged (None: not one, or no
+    timeline): `no_record`, `no_replica_serving` (none served for the request's whole
+    window extended back by Envoy's health-check lag), `budget_spent_on_failing_replicas`
+    (every attempt the budget allows reached a replica that was failing), or
+    `passed_over` with the reason (docs/chaos.md, decision 0060). A replica the request
+    had to go to: serving (alive, accepting, not frozen, not held down) for its whole
+    window and either since Envoy's health-check lag before it, or with Envoy's own
+    sampled view calling it healthy as the request began."""
+    av = t.availability
+    v = v or view(t.spec, t.seen)
+    if av is None or t.spec.fault is not None or t.processor_fault or v.outcome != "error":
+        return None
+    code = (v.error or {}).get("code")
+    if code not in NO_REPLICA_CODES:
+        return None
+    if t.record is None:  # record_missing says so; the attempts are what this rule reads
+        return "no_record", ""
+    t0 = t.seen.started_at
+    healthy = av.healthy_for(t0, t0 + t.seen.elapsed_s)
+    if not healthy:
+        return "no_replica_serving", ""
+    attempts = [a for a in t.record.get("attempts") or [] if isinstance(a, dict)]
+    reached = [a for a in attempts if _reached(a)]
+    to_healthy = [a for a in reached if a.get("replica") in healthy]
+    names = ", ".join(f"{av.name_of(h)} ({why}; Envoy: {av.envoy_flags_at(h, t0)})"
+                      for h, why in healthy.items())
+    tried = "; ".join(f"attempt {a.get('attempt')} -> {av.name_of(str(a.get('replica')))} "
+                      f"{a.get('failure_class')}/{a.get('envoy_cause')}" for a in reached)
+    if to_healthy:
+        a = to_healthy[0]
+        return "passed_over", (f"{t.seen.status} {code}: attempt {a.get('attempt')} went to "
+                               f"{av.name_of(str(a.get('replica')))}, serving throughout, "
+                               f"and failed ({a.get('failure_class')}/"
+                               f"{a.get('envoy_cause')}); serving: {names}; attempts: "
+                               f"{tried or 'none'}")
+    if len(reached) < av.max_attempts:
+        return "passed_over", (f"{t.seen.status} {code} with {len(reached)} of "
+                               f"{av.max_attempts} attempts reaching a replica, while "
+                               f"serving throughout: {names}; attempts: {tried or 'none'}")
+    return "budget_spent_on_failing_replicas", ""
+
+
 def _check_passed_over(t: Transcript, v: View, out: list[Break]) -> None:
     """`healthy_replica_passed_over`: a request with no fault of its own and no processor
     fault, answered with a "no replica served it" code, while at least one replica was
     serving for the request's whole window extended back by Envoy's health-check lag, and
     the record shows either an attempt sent to such a replica that failed, or fewer
     attempts reaching a replica than the budget (`max_attempts`): the budget was not spent
-    on replicas that were failing (docs/chaos.md, decision 0060)."""
-    av = t.availability
-    if av is None or t.spec.fault is not None or t.processor_fault or v.outcome != "error":
-        return
-    code = (v.error or {}).get("code")
-    if code not in NO_REPLICA_CODES or t.record is None:
-        return  # (no record: record_missing says so; the attempts are what this rule reads)
-    t1 = t.seen.started_at + t.seen.elapsed_s
-    healthy = av.serving_throughout(t.seen.started_at - av.lag_s, t1)
-    if not healthy:
-        return
-    attempts = [a for a in t.record.get("attempts") or [] if isinstance(a, dict)]
-    reached = [a for a in attempts if _reached(a)]
-    to_healthy = [a for a in reached if a.get("replica") in healthy]
-    names = ", ".join(f"{av.name_of(h)} (Envoy: {av.envoy_flags_at(h, t.seen.started_at)})"
-                      for h in healthy)
-    tried = "; ".join(f"attempt {a.get('attempt')} -> {av.name_of(str(a.get('replica')))} "
-                      f"{a.get('failure_class')}/{a.get('envoy_cause')}" for a in reached)
-    if to_healthy:
-        a = to_healthy[0]
-        out.append(Break("healthy_replica_passed_over",
-                         f"{t.seen.status} {code}: attempt {a.get('attempt')} went to "
-                         f"{av.name_of(str(a.get('replica')))}, serving throughout, and "
-                         f"failed ({a.get('failure_class')}/{a.get('envoy_cause')}); "
-                         f"serving: {names}; attempts: {tried or 'none'}"))
-    elif len(reached) < av.max_attempts:
-        out.append(Break("healthy_replica_passed_over",
-                         f"{t.seen.status} {code} with {len(reached)} of {av.max_attempts} "
-                         f"attempts reaching a replica, while serving throughout (and "
-                         f"{av.lag_s:g} s before): {names}; attempts: {tried or 'none'}"))
+    on replicas that were failing."""
+    verdict = no_replica_verdict(t, v)
+    if verdict is not None and verdict[0] == "passed_over":
+        out.append(Break("healthy_replica_passed_over", verdict[1]))
 
 
 def check(t: Transcript) -> list[Break]:

@@ -35,6 +35,7 @@ from .checks import (
     Transcript,
     check,
     client_outcome,
+    no_replica_verdict,
     view,
 )
 from .faults import FAULT_KINDS, SHARD_FAULT_KINDS, ChaosLoop, Fault
@@ -114,6 +115,11 @@ class Report:
             "faults_not_injected": sum(1 for f in self.faults if f.error.startswith("inject")),
             "fault_heal_errors": sum(1 for f in self.faults if f.error.startswith("heal")),
             "keyed_repeats": sum(len(t.repeats) for t in self.transcripts),
+            # Fault-free "no replica served it" answers, by the healthy_replica_passed_over
+            # rule's verdict (docs/chaos.md).
+            "no_replica_answers_fault_free": dict(sorted(Counter(
+                verdict[0] for verdict in map(no_replica_verdict, self.transcripts)
+                if verdict is not None).items())),
             "breaks": len(self.breaks),
             "breaks_by_kind": dict(sorted(Counter(b.kind for _, b in self.breaks).items())),
             "harness_errors": self.harness_errors,
@@ -147,6 +153,11 @@ class Report:
                           "outcome": client_outcome(t),
                           "record_outcome": (t.record or {}).get("outcome"),
                           "repeats": [r.status for r in t.repeats],
+                          "no_replica_verdict": (no_replica_verdict(t) or (None,))[0],
+                          # The attempts of a fault-free "no replica served it" answer,
+                          # to judge it again from the report alone.
+                          "attempts": (t.record or {}).get("attempts")
+                          if no_replica_verdict(t) is not None else None,
                           "broken": t.index in broken}
                          for t in self.transcripts],
         }
@@ -458,6 +469,9 @@ def render_summary(report: Report, out: Path | None = None, max_breaks: int = 40
     lines += [f"  {k:45s} {v}" for k, v in s["requests_by_outcome"].items()]
     lines += ["", "per-request replica faults:"]
     lines += [f"  {k:45s} {v}" for k, v in s["request_faults"].items()]
+    if s["no_replica_answers_fault_free"]:
+        lines += ["", "fault-free \"no replica served it\" answers, judged:"]
+        lines += [f"  {k:45s} {v}" for k, v in s["no_replica_answers_fault_free"].items()]
     lines += ["", "faults injected:"]
     lines += [f"  {k:45s} {v}" for k, v in s["faults_injected"].items()]
     if s["faults_not_injected"] or s["fault_heal_errors"]:

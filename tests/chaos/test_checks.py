@@ -453,7 +453,8 @@ def test_a_request_with_budget_left_while_a_replica_served_is_passed_over() -> N
     t = unavailable([reached(1, R1, cause="UF"), refused(2)], availability())
     assert kinds(t) == ["healthy_replica_passed_over"]
     detail = check(t)[0].detail
-    assert "1 of 2 attempts" in detail and "r3 (Envoy: healthy)" in detail
+    assert "1 of 2 attempts" in detail
+    assert "r3 (serving since 4 s before; Envoy: healthy)" in detail
     # No attempt reached a replica at all: the same.
     assert kinds(unavailable([refused(1), refused(2)], availability())) == [
         "healthy_replica_passed_over"]
@@ -508,3 +509,22 @@ def test_only_fault_free_no_replica_answers_are_judged() -> None:
     assert check(unavailable(attempts, None)) == []  # no timeline: no judgement
     # Not a "no replica" answer: etcd's, not the replicas'.
     assert check(unavailable(attempts, av, "journal_unavailable")) == []
+
+
+def test_envoys_own_view_names_a_replica_that_came_up_within_the_lag() -> None:
+    # r3 came back (a request's kill fault) 1 s before the request began at 104: within the
+    # 4 s lag, so only Envoy's sampled view can say it was there to go to.
+    def r3(envoy: tuple[tuple[float, str], ...]) -> ReplicaTimeline:
+        return ReplicaTimeline("r3", R3, samples(90.0, 120.0, down=((101.0, 102.9),)),
+                               events=((101.0, "restarted"),), envoy=envoy)
+    attempts = [refused(1), refused(2)]
+    seen = r3(((90.0, "healthy"), (101.0, "/failed_outlier_check"), (103.4, "healthy")))
+    t = unavailable(attempts, availability(seen))
+    assert kinds(t) == ["healthy_replica_passed_over"]
+    assert "healthy in Envoy's view as it began" in check(t)[0].detail
+    # Envoy still had it ejected or failing its checks: nothing passed over.
+    ejected = r3(((90.0, "healthy"), (101.0, "/failed_outlier_check")))
+    assert check(unavailable(attempts, availability(ejected))) == []
+    # Envoy's view changed right at the start (within the sampling slack): not counted.
+    flipped = r3(((90.0, "healthy"), (101.0, "/failed_active_hc"), (103.9, "healthy")))
+    assert check(unavailable(attempts, availability(flipped))) == []
