@@ -191,6 +191,7 @@ class _Sampler:
         self.names = [f"r{i + 1}" for i in range(len(stack.replica_ports))]
         self.samples: dict[str, list[tuple[float, bool]]] = {n: [] for n in self.names}
         self.envoy: dict[str, list[tuple[float, str]]] = {}
+        self.dialed: dict[str, list[tuple[float, int, int]]] = {}
         self.envoy_failures = 0
         self.rounds = 0
         self.stop = threading.Event()
@@ -212,14 +213,21 @@ class _Sampler:
                 ok = p is not None and p.alive() and self._accepts(port)
                 self.samples[name].append((time.time(), ok))
             at = time.time()
-            flags = self.stack.envoy_replica_flags(timeout_s=0.5)
-            if flags is None:
+            hosts = self.stack.envoy_replica_stats(timeout_s=0.5)
+            if hosts is None:
                 self.envoy_failures += 1
                 continue
-            for addr, f in flags.items():
+            for addr, h in hosts.items():
+                f = h.get("health_flags", "")
                 seen = self.envoy.setdefault(addr, [])
                 if not seen or seen[-1][1] != f:
                     seen.append((at, f))
+                # Which hosts Envoy dialed: its connect failures and requests, when they
+                # changed (evidence for a "passed over" request; not judged).
+                counts = (int(h.get("cx_connect_fail", 0)), int(h.get("rq_total", 0)))
+                dialed = self.dialed.setdefault(addr, [])
+                if not dialed or dialed[-1][1:] != counts:
+                    dialed.append((round(at, 3), *counts))
 
     def start(self) -> None:
         self.thread.start()
@@ -233,7 +241,10 @@ class _Sampler:
         return {"interval_s": self.interval_s, "rounds": self.rounds,
                 "max_gap_s": round(max(gaps), 3) if gaps else None,
                 "gaps_over_0.5s": sum(1 for g in gaps if g > 0.5),
-                "envoy_admin_failures": self.envoy_failures}
+                "envoy_admin_failures": self.envoy_failures,
+                # Envoy's cx_connect_fail and rq_total per replica host, when they changed.
+                "envoy_host_counters": {a: [list(x) for x in v]
+                                        for a, v in self.dialed.items()}}
 
     def availability(self) -> Availability:
         st = self.stack

@@ -897,10 +897,11 @@ class Stack:
         return ((hc.unhealthy_threshold + hc.healthy_threshold) * hc.interval_s
                 + hc.timeout_s) if hc.enabled else 0.0
 
-    def envoy_replica_flags(self, admin_port: int = 0,
-                            timeout_s: float = 2.0) -> dict[str, str] | None:
-        """Envoy's health_flags of each replica host (admin /clusters), by address; None
-        when the admin endpoint did not answer."""
+    def envoy_replica_stats(self, admin_port: int = 0,
+                            timeout_s: float = 2.0) -> dict[str, dict[str, str]] | None:
+        """Envoy's per-host view of each replica (admin /clusters: health_flags,
+        cx_connect_fail, rq_total, ...), by address; None when the admin endpoint did not
+        answer."""
         try:
             with urllib.request.urlopen(
                     f"http://127.0.0.1:{admin_port or self.admin_port}/clusters",
@@ -908,12 +909,20 @@ class Stack:
                 text = r.read().decode()
         except OSError:
             return None
-        flags: dict[str, str] = {}
+        hosts: dict[str, dict[str, str]] = {}
         for line in text.splitlines():
             parts = line.split("::")
-            if len(parts) == 4 and parts[0] == "replicas" and parts[2] == "health_flags":
-                flags[parts[1]] = parts[3]
-        return flags
+            if len(parts) == 4 and parts[0] == "replicas":
+                hosts.setdefault(parts[1], {})[parts[2]] = parts[3]
+        return hosts
+
+    def envoy_replica_flags(self, admin_port: int = 0,
+                            timeout_s: float = 2.0) -> dict[str, str] | None:
+        """Envoy's health_flags of each replica host, by address (None: no answer)."""
+        hosts = self.envoy_replica_stats(admin_port, timeout_s)
+        if hosts is None:
+            return None
+        return {addr: h["health_flags"] for addr, h in hosts.items() if "health_flags" in h}
 
     def envoy_sees_replicas_healthy(self, admin_port: int = 0) -> bool:
         flags = self.envoy_replica_flags(admin_port)
