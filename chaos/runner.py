@@ -192,6 +192,7 @@ class _Sampler:
         self.samples: dict[str, list[tuple[float, bool]]] = {n: [] for n in self.names}
         self.envoy: dict[str, list[tuple[float, str]]] = {}
         self.dialed: dict[str, list[tuple[float, int, int]]] = {}
+        self.membership: list[tuple[float, int]] = []
         self.envoy_failures = 0
         self.rounds = 0
         self.stop = threading.Event()
@@ -213,6 +214,10 @@ class _Sampler:
                 ok = p is not None and p.alive() and self._accepts(port)
                 self.samples[name].append((time.time(), ok))
             at = time.time()
+            healthy = self._membership_healthy()
+            if healthy is not None and (not self.membership
+                                        or self.membership[-1][1] != healthy):
+                self.membership.append((round(at, 3), healthy))
             hosts = self.stack.envoy_replica_stats(timeout_s=0.5)
             if hosts is None:
                 self.envoy_failures += 1
@@ -229,6 +234,22 @@ class _Sampler:
                 if not dialed or dialed[-1][1:] != counts:
                     dialed.append((round(at, 3), *counts))
 
+    def _membership_healthy(self) -> int | None:
+        """Envoy's own count of the replicas cluster's healthy hosts (the gauge its load
+        balancer's host sets update), to set beside the per-host flags."""
+        url = (f"http://127.0.0.1:{self.stack.admin_port}/stats"
+               "?filter=^cluster\\.replicas\\.membership_healthy$")
+        try:
+            with httpx.Client(timeout=0.5) as c:
+                text = c.get(url).text
+        except httpx.HTTPError:
+            return None
+        for line in text.splitlines():
+            name, _, value = line.partition(": ")
+            if name == "cluster.replicas.membership_healthy" and value.strip().isdigit():
+                return int(value)
+        return None
+
     def start(self) -> None:
         self.thread.start()
 
@@ -244,7 +265,9 @@ class _Sampler:
                 "envoy_admin_failures": self.envoy_failures,
                 # Envoy's cx_connect_fail and rq_total per replica host, when they changed.
                 "envoy_host_counters": {a: [list(x) for x in v]
-                                        for a, v in self.dialed.items()}}
+                                        for a, v in self.dialed.items()},
+                # Envoy's cluster.replicas.membership_healthy gauge, when it changed.
+                "envoy_membership_healthy": [list(x) for x in self.membership]}
 
     def availability(self) -> Availability:
         st = self.stack

@@ -912,7 +912,9 @@ class Stack:
         hosts: dict[str, dict[str, str]] = {}
         for line in text.splitlines():
             parts = line.split("::")
-            if len(parts) == 4 and parts[0] == "replicas":
+            # Host lines name an address; the cluster's own (`outlier::`,
+            # `default_priority::`, ...) do not.
+            if len(parts) == 4 and parts[0] == "replicas" and ":" in parts[1]:
                 hosts.setdefault(parts[1], {})[parts[2]] = parts[3]
         return hosts
 
