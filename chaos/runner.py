@@ -14,6 +14,7 @@ import shutil
 import socket
 import threading
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -240,9 +241,9 @@ class _Sampler:
         url = (f"http://127.0.0.1:{self.stack.admin_port}/stats"
                "?filter=^cluster\\.replicas\\.membership_healthy$")
         try:
-            with httpx.Client(timeout=0.5) as c:
-                text = c.get(url).text
-        except httpx.HTTPError:
+            with urllib.request.urlopen(url, timeout=0.5) as r:
+                text = r.read().decode()
+        except OSError:
             return None
         for line in text.splitlines():
             name, _, value = line.partition(": ")

@@ -38,6 +38,10 @@ def test_a_fixed_seed_slice_has_no_break(tmp_path: Path) -> None:
     assert any("/keyed/" in k for k in kinds) and any("/keyless/" in k for k in kinds), text
     assert any(k.endswith("/fault") for k in kinds), text
     assert summary["requests_by_outcome"].get("complete", 0) > 0, text
+    # The replica timeline healthy_replica_passed_over reads was recorded, every replica
+    # seen serving at some time.
+    assert report.availability is not None and report.sampler["rounds"] > 0, text
+    assert all(report.availability.serving.values()), text
     assert not report.harness_errors, text
     assert summary["breaks"] == 0, text + "\n\n" + render_evidence(report)
 
