@@ -11,7 +11,7 @@ import pytest
 
 from chaos.checks import FAMILIES
 from chaos.faults import FAULT_KINDS
-from chaos.runner import Options, render_evidence, render_summary, run
+from chaos.runner import Options, Report, render_evidence, render_summary, run
 from extproc.adapters.shards import shard_of
 
 pytestmark = pytest.mark.e2e
@@ -19,6 +19,17 @@ pytestmark = pytest.mark.e2e
 
 SEED = 7
 DURATION_S = 35.0
+# Break kinds the slice reports but does not fail on yet: healthy_replica_passed_over
+# (decision 0060) finds two open gateway bugs (docs/chaos.md, "Measured": Envoy's load
+# balancer takes health changes up to its default 1 s update_merge_window late, so a
+# burst goes to a host already ejected while another is healthy; and an attempt on a
+# healthy replica failed "fence lost" right after its fence was confirmed, etcd member
+# frozen). Every other kind fails the slice; take this out once both are fixed.
+NOT_YET_FATAL = frozenset({"healthy_replica_passed_over"})
+
+
+def fatal(report: Report) -> list[str]:
+    return [b.kind for _, b in report.breaks if b.kind not in NOT_YET_FATAL]
 
 
 def test_a_fixed_seed_slice_has_no_break(tmp_path: Path) -> None:
@@ -43,7 +54,7 @@ def test_a_fixed_seed_slice_has_no_break(tmp_path: Path) -> None:
     assert report.availability is not None and report.sampler["rounds"] > 0, text
     assert all(report.availability.serving.values()), text
     assert not report.harness_errors, text
-    assert summary["breaks"] == 0, text + "\n\n" + render_evidence(report)
+    assert fatal(report) == [], text + "\n\n" + render_evidence(report)
 
 
 SHARDED_KINDS = ("etcd_shard_kill", "etcd_shard_freeze", "etcd_leader_kill", "replica_kill")
@@ -66,4 +77,4 @@ def test_a_sharded_journal_slice_has_no_break(tmp_path: Path) -> None:
             if t.request_id and t.seen.status == 200 and t.seen.transport_error is None]
     assert {shard_of(rid, 2) for rid in done} == {0, 1}, text
     assert not report.harness_errors, text
-    assert summary["breaks"] == 0, text + "\n\n" + render_evidence(report)
+    assert fatal(report) == [], text + "\n\n" + render_evidence(report)
