@@ -183,9 +183,10 @@ def collect_logs(workdir: Path, rids: set[str], per_rid: int = 200) -> dict[str,
 
 class _Sampler:
     """The replicas' availability while the traffic runs: every `interval_s`, each
-    replica's process alive and accepting a connection, and Envoy's health_flags for it
-    (admin /clusters; kept when they change). Bounded: one thread, stopped with the
-    traffic; each probe has a short timeout."""
+    replica's process alive and accepting a connection; Envoy's health_flags, connect
+    failures and requests for it (admin /clusters) and its membership_healthy gauge, each
+    kept when it changes. Bounded: one thread, stopped with the traffic; each probe has a
+    short timeout."""
 
     def __init__(self, stack: Stack, interval_s: float = 0.1) -> None:
         self.stack, self.interval_s = stack, interval_s
@@ -219,6 +220,7 @@ class _Sampler:
             if healthy is not None and (not self.membership
                                         or self.membership[-1][1] != healthy):
                 self.membership.append((round(at, 3), healthy))
+            at = time.time()
             hosts = self.stack.envoy_replica_stats(timeout_s=0.5)
             if hosts is None:
                 self.envoy_failures += 1
@@ -236,8 +238,8 @@ class _Sampler:
                     dialed.append((round(at, 3), *counts))
 
     def _membership_healthy(self) -> int | None:
-        """Envoy's own count of the replicas cluster's healthy hosts (the gauge its load
-        balancer's host sets update), to set beside the per-host flags."""
+        """Envoy's count of the replicas cluster's healthy hosts (its cluster's view, as
+        the per-host flags; the workers' load balancers may take a change later)."""
         url = (f"http://127.0.0.1:{self.stack.admin_port}/stats"
                "?filter=^cluster\\.replicas\\.membership_healthy$")
         try:
