@@ -528,3 +528,28 @@ def test_envoys_own_view_names_a_replica_that_came_up_within_the_lag() -> None:
     # Envoy's view changed right at the start (within the sampling slack): not counted.
     flipped = r3(((90.0, "healthy"), (101.0, "/failed_active_hc"), (103.9, "healthy")))
     assert check(unavailable(attempts, availability(flipped))) == []
+
+
+def test_the_report_counts_no_replica_answers_by_verdict_and_keeps_the_timeline(
+        tmp_path: Path) -> None:
+    from chaos.runner import Report, render_summary
+    av = availability()
+    passed = unavailable([refused(1), refused(2)], av)
+    spent = unavailable([reached(1, R1, cause="UF"), reached(2, R2, "upstream_timeout", "UT")],
+                        av)
+    none_up = unavailable([refused(1)], availability(
+        ReplicaTimeline("r3", R3, samples(90.0, 120.0), events=((105.0, "frozen"),))))
+    ts = [passed, spent, none_up]
+    rep = Report(options={"seed": 1, "etcd_members": 3}, transcripts=ts, faults=[],
+                 breaks=[(t, b) for t in ts for b in check(t)], workdir=tmp_path,
+                 started_at=0.0, wall_s=1.0, availability=av)
+    d = rep.to_dict()
+    assert d["summary"]["no_replica_answers_fault_free"] == {
+        "budget_spent_on_failing_replicas": 1, "no_replica_serving": 1, "passed_over": 1}
+    assert d["summary"]["breaks_by_kind"] == {"healthy_replica_passed_over": 1}
+    assert [q["no_replica_verdict"] for q in d["requests"]] == [
+        "passed_over", "budget_spent_on_failing_replicas", "no_replica_serving"]
+    assert d["requests"][1]["attempts"] == spent.record["attempts"]  # type: ignore[index]
+    r1 = d["availability"]["replicas"][0]
+    assert r1["name"] == "r1" and r1["down"] == [[100.0, 112.0]]
+    assert "budget_spent_on_failing_replicas" in render_summary(rep)
