@@ -533,7 +533,11 @@ class _Stream:
                     c.move_on(ep)
                     if len(tried) < c.endpoint_count:
                         continue
-                elif e.code() == grpc.StatusCode.UNAVAILABLE:
+                elif e.code() in (grpc.StatusCode.UNAVAILABLE,
+                                  grpc.StatusCode.DEADLINE_EXCEEDED):
+                    # As for unary calls: a frozen member's channel stays READY, so without
+                    # this the next keep-alive would go to it again (the chaos harness saw a
+                    # process lease lapse locally while two healthy members were there).
                     c.move_on(ep)
                 if e.code() == grpc.StatusCode.CANCELLED and self._cancelled:
                     return

@@ -34,6 +34,16 @@ _NOID = {"request_id": None, "attempt_id": None}
 _prefix_end = prefix_end
 
 
+def keep_alive_deadline(left_s: float, timeout_s: float) -> float:
+    """A keep-alive's own deadline: half of what the process lease has left locally, so a
+    try on a frozen member fails over to the next one before the lease lapses here (one
+    `timeout_s` can be longer than the lease's whole margin: 0.93 s left at a 2 s TTL); at
+    least 0.1 s, and `timeout_s` once it has lapsed (then only etcd's answer matters)."""
+    if left_s <= 0:
+        return timeout_s
+    return max(0.1, min(timeout_s, left_s / 2))
+
+
 class EtcdStore(JournalStore):
     def __init__(self, cfg: EtcdConfig, owner: str = "gw",
                  timers: Timers | None = None) -> None:
@@ -118,10 +128,11 @@ class EtcdStore(JournalStore):
                 log.error("session lease expired; granting a new one", extra=_NOID)
                 self._session = 0
 
-    async def _keep_alive(self, lease_id: int, what: str) -> int | None:
+    async def _keep_alive(self, lease_id: int, what: str,
+                          deadline_s: float | None = None) -> int | None:
         """One keep-alive: the lease's new TTL, 0 if etcd says it expired, None if no answer."""
         try:
-            return await self.etcd.keep_alive(lease_id)
+            return await self.etcd.keep_alive(lease_id, deadline_s)
         except StoreUnavailable as e:
             # Keep trying; a lease's local deadline stops publishing if this goes on.
             log.warning(f"{what} lease keep-alive failed", extra={**_NOID, "error": str(e)})
@@ -163,7 +174,8 @@ class EtcdStore(JournalStore):
     async def _renew(self, lease: ProcessLease) -> bool | None:
         """One keep-alive of the process lease: True renewed, False lost, None no answer."""
         sent = time.monotonic()
-        ttl = await self._keep_alive(lease.lease_id, "attempt")
+        ttl = await self._keep_alive(lease.lease_id, "attempt",
+                                     keep_alive_deadline(lease.deadline - sent, self.timeout))
         if ttl == 0:
             # Expired in etcd (we were cut off longer than its TTL): every key on it is
             # gone, so every attempt on it is fenced. The next admission grants anew.
@@ -185,5 +197,11 @@ class EtcdStore(JournalStore):
             if lease is None or lease.deadline <= 0:
                 delay = period
                 continue
-            # After a failed keep-alive, try again soon: the local deadline is running out.
-            delay = period if await self._renew(lease) is not None else min(period, 0.25)
+            # After a failed keep-alive, try again soon (that member is passed over now):
+            # sooner while the local deadline runs out, never in a tight loop.
+            if await self._renew(lease) is not None:
+                delay = period
+            else:
+                left = lease.deadline - time.monotonic()
+                delay = min(period, 0.25) if left <= 0 else max(0.02, min(period, 0.25,
+                                                                          left / 3))

@@ -149,8 +149,9 @@ class KV(Protocol):
 
     async def txn(self, t: Txn) -> TxnResult: ...
     async def grant(self, ttl_s: float) -> Lease: ...
-    async def keep_alive(self, lease_id: int) -> int:
-        """One keep-alive: the lease's TTL now, 0 when it is gone."""
+    async def keep_alive(self, lease_id: int, deadline_s: float | None = None) -> int:
+        """One keep-alive: the lease's TTL now, 0 when it is gone (`deadline_s`: the call's
+        own, shorter than the store's when the lease's local deadline is near)."""
         ...
     async def time_to_live(self, lease_id: int) -> int:
         """Seconds the lease has left; 0 or less when it is gone."""

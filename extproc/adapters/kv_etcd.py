@@ -171,11 +171,12 @@ class EtcdKV:
                                rpc.LeaseGrantRequest(TTL=int(ttl_s)))
         return Lease(int(resp.ID), int(resp.TTL))
 
-    async def keep_alive(self, lease_id: int) -> int:
+    async def keep_alive(self, lease_id: int, deadline_s: float | None = None) -> int:
         """One keep-alive on its own short stream (not counted as an answer for readiness)."""
         try:
             call = self._c().lease.LeaseKeepAlive(
-                iter([rpc.LeaseKeepAliveRequest(ID=lease_id)]), timeout=self.timeout)
+                iter([rpc.LeaseKeepAliveRequest(ID=lease_id)]),
+                timeout=deadline_s or self.timeout)
             async for reply in call:
                 return max(0, int(reply.TTL))
         except grpc.aio.AioRpcError as e:

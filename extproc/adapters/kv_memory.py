@@ -108,7 +108,7 @@ class MemoryKV:
         self._leases[self._next_lease] = (ttl_s, self.clock.monotonic() + ttl_s)
         return Lease(self._next_lease, _seconds(ttl_s))
 
-    async def keep_alive(self, lease_id: int) -> int:
+    async def keep_alive(self, lease_id: int, deadline_s: float | None = None) -> int:
         self.check_up()
         self.expire()
         if lease_id not in self._leases:

@@ -278,10 +278,18 @@ class GuardMachine(Machine):
             if self.delivered > 0:
                 self.bound = "upper"
             return
+        if body_bytes >= self.sent:
+            return  # every byte forwarded went out
+        if body_bytes <= 0:  # nothing went out: exactly none, folded counts or not
+            self.withheld, self.delivered, self.engine_tokens = self.delivered, 0, None
+            self.bound = None
+            if isinstance(k := self.kept, list):
+                del k[:]
+            return
         marks = self.marks
         stride = MARK_STRIDE if self.marks_wide else 2
         ends = marks[0::stride]
-        if body_bytes >= self.sent or not ends or body_bytes >= ends[-1]:
+        if not ends or body_bytes >= ends[-1]:
             return  # every content event forwarded went out
         i = bisect_right(ends, body_bytes)
         if i:
@@ -665,8 +673,10 @@ def _guard_cause(m: GuardMachine, ev: CauseLearned) -> list[Action]:
     if ev.status and ev.status != 200 and m.status == 200:
         # Envoy answered the client itself (an upstream reset while the released headers
         # were still ours to pass): what the client got is its reply, and no release left
-        # (decision 0057).
+        # (decision 0057), nor any content the guard passed under that 200 (its body bytes
+        # are Envoy's reply's).
         m.status = ev.status
+        m.cut_to(0)
     # What the client got is what Envoy sent, not what we handed it (decision 0025): a
     # reset can destroy the stream with our last chunks still unwritten.
     if m.status == 200 and m.streaming:

@@ -131,8 +131,8 @@ class KVTap:
     async def grant(self, ttl_s: float) -> Lease:
         return await self.inner.grant(ttl_s)
 
-    async def keep_alive(self, lease_id: int) -> int:
-        return await self.inner.keep_alive(lease_id)
+    async def keep_alive(self, lease_id: int, deadline_s: float | None = None) -> int:
+        return await self.inner.keep_alive(lease_id, deadline_s)
 
     async def time_to_live(self, lease_id: int) -> int:
         return await self.inner.time_to_live(lease_id)

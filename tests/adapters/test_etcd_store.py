@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from extproc.adapters.etcd_store import EtcdStore
+from extproc.adapters.etcd_store import EtcdStore, keep_alive_deadline
 
 from .test_journal_store import TTL_S, _cfg, etcd_endpoint
 
@@ -65,3 +65,12 @@ async def test_a_lease_etcd_lost_is_replaced_by_a_new_one(store: EtcdStore) -> N
     new = await store.process_lease()
     assert not lease.valid()  # the old one is lost: every attempt on it is fenced
     assert new.lease_id != old and new.valid()
+
+
+def test_a_keep_alive_s_deadline_leaves_time_to_fail_over_before_the_lease_lapses() -> None:
+    # At a 2 s TTL a keep-alive is sent with ~0.93 s left locally: a whole 1 s timeout on a
+    # frozen member would outlast it (tests/e2e/test_devstack_etcd.py shows the freeze).
+    assert keep_alive_deadline(0.93, 1.0) == pytest.approx(0.465)
+    assert keep_alive_deadline(8.0, 1.0) == 1.0  # never longer than the store's timeout
+    assert keep_alive_deadline(0.05, 1.0) == 0.1  # nor too short for a healthy member
+    assert keep_alive_deadline(0.0, 1.0) == keep_alive_deadline(-3.0, 1.0) == 1.0  # lapsed

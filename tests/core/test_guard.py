@@ -255,6 +255,23 @@ def test_a_finish_says_whether_any_release_could_have_reached_the_client() -> No
     assert fin.delivered_output_tokens == 0
 
 
+def test_content_the_guard_passed_under_a_200_envoy_replaced_was_not_delivered() -> None:
+    # The chaos harness (soak seed 22, a `reset-after-deltas` replica): the guard passed
+    # the role and a first delta, then the upstream reset while Envoy still held the 200,
+    # and Envoy answered the client its own 502. The record said
+    # `upstream_decode_interrupted`, 1 token delivered, `retryable: false`, and a repeat of
+    # the key was refused with it, while the client had read nothing and been told
+    # `retryable: true`. What the client got was Envoy's reply: nothing delivered.
+    m = streaming_guard()
+    m.handle(ResponseBody(ROLE + content("a") + content("b"), False))
+    assert m.delivered == 2
+    acts = m.handle(StreamClosed()) + m.handle(CauseLearned("upstream", 303, status=502))
+    fin = _finish_of(acts)
+    assert fin.nothing_released and fin.outcome is Outcome.UPSTREAM_FAILED
+    assert (fin.delivered_output_tokens, fin.cause) == (0, "upstream")
+    assert fin.bound is None
+
+
 @pytest.mark.parametrize("status,handoff", [(200, None), (503, HANDOFF), (429, None)])
 def test_no_take_over_without_a_released_attempt(status: int, handoff: str | None) -> None:
     m, _ = body_seen(keyed=False)
@@ -1365,8 +1382,11 @@ class ReferenceMarks:
                ) -> tuple[int, int | None, int, bool]:
         """(delivered, engine_tokens, len(kept), an upper bound) once Envoy says it sent
         `body_bytes`."""
-        if body_bytes >= self.sent or not self.marks or body_bytes >= self.marks[-1][0]:
+        if body_bytes >= self.sent or (body_bytes > 0 and (
+                not self.marks or body_bytes >= self.marks[-1][0])):
             return delivered, et, kept, False
+        if body_bytes <= 0:  # nothing went out: none delivered, exactly, folded or not
+            return 0, None, 0, False
         within = [mk for mk in self.marks if mk[0] <= body_bytes]
         end, units, e, k = within[-1] if within else self.floor
         return units, None if e < 0 else e, k, end > body_bytes

@@ -4,6 +4,8 @@ processor keeps serving, and a killed member rejoins on its data dir."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,6 +14,8 @@ import pytest
 import yaml
 
 from devkit.devstack import Stack, wait_until
+from extproc.adapters.etcd_store import EtcdStore
+from extproc.core.config import load_config
 
 from .conftest import E2E_CONFIG, Gateway
 
@@ -99,6 +103,50 @@ def test_a_frozen_member_thaws_and_quorum_lost_is_restored(stack3: Stack) -> Non
         complete(gw)
     finally:
         gw.client.close()
+
+
+def test_a_frozen_member_does_not_let_the_process_lease_lapse_here(stack3: Stack) -> None:
+    """A keep-alive on a frozen member hangs until its deadline. At a 2 s TTL the lease's
+    local deadline is 1.6 s after each keep-alive was sent, so a try bounded by the whole
+    `timeout_s` (1 s), then sent to the same member again (its channel stays READY), let it
+    lapse here with two healthy members there: the chaos harness saw a healthy replica's
+    answer thrown away as "fence lost". A try is now bounded by half the time left and a
+    member that timed it out is passed over, so the lease stays valid through the freeze."""
+    stack3.wait_etcd_healthy()
+    names, leader = stack3.etcd_member_names(), stack3.wait_etcd_leader()
+    frozen = next(n for n in names if n != leader)  # no election: only the member is away
+    by_name = dict(zip(names, stack3.etcd_endpoints, strict=True))
+    first = [by_name[frozen]] + [by_name[n] for n in names if n != frozen]
+    cfg = load_config({"etcd": {"endpoints": first, "attempt_lease_ttl_s": 2,
+                                "timeout_s": 1.0,
+                                "prefix": f"/lease-freeze/{uuid.uuid4().hex}"}}).etcd
+
+    async def run() -> list[float]:
+        store = EtcdStore(cfg, owner="test")
+        await store.connect()
+        store.start_background()
+        lapsed: list[float] = []
+        try:
+            lease = await store.process_lease()
+            assert store.etcd.client is not None
+            assert store.etcd.client.pick().address == by_name[frozen]  # its first choice
+            stack3.freeze_etcd_member(frozen)
+            try:
+                t0 = time.monotonic()
+                while (now := time.monotonic()) - t0 < 4.0:  # bounded: 4 s, 20 ms steps
+                    if not lease.valid(now):
+                        lapsed.append(round(now - t0, 3))
+                    await asyncio.sleep(0.02)
+            finally:
+                stack3.thaw_etcd_member(frozen)
+            assert lease.valid()
+            assert lease.deadline - time.monotonic() > 0.5  # renewed by the others
+        finally:
+            await store.close()
+        return lapsed
+
+    assert asyncio.run(run()) == []  # never lapsed locally, not for one 20 ms sample
+    stack3.wait_etcd_healthy()
 
 
 def test_one_member_stays_the_default(stack: Stack) -> None:
