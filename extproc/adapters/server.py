@@ -36,7 +36,7 @@ from .loop_lag import LoopLag
 from .membership import EndpointDiscovery, LiveMembership
 from .processor import Processor, log
 from .readiness import HealthReporter, export_gauges
-from .session import Messages
+from .session import NO_METADATA, Messages
 from .shards import journal_for
 
 # --- the handlers both gRPC stacks serve -----------------------------------------------
@@ -52,7 +52,7 @@ async def process_stream(proc: Processor, md: Mapping[str, str], io: Messages) -
     session = (GateSession(proc, io) if role == "gate"
                else GuardSession(proc, io, tools=role == "tools"))
     # The metadata is only read again for trace context: do not keep it per stream.
-    session.md = dict(md) if proc.tel.tracing else {}
+    session.md = dict(md) if proc.tel.tracing else NO_METADATA
     proc.open_streams += 1
     try:
         await session.run()
