@@ -142,7 +142,8 @@ def _capture(monkeypatch: pytest.MonkeyPatch) -> list[typing.Any]:
     return got
 
 
-async def test_open_streams_of_one_model_share_its_name_and_an_unrecorded_span(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_open_streams_of_one_model_share_its_name_and_an_unrecorded_span(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """What an accepted stream keeps of its body (`Kept`) names its model with the one
     interned string, not the parsed body's copy each: the same text; and with tracing off
     its span is one shared span that records nothing (decision 0059)."""
