@@ -9,6 +9,7 @@ answer is the next event. The ports: `request_record` (the intake, the record), 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Awaitable, Callable
 
 from ..core import events as E
@@ -39,7 +40,10 @@ class Kept:
 
     def __init__(self, prep: Prepared) -> None:
         meta, route = prep.meta, prep.route
-        self.model, self.stream = meta.model, meta.stream
+        # The model's name interned: one string per name for every open stream, not the
+        # parsed body's copy each (a name no stream holds any more is freed as before).
+        self.model = None if meta.model is None else sys.intern(meta.model)
+        self.stream = meta.stream
         self.fingerprint = route[0] if route else None
         self.created_at = float(prep.record["created_at"])
         self.aid1 = str(prep.first["attempt_id"])

@@ -14,7 +14,8 @@ import contextlib
 import inspect
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
+from types import MappingProxyType
 from typing import Any, ClassVar, Protocol
 
 import grpc
@@ -28,6 +29,9 @@ from .ports import Clock
 from .timers import TimerSet
 
 INVALID = NonRecordingSpan(INVALID_SPAN_CONTEXT)
+# A stream's initial metadata when tracing is off (nothing reads it then): one shared,
+# read-only empty mapping instead of an empty dict per open stream.
+NO_METADATA: Mapping[str, str] = MappingProxyType({})
 # llmgw.chunk.processing_time is recorded for one body message in this many (a histogram
 # record per message would cost more than the message's own processing).
 CHUNK_TIME_SAMPLE = 64
@@ -131,7 +135,7 @@ class Session:
     # closes the gRPC stream with OK, and Envoy processes the rest of this HTTP stream
     # without us (ext_proc's onGrpcClose; chunks in flight are passed on unchanged).
     detach: bool
-    md: dict[str, str]
+    md: Mapping[str, str]
     span: Span
     p: Any  # the role's ports (GatePorts, GuardPorts), each session's own type
     m: Any  # the role's machine once the stream has one
@@ -148,7 +152,7 @@ class Session:
     def __init__(self, proc: Any, ctx: Messages,
                  spawn: Callable[[Awaitable[Any], str], object]) -> None:
         self.detach, self.closed, self.p, self.ctx, self.spawn = False, False, proc, ctx, spawn
-        self.lock, self.md, self.span, self.rid = Turn(), {}, INVALID, None
+        self.lock, self.md, self.span, self.rid = Turn(), NO_METADATA, INVALID, None
         self.timers = TimerSet(proc.timers, proc.clock, self.fired)
 
     async def write(self, resp: ep.ProcessingResponse) -> None:
@@ -217,11 +221,13 @@ class Session:
             await self.on_message(which, msg)
 
     async def run(self) -> None:
-        read, lock, eof, tel, timed = self.ctx.read, self.lock, grpc.aio.EOF, self.p.tel, self.TIMED
-        write, fast = self.ctx.write, self.FAST
+        # (ctx.read() and ctx.write() called as methods: a bound method held by this frame
+        # is 64 bytes per open stream.)
+        ctx, lock, eof, tel, timed = self.ctx, self.lock, grpc.aio.EOF, self.p.tel, self.TIMED
+        fast = self.FAST
         try:
             while not self.detach:
-                msg = await read()
+                msg = await ctx.read()
                 if msg is eof or msg is None:
                     break
                 which = msg.WhichOneof("request") or ""
@@ -243,7 +249,7 @@ class Session:
                     if which == fast and (resp := self.fast(msg)) is not None:
                         if not self.closed:  # self.write, inlined
                             try:
-                                await write(resp)
+                                await ctx.write(resp)
                             except WRITE_GONE:
                                 self.closed = True
                         self.fast_done()
@@ -254,6 +260,10 @@ class Session:
                         lock.release()
                     else:
                         lock.held = False
+                    # Not held while the next read waits: a parsed message keeps its
+                    # protobuf arena (~0.7 KiB for a chunk, most of it outside Python's
+                    # allocator), and an open stream is mostly waiting here.
+                    msg = resp = which = None
         finally:
             self.closed = True
             await self.on_closed()

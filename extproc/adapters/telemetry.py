@@ -34,6 +34,8 @@ from ..core.pool import Pool
 
 TRACEPARENT_HEADER = TRACEPARENT  # gateway-owned: the guard strips a client's copy
 _prop = TraceContextTextMapPropagator()
+# What a stream's span is while tracing is off (`Telemetry.unrecorded`): shared.
+_UNRECORDED = NonRecordingSpan(trace.INVALID_SPAN_CONTEXT)
 log = logging.getLogger("extproc.telemetry")
 _DEFAULTS = TelemetryConfig()
 _RATIO_BUCKETS = (0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
@@ -367,8 +369,9 @@ class Telemetry:
 
     @staticmethod
     def unrecorded() -> Span:
-        """What `start` answers while tracing is off (its attributes are never read)."""
-        return NonRecordingSpan(trace.INVALID_SPAN_CONTEXT)
+        """What `start` answers while tracing is off (its attributes are never read): one
+        span for all, not one per stream (it records nothing and holds nothing)."""
+        return _UNRECORDED
 
     def traceparent(self, span: Span) -> str | None:
         if not self.tracing or not span.get_span_context().is_valid:

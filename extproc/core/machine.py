@@ -33,6 +33,7 @@ from .events import (
     State,
 )
 from .sse import SseDecoder
+from .usage import UsageMode
 
 
 class ProtocolViolation(RuntimeError):
@@ -111,7 +112,7 @@ def _build_record(ev: Event) -> dict[str, Any]:
     elif isinstance(ev, RequestBodySeen):
         d.update(error=ev.error.body() if ev.error else None,
                  http_status=ev.error.http_status if ev.error else None,
-                 usage=str(ev.usage), keyed=ev.keyed)
+                 usage=_USAGE_TEXT[ev.usage], keyed=ev.keyed)
     elif isinstance(ev, RequestOpened):
         d.update(accepted=ev.accepted, error=ev.error.body() if ev.error else None,
                  http_status=ev.error.http_status if ev.error else None)
@@ -119,6 +120,10 @@ def _build_record(ev: Event) -> dict[str, Any]:
         _fields_into(d, ev)
     return d
 
+
+# A usage mode's text as the record writes it (`str(mode)`), one string per mode shared by
+# every record instead of a copy per accepted body.
+_USAGE_TEXT: dict[UsageMode, str] = {m: str(m) for m in UsageMode}
 
 _PLAIN = frozenset({str, int, float, bool, type(None)})
 _FIELD_NAMES: dict[type, tuple[str, ...]] = {}

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from extproc.adapters.guard import GuardSession
+from extproc.adapters.session import INVALID
 from extproc.core import events as E
 
 from .support import idle
@@ -139,3 +140,25 @@ def _capture(monkeypatch: pytest.MonkeyPatch) -> list[typing.Any]:
 
     monkeypatch.setattr(guard.G, "read_body", read_body)
     return got
+
+
+async def test_open_streams_of_one_model_share_its_name_and_an_unrecorded_span(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """What an accepted stream keeps of its body (`Kept`) names its model with the one
+    interned string, not the parsed body's copy each: the same text; and with tracing off
+    its span is one shared span that records nothing (decision 0059)."""
+    got = []
+    for _ in range(2):
+        prepared, p, ctx, s, task, _ = await _body_answered(monkeypatch)
+        await idle()
+        got.append((s.kept, prepared[0].meta.model, s.span))
+        ctx.close()
+        await task
+        await p.drain()
+    (ka, ma, sa), (kb, mb, sb) = got
+    assert ka.model == ma == kb.model == mb == json.loads(CHAT)["model"]
+    assert ma is not mb  # each body parsed its own
+    assert ka.model is kb.model
+    # Tracing off: the stream's span records nothing, one for all streams; it is not the
+    # session's "no span yet" (INVALID), so the span is not started again.
+    assert sa is sb and sa is not INVALID and not sa.is_recording()

@@ -7,6 +7,7 @@ grpc.aio server answers on loopback."""
 from __future__ import annotations
 
 import asyncio
+import sys
 
 import grpc
 import pytest
@@ -100,3 +101,24 @@ async def test_the_grpc_aio_server_serves_the_access_log_and_health_on_loopback(
         assert p.causes.seen("req_b")
     finally:
         await server.stop(0.5, lambda: 0)
+
+
+async def test_an_open_stream_does_not_hold_its_initial_metadata() -> None:
+    """The role is read from the metadata, and trace context when tracing is on; the
+    handler's frame lets the metadata go while the stream stays open (decision 0059): each
+    stream's metadata is grpc.aio's new strings."""
+    p, _ = proc()
+    ctx = FakeContext()
+    md = {"x-extproc-role": "guard", "user-agent": "grpc-c++/1.2"}
+    task = asyncio.ensure_future(process_stream(p, dict(md), ctx))
+    ctx.send(req_headers(CHAT))
+    await ctx.wait_for(1)
+    frame = task.get_coro().cr_frame
+    assert frame is not None and p.open_streams == 1
+    held = frame.f_locals
+    assert "md" not in held and held["role"] == "guard"
+    assert held["role"] is sys.intern("guard")
+    assert not [v for v in held.values() if isinstance(v, dict)]
+    ctx.close()
+    await task
+    assert p.open_streams == 0

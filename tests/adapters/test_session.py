@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import tracemalloc
+import types
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, ClassVar
@@ -249,3 +250,61 @@ async def test_the_first_wait_makes_the_queue_and_a_cancelled_waiter_leaves_it()
     assert not turn._waiters and turn.held
     turn.release()
     assert not turn.held and turn.take()
+
+
+async def test_an_open_stream_waiting_for_its_next_message_holds_none_it_read() -> None:
+    """The read loop waits for the next message most of an open stream's life: it holds
+    neither the last message read (a parsed message keeps its protobuf arena), its kind,
+    nor the last fast answer, nor a bound method of the stream (decision 0059); and the
+    stream still goes on as before."""
+    from extproc.adapters.guard import GuardSession
+
+    from .test_sessions import (
+        CHAT,
+        DOWN,
+        SSE_CONTENT,
+        SSE_ROLE,
+        proc,
+        req_body,
+        req_headers,
+        resp_body,
+        resp_headers,
+        start,
+    )
+
+    p, _ = proc()
+    ctx, s, task = start(GuardSession, p)
+    msgs = [req_headers(DOWN), req_body(CHAT),
+            resp_headers({":status": "200", "content-type": "text/event-stream"}),
+            resp_body(SSE_ROLE + SSE_CONTENT), resp_body(SSE_CONTENT)]
+    for n, msg in enumerate(msgs, 1):
+        ctx.send(msg)
+        await ctx.wait_for(n)
+        await idle()
+        frame = task.get_coro().cr_frame
+        assert frame is not None
+        held = {k: v for k, v in frame.f_locals.items()
+                if isinstance(v, (ep.ProcessingRequest, ep.ProcessingResponse, types.MethodType))
+                or (k == "which" and v is not None)}
+        assert held == {}, f"after message {n}: {held}"
+    assert s.first_delta_evented  # the last chunk went the fast way, and was answered
+    out = ctx.out[-1].response_body.response.body_mutation.streamed_response.body
+    assert out == SSE_CONTENT
+    ctx.close()
+    await task
+    await p.drain()
+
+
+def test_a_stream_without_tracing_keeps_no_metadata_of_its_own() -> None:
+    """Its initial metadata is read only for trace context: with tracing off every stream
+    shares one empty, read-only mapping instead of an empty dict each."""
+    from extproc.adapters.guard import GuardSession
+    from extproc.adapters.session import NO_METADATA
+
+    from .test_sessions import FakeContext, proc
+
+    p, _ = proc()
+    a, b = GuardSession(p, FakeContext()), GuardSession(p, FakeContext())
+    assert a.md is NO_METADATA and b.md is NO_METADATA and dict(a.md) == {}
+    with pytest.raises(TypeError):
+        a.md["traceparent"] = "x"  # type: ignore[index]

@@ -335,3 +335,15 @@ def test_a_complete_answer_counts_what_its_last_events_report(family: str) -> No
     m.handle(ResponseBody(ending, True))
     m.handle(StreamClosed())
     assert m.finished == Finish(Outcome.COMPLETED, 5, None, exact=True, source="engine")
+
+
+@pytest.mark.parametrize("mode", list(UsageMode))
+def test_the_accepted_body_s_record_names_its_mode_with_one_shared_string(
+        mode: UsageMode) -> None:
+    """The record's `usage` is the mode's text, as before; every open stream's record
+    refers to the same string instead of a copy each (decision 0059)."""
+    a, b = guard(mode), guard(mode)
+    ra, rb = (next(r for r in m.trace if r["type"] == "RequestBodySeen") for m in (a, b))
+    assert ra == rb and ra["usage"] == str(mode) and type(ra["usage"]) is str
+    assert ra["usage"] is rb["usage"]
+    assert json.loads(json.dumps(ra))["usage"] == mode.value
