@@ -131,8 +131,10 @@ def _gate_event(s: GateSession, m: GateMachine, before: State, ev: Event,
                 actions: list[Action]) -> None:
     rid, aid, tel = s.rid, m.attempt_id or None, s.p.tel
     if isinstance(ev, AdmitDecided | FenceDecided) and m.tries > 1:
-        rlog(log, logging.INFO, f"{_WRITES.get(type(m.write), 'write')} confirmed", rid, aid,
-             tries=m.tries)
+        # Answered on a later try: what it answered (a refused fence is no confirmation).
+        ok = ev.admitted if isinstance(ev, AdmitDecided) else ev.committed
+        rlog(log, logging.INFO, f"{_WRITES.get(type(m.write), 'write')} "
+             f"{'confirmed' if ok else 'refused'}", rid, aid, tries=m.tries)
     if isinstance(ev, RequestStarted):
         _start_span(s, ev)
     elif isinstance(ev, AdmissionDecided):
