@@ -444,8 +444,12 @@ def render(cfg: Config, topo: Topology, plain: bool = False,
     # Pool health in Envoy's own terms, the same with or without the processor (the plain
     # side of the benchmarks is this exact cluster with no ext_proc). Below the panic
     # threshold Envoy would balance over every host, dead ones included (decision 0024).
+    # A health change reaches the load balancer at once: Envoy's default 1 s merge window
+    # kept sending every request to a host that had just died while the one back up got
+    # none (503 after four refused connections; decision 0061).
     replica_cluster["common_lb_config"] = {
-        "healthy_panic_threshold": {"value": cfg.pool.healthy_panic_threshold}}
+        "healthy_panic_threshold": {"value": cfg.pool.healthy_panic_threshold},
+        "update_merge_window": "0s"}
     hcs = health_checks(cfg)
     if hcs:
         replica_cluster["health_checks"] = hcs

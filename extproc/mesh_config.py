@@ -286,7 +286,8 @@ def istio_patches(cfg: Config, names: MeshNames | None = None
             "9. Pool health on the replica cluster, as render-envoy sets it: active HTTP health\n"
             "checks of every replica, and outlier detection (local-origin errors split out: a\n"
             "refused, reset or timed-out attempt counts apart from the replica's own 5xx;\n"
-            "success-rate ejection off), and the panic threshold (pool.healthy_panic_threshold).\n"
+            "success-rate ejection off), the panic threshold (pool.healthy_panic_threshold), and\n"
+            "no merge window: a health change reaches the load balancer at once (decision 0061).\n"
             "A DestinationRule's outlierDetection, if any, is merged into and overridden by this.",
             {"applyTo": "CLUSTER", "match": on_cluster,
              "patch": {"operation": "MERGE", "value": health}}))
@@ -451,6 +452,13 @@ def eg_patches(cfg: Config, names: MeshNames | None = None
                 "outlier detection Envoy Gateway generated for this cluster (docs/mesh.md)."
                 if first else "", p(_CLUSTER_T, n["cluster"], f"/{key}", f[key])))
             first = False
+    window = f.get("common_lb_config", {}).get("update_merge_window")
+    if window is not None:
+        out.append((
+            "7. Health changes reach the replica cluster's load balancer at once (decision\n"
+            "0061): BackendTrafficPolicy has no field for Envoy's update_merge_window (1 s by\n"
+            "default). The panic threshold beside it is typed, in traffic-policy.yaml.",
+            p(_CLUSTER_T, n["cluster"], "/common_lb_config/update_merge_window", window)))
     return out
 
 
@@ -563,10 +571,12 @@ def eg_traffic_spec(cfg: Config) -> dict[str, Any]:
         "maxParallelRequests": t["max_requests"],
         "retryBudget": {"percent": {"numerator": num, "denominator": den},
                         "minRetryConcurrency": rb["min_retry_concurrency"]}}}
-    if "common_lb_config" in f:
-        if set(f["common_lb_config"]) != {"healthy_panic_threshold"}:
-            raise ValueError(f"BackendTrafficPolicy cannot express {f['common_lb_config']}")
-        panic = f["common_lb_config"]["healthy_panic_threshold"]["value"]
+    lb = f.get("common_lb_config", {})
+    # update_merge_window has no field in BackendTrafficPolicy: eg_patches adds it.
+    if set(lb) - {"healthy_panic_threshold", "update_merge_window"}:
+        raise ValueError(f"BackendTrafficPolicy cannot express {lb}")
+    if "healthy_panic_threshold" in lb:
+        panic = lb["healthy_panic_threshold"]["value"]
         if not float(panic).is_integer():
             raise ValueError(f"healthCheck.panicThreshold is a whole percent, not {panic}")
         spec["healthCheck"] = {"panicThreshold": int(panic)}

@@ -619,6 +619,8 @@ def test_istio_patched_gateway_is_our_bootstrap_and_validates(otel: bool,
             r["route"]["cluster"] = "replicas"
     replicas["name"] = "replicas"
     replicas["load_assignment"]["cluster_name"] = "replicas"
+    # The MERGE carries the merge window too: health changes reach the balancer at once.
+    assert replicas["common_lb_config"]["update_merge_window"] == "0s"
     assert sr == full["static_resources"]
 
 
@@ -697,7 +699,8 @@ def _eg_guard(eep: dict[str, Any]) -> dict[str, Any]:
 
 def _eg_btp_cluster(cl: dict[str, Any], btp: dict[str, Any]) -> None:
     """What Envoy Gateway writes on the route's cluster for the BackendTrafficPolicy
-    (internal/xds/translator/cluster.go: buildXdsClusterCircuitBreaker, panic threshold)."""
+    (internal/xds/translator/cluster.go: buildXdsClusterCircuitBreaker; buildXdsCluster starts
+    every cluster with an empty common_lb_config and sets the panic threshold unless 50)."""
     spec = btp["spec"]
     cb = spec.get("circuitBreaker", {})
     t: dict[str, Any] = {"priority": "DEFAULT", "max_retries": 1024}
@@ -715,9 +718,10 @@ def _eg_btp_cluster(cl: dict[str, Any], btp: dict[str, Any]) -> None:
         if key in cb:
             t[field] = cb[key]
     cl["circuit_breakers"] = {"thresholds": [t]}
+    cl["common_lb_config"] = {}
     panic = spec.get("healthCheck", {}).get("panicThreshold")
     if panic is not None and panic != 50:
-        cl["common_lb_config"] = {"healthy_panic_threshold": {"value": float(panic)}}
+        cl["common_lb_config"]["healthy_panic_threshold"] = {"value": float(panic)}
 
 
 def _eg_standin(scheme: str = "legacy", eep: dict[str, Any] | None = None,
@@ -880,6 +884,13 @@ def test_envoy_gateway_fragments_equal_the_renderer() -> None:
     assert by_path[(EG_CLUSTER, None, "/outlier_detection")] == exp["outlier_detection"]
     assert by_path[(EG_CLUSTER, None, "/typed_extension_protocol_options")] == \
         exp["protocol_options"]
+    # No BackendTrafficPolicy field for the merge window: patched beside the typed panic
+    # threshold (decision 0061).
+    assert by_path[(EG_CLUSTER, None, "/common_lb_config/update_merge_window")] == \
+        exp["common_lb_config"]["update_merge_window"] == "0s"
+    (btp,) = _docs("envoy-gateway/traffic-policy.yaml")
+    assert btp["spec"]["healthCheck"] == {"panicThreshold": int(
+        exp["common_lb_config"]["healthy_panic_threshold"]["value"])}
     # Nothing patched that a typed API says: the guard's mode, the circuit breaker.
     assert not any(path.endswith(("/processing_mode", "/metadata_options",
                                   "/circuit_breakers", "/common_lb_config"))
@@ -919,6 +930,10 @@ def test_envoy_gateway_patched_xds_validates(scheme: str, tmp_path: Path) -> Non
     assert _effective_threshold(replicas, route) == ours
     for key in ("health_checks", "outlier_detection", "common_lb_config"):
         assert replicas[key] == _expected()[key]
+    # The panic threshold from the BackendTrafficPolicy, the merge window from the patch.
+    assert set(replicas["common_lb_config"]) == {"healthy_panic_threshold",
+                                                 "update_merge_window"}
+    assert replicas["common_lb_config"]["update_merge_window"] == "0s"
 
 
 def test_envoy_gateway_patches_name_only_their_schemes_resources() -> None:

@@ -105,8 +105,11 @@ def test_rendered_envoy_agrees_with_the_policy() -> None:
     plain = render(cfg, Topology(), plain=True)["static_resources"]["clusters"][0]
     assert plain["health_checks"] == cluster["health_checks"]
     assert plain["outlier_detection"] == od
+    # No merge window: a health change reaches Envoy's load balancer at once, on both sides
+    # (decision 0061).
     assert cluster["common_lb_config"] == plain["common_lb_config"] == {
-        "healthy_panic_threshold": {"value": cfg.pool.healthy_panic_threshold}}
+        "healthy_panic_threshold": {"value": cfg.pool.healthy_panic_threshold},
+        "update_merge_window": "0s"}
     # Envoy's own 5xx in the gateway's error shape, with the request id (not on plain).
     hcm = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
         "typed_config"]
