@@ -311,6 +311,10 @@ class Transcript:
     # settled `gateway_interrupted` by another reader (the guard's outcome write, or the
     # whole stream, died with the process; docs/failure-classes.md).
     processor_killed_after_start: bool = False
+    # The journal's cluster for this request (its shard's) had lost its quorum while it
+    # ran: nothing can be journaled, so an attempt failed at its fence or admission is the
+    # documented cost (docs/failure-classes.md), not a replica passed over.
+    journal_down: bool = False
     # The replicas' timeline over the run (shared by every transcript of it); None: the
     # `healthy_replica_passed_over` check is not made.
     availability: Availability | None = None
@@ -322,7 +326,8 @@ class Transcript:
                 "record_status": self.record_status, "record": self.record,
                 "repeats": [r.to_dict() for r in self.repeats],
                 "processor_fault": self.processor_fault,
-                "processor_killed_after_start": self.processor_killed_after_start}
+                "processor_killed_after_start": self.processor_killed_after_start,
+                "journal_down": self.journal_down}
 
 
 @dataclass(frozen=True)
@@ -769,7 +774,9 @@ def no_replica_verdict(t: Transcript, v: View | None = None) -> tuple[str, str] 
     timeline): `no_record`, `no_replica_serving` (none served for the request's whole
     window extended back by Envoy's health-check lag), `budget_spent_on_failing_replicas`
     (every attempt the budget allows reached a replica that was failing), or
-    `passed_over` with the reason (docs/chaos.md, decision 0060). A replica the request
+    `journal_down` (its journal cluster had no quorum while it ran: whatever failed, the
+    gateway could not run it, decision 0060) or `passed_over` with the reason (docs/chaos.md,
+    decision 0060). A replica the request
     had to go to: serving (alive, accepting, not frozen, not held down) for its whole
     window and either since Envoy's health-check lag before it, or with Envoy's own
     sampled view calling it healthy as the request began."""
@@ -782,6 +789,8 @@ def no_replica_verdict(t: Transcript, v: View | None = None) -> tuple[str, str] 
         return None
     if t.record is None:  # record_missing says so; the attempts are what this rule reads
         return "no_record", ""
+    if t.journal_down:
+        return "journal_down", ""
     t0 = t.seen.started_at
     healthy = av.healthy_for(t0, t0 + t.seen.elapsed_s)
     if not healthy:

@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 
 from devkit.devstack import Stack, wait_until
+from extproc.adapters.shards import shard_of
 from extproc.core.intake import DEFAULT_TENANT
 from extproc.core.journal import request_id_for_key
 
@@ -288,6 +289,18 @@ class _Sampler:
             max_attempts=st.cfg.policy.max_attempts if st.cfg is not None else 1)
 
 
+def _journal_cluster(request_id: str, shards: int) -> str:
+    """The etcd cluster a request's record lives on: "" for shard 0's, `etcd-shard<k>`
+    for shard k's (devstack's member names; decision 0042). No id: shard 0's."""
+    k = shard_of(request_id, shards) if request_id and shards > 1 else 0
+    return f"etcd-shard{k}" if k else ""
+
+
+def _cluster_of(fault_target: str) -> str:
+    """The cluster a quorum fault hit: another shard's member name, or shard 0's."""
+    return fault_target if fault_target.startswith("etcd-shard") else ""
+
+
 def _overlaps(a0: float, a1: float, b0: float, b1: float) -> bool:
     return a0 <= b1 and b0 <= a1
 
@@ -467,11 +480,21 @@ def run(opts: Options) -> Report:
         # until 1 s after the processor is back.
         processor_down = [(f.start - 0.25, (f.end or time.time()) + 1.0) for f in loop.faults
                           if f.kind == "processor_kill" and not f.error.startswith("inject")]
+        # A journal cluster without quorum: shard 0's majority killed, or another shard's
+        # one member killed or frozen; until 2 s after it is healed (an election).
+        quorum_lost = [(f.target, f.start - 0.25, (f.end or time.time()) + 2.0)
+                       for f in loop.faults
+                       if f.kind in ("etcd_quorum_loss", *SHARD_FAULT_KINDS)
+                       and not f.error.startswith("inject")]
         transcripts = sorted(traffic.transcripts, key=lambda t: t.seen.started_at)
         for t in transcripts:
             a0 = t.seen.started_at
             t.processor_fault = any(_overlaps(a0, a0 + t.seen.elapsed_s, s, e)
                                     for s, e in processor_down)
+            cluster = _journal_cluster(t.request_id, opts.shards)
+            t.journal_down = any(_overlaps(a0, a0 + t.seen.elapsed_s, s, e)
+                                 and _cluster_of(target) == cluster
+                                 for target, s, e in quorum_lost)
             t.processor_killed_after_start = any(s >= a0 - 0.5 for s, _ in processor_down)
             t.availability = availability
         with httpx.Client(base_url=stack.base_url) as client:

@@ -18,6 +18,7 @@ from chaos.checks import (
     Spec,
     Transcript,
     check,
+    no_replica_verdict,
     parse_sse,
     serving_intervals,
     view,
@@ -553,3 +554,15 @@ def test_the_report_counts_no_replica_answers_by_verdict_and_keeps_the_timeline(
     r1 = d["availability"]["replicas"][0]
     assert r1["name"] == "r1" and r1["down"] == [[100.0, 112.0]]
     assert "budget_spent_on_failing_replicas" in render_summary(rep)
+
+
+def test_an_attempt_failed_while_its_journal_had_no_quorum_is_not_passed_over() -> None:
+    # Soak seed 22 after the fixes: attempt 1 on a replica serving throughout failed at
+    # its fence while a majority of etcd was down (`fence lost`), attempt 2's replica was
+    # dead. Nothing can be journaled without quorum: the documented cost, not a pass-over.
+    attempts = [reached(1, R3, "ended_by_gateway", "n/a"), reached(2, R1, cause="UF")]
+    t = unavailable(attempts, availability())
+    assert kinds(t) == ["healthy_replica_passed_over"]  # without the journal's fault
+    t.journal_down = True
+    assert check(t) == []
+    assert no_replica_verdict(t) == ("journal_down", "")

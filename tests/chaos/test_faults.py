@@ -36,3 +36,18 @@ def _loop(tmp_path: Path, active: tuple[str, ...]) -> ChaosLoop:
 def test_at_most_one_fault_per_etcd_cluster(tmp_path: Path, active: tuple[str, ...],
                                             kind: str, allowed: bool) -> None:
     assert _loop(tmp_path, active)._allowed(kind) is allowed
+
+
+def test_a_quorum_fault_covers_the_requests_of_the_cluster_it_hit() -> None:
+    """`Transcript.journal_down`'s matching (chaos.runner): shard 0's quorum loss names
+    shard 0's members, a shard fault its member `etcd-shard<k>`; a request's cluster is
+    its id's shard."""
+    from chaos.runner import _cluster_of, _journal_cluster
+    from extproc.adapters.shards import shard_of
+
+    rids = [f"req_{i:026d}" for i in range(40)]
+    on1 = next(r for r in rids if shard_of(r, 2) == 1)
+    on0 = next(r for r in rids if shard_of(r, 2) == 0)
+    assert _journal_cluster(on1, 2) == _cluster_of("etcd-shard1") == "etcd-shard1"
+    assert _journal_cluster(on0, 2) == _cluster_of("etcd,etcd-2") == ""
+    assert _journal_cluster(on1, 1) == _journal_cluster("", 2) == ""  # one cluster; no id
