@@ -171,11 +171,19 @@ class EtcdStore(JournalStore):
     def _renew_period(self) -> float:
         return max(0.3, self.cfg.attempt_lease_ttl_s / 3)
 
-    async def _renew(self, lease: ProcessLease) -> bool | None:
-        """One keep-alive of the process lease: True renewed, False lost, None no answer."""
+    async def _renew(self, lease: ProcessLease, bounded: bool = False) -> bool | None:
+        """One keep-alive of the process lease: True renewed, False lost, None no answer.
+
+        `bounded` (the keep-alive loop): the try's deadline is half the lease's local time
+        left, so a frozen member is passed over before the lease lapses here. An admission's
+        own renewal keeps the whole `timeout_s`: it is the admission's answer, and the
+        gate's rows bound its tries (a short one left time for a try that outlived the
+        attempt's first-delta limit: tests/e2e/test_fencing.py's frozen etcd at the fence
+        answered 504 instead of 503 journal_unavailable)."""
         sent = time.monotonic()
-        ttl = await self._keep_alive(lease.lease_id, "attempt",
-                                     keep_alive_deadline(lease.deadline - sent, self.timeout))
+        ttl = await self._keep_alive(
+            lease.lease_id, "attempt",
+            keep_alive_deadline(lease.deadline - sent, self.timeout) if bounded else None)
         if ttl == 0:
             # Expired in etcd (we were cut off longer than its TTL): every key on it is
             # gone, so every attempt on it is fenced. The next admission grants anew.
@@ -199,7 +207,7 @@ class EtcdStore(JournalStore):
                 continue
             # After a failed keep-alive, try again soon (that member is passed over now):
             # sooner while the local deadline runs out, never in a tight loop.
-            if await self._renew(lease) is not None:
+            if await self._renew(lease, bounded=True) is not None:
                 delay = period
             else:
                 left = lease.deadline - time.monotonic()
